@@ -1,0 +1,55 @@
+"""Every limit of the core, in one validated, immutable object.
+
+Each default says where it comes from. All sizes are bytes, all times seconds.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["Limits"]
+
+KiB = 1024
+MiB = 1024 * KiB
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Limits:
+    # 16 KiB: h11's own default for an incomplete event, and in the range of
+    # nginx (8-32 KiB) and Apache (8 KiB per line). Wire-2 heads are < 1 KiB.
+    max_header_bytes: int = 16 * KiB
+    # 512 MiB (SPEC §2): a 2048-token prefill at hidden 16384 in float32 is
+    # 128 MiB, so this leaves room for larger stages without letting a single
+    # header make a node allocate its whole memory.
+    max_tensor_bytes: int = 512 * MiB
+    # SPEC §2: 1..8 dimensions.
+    max_rank: int = 8
+    # A run of more than 65536 chunks is a client bug, not a sequence: even at
+    # one token per chunk it is a 64k context.
+    max_chunk_total: int = 65536
+    # SPEC §3 defaults.
+    max_sessions: int = 1024
+    session_ttl: float = 600.0
+    reorder_window: int = 16
+    reorder_timeout: float = 10.0
+    # SPEC §4: a client gets 10 s to send its request head.
+    head_timeout: float = 10.0
+
+    def __post_init__(self) -> None:
+        for name in (
+            "max_header_bytes",
+            "max_tensor_bytes",
+            "max_rank",
+            "max_chunk_total",
+            "max_sessions",
+            "reorder_window",
+        ):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"Limits.{name} must be a positive int, got {value!r}")
+        if self.max_rank > 8:
+            raise ValueError("Limits.max_rank cannot exceed 8 (SPEC §2)")
+        for name in ("session_ttl", "reorder_timeout", "head_timeout"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"Limits.{name} must be a positive number, got {value!r}")
