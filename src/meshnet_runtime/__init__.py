@@ -1,0 +1,16 @@
+"""meshnet_runtime: the anyio drivers shared by the node and the gateway.
+
+Thin by design (docs/runtime.md): everything the wire means is decided by
+``meshnet_proto``; these modules own sockets, threads, clocks and processes.
+One concern per module, imported from the module that owns it:
+
+* ``endpoints``   — ``http://``, ``https://``, ``unix:`` URLs
+* ``transports``  — listen/connect on TCP, TLS, Unix sockets; memory pairs
+* ``http_server`` — the serving loop (timeouts, cap, keep-alive, shutdown)
+* ``downstream``  — pooled keep-alive client to one downstream
+* ``codec_pool``  — zstd and large copies in worker threads
+* ``deadlines``   — ``X-Meshnet-Deadline-Ms`` arithmetic
+* ``config``      — flags and ``MESHNET_*`` environment (SPEC §9)
+* ``metrics``     — one Prometheus registry per server
+* ``lifecycle``   — signals, ready line, logging
+"""

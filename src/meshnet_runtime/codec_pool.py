@@ -1,0 +1,135 @@
+"""Tensor codec work off the event loop.
+
+zstd (de)compression of a 32 MiB chunk takes tens of milliseconds: done on
+the event loop it would stall every other session. Large work goes to a
+worker thread via ``anyio.to_thread.run_sync`` under a ``CapacityLimiter``;
+each worker thread keeps its own zstd compressor and decompressor
+(``threading.local``) because those objects are not thread-safe and are
+expensive to build. Threads are allowed here, never in ``meshnet_proto``.
+
+Small bodies are handled inline: a thread hop costs ~50-100 µs on either
+backend, more than compressing or decoding a small chunk. The cutoff
+(``INLINE_BYTES``) was measured with ``python -m meshnet_runtime.codec_pool``
+(see ``docs/runtime.md``).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import anyio
+import numpy as np
+import zstandard
+
+from meshnet_proto import (
+    EncodingPolicy,
+    Limits,
+    WireDtypePolicy,
+    WireHeaders,
+    decode_tensor,
+    encode_for_wire,
+)
+
+from .metrics import ServerMetrics
+
+__all__ = ["INLINE_BYTES", "CodecPool"]
+
+T = TypeVar("T")
+
+# Below this many bytes (decoded tensor size) work runs on the event loop.
+INLINE_BYTES = 256 * 1024
+
+
+class _PerThread(threading.local):
+    def __init__(self) -> None:
+        self.compressors: dict[int, zstandard.ZstdCompressor] = {}
+        self.decompressor = zstandard.ZstdDecompressor()
+
+    def compressor(self, level: int) -> zstandard.ZstdCompressor:
+        found = self.compressors.get(level)
+        if found is None:
+            found = self.compressors[level] = zstandard.ZstdCompressor(
+                level=level, write_content_size=True
+            )
+        return found
+
+
+class CodecPool:
+    """Encode and decode wire tensors, inline when small, in threads when large."""
+
+    def __init__(
+        self,
+        *,
+        limits: Limits | None = None,
+        threads: int = 4,
+        inline_bytes: int = INLINE_BYTES,
+        metrics: ServerMetrics | None = None,
+    ) -> None:
+        self.limits = limits or Limits()
+        self.limiter = anyio.CapacityLimiter(threads)
+        self.inline_bytes = inline_bytes
+        self.metrics = metrics
+        self._local = _PerThread()
+
+    async def run(self, nbytes: int, fn: Callable[..., T], *args: Any) -> T:
+        """``fn(*args)`` inline when ``nbytes`` is small, else in a worker thread."""
+        if nbytes < self.inline_bytes:
+            return fn(*args)
+        return await anyio.to_thread.run_sync(fn, *args, limiter=self.limiter)
+
+    async def decode(
+        self, headers: WireHeaders, body: bytes | bytearray | memoryview
+    ) -> np.ndarray:
+        """``decode_tensor`` with this thread's decompressor (read-only result)."""
+
+        def work() -> np.ndarray:
+            start = time.perf_counter()
+            try:
+                return decode_tensor(
+                    headers, body, limits=self.limits, decompressor=self._local.decompressor
+                )
+            finally:
+                self._observe("decode", start)
+
+        # Identity decoding is a zero-copy view: never worth a thread.
+        size = headers.nbytes if headers.encoding == "zstd" else 0
+        return await self.run(size, work)
+
+    async def encode(
+        self,
+        array: np.ndarray,
+        *,
+        dtype_policy: WireDtypePolicy | str = WireDtypePolicy.KEEP,
+        encoding_policy: EncodingPolicy | str = EncodingPolicy.MIRROR,
+        request_encoding: str = "identity",
+        level: int = 1,
+    ) -> tuple[str, str, bytes | memoryview]:
+        """``encode_for_wire``: (wire dtype, encoding, body), off-loop when large."""
+
+        def work() -> tuple[str, str, bytes | memoryview]:
+            start = time.perf_counter()
+            try:
+                return encode_for_wire(
+                    array,
+                    dtype_policy=WireDtypePolicy(dtype_policy),
+                    encoding_policy=EncodingPolicy(encoding_policy),
+                    request_encoding=request_encoding,
+                    level=level,
+                )
+            finally:
+                self._observe("encode", start)
+
+        trivial = (
+            WireDtypePolicy(dtype_policy) is WireDtypePolicy.KEEP
+            and EncodingPolicy(encoding_policy) in (EncodingPolicy.MIRROR, EncodingPolicy.IDENTITY)
+            and (EncodingPolicy(encoding_policy) is EncodingPolicy.IDENTITY
+                 or request_encoding == "identity")
+        )  # fmt: skip
+        return await self.run(0 if trivial else array.nbytes, work)
+
+    def _observe(self, op: str, start: float) -> None:
+        if self.metrics:
+            self.metrics.codec_seconds.labels(op).observe(time.perf_counter() - start)

@@ -1,0 +1,242 @@
+"""Command-line flags and ``MESHNET_*`` environment fallbacks (SPEC §9).
+
+One parser for both roles: every server takes the common flags, a node adds
+``--next/--backend/--delay-ms``, the gateway ``--entry/--chunk-tokens/--inflight``.
+Precedence is flag > environment > default. An environment value goes through
+the same validation as the flag, and a bad one names the variable.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from meshnet_proto import Limits
+
+from .endpoints import Endpoint, parse_endpoint
+
+__all__ = ["ServerConfig", "build_parser", "env_name", "load_config"]
+
+Role = Literal["node", "gateway"]
+
+WIRE_DTYPES = ("keep", "float32", "bfloat16", "float16", "auto-lossless")
+ENCODINGS = ("mirror", "identity", "zstd", "auto")
+BACKENDS = ("echo", "zeros")
+LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ServerConfig:
+    """Validated settings of one node or gateway."""
+
+    role: Role
+    host: str = "127.0.0.1"
+    port: int = 0
+    uds: str | None = None
+    timeout: float = 60.0
+    max_sessions: int = 1024
+    session_ttl: float = 600.0
+    reorder_window: int = 16
+    reorder_timeout: float = 10.0
+    head_timeout: float = 10.0
+    max_tensor_bytes: int = 512 * 1024 * 1024
+    max_connections: int = 256
+    shutdown_timeout: float = 30.0
+    token: str | None = field(default=None, repr=False)  # never logged
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    tls_ca: str | None = None
+    log_level: str = "info"
+    wire_dtype: str = "keep"
+    encoding: str = "mirror"
+    zstd_level: int = 1
+    # node
+    next: Endpoint | None = None
+    backend: str = "echo"
+    delay_ms: float = 0.0
+    # gateway
+    entry: Endpoint | None = None
+    chunk_tokens: int = 128
+    inflight: int = 1
+
+    @property
+    def limits(self) -> Limits:
+        return Limits(
+            max_tensor_bytes=self.max_tensor_bytes,
+            max_sessions=self.max_sessions,
+            session_ttl=self.session_ttl,
+            reorder_window=self.reorder_window,
+            reorder_timeout=self.reorder_timeout,
+            head_timeout=self.head_timeout,
+        )
+
+    @property
+    def tls(self) -> bool:
+        return self.tls_cert is not None
+
+
+def env_name(flag: str) -> str:
+    """``--chunk-tokens`` → ``MESHNET_CHUNK_TOKENS``."""
+    return "MESHNET_" + flag.lstrip("-").upper().replace("-", "_")
+
+
+def _positive_int(text: str) -> int:
+    if not (text.isascii() and text.isdigit()) or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return int(text)
+
+
+def _port(text: str) -> int:
+    if not (text.isascii() and text.isdigit()) or int(text) > 65535:
+        raise argparse.ArgumentTypeError(f"expected a port 0-65535, got {text!r}")
+    return int(text)
+
+
+def _level(text: str) -> int:
+    # zstd's own range; negative levels are its "fast" modes.
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if not -7 <= value <= 22:
+        raise argparse.ArgumentTypeError(f"zstd level must be -7..22, got {value}")
+    return value
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected seconds, got {text!r}") from None
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"expected a positive number of seconds, got {text!r}")
+    return value
+
+
+def _millis(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected milliseconds, got {text!r}") from None
+    if not math.isfinite(value) or value < 0:
+        raise argparse.ArgumentTypeError(f"expected milliseconds >= 0, got {text!r}")
+    return value
+
+
+def _endpoint(text: str) -> Endpoint:
+    try:
+        return parse_endpoint(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _nonempty(text: str) -> str:
+    if not text:
+        raise argparse.ArgumentTypeError("must not be empty")
+    return text
+
+
+def _choice(choices: Sequence[str]) -> Callable[[str], str]:
+    def parse(text: str) -> str:
+        if text not in choices:
+            raise argparse.ArgumentTypeError(
+                f"invalid choice {text!r} (choose from {', '.join(choices)})"
+            )
+        return text
+
+    return parse
+
+
+# (flag, type, default, help); ``None`` default = unset.
+_Flag = tuple[str, Callable[[str], Any], Any, str]
+
+_COMMON: list[_Flag] = [
+    ("--host", _nonempty, "127.0.0.1", "address to listen on"),
+    ("--port", _port, 0, "TCP port (0 = a free one, shown in the ready line)"),
+    ("--uds", _nonempty, None, "listen on this Unix socket path instead of TCP"),
+    ("--timeout", _seconds, 60.0, "budget of one request, seconds"),
+    ("--max-sessions", _positive_int, 1024, "sessions held at once"),
+    ("--session-ttl", _seconds, 600.0, "idle seconds before a session is forgotten"),
+    ("--reorder-window", _positive_int, 16, "chunks a session may run ahead"),
+    ("--reorder-timeout", _seconds, 10.0, "seconds a chunk waits for its predecessor"),
+    ("--head-timeout", _seconds, 10.0, "seconds a client has to send its request head"),
+    ("--max-tensor-bytes", _positive_int, 512 * 1024 * 1024, "largest tensor accepted"),
+    ("--max-connections", _positive_int, 256, "concurrent connections (more get 503)"),
+    ("--shutdown-timeout", _seconds, 30.0, "seconds in-flight requests get on shutdown"),
+    ("--token", _nonempty, None, "require 'Authorization: Bearer TOKEN' (and present it)"),
+    ("--tls-cert", _nonempty, None, "serve TLS with this PEM certificate chain"),
+    ("--tls-key", _nonempty, None, "... and this PEM private key"),
+    ("--tls-ca", _nonempty, None, "verify an https downstream with this CA bundle"),
+    ("--log-level", _choice(LOG_LEVELS), "info", "logging level"),
+    ("--wire-dtype", _choice(WIRE_DTYPES), "keep", "dtype of tensors this server sends"),
+    ("--encoding", _choice(ENCODINGS), "mirror", "encoding of bodies this server sends"),
+    ("--zstd-level", _level, 1, "zstd compression level"),
+]
+_NODE: list[_Flag] = [
+    ("--next", _endpoint, None, "downstream node URL (none = last stage)"),
+    ("--backend", _choice(BACKENDS), "echo", "stage backend"),
+    ("--delay-ms", _millis, 0.0, "simulated stage compute per chunk, ms"),
+]
+_GATEWAY: list[_Flag] = [
+    ("--entry", _endpoint, None, "URL of the first node (required)"),
+    ("--chunk-tokens", _positive_int, 128, "tokens per chunk"),
+    ("--inflight", _positive_int, 1, "chunks in flight per session"),
+]
+
+
+def _flags(role: Role) -> list[_Flag]:
+    return _COMMON + (_NODE if role == "node" else _GATEWAY)
+
+
+def build_parser(role: Role, prog: str | None = None) -> argparse.ArgumentParser:
+    """The parser of ``meshnet-<role>``; defaults are applied later, by :func:`load_config`."""
+    parser = argparse.ArgumentParser(
+        prog=prog or f"meshnet-{role}",
+        description=f"meshnet wire-2 {role}. Every flag can also be set as MESHNET_<FLAG>.",
+    )
+    for flag, kind, default, help_text in _flags(role):
+        # SUPPRESS: an absent flag stays absent, so the environment can fill it.
+        parser.add_argument(
+            flag,
+            type=kind,
+            default=argparse.SUPPRESS,
+            help=f"{help_text} [env {env_name(flag)}, default {default}]",
+        )
+    return parser
+
+
+def load_config(
+    role: Role,
+    argv: Sequence[str] | None = None,
+    environ: Mapping[str, str] | None = None,
+) -> ServerConfig:
+    """Parse ``argv`` with ``environ`` fallbacks; exits (status 2) on a bad value."""
+    parser = build_parser(role)
+    env = os.environ if environ is None else environ
+    given = vars(parser.parse_args(argv))
+    values: dict[str, Any] = {}
+    for flag, kind, default, _ in _flags(role):
+        dest = flag.lstrip("-").replace("-", "_")
+        if dest in given:
+            values[dest] = given[dest]
+        elif env_name(flag) in env:
+            try:
+                values[dest] = kind(env[env_name(flag)])
+            except argparse.ArgumentTypeError as exc:
+                parser.error(f"{env_name(flag)}: {exc}")
+        else:
+            values[dest] = default
+    if (values["tls_cert"] is None) != (values["tls_key"] is None):
+        parser.error("--tls-cert and --tls-key go together")
+    if role == "gateway" and values["entry"] is None:
+        parser.error(f"--entry (or {env_name('--entry')}) is required")
+    try:
+        config = ServerConfig(role=role, **values)
+        config.limits  # noqa: B018 - validates the combination once, here
+    except (TypeError, ValueError) as exc:
+        parser.error(str(exc))
+    return config

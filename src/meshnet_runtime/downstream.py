@@ -1,0 +1,239 @@
+"""A pooled keep-alive client to one downstream URL (a node's ``--next``,
+the gateway's ``--entry``).
+
+Every failure becomes a ``DownstreamError`` whose ``hop`` is the URL exactly
+as configured (SPEC §4): connect refused, reset or EOF → 502
+``downstream_unreachable``; a response the core cannot read → 502
+``downstream_bad_response``; the deadline → 504 ``downstream_timeout``.
+A downstream's own error answer is *returned* (``ErrorResponse``), not
+raised: relaying it is the caller's decision (``ErrorResponse.to_error``).
+"""
+
+from __future__ import annotations
+
+import logging
+import ssl
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import anyio
+from anyio.abc import ByteStream
+
+from meshnet_proto import (
+    NEED_DATA,
+    ActivationResponse,
+    ClientConnection,
+    ConnectionClosed,
+    DownstreamError,
+    ErrorResponse,
+    Limits,
+    MeshnetError,
+    Response,
+    WireHeaders,
+)
+
+from .deadlines import DEFAULT_MARGIN, Deadline
+from .endpoints import Endpoint, parse_endpoint
+from .metrics import ServerMetrics
+from .transports import connect
+
+__all__ = ["DownstreamPool"]
+
+log = logging.getLogger("meshnet.downstream")
+
+READ_SIZE = 65536
+_STREAM_ERRORS = (
+    anyio.EndOfStream,
+    anyio.BrokenResourceError,
+    anyio.ClosedResourceError,
+    OSError,
+    ssl.SSLError,
+)
+
+
+class _Stale(Exception):
+    """A pooled connection died before a single response byte: retryable."""
+
+
+class DownstreamPool:
+    """Up to ``max_connections`` keep-alive connections to one downstream.
+
+    ``forward`` and ``request`` wait for a free connection (bounded by the
+    deadline), so a burst upstream never opens more than the cap downstream.
+    """
+
+    def __init__(
+        self,
+        endpoint: Endpoint | str,
+        *,
+        limits: Limits | None = None,
+        token: str | None = None,
+        ssl_context: ssl.SSLContext | None = None,
+        max_connections: int = 16,
+        margin: float = DEFAULT_MARGIN,
+        metrics: ServerMetrics | None = None,
+        connection_factory: Callable[[Endpoint], Any] | None = None,
+    ) -> None:
+        self.endpoint = parse_endpoint(endpoint) if isinstance(endpoint, str) else endpoint
+        self.limits = limits or Limits()
+        self.token = token
+        self.ssl_context = ssl_context
+        self.margin = margin
+        self.metrics = metrics
+        # Tests inject memory streams here; default: the real transports.
+        self._open = connection_factory or self._connect
+        self._slots = anyio.Semaphore(max_connections)
+        self._idle: list[tuple[ByteStream, ClientConnection]] = []
+        self._closed = False
+
+    @property
+    def url(self) -> str:
+        return self.endpoint.url
+
+    async def _connect(self, endpoint: Endpoint) -> ByteStream:
+        return await connect(endpoint, ssl_context=self.ssl_context)
+
+    def _error(self, message: str, code: str, status: int = 502) -> DownstreamError:
+        return DownstreamError(f"{self.url}: {message}", code=code, status=status, hop=self.url)
+
+    # ---------------------------------------------------------------- API
+
+    async def forward(
+        self, headers: WireHeaders, body: bytes | bytearray | memoryview, deadline: Deadline
+    ) -> ActivationResponse | ErrorResponse:
+        """POST one activation; ``X-Meshnet-Deadline-Ms`` is set when written.
+
+        Retried once on a stale pooled connection only when the chunk carries
+        session and position: SPEC §3 makes such a retransmission a replay.
+        """
+
+        def build(conn: ClientConnection) -> list[Any]:
+            sent = headers.replace(deadline_ms=deadline.header_ms(self.margin))
+            return conn.send_activation(sent, body)
+
+        retry_safe = headers.session is not None and headers.position is not None
+        event = await self._exchange(build, deadline, retry_safe, len(body))
+        if not isinstance(event, (ActivationResponse, ErrorResponse)):
+            raise self._error(f"answered an activation with status {event.status}",
+                              "downstream_bad_response")  # fmt: skip
+        return event
+
+    async def request(
+        self,
+        method: str,
+        target: str,
+        deadline: Deadline,
+        headers: Sequence[tuple[bytes, bytes]] = (),
+        body: bytes = b"",
+    ) -> Response | ErrorResponse:
+        """Any other request (``GET /health``, ``DELETE /sessions/…``)."""
+
+        def build(conn: ClientConnection) -> list[Any]:
+            return conn.send_request(method, target, list(headers), body)
+
+        event = await self._exchange(build, deadline, method in ("GET", "HEAD", "DELETE"), 0)
+        if isinstance(event, ActivationResponse):
+            raise self._error("answered a request with an activation", "downstream_bad_response")
+        return event
+
+    async def aclose(self) -> None:
+        self._closed = True
+        idle, self._idle = self._idle, []
+        for stream, _ in idle:
+            await _aclose(stream)
+
+    # ---------------------------------------------------------- internals
+
+    async def _exchange(
+        self,
+        build: Callable[[ClientConnection], list[Any]],
+        deadline: Deadline,
+        retry_safe: bool,
+        body_nbytes: int,
+    ) -> ActivationResponse | ErrorResponse | Response:
+        deadline.check()
+        try:
+            with anyio.fail_after(max(deadline.remaining(), 0)):
+                async with self._slots:
+                    for attempt in (1, 2):
+                        pooled = bool(self._idle)
+                        try:
+                            return await self._once(build, body_nbytes, pooled)
+                        except _Stale as exc:
+                            if attempt == 2 or not retry_safe:
+                                raise self._error(
+                                    "connection dropped", "downstream_unreachable"
+                                ) from exc
+                            log.debug("stale pooled connection to %s; retrying once", self.url)
+        except TimeoutError:
+            raise self._error("no answer before the deadline", "downstream_timeout", 504) from None
+        raise AssertionError("unreachable")
+
+    async def _once(
+        self, build: Callable[[ClientConnection], list[Any]], body_nbytes: int, pooled: bool
+    ) -> ActivationResponse | ErrorResponse | Response:
+        if pooled:
+            stream, conn = self._idle.pop()
+        else:
+            try:
+                stream = await self._open(self.endpoint)
+            except _STREAM_ERRORS as exc:
+                raise self._error(f"cannot connect ({exc})", "downstream_unreachable") from None
+            conn = ClientConnection(
+                limits=self.limits, host=self.endpoint.authority, token=self.token, decode=False
+            )
+        keep = False
+        try:
+            received = 0
+            try:
+                for part in build(conn):
+                    if len(part):
+                        await stream.send(part)
+                if self.metrics and body_nbytes:
+                    self.metrics.bytes_out.labels("downstream").inc(body_nbytes)
+                while True:
+                    try:
+                        event = conn.next_event()
+                    except MeshnetError as exc:
+                        raise self._error(f"bad response: {exc.message}",
+                                          "downstream_bad_response") from None  # fmt: skip
+                    if event is NEED_DATA:
+                        try:
+                            data = await stream.receive(READ_SIZE)
+                        except anyio.EndOfStream:
+                            data = b""
+                        received += len(data)
+                        conn.receive_data(data)
+                        continue
+                    break
+            except _STREAM_ERRORS as exc:
+                if pooled and not received:
+                    raise _Stale from exc
+                raise self._error(f"connection lost ({exc!r})", "downstream_unreachable") from None
+            if isinstance(event, ConnectionClosed):
+                if pooled and not received:
+                    raise _Stale
+                raise self._error("closed the connection mid-response", "downstream_unreachable")
+            if not isinstance(event, (ActivationResponse, ErrorResponse, Response)):
+                raise self._error(f"unexpected event {type(event).__name__}",
+                                  "downstream_bad_response")  # fmt: skip
+            if self.metrics and isinstance(event, ActivationResponse):
+                self.metrics.bytes_in.labels("downstream").inc(len(event.body))
+            if conn.reusable and not self._closed:
+                conn.start_next_cycle()
+                keep = True
+            return event
+        finally:
+            if keep:
+                self._idle.append((stream, conn))
+            else:
+                with anyio.CancelScope(shield=True):
+                    await _aclose(stream)
+
+
+async def _aclose(stream: ByteStream) -> None:
+    try:
+        with anyio.move_on_after(1.0):
+            await stream.aclose()
+    except Exception:
+        pass

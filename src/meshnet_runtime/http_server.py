@@ -1,0 +1,472 @@
+"""The serving loop: read, feed the ``ServerConnection``, act, write.
+
+Modelled on hypercorn's trio worker and h11's trio example: per connection,
+``receive(64 KiB)`` → ``receive_data`` → ``next_event`` → the application →
+``send_*`` → ``stream.send``. Everything the wire means is decided by
+``meshnet_proto``; this module only owns what needs a clock or a socket:
+timeouts (408), the connection cap (503), the drain before an early close,
+keep-alive, and graceful shutdown.
+
+The application is an object with three coroutines (see :class:`Application`).
+Each returns what to send; an error is *raised* as a ``MeshnetError`` and
+answered with ``send_error``. Any other exception is our bug: it is logged,
+answered 500 ``internal_error`` when the connection still can, and never
+takes down the server or other connections.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import ssl
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import anyio
+from anyio.abc import ByteStream, TaskStatus
+from anyio.streams.tls import TLSStream
+
+from meshnet_proto import (
+    NEED_DATA,
+    ActivationHead,
+    ActivationReceived,
+    CapacityError,
+    ConnectionClosed,
+    EndpointRequest,
+    MeshnetError,
+    ProtocolError,
+    ProtocolErrorReceived,
+    ServerConnection,
+    WireHeaders,
+)
+
+from .metrics import ServerMetrics
+from .transports import BoundListener
+
+__all__ = [
+    "ActivationReply",
+    "Application",
+    "HttpServer",
+    "Reply",
+    "RequestContext",
+    "ServerSettings",
+]
+
+log = logging.getLogger("meshnet.server")
+
+READ_SIZE = 65536
+# After an early answer (body unread) the client may still be sending: read
+# and discard briefly so it gets to read our answer instead of a reset.
+DRAIN_SECONDS = 1.0
+DRAIN_BYTES = 4 * 1024 * 1024
+_DEAD_STREAM = (
+    anyio.EndOfStream,
+    anyio.BrokenResourceError,
+    anyio.ClosedResourceError,
+    OSError,
+    ssl.SSLError,
+)
+
+
+@dataclass(frozen=True, slots=True)
+class ActivationReply:
+    """A ``200`` wire-2 answer: ``send_activation(headers, body)``."""
+
+    headers: WireHeaders
+    body: bytes | bytearray | memoryview
+
+
+@dataclass(frozen=True, slots=True)
+class Reply:
+    """Any other answer: ``send_response(status, headers, body)``."""
+
+    status: int
+    headers: Sequence[tuple[bytes | str, bytes | str]] = ()
+    body: bytes = b""
+
+    @classmethod
+    def json(cls, status: int, document: Any) -> Reply:
+        import json
+
+        body = json.dumps(document, separators=(",", ":")).encode()
+        return cls(status, [(b"content-type", b"application/json")], body)
+
+
+@dataclass(slots=True)
+class RequestContext:
+    """What the driver knows about a request beyond its event."""
+
+    started: float  # anyio clock when the head (or whole request) was parsed
+    path: str
+    peer: str | None = None
+
+
+class Application(Protocol):
+    async def handle_activation_head(self, event: ActivationHead, ctx: RequestContext) -> None:
+        """Header-only checks; raise ``MeshnetError`` to reject before the body."""
+
+    async def handle_activation(
+        self, event: ActivationReceived, ctx: RequestContext
+    ) -> ActivationReply | Reply: ...
+
+    async def handle_endpoint(
+        self, event: EndpointRequest, ctx: RequestContext
+    ) -> ActivationReply | Reply: ...
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ServerSettings:
+    head_timeout: float = 10.0  # SPEC §4: 408 when the head is slower
+    body_timeout: float = 60.0  # the whole body; the server's --timeout
+    write_timeout: float = 60.0  # one answer to a peer that stopped reading
+    max_connections: int = 256
+    shutdown_timeout: float = 30.0  # in-flight requests get this long
+    retry_after: int = 1  # seconds, on 503 too_many_connections / shutting_down
+
+
+class _Closed(Exception):
+    """The connection is over (peer gone, write timed out)."""
+
+
+class HttpServer:
+    """Serves one application on any number of listeners and streams."""
+
+    def __init__(
+        self,
+        app: Application,
+        make_connection: Callable[[], ServerConnection],
+        *,
+        settings: ServerSettings = ServerSettings(),
+        metrics: ServerMetrics | None = None,
+        ssl_context: ssl.SSLContext | None = None,
+    ) -> None:
+        self.app = app
+        self.make_connection = make_connection
+        self.settings = settings
+        self.metrics = metrics
+        self.ssl_context = ssl_context
+        self.url: str | None = None
+        self.draining = False
+        self._shutdown = anyio.Event()
+        self._connections: set[_Connection] = set()
+        self._rejecting = 0
+        self._all_closed = anyio.Event()
+
+    # ------------------------------------------------------------- lifecycle
+
+    def request_shutdown(self) -> None:
+        """Begin a graceful shutdown (safe to call more than once)."""
+        self._shutdown.set()
+
+    async def serve(
+        self,
+        bound: BoundListener,
+        *,
+        task_status: TaskStatus[str] = anyio.TASK_STATUS_IGNORED,
+    ) -> None:
+        """Accept until :meth:`request_shutdown`, then drain and return.
+
+        Shutdown: stop accepting; idle keep-alive connections close; requests
+        already in flight get ``shutdown_timeout`` to finish, new ones on open
+        connections get 503 ``shutting_down``; whatever is left is cancelled.
+        """
+        self.url = bound.url
+        async with anyio.create_task_group() as connections:
+            accepting = anyio.CancelScope()
+            connections.start_soon(self._accept, bound, connections, accepting)
+            task_status.started(bound.url)
+            await self._shutdown.wait()
+            accepting.cancel()
+            self.draining = True
+            with anyio.CancelScope(shield=True):
+                await bound.aclose()
+            for connection in list(self._connections):
+                connection.close_if_idle()
+            with anyio.move_on_after(self.settings.shutdown_timeout):
+                while self._connections or self._rejecting:
+                    self._all_closed = anyio.Event()
+                    await self._all_closed.wait()
+            connections.cancel_scope.cancel()
+
+    async def _accept(
+        self, bound: BoundListener, connections: anyio.abc.TaskGroup, scope: anyio.CancelScope
+    ) -> None:
+        with scope:
+            await bound.listener.serve(self.serve_stream, task_group=connections)
+
+    # ------------------------------------------------------------ per stream
+
+    async def serve_stream(self, stream: ByteStream) -> None:
+        """Serve one accepted (or in-memory) stream to its end; never raises."""
+        try:
+            if self.ssl_context is not None:
+                with anyio.move_on_after(self.settings.head_timeout):
+                    stream = await TLSStream.wrap(
+                        stream, server_side=True, ssl_context=self.ssl_context,
+                        standard_compatible=False,
+                    )  # fmt: skip
+                if not isinstance(stream, TLSStream):
+                    return
+            if self.draining:
+                await self._reject(stream, _shutting_down(self.settings.retry_after))
+            elif len(self._connections) >= self.settings.max_connections:
+                await self._reject(stream, _too_many(self.settings.retry_after))
+            else:
+                connection = _Connection(self, stream)
+                self._connections.add(connection)
+                if self.metrics:
+                    self.metrics.connections.inc()
+                try:
+                    await connection.run()
+                finally:
+                    self._connections.discard(connection)
+                    if self.metrics:
+                        self.metrics.connections.dec()
+        except _DEAD_STREAM:
+            pass  # a peer going away (or a failed handshake) is not our error
+        except Exception:
+            log.exception("connection handler failed")
+        finally:
+            with anyio.CancelScope(shield=True):
+                await _aclose_quietly(stream)
+            self._all_closed.set()
+
+    async def _reject(self, stream: ByteStream, error: MeshnetError) -> None:
+        """Answer the first request with ``error``, drain briefly, close.
+
+        The head is read first (bounded) so the answer is proper HTTP; past
+        another cap's worth of rejections we just close: a flood gets no bytes.
+        """
+        if self._rejecting >= self.settings.max_connections:
+            return
+        self._rejecting += 1
+        try:
+            conn = self.make_connection()
+            with anyio.move_on_after(min(self.settings.head_timeout, 2.0)):
+                event = await _read_event(conn, stream)
+                if not isinstance(event, ConnectionClosed):
+                    self._count(event_path(event), error.status)
+                    await _write(stream, anyio.Lock(), conn.send_error(error), 5.0)
+                    await _drain(stream)
+        finally:
+            self._rejecting -= 1
+
+    def _count(self, path: str, status: int) -> None:
+        if self.metrics:
+            self.metrics.observe_request(path, status)
+
+
+def _too_many(retry_after: int) -> CapacityError:
+    return CapacityError(
+        "too many concurrent connections", code="too_many_connections", retry_after=retry_after
+    )
+
+
+def _shutting_down(retry_after: int) -> CapacityError:
+    return CapacityError("server is shutting down", code="shutting_down", retry_after=retry_after)
+
+
+def _request_timeout(what: str) -> ProtocolError:
+    return ProtocolError(f"client too slow to send its request {what}", code="request_timeout",
+                         status=408)  # fmt: skip
+
+
+def _internal_error() -> MeshnetError:
+    return MeshnetError("internal server error", code="internal_error", status=500)
+
+
+def event_path(event: object) -> str:
+    if isinstance(event, EndpointRequest):
+        return event.path
+    if isinstance(event, (ActivationHead, ActivationReceived)):
+        return "/forward"
+    return "other"
+
+
+async def _read_event(conn: ServerConnection, stream: ByteStream, counter: list[int] | None = None):
+    """The next event, reading as needed; EOF is fed as ``b""``."""
+    while True:
+        event = conn.next_event()
+        if event is not NEED_DATA:
+            return event
+        try:
+            data = await stream.receive(READ_SIZE)
+        except (anyio.EndOfStream, anyio.BrokenResourceError, OSError, ssl.SSLError):
+            data = b""
+        if counter is not None:
+            counter[0] += len(data)
+        conn.receive_data(data)
+
+
+async def _write(
+    stream: ByteStream, lock: anyio.Lock, parts: Sequence[Any], timeout: float
+) -> None:
+    """Write ``parts`` in order; a half-written answer is never abandoned to a
+    cancellation (it would corrupt the stream), only to the write timeout."""
+    async with lock:
+        with anyio.move_on_after(timeout, shield=True) as scope:
+            for part in parts:
+                if len(part):
+                    await stream.send(part)
+        if scope.cancelled_caught:
+            raise _Closed("write timed out")
+
+
+async def _drain(stream: ByteStream) -> None:
+    with anyio.move_on_after(DRAIN_SECONDS, shield=True):
+        # TLS cannot half-close; a memory stream may be closed already.
+        with contextlib.suppress(Exception):
+            await stream.send_eof()
+        seen = 0
+        try:
+            while seen < DRAIN_BYTES:
+                seen += len(await stream.receive(READ_SIZE))
+        except _DEAD_STREAM:
+            pass
+
+
+async def _aclose_quietly(stream: ByteStream) -> None:
+    try:
+        with anyio.move_on_after(1.0):
+            await stream.aclose()
+    except Exception:
+        pass
+
+
+@dataclass(eq=False, slots=True)
+class _Connection:
+    """One client connection: a loop of request cycles."""
+
+    server: HttpServer
+    stream: ByteStream
+    conn: ServerConnection = field(init=False)
+    lock: anyio.Lock = field(default_factory=anyio.Lock)
+    idle_scope: anyio.CancelScope | None = None
+    cycle_bytes: list[int] = field(default_factory=lambda: [0])
+
+    def __post_init__(self) -> None:
+        self.conn = self.server.make_connection()
+
+    def close_if_idle(self) -> None:
+        # Only a connection waiting for a request it has no byte of is idle;
+        # one with part of a head will get its 503 shutting_down.
+        if self.idle_scope is not None and self.cycle_bytes[0] == 0:
+            self.idle_scope.cancel()
+
+    async def run(self) -> None:
+        try:
+            while await self._cycle():
+                self.conn.start_next_cycle()
+        except _Closed:
+            pass
+
+    async def _cycle(self) -> bool:
+        """One request and its answer; ``False`` when the connection is done."""
+        settings = self.server.settings
+        self.cycle_bytes[0] = 0
+        event: Any = None
+        with anyio.CancelScope() as idle:
+            self.idle_scope = idle
+            if self.server.draining:
+                idle.cancel()  # checked here too: shutdown may precede this cycle
+            with anyio.move_on_after(settings.head_timeout) as head_timer:
+                event = await _read_event(self.conn, self.stream, self.cycle_bytes)
+        self.idle_scope = None
+        if idle.cancelled_caught:
+            return False
+        if head_timer.cancelled_caught:
+            if self.cycle_bytes[0]:
+                await self._error("other", _request_timeout("head"))
+            return False
+        ctx = RequestContext(started=anyio.current_time(), path=event_path(event))
+
+        if isinstance(event, ConnectionClosed):
+            return False
+        if isinstance(event, ProtocolErrorReceived):
+            await self._error(ctx.path, event.error)
+            return False
+        if self.server.draining:
+            await self._error(ctx.path, _shutting_down(settings.retry_after))
+            return False
+        if isinstance(event, ActivationHead):
+            try:
+                await self.server.app.handle_activation_head(event, ctx)
+            except MeshnetError as err:
+                await self._error(ctx.path, err)
+                return False
+            except Exception:
+                log.exception("handle_activation_head failed")
+                await self._error(ctx.path, _internal_error())
+                return False
+            if event.expects_continue:
+                await self._send([self.conn.send_continue()])
+            with anyio.move_on_after(settings.body_timeout) as body_timer:
+                event = await _read_event(self.conn, self.stream)
+            if body_timer.cancelled_caught:
+                await self._error(ctx.path, _request_timeout("body"))
+                return False
+            if isinstance(event, ConnectionClosed):
+                return False
+            if isinstance(event, ProtocolErrorReceived):
+                await self._error(ctx.path, event.error)
+                return False
+            if not isinstance(event, ActivationReceived):
+                log.error("unexpected event after ActivationHead: %r", event)
+                await self._error(ctx.path, _internal_error())
+                return False
+            if self.server.metrics:
+                self.server.metrics.bytes_in.labels("upstream").inc(event.body_nbytes)
+            handler = self.server.app.handle_activation
+        elif isinstance(event, EndpointRequest):
+            handler = self.server.app.handle_endpoint
+        else:
+            log.error("unexpected event from ServerConnection: %r", event)
+            await self._error(ctx.path, _internal_error())
+            return False
+
+        try:
+            reply = await handler(event, ctx)  # type: ignore[arg-type]
+        except MeshnetError as err:
+            await self._error(ctx.path, err)
+            return not self.conn.should_close
+        except Exception:
+            log.exception("request handler failed on %s", ctx.path)
+            await self._error(ctx.path, _internal_error())
+            return False
+        await self._answer(ctx.path, reply)
+        # Finishing the answer in flight is what a graceful shutdown promised;
+        # the connection itself ends here.
+        return not self.conn.should_close and not self.server.draining
+
+    async def _answer(self, path: str, reply: ActivationReply | Reply) -> None:
+        if isinstance(reply, ActivationReply):
+            parts = self.conn.send_activation(reply.headers, reply.body)
+            status = 200
+            if self.server.metrics:
+                self.server.metrics.bytes_out.labels("upstream").inc(len(reply.body))
+        else:
+            parts = self.conn.send_response(reply.status, list(reply.headers), reply.body)
+            status = reply.status
+        self.server._count(path, status)
+        await self._send(parts)
+
+    async def _error(self, path: str, error: MeshnetError) -> None:
+        """Answer ``error`` when the protocol state allows it; drain if closing."""
+        try:
+            parts = self.conn.send_error(error)
+        except Exception:
+            # The state does not allow an answer (e.g. a response already
+            # started): closing is the only honest signal left.
+            log.debug("cannot answer %r on this connection", error, exc_info=True)
+            raise _Closed from None
+        self.server._count(path, error.status)
+        await self._send(parts)
+        if self.conn.should_close:
+            await _drain(self.stream)
+
+    async def _send(self, parts: Sequence[Any]) -> None:
+        try:
+            await _write(self.stream, self.lock, parts, self.server.settings.write_timeout)
+        except _DEAD_STREAM as exc:
+            raise _Closed from exc

@@ -1,0 +1,57 @@
+"""Running a server as a process: signals, the ready line, exit status.
+
+SPEC §9: a server prints one line saying where it listens once it is ready,
+and exits 0 after a graceful shutdown on SIGINT/SIGTERM.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import sys
+from collections.abc import Callable
+
+import anyio
+
+from .http_server import HttpServer
+from .transports import BoundListener
+
+__all__ = ["configure_logging", "serve_until_signalled"]
+
+
+def configure_logging(level: str) -> None:
+    # Logs go to stderr: stdout carries only the ready line, for scripts.
+    logging.basicConfig(
+        level=level.upper(),
+        stream=sys.stderr,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+
+
+async def serve_until_signalled(
+    server: HttpServer,
+    bound: BoundListener,
+    ready: Callable[[str], None],
+) -> None:
+    """Serve ``bound`` until SIGINT/SIGTERM, then shut down gracefully.
+
+    ``ready(url)`` runs once the listener accepts; a second signal during the
+    drain is ignored (the shutdown timeout bounds it anyway).
+    """
+    log = logging.getLogger("meshnet")
+    # The receiver stays open for the whole drain, so a second Ctrl-C does
+    # not turn into a KeyboardInterrupt traceback halfway through it.
+    with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+        async with anyio.create_task_group() as tg:
+
+            async def run(*, task_status: anyio.abc.TaskStatus[str]) -> None:
+                await server.serve(bound, task_status=task_status)
+                tg.cancel_scope.cancel()
+
+            async def watch() -> None:
+                async for signum in signals:
+                    log.info("%s: shutting down gracefully", signal.Signals(signum).name)
+                    server.request_shutdown()
+
+            tg.start_soon(watch)
+            ready(await tg.start(run))

@@ -1,0 +1,74 @@
+"""Prometheus metrics, one registry per server instance.
+
+Not the global registry: tests and ``meshnet demo`` run several servers in
+one process, and each ``/metrics`` must describe only its own server.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
+
+__all__ = ["METRICS_CONTENT_TYPE", "ServerMetrics", "endpoint_label"]
+
+METRICS_CONTENT_TYPE = CONTENT_TYPE_LATEST
+
+# Label values are bounded: an unknown path must not grow the series set.
+_KNOWN = ("/forward", "/health", "/info", "/metrics")
+
+
+def endpoint_label(path: str) -> str:
+    """A bounded ``endpoint`` label for a request path."""
+    if path in _KNOWN:
+        return path
+    if path.startswith("/sessions/"):
+        return "/sessions"
+    return "other"
+
+
+# Stage and codec times span sub-millisecond echo to multi-second layers.
+_SECONDS_BUCKETS = (
+    0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
+)  # fmt: skip
+
+
+class ServerMetrics:
+    """The metrics of one node or gateway; ``render()`` is the ``/metrics`` body."""
+
+    def __init__(self, role: str) -> None:
+        self.role = role
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.requests = Counter(
+            "meshnet_requests", "Requests answered, by endpoint and status",
+            ["endpoint", "status"], registry=r,
+        )  # fmt: skip
+        self.chunks = Counter(
+            "meshnet_chunks", "Activation chunks answered, by outcome",
+            ["outcome"], registry=r,
+        )  # fmt: skip
+        # peer: "upstream" (our clients) or "downstream" (our --next/--entry).
+        self.bytes_in = Counter(
+            "meshnet_body_bytes_in", "Activation body bytes received, on the wire",
+            ["peer"], registry=r,
+        )  # fmt: skip
+        self.bytes_out = Counter(
+            "meshnet_body_bytes_out", "Activation body bytes sent, on the wire",
+            ["peer"], registry=r,
+        )  # fmt: skip
+        self.sessions = Gauge("meshnet_sessions", "Sessions currently held", registry=r)
+        self.connections = Gauge("meshnet_connections", "Open client connections", registry=r)
+        self.stage_seconds = Histogram(
+            "meshnet_stage_seconds", "Stage compute time per chunk",
+            buckets=_SECONDS_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.codec_seconds = Histogram(
+            "meshnet_codec_seconds", "Tensor encode/decode time",
+            ["op"], buckets=_SECONDS_BUCKETS, registry=r,
+        )  # fmt: skip
+
+    def observe_request(self, path: str, status: int) -> None:
+        self.requests.labels(endpoint_label(path), str(status)).inc()
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
