@@ -1,3 +1,698 @@
-"""Placeholder: being written."""
+"""SPEC §3 — sessions and chunk sequencing — as a pure state machine.
 
-__all__: list[str] = []
+``SessionTable`` decides, for every chunk a node receives, whether its stage
+runs now, waits for a predecessor, answers from what is stored, or is refused.
+It never blocks and never reads a clock: every method takes ``now`` and
+returns a decision; the driver does the waiting, the running and the I/O.
+The driver's side of the contract is in ``docs/sessions.md``.
+
+Per session it keeps the position (tokens taken in), the run in progress
+(its total, dtype and trailing shape, the next index to run), one record per
+chunk that ran — bounded to the reorder window, see ``_trim`` — for the
+current run and the last finished run, and the waiters. Nothing grows with
+the length of a run or the age of a session.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import math
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any, Protocol, TypeAlias
+
+import numpy as np
+
+from ._errors import CapacityError, ProtocolError, SequencingError
+from ._limits import Limits
+
+__all__ = [
+    "SessionTable",
+    "Ticket",
+    "Waiter",
+    "Process",
+    "Wait",
+    "Replay",
+    "Reforward",
+    "Join",
+    "Decision",
+    "tensor_fingerprint",
+]
+
+_SESSION = "x-meshnet-session"
+_INDEX = "x-meshnet-chunk-index"
+_TOTAL = "x-meshnet-chunk-total"
+_POSITION = "x-meshnet-position"
+
+
+def tensor_fingerprint(array: np.ndarray) -> bytes:
+    """A 16-byte BLAKE2b digest of a tensor's shape, dtype name and bytes.
+
+    Two chunks are "the same tensor" (SPEC §3 replay) when their decoded
+    values are: the wire encoding does not matter, so the bytes hashed are the
+    little-endian C-order element bytes, whatever the array's memory layout.
+    """
+    arr = np.asarray(array)
+    little = arr.dtype.newbyteorder("<")
+    if arr.dtype != little:  # the wire is little-endian; the same values hash the same
+        arr = arr.astype(little)
+    arr = np.ascontiguousarray(arr)
+    digest = hashlib.blake2b(digest_size=16, person=b"meshnet-tensor")
+    # "|" appears in neither a shape nor a dtype name, so the framing is unambiguous.
+    digest.update(",".join(map(str, arr.shape)).encode("ascii"))
+    digest.update(b"|" + arr.dtype.name.encode("ascii") + b"|")
+    digest.update(arr.reshape(-1).view(np.uint8))
+    return digest.digest()
+
+
+class _Headers(Protocol):
+    """The attributes of ``WireHeaders`` the sequencer reads (duck typing)."""
+
+    @property
+    def shape(self) -> tuple[int, ...]: ...
+    @property
+    def dtype(self) -> str: ...
+    @property
+    def session(self) -> str | None: ...
+    @property
+    def chunk_index(self) -> int | None: ...
+    @property
+    def chunk_total(self) -> int | None: ...
+    @property
+    def position(self) -> int | None: ...
+    @property
+    def tokens(self) -> int: ...
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Ticket:
+    """One admitted run of a chunk's stage; hand it back to report its outcome.
+
+    ``position`` is where the chunk starts in the session (the node's count,
+    also when the sender sent none). ``serial`` is unique per table, so a
+    ticket of an ended session never touches a new session of the same id.
+    """
+
+    session: str
+    run: int
+    index: int
+    position: int
+    tokens: int
+    fingerprint: bytes
+    serial: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Waiter:
+    """A chunk waiting for its predecessor; pass it back to ``offer``/``give_up``."""
+
+    session: str
+    index: int
+    since: float
+    until: float
+    serial: int
+
+
+@dataclass(frozen=True, slots=True)
+class Process:
+    """Run the stage on this chunk now, then report through the ticket."""
+
+    ticket: Ticket
+
+
+@dataclass(frozen=True, slots=True)
+class Wait:
+    """Wait for a wake-up of this session or ``until``, then offer again."""
+
+    waiter: Waiter
+    until: float
+
+
+@dataclass(frozen=True, slots=True)
+class Replay:
+    """An identical retransmission of an answered chunk: send this response."""
+
+    response: Any
+
+
+@dataclass(frozen=True, slots=True)
+class Reforward:
+    """An identical retransmission of a chunk whose forward failed: forward
+    ``stage_output`` again and report through ``ticket`` as after ``stage_done``."""
+
+    ticket: Ticket
+    stage_output: Any
+
+
+@dataclass(frozen=True, slots=True)
+class Join:
+    """An identical retransmission of a chunk still in flight: answer with the
+    outcome of the request that holds ``ticket``."""
+
+    ticket: Ticket
+
+
+Decision: TypeAlias = Process | Wait | Replay | Reforward | Join
+
+
+class _Phase(Enum):
+    RUNNING = "running"  # the stage is running on the chunk
+    FORWARDING = "forwarding"  # stage done; its output is downstream (or being answered)
+    FORWARD_FAILED = "forward_failed"  # stage output kept for a reforward
+    ANSWERED = "answered"  # success response kept for a replay
+
+
+# Every legal move of a chunk record: (phase, event) -> next phase, None = forgotten.
+# A move not listed is a driver bug (ValueError), never a peer's doing.
+_TRANSITIONS: dict[tuple[_Phase, str], _Phase | None] = {
+    (_Phase.RUNNING, "stage_done"): _Phase.FORWARDING,
+    (_Phase.RUNNING, "stage_failed"): None,  # a retransmission may run it again
+    (_Phase.FORWARDING, "response_ready"): _Phase.ANSWERED,
+    (_Phase.FORWARDING, "forward_failed"): _Phase.FORWARD_FAILED,
+    (_Phase.FORWARD_FAILED, "reforward"): _Phase.FORWARDING,
+}
+_IN_FLIGHT = frozenset({_Phase.RUNNING, _Phase.FORWARDING})
+
+
+class _Route(Enum):
+    TURN = "turn"  # the chunk's turn: run its stage
+    AHEAD = "ahead"  # a predecessor has not run yet: wait
+    AGAIN = "again"  # identical to a chunk that ran: replay, reforward or join
+    UNDECIDED = "undecided"  # needs the tensor's fingerprint (head-only check)
+
+
+@dataclass(frozen=True, slots=True)
+class _RunShape:
+    total: int
+    dtype: str
+    trailing: tuple[int, ...]  # the shape without the token axis (rank included)
+
+
+@dataclass(slots=True)
+class _Record:
+    ticket: Ticket
+    phase: _Phase
+    stage_output: Any = None
+    response: Any = None
+
+
+@dataclass(slots=True)
+class _Session:
+    id: str
+    touched: float
+    position: int = 0
+    run: int = 0  # number of the run in progress, or of the next one between runs
+    shape: _RunShape | None = None  # None between runs
+    next_index: int = 0
+    records: dict[int, _Record] = field(default_factory=dict)
+    last_records: dict[int, _Record] = field(default_factory=dict)
+    last_total: int = 0
+
+
+def _run_shape(h: _Headers) -> _RunShape:
+    axis = 1 if len(h.shape) >= 2 else 0  # SPEC §2 token axis
+    assert h.chunk_total is not None
+    return _RunShape(h.chunk_total, h.dtype, h.shape[:axis] + h.shape[axis + 1 :])
+
+
+def _require(h: _Headers) -> tuple[str, int, int]:
+    """A node needs the sequencing headers (the gateway's input may lack them)."""
+    for value, header in ((h.session, _SESSION), (h.chunk_index, _INDEX), (h.chunk_total, _TOTAL)):
+        if value is None:
+            raise ProtocolError(f"{header} is required", code="missing_header", header=header)
+    assert h.session is not None and h.chunk_index is not None and h.chunk_total is not None
+    if h.chunk_index >= h.chunk_total:
+        raise ProtocolError(
+            f"chunk index {h.chunk_index} is not below chunk total {h.chunk_total}",
+            code="bad_chunk_index",
+            header=_INDEX,
+        )
+    return h.session, h.chunk_index, h.chunk_total
+
+
+def _unknown(message: str) -> SequencingError:
+    return SequencingError(message, code="session_unknown", header=_SESSION)
+
+
+class SessionTable:
+    """The sessions of one node and the order of their chunks (SPEC §3).
+
+    ``max_pending_waiters`` bounds the chunks waiting for sessions this node
+    does not know yet (their chunk 0 has not run); the default,
+    ``4 * reorder_window``, lets four sessions start out of order at once with
+    a full window each, and refuses a flood of chunks for sessions that never
+    start instead of holding their bodies.
+    """
+
+    def __init__(self, limits: Limits | None = None, *, max_pending_waiters: int | None = None):
+        self.limits = Limits() if limits is None else limits
+        if max_pending_waiters is None:
+            max_pending_waiters = 4 * self.limits.reorder_window
+        if max_pending_waiters < 1:
+            raise ValueError("max_pending_waiters must be positive")
+        self.max_pending_waiters = max_pending_waiters
+        self._sessions: dict[str, _Session] = {}
+        # Waiters by session id, for known and not-yet-known sessions alike, so
+        # that creating a session needs no move; ``_pending`` counts the latter.
+        self._waiting: dict[str, dict[int, Waiter]] = {}
+        self._pending = 0
+        self._serials = itertools.count(1)
+
+    # -- queries ---------------------------------------------------------------
+
+    def __len__(self) -> int:
+        return len(self._sessions)
+
+    def __contains__(self, session: object) -> bool:
+        return session in self._sessions
+
+    def position(self, session: str) -> int | None:
+        """Tokens the session has taken in, or None if this node does not know it."""
+        s = self._sessions.get(session)
+        return None if s is None else s.position
+
+    # -- a request's chunk -------------------------------------------------------
+
+    def check_head(self, headers: _Headers, now: float) -> None:
+        """The checks that need only the headers (SPEC §2 order: before the body).
+
+        Raises what ``offer`` would raise for these headers whatever the
+        tensor; ``offer`` repeats every check, since the table may have changed
+        while the body was read. May expire idle sessions to make room.
+        """
+        sid, index, _ = _require(headers)
+        s = self._sessions.get(sid)
+        if s is None:
+            route = self._route_unknown(sid, index, headers.position, now)
+        else:
+            route, _ = self._route(s, headers, None)
+        if route is _Route.AHEAD:
+            self._check_room_to_wait(sid, index)
+
+    def offer(
+        self,
+        headers: _Headers,
+        fingerprint: bytes,
+        now: float,
+        *,
+        waiter: Waiter | None = None,
+        deadline: float | None = None,
+    ) -> Decision:
+        """Decide what to do with a decoded chunk (see the decision classes).
+
+        ``waiter`` is the one from an earlier ``Wait`` for this same request;
+        ``deadline`` (absolute, same clock as ``now``) shortens a new wait.
+        Raises ``SequencingError`` (409), ``CapacityError`` (503) or, for
+        headers missing the sequencing fields, ``ProtocolError`` (400).
+        """
+        sid, index, _ = _require(headers)
+        if waiter is not None:
+            if (waiter.session, waiter.index) != (sid, index):
+                raise ValueError("offer(): waiter belongs to another chunk")
+            if not self._remove_waiter(waiter):
+                raise _unknown(f"session {sid}: ended or expired while chunk {index} waited")
+        s = self._sessions.get(sid)
+        record: _Record | None = None
+        if s is None:
+            route = self._route_unknown(sid, index, headers.position, now)
+        else:
+            s.touched = now
+            route, record = self._route(s, headers, fingerprint)
+        if route is _Route.AHEAD:
+            return self._wait(sid, index, now, waiter, deadline)
+        if route is _Route.AGAIN:
+            assert record is not None
+            return self._again(record)
+        if s is None:
+            s = self._create(sid, now)
+        return self._process(s, headers, fingerprint)
+
+    def give_up(self, waiter: Waiter, now: float) -> SequencingError:
+        """The waiter's time is up: forget it and return the error to answer."""
+        registered = self._remove_waiter(waiter)
+        s = self._sessions.get(waiter.session)
+        waited = f"{now - waiter.since:.3g} s"
+        if not registered:
+            return _unknown(
+                f"session {waiter.session}: ended or expired while chunk {waiter.index} waited"
+            )
+        if s is None:
+            return _unknown(
+                f"session {waiter.session} never started: chunk {waiter.index} "
+                f"waited {waited} for chunk 0"
+            )
+        return SequencingError(
+            f"session {waiter.session}: chunk {waiter.index} waited {waited} "
+            f"for chunk {s.next_index}",
+            code="chunk_wait_timeout",
+            header=_INDEX,
+        )
+
+    # -- a ticket's outcome --------------------------------------------------------
+
+    def stage_done(self, ticket: Ticket, stage_output: Any, now: float) -> None:
+        """The stage ran: the session moves on; wake this session's waiters.
+
+        ``stage_output`` is kept until ``response_ready`` so that a failed
+        forward can be retried without running the stage twice.
+        """
+        found = self._lookup(ticket)
+        if found is None:
+            return  # the session ended meanwhile; nothing to advance
+        s, record = found
+        self._move(record, "stage_done")
+        record.stage_output = stage_output
+        s.touched = now
+        s.position += ticket.tokens
+        s.next_index += 1
+        assert s.shape is not None
+        if s.next_index == s.shape.total:  # run finished: the next chunk is a new run's 0
+            s.last_records, s.last_total = s.records, s.shape.total
+            s.records, s.shape, s.next_index = {}, None, 0
+            s.run += 1
+        self._trim(s)
+
+    def stage_failed(self, ticket: Ticket, now: float) -> None:
+        """The stage raised: nothing advances; a retransmission may run it again."""
+        found = self._lookup(ticket)
+        if found is None:
+            return
+        s, record = found
+        self._move(record, "stage_failed")
+        del s.records[ticket.index]
+        if ticket.index == 0:  # the run never started after all
+            s.shape = None
+        s.touched = now
+
+    def response_ready(self, ticket: Ticket, response: Any, now: float) -> None:
+        """Keep a success response for replay; the stage output is no longer needed."""
+        found = self._lookup(ticket)
+        if found is None:
+            return
+        s, record = found
+        self._move(record, "response_ready")
+        record.response, record.stage_output = response, None
+        s.touched = now
+        self._trim(s)
+
+    def forward_failed(self, ticket: Ticket, now: float) -> None:
+        """The forward failed: keep the stage output so a retransmission reforwards it."""
+        found = self._lookup(ticket)
+        if found is None:
+            return
+        s, record = found
+        self._move(record, "forward_failed")
+        s.touched = now
+        self._trim(s)
+
+    # -- ending ----------------------------------------------------------------------
+
+    def end_session(self, session: str) -> bool:
+        """Forget a session (DELETE); its waiters' next offer raises session_unknown.
+
+        Returns whether this node knew it. Waiters for a session that never
+        started are dropped too: the sender gave up on that context.
+        """
+        known = session in self._sessions
+        self._drop(session)
+        return known
+
+    def expire(self, now: float) -> list[str]:
+        """Forget sessions idle longer than ``limits.session_ttl``; return their ids.
+
+        A session with a chunk in flight, or with a waiter whose time is not up,
+        is not idle.
+        """
+        ttl = self.limits.session_ttl
+        expired = [
+            sid
+            for sid, s in self._sessions.items()
+            if now - s.touched > ttl and not self._busy(s, now)
+        ]
+        for sid in expired:
+            self._drop(sid)
+        return expired
+
+    # -- routing -----------------------------------------------------------------------
+
+    def _route_unknown(self, sid: str, index: int, position: int | None, now: float) -> _Route:
+        if index == 0:
+            if position:  # SPEC §3: never silently start a context anywhere but at 0
+                raise _unknown(
+                    f"session {sid} is unknown here, so chunk 0 cannot start at position "
+                    f"{position} (expired, deleted, or this node restarted)"
+                )
+            self._make_room(now)
+            return _Route.TURN
+        self._check_window(sid, index, 0)
+        # Its chunk 0 would be refused: say so now rather than after a wait.
+        self._make_room(now)
+        return _Route.AHEAD
+
+    def _route(self, s: _Session, h: _Headers, fp: bytes | None) -> tuple[_Route, _Record | None]:
+        index, position = h.chunk_index, h.position
+        assert index is not None
+        if s.shape is not None:  # a run is open
+            self._check_run(s, h)
+            if index > s.next_index:
+                return self._ahead(s, index, position), None
+            record = s.records.get(index)
+            if record is not None:  # passed, or the one running now
+                return self._match(s, index, position, fp, record)
+            if index < s.next_index:
+                raise SequencingError(
+                    f"session {s.id}: chunk {index} already passed and nothing of it is "
+                    f"kept any more (next is {s.next_index})",
+                    code="chunk_conflict",
+                    header=_INDEX,
+                )
+            self._check_turn_position(s, position)
+            return _Route.TURN, None
+        # Between runs: a retransmission of the last run, or the next run.
+        record = s.last_records.get(index)
+        if record is not None and position in (None, record.ticket.position):
+            if fp is None:
+                return _Route.UNDECIDED, None
+            if fp == record.ticket.fingerprint:
+                return _Route.AGAIN, record
+            if position is not None:  # unmistakably the last run's chunk, changed
+                raise self._conflict(s, index)
+        if index == 0:
+            self._check_turn_position(s, position)
+            return _Route.TURN, None
+        return self._ahead(s, index, position), None
+
+    def _ahead(self, s: _Session, index: int, position: int | None) -> _Route:
+        self._check_window(s.id, index, s.next_index)
+        ahead = index - s.next_index
+        # Every chunk has at least one token, so a position below this can never
+        # match when the chunk's turn comes: refuse now instead of after a wait.
+        if position is not None and position < s.position + ahead:
+            raise SequencingError(
+                f"session {s.id}: chunk {index} says position {position}, but it cannot "
+                f"start before {s.position + ahead}",
+                code="position_mismatch",
+                header=_POSITION,
+            )
+        return _Route.AHEAD
+
+    def _match(
+        self, s: _Session, index: int, position: int | None, fp: bytes | None, record: _Record
+    ) -> tuple[_Route, _Record | None]:
+        if position is not None and position != record.ticket.position:
+            raise SequencingError(
+                f"session {s.id}: chunk {index} says position {position}, but it ran "
+                f"at {record.ticket.position}",
+                code="position_mismatch",
+                header=_POSITION,
+            )
+        if fp is None:
+            return _Route.UNDECIDED, None
+        if fp != record.ticket.fingerprint:
+            raise self._conflict(s, index)
+        return _Route.AGAIN, record
+
+    def _check_turn_position(self, s: _Session, position: int | None) -> None:
+        if position is not None and position != s.position:
+            raise SequencingError(
+                f"session {s.id}: position is {s.position}, the chunk says {position}",
+                code="position_mismatch",
+                header=_POSITION,
+            )
+
+    def _check_window(self, sid: str, index: int, next_index: int) -> None:
+        window = self.limits.reorder_window
+        if index - next_index >= window:
+            raise SequencingError(
+                f"session {sid}: chunk {index} is beyond the reorder window "
+                f"(next is {next_index}, window {window})",
+                code="chunk_out_of_window",
+                header=_INDEX,
+            )
+
+    def _check_run(self, s: _Session, h: _Headers) -> None:
+        assert s.shape is not None
+        this = _run_shape(h)
+        for was, says, header, what in (
+            (s.shape.total, this.total, _TOTAL, "chunk total"),
+            (s.shape.dtype, this.dtype, "x-meshnet-dtype", "dtype"),
+            (s.shape.trailing, this.trailing, "x-meshnet-shape", "shape apart from tokens"),
+        ):
+            if was != says:
+                raise SequencingError(
+                    f"session {s.id}: the run started with {what} {was}, this chunk has {says}",
+                    code="run_mismatch",
+                    header=header,
+                )
+
+    @staticmethod
+    def _conflict(s: _Session, index: int) -> SequencingError:
+        return SequencingError(
+            f"session {s.id}: chunk {index} was already sent with a different tensor",
+            code="chunk_conflict",
+            header=_INDEX,
+        )
+
+    # -- decisions -------------------------------------------------------------------------
+
+    def _process(self, s: _Session, h: _Headers, fp: bytes) -> Process:
+        if s.shape is None:  # chunk 0 opens a run; the last run's records go (SPEC §3)
+            s.shape = _run_shape(h)
+            s.last_records = {}
+        assert h.chunk_index is not None
+        ticket = Ticket(
+            session=s.id,
+            run=s.run,
+            index=h.chunk_index,
+            position=s.position,
+            tokens=h.tokens,
+            fingerprint=fp,
+            serial=next(self._serials),
+        )
+        s.records[ticket.index] = _Record(ticket, _Phase.RUNNING)
+        return Process(ticket)
+
+    def _again(self, record: _Record) -> Decision:
+        if record.phase in _IN_FLIGHT:
+            return Join(record.ticket)
+        if record.phase is _Phase.ANSWERED:
+            return Replay(record.response)
+        self._move(record, "reforward")
+        return Reforward(record.ticket, record.stage_output)
+
+    def _wait(
+        self, sid: str, index: int, now: float, waiter: Waiter | None, deadline: float | None
+    ) -> Wait:
+        if waiter is None:  # a new waiter; a returning one was counted already
+            self._check_room_to_wait(sid, index)
+            until = now + self.limits.reorder_timeout
+            if deadline is not None:
+                until = min(until, deadline)
+            waiter = Waiter(
+                session=sid, index=index, since=now, until=until, serial=next(self._serials)
+            )
+        self._waiting.setdefault(sid, {})[waiter.serial] = waiter
+        if sid not in self._sessions:
+            self._pending += 1
+        return Wait(waiter, waiter.until)
+
+    def _check_room_to_wait(self, sid: str, index: int) -> None:
+        window = self.limits.reorder_window
+        if len(self._waiting.get(sid, ())) >= window:
+            raise SequencingError(
+                f"session {sid}: chunk {index} cannot wait, {window} chunks already wait "
+                f"(the reorder window)",
+                code="chunk_out_of_window",
+                header=_INDEX,
+            )
+        if sid not in self._sessions and self._pending >= self.max_pending_waiters:
+            # Load, not a sequencing fault: such waits end within the reorder timeout.
+            raise CapacityError(
+                f"{self._pending} chunks already wait for sessions that have not started",
+                code="sessions_full",
+                retry_after=math.ceil(self.limits.reorder_timeout),
+            )
+
+    # -- bookkeeping ---------------------------------------------------------------------------
+
+    def _create(self, sid: str, now: float) -> _Session:
+        s = self._sessions[sid] = _Session(sid, touched=now)
+        self._pending -= len(self._waiting.get(sid, ()))
+        return s
+
+    def _drop(self, sid: str) -> None:
+        waiters = self._waiting.pop(sid, {})
+        if self._sessions.pop(sid, None) is None:
+            self._pending -= len(waiters)
+
+    def _remove_waiter(self, waiter: Waiter) -> bool:
+        group = self._waiting.get(waiter.session)
+        if group is None or group.pop(waiter.serial, None) is None:
+            return False
+        if not group:
+            del self._waiting[waiter.session]
+        if waiter.session not in self._sessions:
+            self._pending -= 1
+        return True
+
+    def _make_room(self, now: float) -> None:
+        if len(self._sessions) < self.limits.max_sessions:
+            return
+        self.expire(now)
+        if len(self._sessions) < self.limits.max_sessions:
+            return
+        ttl = self.limits.session_ttl
+        # The soonest an idle session expires; a busy one is counted as just touched.
+        soonest = min(
+            ttl if self._busy(s, now) else s.touched + ttl - now for s in self._sessions.values()
+        )
+        raise CapacityError(
+            f"this node holds {len(self._sessions)} sessions, its maximum",
+            code="sessions_full",
+            retry_after=max(1, math.ceil(soonest)),
+        )
+
+    def _busy(self, s: _Session, now: float) -> bool:
+        if any(w.until > now for w in self._waiting.get(s.id, {}).values()):
+            return True
+        return any(
+            r.phase in _IN_FLIGHT
+            for r in itertools.chain(s.records.values(), s.last_records.values())
+        )
+
+    def _lookup(self, ticket: Ticket) -> tuple[_Session, _Record] | None:
+        s = self._sessions.get(ticket.session)
+        if s is None:
+            return None
+        records = s.records if ticket.run == s.run else s.last_records
+        record = records.get(ticket.index)
+        if record is None or record.ticket.serial != ticket.serial:
+            return None  # a stale ticket: its run's records were dropped
+        return s, record
+
+    @staticmethod
+    def _move(record: _Record, event: str) -> None:
+        key = (record.phase, event)
+        if key not in _TRANSITIONS:
+            raise ValueError(f"{event}() on a chunk that is {record.phase.value}")
+        phase = _TRANSITIONS[key]
+        if phase is not None:
+            record.phase = phase
+
+    def _trim(self, s: _Session) -> None:
+        """Keep O(window) records per run (the memory bound of docs/sessions.md).
+
+        A sender keeps at most a window of chunks unanswered, so only those can
+        come again; chunk 0 stays for the no-position replay rule; a record in
+        flight stays until the driver reports its outcome.
+        """
+        window = self.limits.reorder_window
+        for records, floor in (
+            (s.records, s.next_index - window),
+            (s.last_records, s.last_total - window),
+        ):
+            for index in [
+                i for i, r in records.items() if 0 < i < floor and r.phase not in _IN_FLIGHT
+            ]:
+                del records[index]
