@@ -118,6 +118,7 @@ class CodecPool:
                     encoding_policy=EncodingPolicy(encoding_policy),
                     request_encoding=request_encoding,
                     level=level,
+                    compressor=self._local.compressor(level),
                 )
             finally:
                 self._observe("encode", start)

@@ -54,6 +54,7 @@ class ServerConfig:
     wire_dtype: str = "keep"
     encoding: str = "mirror"
     zstd_level: int = 1
+    async_backend: str = "trio"
     # node
     next: Endpoint | None = None
     backend: str = "echo"
@@ -175,6 +176,7 @@ _COMMON: list[_Flag] = [
     ("--wire-dtype", _choice(WIRE_DTYPES), "keep", "dtype of tensors this server sends"),
     ("--encoding", _choice(ENCODINGS), "mirror", "encoding of bodies this server sends"),
     ("--zstd-level", _level, 1, "zstd compression level"),
+    ("--async-backend", _choice(("trio", "asyncio")), "trio", "event loop to run on"),
 ]
 _NODE: list[_Flag] = [
     ("--next", _endpoint, None, "downstream node URL (none = last stage)"),

@@ -180,7 +180,11 @@ class DownstreamPool:
             except _STREAM_ERRORS as exc:
                 raise self._error(f"cannot connect ({exc})", "downstream_unreachable") from None
             conn = ClientConnection(
-                limits=self.limits, host=self.endpoint.authority, token=self.token, decode=False
+                limits=self.limits,
+                host=self.endpoint.authority,
+                token=self.token,
+                hop=self.url,
+                decode=False,
             )
         keep = False
         try:
@@ -194,9 +198,16 @@ class DownstreamPool:
                 while True:
                     try:
                         event = conn.next_event()
-                    except MeshnetError as exc:
-                        raise self._error(f"bad response: {exc.message}",
-                                          "downstream_bad_response") from None  # fmt: skip
+                    except DownstreamError as exc:
+                        # The core names the code (unreachable when the
+                        # stream ended, bad_response for garbage) and the hop.
+                        if exc.code == "downstream_unreachable" and pooled and not received:
+                            raise _Stale from exc
+                        raise
+                    except MeshnetError as exc:  # defensive: any other core error
+                        raise self._error(
+                            f"bad response: {exc.message}", "downstream_bad_response"
+                        ) from None
                     if event is NEED_DATA:
                         try:
                             data = await stream.receive(READ_SIZE)

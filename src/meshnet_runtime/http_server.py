@@ -41,6 +41,7 @@ from meshnet_proto import (
     WireHeaders,
 )
 
+from .codec_pool import CodecPool
 from .metrics import ServerMetrics
 from .transports import BoundListener
 
@@ -56,6 +57,8 @@ __all__ = [
 log = logging.getLogger("meshnet.server")
 
 READ_SIZE = 65536
+# Reading a large zstd body whose decode runs in a thread: fewer, larger hops.
+OFFLOAD_READ_SIZE = 1024 * 1024
 # After an early answer (body unread) the client may still be sending: read
 # and discard briefly so it gets to read our answer instead of a reset.
 DRAIN_SECONDS = 1.0
@@ -140,8 +143,10 @@ class HttpServer:
         settings: ServerSettings = ServerSettings(),
         metrics: ServerMetrics | None = None,
         ssl_context: ssl.SSLContext | None = None,
+        codecs: CodecPool | None = None,
     ) -> None:
         self.app = app
+        self.codecs = codecs
         self.make_connection = make_connection
         self.settings = settings
         self.metrics = metrics
@@ -248,7 +253,8 @@ class HttpServer:
                 if not isinstance(event, ConnectionClosed):
                     self._count(event_path(event), error.status)
                     await _write(stream, anyio.Lock(), conn.send_error(error), 5.0)
-                    await _drain(stream)
+                    if conn.needs_drain:
+                        await _drain(stream)
         finally:
             self._rejecting -= 1
 
@@ -284,14 +290,29 @@ def event_path(event: object) -> str:
     return "other"
 
 
-async def _read_event(conn: ServerConnection, stream: ByteStream, counter: list[int] | None = None):
-    """The next event, reading as needed; EOF is fed as ``b""``."""
+async def _read_event(
+    conn: ServerConnection,
+    stream: ByteStream,
+    counter: list[int] | None = None,
+    offload: CodecPool | None = None,
+) -> Any:
+    """The next event, reading as needed; EOF is fed as ``b""``.
+
+    With ``offload``, ``next_event`` runs in a worker thread: the core decodes
+    (decompresses) the body inside the call that sees its last byte, and a
+    large zstd body must not stall the event loop. Reads are larger then, to
+    keep the thread hops few.
+    """
+    read_size = OFFLOAD_READ_SIZE if offload is not None else READ_SIZE
     while True:
-        event = conn.next_event()
+        if offload is None:
+            event = conn.next_event()
+        else:
+            event = await offload.run(offload.inline_bytes, conn.next_event)
         if event is not NEED_DATA:
             return event
         try:
-            data = await stream.receive(READ_SIZE)
+            data = await stream.receive(read_size)
         except (anyio.EndOfStream, anyio.BrokenResourceError, OSError, ssl.SSLError):
             data = b""
         if counter is not None:
@@ -357,7 +378,7 @@ class _Connection:
     async def run(self) -> None:
         try:
             while await self._cycle():
-                self.conn.start_next_cycle()
+                pass  # the core restarts the cycle itself after an answer
         except _Closed:
             pass
 
@@ -401,8 +422,16 @@ class _Connection:
                 return False
             if event.expects_continue:
                 await self._send([self.conn.send_continue()])
+            offload = None
+            codecs = self.server.codecs
+            if (
+                codecs is not None
+                and event.headers.encoding == "zstd"
+                and event.headers.nbytes >= codecs.inline_bytes
+            ):
+                offload = codecs
             with anyio.move_on_after(settings.body_timeout) as body_timer:
-                event = await _read_event(self.conn, self.stream)
+                event = await _read_event(self.conn, self.stream, offload=offload)
             if body_timer.cancelled_caught:
                 await self._error(ctx.path, _request_timeout("body"))
                 return False
@@ -462,7 +491,7 @@ class _Connection:
             raise _Closed from None
         self.server._count(path, error.status)
         await self._send(parts)
-        if self.conn.should_close:
+        if self.conn.needs_drain:
             await _drain(self.stream)
 
     async def _send(self, parts: Sequence[Any]) -> None:

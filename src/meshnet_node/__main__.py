@@ -1,0 +1,58 @@
+"""``meshnet-node`` / ``python -m meshnet_node``: one stage of a meshnet chain."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Sequence
+
+import anyio
+
+from meshnet_proto import WIRE_VERSION
+from meshnet_runtime.config import ServerConfig, load_config
+from meshnet_runtime.lifecycle import configure_logging, serve_until_signalled
+from meshnet_runtime.transports import listen
+
+from .app import build_node
+
+
+def ready_line(config: ServerConfig, url: str) -> str:
+    downstream = config.next.url if config.next is not None else "none (last stage)"
+    return (
+        f"meshnet-node listening on {url} "
+        f"(wire {WIRE_VERSION}, stage {config.backend}, next: {downstream})"
+    )
+
+
+async def run(config: ServerConfig) -> None:
+    app, server = build_node(config)
+    bound = await listen(host=config.host, port=config.port, uds=config.uds, tls=config.tls)
+
+    def ready(url: str) -> None:
+        # The one line scripts wait for; flushed, since stdout may be a pipe.
+        print(ready_line(config, url), flush=True)
+
+    try:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(app.maintain)
+            await serve_until_signalled(server, bound, ready)
+            tg.cancel_scope.cancel()
+    finally:
+        with anyio.CancelScope(shield=True):
+            await app.aclose()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    config = load_config("node", argv)
+    configure_logging(config.log_level)
+    try:
+        anyio.run(run, config, backend=config.async_backend)
+    except OSError as exc:
+        print(f"meshnet-node: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:  # before the signal handlers were installed
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

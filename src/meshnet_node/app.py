@@ -1,0 +1,431 @@
+"""The node application: wire-2 ``POST /forward`` through one stage (SPEC §2-§4).
+
+Thin by design: the core decides (``ServerConnection`` parses and decodes,
+``SessionTable`` sequences); this module waits, runs the stage, encodes,
+forwards and answers. Per request:
+
+1. head: a spent deadline is 504 at once; ``SessionTable.check_head`` runs
+   the header-only sequencing checks before the body is read.
+2. body decoded (in a worker thread when large: see ``http_server``), then a
+   fingerprint and the ``offer`` loop: ``Wait`` sleeps on the session's
+   wake-up event until woken or ``until``; ``Process`` runs the stage and
+   reports ``stage_done`` at once, so the next chunk of the session can start
+   while this one is still downstream; ``Replay``/``Reforward``/``Join``
+   answer a retransmission without running the stage again.
+3. last stage: encode the output per ``--wire-dtype``/``--encoding``; with
+   ``--next``: forward it and relay the downstream's success unchanged, or its
+   error with ``hop`` set to our ``--next`` when the downstream left it null.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from typing import Any
+from urllib.parse import parse_qs
+
+import anyio
+
+from meshnet_proto import (
+    WIRE_VERSION,
+    ActivationHead,
+    ActivationReceived,
+    DownstreamError,
+    EndpointRequest,
+    ErrorResponse,
+    Join,
+    MeshnetError,
+    Process,
+    ProtocolError,
+    Reforward,
+    Replay,
+    ServerConnection,
+    SessionTable,
+    Ticket,
+    Wait,
+    WireHeaders,
+    tensor_fingerprint,
+)
+from meshnet_runtime.codec_pool import CodecPool
+from meshnet_runtime.config import ServerConfig
+from meshnet_runtime.deadlines import Deadline
+from meshnet_runtime.downstream import DownstreamPool
+from meshnet_runtime.http_server import (
+    ActivationReply,
+    HttpServer,
+    Reply,
+    RequestContext,
+    ServerSettings,
+)
+from meshnet_runtime.metrics import METRICS_CONTENT_TYPE, ServerMetrics
+from meshnet_runtime.transports import client_ssl_context, listen, server_ssl_context
+
+from .backends import Stage, make_stage
+
+__all__ = ["NodeApp", "RunningNode", "build_node", "serve_node"]
+
+log = logging.getLogger("meshnet.node")
+
+# How often idle sessions are looked for; expiry is at most this late.
+_EXPIRY_INTERVAL = 5.0
+
+
+@dataclass(eq=False, slots=True)
+class _Outcome:
+    """The answer of one in-flight stage run, for retransmissions that ``Join`` it."""
+
+    done: anyio.Event = field(default_factory=anyio.Event)
+    reply: ActivationReply | None = None
+    error: MeshnetError | None = None
+
+    def finish(self, reply: ActivationReply | None, error: MeshnetError | None) -> None:
+        if not self.done.is_set():
+            self.reply, self.error = reply, error
+            self.done.set()
+
+
+class NodeApp:
+    """The ``Application`` (see ``meshnet_runtime.http_server``) of one node."""
+
+    def __init__(
+        self,
+        config: ServerConfig,
+        *,
+        stage: Stage | None = None,
+        metrics: ServerMetrics | None = None,
+    ) -> None:
+        self.config = config
+        self.limits = config.limits
+        self.table = SessionTable(self.limits)
+        self.stage = stage or make_stage(config.backend, config.delay_ms)
+        self.metrics = metrics or ServerMetrics("node")
+        self.metrics.sessions.set_function(lambda: len(self.table))
+        self.codecs = CodecPool(limits=self.limits, metrics=self.metrics)
+        self.downstream: DownstreamPool | None = None
+        if config.next is not None:
+            self.downstream = DownstreamPool(
+                config.next,
+                limits=self.limits,
+                token=config.token,
+                ssl_context=client_ssl_context(config.tls_ca) if config.next.tls else None,
+                metrics=self.metrics,
+            )
+        self._wakeups: dict[str, anyio.Event] = {}
+        self._outcomes: dict[int, _Outcome] = {}
+
+    def make_connection(self) -> ServerConnection:
+        return ServerConnection(limits=self.limits, token=self.config.token)
+
+    # ------------------------------------------------------------ activations
+
+    async def handle_activation_head(self, event: ActivationHead, ctx: RequestContext) -> None:
+        if event.headers.deadline_ms == 0:
+            Deadline(ctx.started).check()
+        self.table.check_head(event.headers, anyio.current_time())
+
+    async def handle_activation(
+        self, event: ActivationReceived, ctx: RequestContext
+    ) -> ActivationReply:
+        headers = event.headers
+        deadline = Deadline.start(ctx.started, self.config.timeout, headers.deadline_ms)
+        fingerprint = await self.codecs.run(headers.nbytes, tensor_fingerprint, event.tensor)
+        waiter = None
+        while True:
+            now = anyio.current_time()
+            decision = self.table.offer(
+                headers, fingerprint, now, waiter=waiter, deadline=deadline.at
+            )
+            if isinstance(decision, Wait):
+                waiter = decision.waiter
+                assert headers.session is not None
+                wake = self._wakeups.setdefault(headers.session, anyio.Event())
+                with anyio.move_on_after(decision.until - now) as timer:
+                    await wake.wait()
+                if timer.cancelled_caught:
+                    self._count("wait_timeout")
+                    raise self.table.give_up(waiter, anyio.current_time())
+                continue
+            if isinstance(decision, Process):
+                self._count("processed")
+                return await self._run(decision.ticket, headers, event, deadline)
+            if isinstance(decision, Reforward):
+                self._count("reforwarded")
+                return await self._run(decision.ticket, headers, None, deadline,
+                                       decision.stage_output)  # fmt: skip
+            if isinstance(decision, Replay):
+                self._count("replayed")
+                return decision.response  # type: ignore[no-any-return]
+            assert isinstance(decision, Join)
+            self._count("joined")
+            return await self._join(decision.ticket, deadline)
+
+    async def _run(
+        self,
+        ticket: Ticket,
+        headers: WireHeaders,
+        event: ActivationReceived | None,
+        deadline: Deadline,
+        stage_output: Any = None,
+    ) -> ActivationReply:
+        """Run the stage (unless reforwarding), then deliver; every exit reports
+        the ticket's outcome to the table and to any joined retransmission."""
+        outcome = self._outcomes[ticket.serial] = _Outcome()
+        try:
+            if event is not None:
+                stage_output = await self._stage(ticket, event)
+            reply = await self._deliver(ticket, headers, stage_output, deadline)
+            outcome.finish(reply, None)
+            return reply
+        except MeshnetError as err:
+            outcome.finish(None, err)
+            raise
+        finally:
+            outcome.finish(None, _gone())
+            del self._outcomes[ticket.serial]
+
+    async def _stage(self, ticket: Ticket, event: ActivationReceived) -> Any:
+        started = time.perf_counter()
+        try:
+            output = await self.stage(event.tensor)
+        except BaseException as exc:
+            self.table.stage_failed(ticket, anyio.current_time())
+            self._wake(ticket.session)
+            if isinstance(exc, Exception):
+                log.exception("stage %s failed", self.stage.name)
+                raise MeshnetError(
+                    f"stage {self.stage.name} failed: {type(exc).__name__}",
+                    code="internal_error",
+                    status=500,
+                ) from exc
+            raise
+        self.metrics.stage_seconds.observe(time.perf_counter() - started)
+        self.table.stage_done(ticket, output, anyio.current_time())
+        self._wake(ticket.session)  # the next chunk may start while this one is downstream
+        return output
+
+    async def _deliver(
+        self, ticket: Ticket, headers: WireHeaders, output: Any, deadline: Deadline
+    ) -> ActivationReply:
+        dtype, encoding, body = await self.codecs.encode(
+            output,
+            dtype_policy=self.config.wire_dtype,
+            encoding_policy=self.config.encoding,
+            request_encoding=headers.encoding,
+            level=self.config.zstd_level,
+        )
+        out = headers.replace(
+            shape=tuple(output.shape),
+            dtype=dtype,
+            encoding=encoding,
+            position=ticket.position,
+            deadline_ms=None,
+        )
+        if self.downstream is None:
+            reply = ActivationReply(out, body)
+            self.table.response_ready(ticket, reply, anyio.current_time())
+            return reply
+        try:
+            response = await self.downstream.forward(out, body, deadline)
+        except BaseException:
+            self.table.forward_failed(ticket, anyio.current_time())
+            raise
+        if isinstance(response, ErrorResponse):
+            self.table.forward_failed(ticket, anyio.current_time())
+            raise response.to_error(hop=self.downstream.url)
+        # Relayed unchanged: the last node's headers and body as received.
+        reply = ActivationReply(response.headers, response.body)
+        self.table.response_ready(ticket, reply, anyio.current_time())
+        return reply
+
+    async def _join(self, ticket: Ticket, deadline: Deadline) -> ActivationReply:
+        outcome = self._outcomes.get(ticket.serial)
+        if outcome is None:  # cannot happen: a ticket in flight has its outcome
+            raise _gone()
+        with anyio.move_on_after(max(deadline.remaining(), 0)):
+            await outcome.done.wait()
+        if not outcome.done.is_set():
+            deadline.check()
+        if outcome.error is not None:
+            raise outcome.error
+        assert outcome.reply is not None
+        return outcome.reply
+
+    def _wake(self, session: str) -> None:
+        event = self._wakeups.pop(session, None)
+        if event is not None:
+            event.set()
+
+    def _count(self, outcome: str) -> None:
+        self.metrics.chunks.labels(outcome).inc()
+
+    # ------------------------------------------------------------ endpoints
+
+    async def handle_endpoint(self, event: EndpointRequest, ctx: RequestContext) -> Reply:
+        if event.path == "/health":
+            return await self._health(event, ctx)
+        if event.path == "/info":
+            return Reply.json(200, self.info())
+        if event.path == "/metrics":
+            return Reply(200, [(b"content-type", METRICS_CONTENT_TYPE.encode())],
+                         self.metrics.render())  # fmt: skip
+        if event.path.startswith("/sessions/") and event.method == "DELETE":
+            return await self._delete(event.path.removeprefix("/sessions/"), ctx)
+        raise ProtocolError(f"no such endpoint {event.path}", code="not_found", status=404)
+
+    def info(self) -> dict[str, Any]:
+        limits = self.limits
+        return {
+            "role": "node",
+            "wire": WIRE_VERSION,
+            "stage": self.stage.describe(),
+            "downstream": self.downstream.url if self.downstream else None,
+            "reorder_window": limits.reorder_window,
+            "limits": {
+                "max_tensor_bytes": limits.max_tensor_bytes,
+                "max_header_bytes": limits.max_header_bytes,
+                "max_rank": limits.max_rank,
+                "max_chunk_total": limits.max_chunk_total,
+                "max_sessions": limits.max_sessions,
+                "session_ttl": limits.session_ttl,
+                "reorder_window": limits.reorder_window,
+                "reorder_timeout": limits.reorder_timeout,
+                "head_timeout": limits.head_timeout,
+                "timeout": self.config.timeout,
+                "max_connections": self.config.max_connections,
+            },
+            "wire_dtype": self.config.wire_dtype,
+            "encoding": self.config.encoding,
+            "sessions": len(self.table),
+        }
+
+    async def _health(self, event: EndpointRequest, ctx: RequestContext) -> Reply:
+        document: dict[str, Any] = {"status": "ok", "role": "node"}
+        deep = parse_qs(event.query).get("deep", ["0"])[-1] in ("1", "true")
+        if deep and self.downstream is not None:
+            deadline = Deadline.start(ctx.started, self.config.timeout, None)
+            response = await self.downstream.request("GET", "/health?deep=1", deadline)
+            if isinstance(response, ErrorResponse):
+                raise response.to_error(hop=self.downstream.url)
+            try:
+                document["downstream"] = json.loads(response.body)
+            except ValueError:
+                raise DownstreamError(
+                    f"{self.downstream.url}: /health is not JSON",
+                    code="downstream_bad_response",
+                    hop=self.downstream.url,
+                ) from None
+        return Reply.json(200, document)
+
+    async def _delete(self, session: str, ctx: RequestContext) -> Reply:
+        """End the session here and down the chain (SPEC §3).
+
+        204 when this node or any node below knew it, 404 when none did. A
+        downstream failure is reported only when this node did not know the
+        session (else the chain's state is already what the caller wanted here).
+        """
+        known = self.table.end_session(session)
+        self._wake(session)
+        if self.downstream is not None:
+            deadline = Deadline.start(ctx.started, self.config.timeout, None)
+            try:
+                response = await self.downstream.request("DELETE", f"/sessions/{session}", deadline)
+            except MeshnetError:
+                if not known:
+                    raise
+                log.warning("could not pass DELETE /sessions/%s down", session, exc_info=True)
+            else:
+                if response.status == 204:
+                    known = True
+                elif isinstance(response, ErrorResponse) and response.status != 404 and not known:
+                    raise response.to_error(hop=self.downstream.url)
+        if not known:
+            raise ProtocolError(f"session {session} is unknown", code="not_found", status=404)
+        return Reply(204)
+
+    # ------------------------------------------------------------ upkeep
+
+    async def maintain(self) -> None:
+        """Forget idle sessions (TTL), waking anything that waits on them."""
+        interval = min(self.limits.session_ttl / 4, _EXPIRY_INTERVAL)
+        while True:
+            await anyio.sleep(interval)
+            for session in self.table.expire(anyio.current_time()):
+                self._wake(session)
+
+    async def aclose(self) -> None:
+        if self.downstream is not None:
+            await self.downstream.aclose()
+
+
+def _gone() -> MeshnetError:
+    return MeshnetError(
+        "the original request for this chunk ended without an answer",
+        code="internal_error",
+        status=500,
+    )
+
+
+# ------------------------------------------------------------------ running
+
+
+def build_node(config: ServerConfig, *, stage: Stage | None = None) -> tuple[NodeApp, HttpServer]:
+    """The application and its server, not yet listening."""
+    metrics = ServerMetrics("node")
+    app = NodeApp(config, stage=stage, metrics=metrics)
+    settings = ServerSettings(
+        head_timeout=config.head_timeout,
+        body_timeout=config.timeout,
+        write_timeout=config.timeout,
+        max_connections=config.max_connections,
+        shutdown_timeout=config.shutdown_timeout,
+    )
+    ssl_context = (
+        server_ssl_context(config.tls_cert, config.tls_key)
+        if config.tls_cert and config.tls_key
+        else None
+    )
+    server = HttpServer(
+        app,
+        app.make_connection,
+        settings=settings,
+        metrics=metrics,
+        ssl_context=ssl_context,
+        codecs=app.codecs,
+    )
+    return app, server
+
+
+@dataclass(slots=True)
+class RunningNode:
+    url: str
+    app: NodeApp
+    server: HttpServer
+
+
+@asynccontextmanager
+async def serve_node(
+    config: ServerConfig, *, stage: Stage | None = None
+) -> AsyncIterator[RunningNode]:
+    """Run a node in this process (tests, ``meshnet demo``); graceful shutdown on exit."""
+    app, server = build_node(config, stage=stage)
+    bound = await listen(host=config.host, port=config.port, uds=config.uds, tls=config.tls)
+    try:
+        async with anyio.create_task_group() as tg:
+
+            async def run(*, task_status: anyio.abc.TaskStatus[str]) -> None:
+                await server.serve(bound, task_status=task_status)
+                tg.cancel_scope.cancel()  # stops the expiry loop
+
+            tg.start_soon(app.maintain)
+            url = await tg.start(run)
+            try:
+                yield RunningNode(url, app, server)
+            finally:
+                server.request_shutdown()
+    finally:
+        with anyio.CancelScope(shield=True):
+            await app.aclose()
