@@ -179,12 +179,14 @@ class HttpServer:
         self.url = bound.url
         async with anyio.create_task_group() as connections:
             accepting = anyio.CancelScope()
-            connections.start_soon(self._accept, bound, connections, accepting)
+            accepted = anyio.Event()
+            connections.start_soon(self._accept, bound, connections, accepting, accepted)
             task_status.started(bound.url)
             await self._shutdown.wait()
-            accepting.cancel()
             self.draining = True
+            accepting.cancel()
             with anyio.CancelScope(shield=True):
+                await accepted.wait()  # closing a listener under accept() is an error
                 await bound.aclose()
             for connection in list(self._connections):
                 connection.close_if_idle()
@@ -195,10 +197,17 @@ class HttpServer:
             connections.cancel_scope.cancel()
 
     async def _accept(
-        self, bound: BoundListener, connections: anyio.abc.TaskGroup, scope: anyio.CancelScope
+        self,
+        bound: BoundListener,
+        connections: anyio.abc.TaskGroup,
+        scope: anyio.CancelScope,
+        done: anyio.Event,
     ) -> None:
-        with scope:
-            await bound.listener.serve(self.serve_stream, task_group=connections)
+        try:
+            with scope:
+                await bound.listener.serve(self.serve_stream, task_group=connections)
+        finally:
+            done.set()
 
     # ------------------------------------------------------------ per stream
 
