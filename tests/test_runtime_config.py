@@ -38,7 +38,7 @@ def test_parse_endpoint(url: str, scheme: str, host: str, port: int, path: str) 
         "http://h",
         "http://h:0",
         "http://h:65536",
-        "http://h:８０",  # fullwidth digits
+        "http://h:\uff18\uff10",  # fullwidth digits
         "http://h:80/forward",
         "http://u@h:80",
         "http://::1:80",

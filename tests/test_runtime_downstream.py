@@ -109,7 +109,10 @@ async def test_garbage_is_502_bad_response() -> None:
 
 @pytest.mark.anyio
 async def test_error_answer_is_returned_for_the_caller_to_relay() -> None:
-    error = b'{"error":{"status":409,"code":"position_mismatch","message":"m","header":null,"hop":null}}'
+    error = (
+        b'{"error":{"status":409,"code":"position_mismatch","message":"m",'
+        b'"header":null,"hop":null}}'
+    )
     answer = (
         b"HTTP/1.1 409 Conflict\r\nContent-Type: application/json\r\nContent-Length: "
         + str(len(error)).encode() + b"\r\n\r\n" + error
