@@ -1,0 +1,49 @@
+"""``meshnet-gateway`` / ``python -m meshnet_gateway``: serve until SIGINT/SIGTERM.
+
+Flags per SPEC §9 (``meshnet-gateway --help``); each also reads
+``MESHNET_<FLAG>``. Prints one ready line on stdout, logs on stderr, exits
+0 after a graceful shutdown.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Sequence
+
+import anyio
+
+from meshnet_runtime.config import ServerConfig, load_config
+from meshnet_runtime.lifecycle import configure_logging, serve_until_signalled
+from meshnet_runtime.transports import listen
+
+from .app import GatewayApp
+from .server import build_server, ready_line
+
+
+async def serve(config: ServerConfig) -> None:
+    app = GatewayApp(config)
+    async with app.running():
+        bound = await listen(host=config.host, port=config.port, uds=config.uds, tls=config.tls)
+        server = build_server(config, app)
+
+        def ready(url: str) -> None:
+            print(ready_line(url, app), flush=True)
+
+        await serve_until_signalled(server, bound, ready)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    config = load_config("gateway", argv)
+    configure_logging(config.log_level)
+    try:
+        anyio.run(serve, config, backend=config.async_backend)
+    except OSError as exc:  # the port is taken, the socket path is not writable…
+        print(f"meshnet-gateway: cannot listen: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:  # before the signal handlers were installed
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

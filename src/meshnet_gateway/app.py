@@ -1,0 +1,352 @@
+"""The gateway's application: whole sequences in, chunked runs down the chain.
+
+SPEC §1 and the gateway paragraph of §3. A client POSTs one whole sequence
+(wire 2, session/index/total optional); the gateway leases the client
+session (``ClientSessionTable``), sends the sequence to the entry node as one
+run of chunks (``_pipeline.run_chunks``), and answers one wire-2 response
+whose ``X-Meshnet-Position`` is the offset of the sequence's first token.
+
+If a chunk fails for good the nodes' contexts no longer match what the
+client sent: the gateway answers the error at once, forgets the session and
+deletes it down the chain in the background, so a hung node cannot delay
+the answer.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+import anyio
+import anyio.abc
+import numpy as np
+
+from meshnet_proto import (
+    WIRE_VERSION,
+    ActivationHead,
+    ActivationReceived,
+    ClientSessionTable,
+    EndpointRequest,
+    ErrorResponse,
+    Lease,
+    MeshnetError,
+    ProtocolError,
+    SequencingError,
+    WireHeaders,
+    apply_wire_dtype,
+)
+from meshnet_runtime.codec_pool import CodecPool
+from meshnet_runtime.config import ServerConfig
+from meshnet_runtime.deadlines import Deadline
+from meshnet_runtime.downstream import DownstreamPool
+from meshnet_runtime.http_server import ActivationReply, Reply, RequestContext
+from meshnet_runtime.metrics import METRICS_CONTENT_TYPE, ServerMetrics
+
+from ._pipeline import run_chunks
+
+__all__ = ["GatewayApp"]
+
+log = logging.getLogger("meshnet.gateway")
+
+# Asking the entry node for its /info must not hold up startup or a request
+# for long: on failure the configured --inflight is used, capped at the
+# SPEC's default window, and the question is asked again next time.
+INFO_TIMEOUT = 2.0
+DEFAULT_REORDER_WINDOW = 16
+# Background DELETEs down the chain after a failed chunk: bounded, so a hung
+# node costs one waiting task for at most this long.
+DELETE_TIMEOUT = 10.0
+
+
+class GatewayApp:
+    """Implements ``meshnet_runtime.http_server.Application`` for the gateway.
+
+    Use inside ``async with app.running():`` — it owns the task group of
+    the background session deletes and closes the downstream pool on exit.
+    """
+
+    def __init__(
+        self,
+        config: ServerConfig,
+        *,
+        pool: DownstreamPool | None = None,
+        codecs: CodecPool | None = None,
+        metrics: ServerMetrics | None = None,
+    ) -> None:
+        if config.entry is None:
+            raise ValueError("the gateway needs an entry node (--entry)")
+        self.config = config
+        self.metrics = metrics or ServerMetrics("gateway")
+        self.codecs = codecs or CodecPool(limits=config.limits, metrics=self.metrics)
+        self.pool = pool or DownstreamPool(
+            config.entry,
+            limits=config.limits,
+            token=config.token,
+            ssl_context=_client_ssl(config),
+            metrics=self.metrics,
+        )
+        self.sessions = ClientSessionTable(config.max_sessions, config.session_ttl)
+        self.entry_window: int | None = None  # the entry node's reorder window, once known
+        self._background: anyio.abc.TaskGroup | None = None
+        # Sessions with a request in progress: checked on the head, before
+        # the body is read (SPEC §2 order: header-only sequencing first).
+        self._active: set[str] = set()
+
+    # ------------------------------------------------------------ lifecycle
+
+    @asynccontextmanager
+    async def running(self) -> AsyncIterator[GatewayApp]:
+        async with anyio.create_task_group() as tg:
+            self._background = tg
+            try:
+                await self.refresh_entry_window()
+                yield self
+            finally:
+                self._background = None
+                # Pending deletes are best effort; the nodes' TTL ends the rest.
+                tg.cancel_scope.cancel()
+                with anyio.CancelScope(shield=True):
+                    await self.pool.aclose()
+
+    @property
+    def inflight(self) -> int:
+        """``--inflight`` capped at the entry node's reorder window (SPEC §1)."""
+        return min(self.config.inflight, self.entry_window or DEFAULT_REORDER_WINDOW)
+
+    async def refresh_entry_window(self) -> int | None:
+        """Read the entry node's reorder window from its ``GET /info``."""
+        try:
+            response = await self.pool.request("GET", "/info", Deadline.after(INFO_TIMEOUT))
+            if isinstance(response, ErrorResponse):
+                raise response.to_error(hop=self.pool.url)
+            self.entry_window = _reorder_window(json.loads(response.body))
+        except (MeshnetError, ValueError) as exc:
+            log.warning("cannot read the reorder window of %s: %s", self.pool.url, exc)
+            return None
+        if self.entry_window is None:
+            log.warning("%s /info shows no reorder window; assuming %d",
+                        self.pool.url, DEFAULT_REORDER_WINDOW)  # fmt: skip
+        elif self.config.inflight > self.entry_window:
+            log.info("--inflight %d capped at the entry node's reorder window %d",
+                     self.config.inflight, self.entry_window)  # fmt: skip
+        return self.entry_window
+
+    # ------------------------------------------------------------ /forward
+
+    async def handle_activation_head(self, event: ActivationHead, ctx: RequestContext) -> None:
+        # Reject before reading what may be hundreds of MiB of body.
+        session = event.headers.session
+        if session is not None and self._busy(session):
+            raise _session_busy(session)
+        tokens = event.headers.tokens
+        total = -(-tokens // self.config.chunk_tokens)
+        if total > self.config.limits.max_chunk_total:
+            raise ProtocolError(
+                f"{tokens} tokens make {total} chunks of {self.config.chunk_tokens}, over the "
+                f"limit of {self.config.limits.max_chunk_total} chunks per run",
+                code="tensor_too_large",
+                status=413,
+                header="x-meshnet-shape",
+            )
+
+    async def handle_activation(
+        self, event: ActivationReceived, ctx: RequestContext
+    ) -> ActivationReply:
+        request = event.headers
+        deadline = Deadline.start(ctx.started, self.config.timeout, request.deadline_ms)
+        deadline.check()
+        if self.entry_window is None:
+            await self.refresh_entry_window()
+        now = anyio.current_time()
+        self.sessions.expire(now)
+        lease = self.sessions.begin(request.session, now, entropy=os.urandom(16))
+        self._active.add(lease.session)
+        self.metrics.sessions.set(len(self.sessions))
+        sent = False  # once a chunk may have gone down, a failure ends the session
+        try:
+            if request.position is not None and request.position != lease.position:
+                raise SequencingError(
+                    f"session {lease.session} is at position {lease.position} at this "
+                    f"gateway, the request says {request.position}",
+                    code="position_mismatch",
+                    header="x-meshnet-position",
+                )
+            # One wire dtype for the whole run (SPEC §3: a run keeps its dtype).
+            tensor = await self.codecs.run(
+                event.tensor.nbytes, apply_wire_dtype, event.tensor, self.config.wire_dtype
+            )
+            sent = True
+            result = await run_chunks(
+                self.pool,
+                self.codecs,
+                tensor,
+                session=lease.session,
+                base_position=lease.position,
+                chunk_tokens=self.config.chunk_tokens,
+                inflight=self.inflight,
+                encoding_policy=self.config.encoding,
+                request_encoding=request.encoding,
+                level=self.config.zstd_level,
+                deadline=deadline,
+            )
+            dtype, encoding, body = await self.codecs.encode(
+                result.output,
+                dtype_policy=self.config.wire_dtype,
+                encoding_policy=self.config.encoding,
+                request_encoding=request.encoding,
+                level=self.config.zstd_level,
+            )
+        except BaseException as exc:
+            if sent:
+                self._fail(lease, exc)
+            else:
+                lease.commit(0)  # nothing went down the chain: the session is intact
+            raise
+        else:
+            lease.commit(request.tokens, anyio.current_time())
+        finally:
+            self._active.discard(lease.session)
+        self.metrics.chunks.labels("ok").inc(len(result.chunks))
+        return ActivationReply(_response_headers(result.output, dtype, encoding, lease), body)
+
+    def _busy(self, session: str) -> bool:
+        return session in self._active
+
+    def _fail(self, lease: Lease, exc: BaseException) -> None:
+        """A chunk failed for good (or the request was cancelled mid-run)."""
+        lease.abort()
+        self.metrics.sessions.set(len(self.sessions))
+        self.metrics.chunks.labels("failed").inc()
+        if isinstance(exc, MeshnetError):
+            log.info("session %s: %s %s (hop %s); deleting it down the chain",
+                     lease.session, exc.status, exc.code, exc.hop)  # fmt: skip
+        if self._background is not None:
+            self._background.start_soon(self._delete_down_chain, lease.session)
+
+    async def _delete_down_chain(self, session: str) -> None:
+        try:
+            response = await self.pool.request(
+                "DELETE", f"/sessions/{session}", Deadline.after(DELETE_TIMEOUT)
+            )
+            status = response.status
+        except MeshnetError as exc:
+            log.warning("DELETE /sessions/%s at %s failed: %s", session, self.pool.url, exc)
+            return
+        log.debug("DELETE /sessions/%s at %s: %d", session, self.pool.url, status)
+
+    # ------------------------------------------------------------ endpoints
+
+    async def handle_endpoint(self, event: EndpointRequest, ctx: RequestContext) -> Reply:
+        path = event.path
+        if path == "/health":
+            return await self._health(event.query)
+        if path == "/info":
+            return Reply.json(200, self.info())
+        if path == "/metrics":
+            self.metrics.sessions.set(len(self.sessions))
+            return Reply(200, [(b"content-type", METRICS_CONTENT_TYPE.encode())],
+                         self.metrics.render())  # fmt: skip
+        if path.startswith("/sessions/") and event.method == "DELETE":
+            return await self._delete(path.removeprefix("/sessions/"), ctx)
+        raise ProtocolError(f"no such endpoint {path}", code="not_found", status=404)
+
+    async def _health(self, query: str) -> Reply:
+        if "deep=1" not in query.split("&"):
+            return Reply.json(200, {"status": "ok", "role": "gateway"})
+        response = await self.pool.request(
+            "GET", "/health?deep=1", Deadline.after(min(self.config.timeout, INFO_TIMEOUT * 5))
+        )
+        if isinstance(response, ErrorResponse):
+            raise response.to_error(hop=self.pool.url)
+        try:
+            downstream: Any = json.loads(response.body)
+        except ValueError:
+            downstream = response.body.decode("utf-8", "replace")
+        return Reply.json(200, {"status": "ok", "role": "gateway", "downstream": downstream})
+
+    async def _delete(self, session: str, ctx: RequestContext) -> Reply:
+        """End a client session here and down the chain (204; 404 if nobody knew it)."""
+        if self._busy(session):
+            raise _session_busy(session)
+        known_here = self.sessions.end(session)
+        self.metrics.sessions.set(len(self.sessions))
+        deadline = Deadline.start(ctx.started, self.config.timeout, None)
+        response = await self.pool.request("DELETE", f"/sessions/{session}", deadline)
+        if isinstance(response, ErrorResponse) and not (response.status == 404 and known_here):
+            raise response.to_error(hop=self.pool.url)
+        return Reply(204)
+
+    def info(self) -> dict[str, Any]:
+        config = self.config
+        return {
+            "role": "gateway",
+            "wire": WIRE_VERSION,
+            "entry": self.pool.url,
+            "chunk_tokens": config.chunk_tokens,
+            "inflight": {
+                "configured": config.inflight,
+                "entry_reorder_window": self.entry_window,
+                "effective": self.inflight,
+            },
+            "encoding": config.encoding,
+            "wire_dtype": config.wire_dtype,
+            "zstd_level": config.zstd_level,
+            "timeout_s": config.timeout,
+            "sessions": {
+                "held": len(self.sessions),
+                "max": config.max_sessions,
+                "ttl_s": config.session_ttl,
+            },
+            "limits": {
+                "max_tensor_bytes": config.max_tensor_bytes,
+                "max_chunk_total": config.limits.max_chunk_total,
+                "max_header_bytes": config.limits.max_header_bytes,
+            },
+            "auth": config.token is not None,
+        }
+
+
+def _response_headers(output: np.ndarray, dtype: str, encoding: str, lease: Lease) -> WireHeaders:
+    # The whole sequence is one chunk of one run at the gateway's interface,
+    # so the answer carries index 0 of 1: every wire-2 reader accepts it.
+    return WireHeaders(
+        shape=tuple(output.shape),
+        dtype=dtype,
+        session=lease.session,
+        chunk_index=0,
+        chunk_total=1,
+        encoding=encoding,
+        position=lease.position,
+    )
+
+
+def _session_busy(session: str) -> SequencingError:
+    return SequencingError(
+        f"session {session} already has a request in progress at this gateway",
+        code="session_busy",
+        header="x-meshnet-session",
+    )
+
+
+def _reorder_window(info: Any) -> int | None:
+    """The reorder window in a node's ``/info`` (top level or under ``limits``)."""
+    if not isinstance(info, dict):
+        raise ValueError("/info is not a JSON object")
+    for where in (info, info.get("limits"), info.get("sessions")):
+        if isinstance(where, dict):
+            value = where.get("reorder_window")
+            if isinstance(value, int) and not isinstance(value, bool) and value >= 1:
+                return value
+    return None
+
+
+def _client_ssl(config: ServerConfig) -> Any:
+    if config.entry is not None and config.entry.tls:
+        from meshnet_runtime.transports import client_ssl_context
+
+        return client_ssl_context(config.tls_ca)
+    return None

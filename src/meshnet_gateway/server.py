@@ -1,0 +1,87 @@
+"""Wiring a gateway: config → application → HTTP server, in a process or in-process.
+
+``__main__`` serves until a signal; ``open_gateway`` serves inside an
+``async with`` block, which is how ``meshnet demo`` and the tests run a
+gateway next to its nodes in one process.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+
+import anyio
+
+from meshnet_proto import ServerConnection
+from meshnet_runtime.config import ServerConfig
+from meshnet_runtime.http_server import HttpServer, ServerSettings
+from meshnet_runtime.transports import server_ssl_context
+
+from .app import GatewayApp
+
+__all__ = ["RunningGateway", "build_server", "open_gateway", "ready_line"]
+
+
+def build_server(config: ServerConfig, app: GatewayApp) -> HttpServer:
+    limits = config.limits
+
+    def make_connection() -> ServerConnection:
+        # The gateway's input is a whole sequence: session, index and total
+        # are optional there (SPEC §2).
+        return ServerConnection(limits=limits, token=config.token, require_sequencing=False)
+
+    settings = ServerSettings(
+        head_timeout=config.head_timeout,
+        body_timeout=config.timeout,
+        write_timeout=config.timeout,
+        max_connections=config.max_connections,
+        shutdown_timeout=config.shutdown_timeout,
+    )
+    ssl_context = None
+    if config.tls_cert is not None and config.tls_key is not None:
+        ssl_context = server_ssl_context(config.tls_cert, config.tls_key)
+    return HttpServer(
+        app,
+        make_connection,
+        settings=settings,
+        metrics=app.metrics,
+        ssl_context=ssl_context,
+        codecs=app.codecs,
+    )
+
+
+def ready_line(url: str, app: GatewayApp) -> str:
+    """The one line a started gateway prints (SPEC §9); the URL comes first
+    after ``listening on`` so scripts can cut it out."""
+    config = app.config
+    window = app.entry_window if app.entry_window is not None else "unknown"
+    return (
+        f"meshnet-gateway listening on {url} (entry {app.pool.url}, "
+        f"chunk-tokens {config.chunk_tokens}, inflight {app.inflight} "
+        f"[asked {config.inflight}, entry window {window}])"
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class RunningGateway:
+    url: str
+    app: GatewayApp
+    server: HttpServer
+
+
+@asynccontextmanager
+async def open_gateway(config: ServerConfig) -> AsyncIterator[RunningGateway]:
+    """Serve a gateway for the duration of the block; graceful shutdown on exit."""
+    from meshnet_runtime.transports import listen
+
+    app = GatewayApp(config)
+    async with app.running():
+        bound = await listen(host=config.host, port=config.port, uds=config.uds, tls=config.tls)
+        server = build_server(config, app)
+        async with anyio.create_task_group() as tg:
+            url = await tg.start(server.serve, bound)
+            try:
+                yield RunningGateway(url, app, server)
+            finally:
+                server.request_shutdown()
