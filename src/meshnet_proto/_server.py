@@ -243,7 +243,7 @@ class ServerConnection:
     def _move(self, trigger: _Trigger) -> None:
         try:
             self._phase = _TRANSITIONS[self._phase, trigger]
-        except KeyError:
+        except KeyError:  # pragma: no cover - a hole in the table is a bug here
             raise RuntimeError(
                 f"ServerConnection: cannot handle {trigger.value!r} in phase {self._phase.value!r}"
             ) from None
@@ -574,11 +574,11 @@ class ServerConnection:
             pairs.append((b"Connection", b"close"))
         # One bytes object for the head (one write, not one per header line),
         # then the body object itself, untouched.
-        head = b"".join(
-            self._send_pieces(
-                h11.Response(status_code=status, headers=pairs, reason=_reason(status))
-            )
-        )
+        try:
+            response = h11.Response(status_code=status, headers=pairs, reason=_reason(status))
+        except h11.LocalProtocolError as exc:
+            raise ValueError(f"not a valid response: {exc}") from None
+        head = b"".join(self._send_pieces(response))
         out: Output = [head]
         if len(data):
             out += self._send_pieces(h11.Data(data=data))
@@ -600,7 +600,9 @@ class ServerConnection:
     def _send_pieces(self, event: h11.Response | h11.Data | h11.EndOfMessage) -> Output:
         try:
             pieces = self._h11.send_with_data_passthrough(event)
-        except h11.LocalProtocolError as exc:
+        except h11.LocalProtocolError as exc:  # pragma: no cover - `_respond` checks first
+            # h11's own state check, behind ours: kept so that a gap in ours
+            # surfaces as a driver-facing error, not as h11's internals.
             raise RuntimeError(f"cannot send this now: {exc}") from exc
         assert pieces is not None
         return list(pieces)
