@@ -1,0 +1,1 @@
+"""``meshnet``: the command line (``meshnet demo``, ``meshnet send``)."""

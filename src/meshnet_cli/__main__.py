@@ -1,0 +1,99 @@
+"""``meshnet``: ``demo`` (a chain in one process), ``send`` (one .npy through a gateway)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Sequence
+
+from meshnet_runtime.config import ENCODINGS, WIRE_DTYPES
+
+
+def _positive_int(text: str) -> int:
+    if not (text.isascii() and text.isdigit()) or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return int(text)
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"expected a positive number of seconds, got {text!r}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="meshnet", description="meshnet wire 2: pipeline-parallel activation transport."
+    )
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    demo = commands.add_parser(
+        "demo",
+        help="run two nodes and a gateway in this process and push an activation through",
+        description="Start two echo nodes and a gateway on free loopback ports, push a "
+        "bfloat16 activation through them in chunks, print what crossed the wire, and "
+        "check the output equals the input bit for bit.",
+    )
+    demo.add_argument("--tokens", type=_positive_int, default=512, help="sequence length [512]")
+    demo.add_argument("--hidden", type=_positive_int, default=4096, help="hidden size [4096]")
+    demo.add_argument("--chunk-tokens", type=_positive_int, default=128, help="[128]")
+    demo.add_argument("--inflight", type=_positive_int, default=1, help="chunks in flight [1]")
+    demo.add_argument("--async-backend", choices=("trio", "asyncio"), default="trio", help="[trio]")
+
+    send = commands.add_parser(
+        "send",
+        help="send a .npy through a running gateway, write the output .npy",
+        description="Read IN.npy, POST it to a gateway as one sequence, write OUT.npy. "
+        "A 2-byte void array (how numpy saves bfloat16) is sent as bfloat16.",
+    )
+    send.add_argument(
+        "--gateway",
+        default=os.environ.get("MESHNET_GATEWAY"),
+        help="gateway URL, e.g. http://127.0.0.1:8000 [env MESHNET_GATEWAY]",
+    )
+    send.add_argument("input", metavar="IN.npy")
+    send.add_argument("output", metavar="OUT.npy")
+    send.add_argument("--session", help="continue this session (default: a new one)")
+    send.add_argument(
+        "--encoding",
+        choices=[e for e in ENCODINGS if e != "mirror"],
+        default="zstd",
+        help="request body encoding [zstd]",
+    )
+    send.add_argument("--wire-dtype", choices=WIRE_DTYPES, default="keep", help="[keep]")
+    send.add_argument(
+        "--token",
+        default=os.environ.get("MESHNET_TOKEN"),
+        help="bearer token [env MESHNET_TOKEN]",
+    )
+    send.add_argument("--tls-ca", default=None, help="CA bundle for an https gateway")
+    send.add_argument("--timeout", type=_seconds, default=60.0, help="seconds [60]")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.command == "demo":
+        from .demo import run_demo
+
+        return run_demo(
+            tokens=args.tokens,
+            hidden=args.hidden,
+            chunk_tokens=args.chunk_tokens,
+            inflight=args.inflight,
+            backend=args.async_backend,
+        )
+    if args.gateway is None:
+        build_parser().error("send needs --gateway URL (or MESHNET_GATEWAY)")
+    from .send import run_send
+
+    return run_send(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

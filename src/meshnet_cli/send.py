@@ -1,0 +1,73 @@
+"""``meshnet send``: one .npy through a running gateway, one line of summary."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import anyio
+import ml_dtypes
+import numpy as np
+
+from meshnet_gateway import forward_via_gateway
+from meshnet_proto import WIRE_DTYPES, MeshnetError
+
+__all__ = ["load_wire_array", "run_send"]
+
+
+def load_wire_array(path: str) -> np.ndarray:
+    """Load ``path`` as a wire-dtype array.
+
+    numpy cannot name bfloat16 in a .npy header and saves it as 2-byte void
+    (``<V2``); such a file is read as bfloat16, the only 2-byte wire dtype
+    numpy has no name for.
+    """
+    array = np.load(path, allow_pickle=False)
+    if array.dtype.kind == "V" and array.dtype.itemsize == 2:
+        array = array.view(ml_dtypes.bfloat16)
+    if not any(array.dtype == dtype for dtype in WIRE_DTYPES.values()):
+        wanted = ", ".join(WIRE_DTYPES)
+        raise ValueError(f"{path}: dtype {array.dtype} is not a wire dtype ({wanted})")
+    if array.ndim == 0 or array.size == 0:
+        raise ValueError(f"{path}: shape {array.shape} has no tokens to send")
+    return array
+
+
+def run_send(args: argparse.Namespace) -> int:
+    try:
+        array = load_wire_array(args.input)
+    except (OSError, ValueError) as exc:
+        print(f"meshnet send: {exc}", file=sys.stderr)
+        return 2
+    try:
+        result = anyio.run(
+            lambda: forward_via_gateway(
+                args.gateway,
+                array,
+                session=args.session,
+                encoding=args.encoding,
+                wire_dtype=args.wire_dtype,
+                token=args.token,
+                timeout=args.timeout,
+                tls_ca=args.tls_ca,
+            ),
+            backend="trio",
+        )
+    except MeshnetError as exc:
+        hop = f" (hop {exc.hop})" if exc.hop else ""
+        print(f"meshnet send: {exc.status} {exc.code}{hop}: {exc.message}", file=sys.stderr)
+        return 1
+    except (OSError, ValueError) as exc:
+        print(f"meshnet send: {exc}", file=sys.stderr)
+        return 1
+    np.save(args.output, np.asarray(result.output))
+    chunk = result.chunks[0]
+    shape = "x".join(map(str, result.output.shape))
+    print(
+        f"sent {shape} {chunk.request.dtype} {chunk.request.encoding} "
+        f"({chunk.raw_bytes:,} B raw, {chunk.sent_bytes:,} B on the wire) -> "
+        f"{result.headers.dtype} {result.headers.encoding} ({chunk.received_bytes:,} B) "
+        f"in {result.seconds * 1000:.1f} ms; session {result.session} "
+        f"position {result.position}; wrote {args.output}"
+    )
+    return 0
