@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import enum
 
+import ml_dtypes
 import numpy as np
 import zstandard
 
@@ -77,17 +78,24 @@ def _convert(array: np.ndarray, target: np.dtype) -> np.ndarray:
         return array.astype(target)
 
 
+def _isfinite(array: np.ndarray) -> np.ndarray:
+    # ml_dtypes' isfinite warns "invalid value" on NaN, which is the answer
+    # we asked for, not a problem.
+    with np.errstate(invalid="ignore"):
+        return np.isfinite(array)
+
+
 def _narrow(array: np.ndarray, target: np.dtype, name: str) -> np.ndarray:
     """``array`` in ``target``, refusing any finite value that becomes infinite."""
     converted = _convert(array, target)
-    overflow = np.isinf(converted) & np.isfinite(array)
+    overflow = np.isinf(converted) & _isfinite(array)
     if overflow.any():
         index = int(np.flatnonzero(overflow)[0])
         value = array.reshape(-1)[index]
         count = int(np.count_nonzero(overflow))
-        limit = float(np.finfo(target).max) if target != _BFLOAT16 else 3.3895313892515355e38
+        limit = float(ml_dtypes.finfo(target).max)  # np.finfo knows no bfloat16
         raise ProtocolError(
-            f"value {value} at flat index {index} does not fit {name} "
+            f"value {value!s} at flat index {index} does not fit {name} "
             f"(largest finite: {limit:g}; {count} such value(s)); use a wider wire dtype",
             code=f"{name}_overflow",
             status=400,
@@ -102,15 +110,13 @@ def _round_trips(array: np.ndarray, converted: np.ndarray) -> bool:
 
 
 def _auto_lossless(array: np.ndarray) -> np.ndarray:
-    if not np.isfinite(array).all():
+    if not _isfinite(array).all():
         return array if array.dtype == _FLOAT32 else _convert(array, _FLOAT32)
     for candidate in _AUTO_CANDIDATES:
         if candidate == array.dtype:
-            # Reached only after every smaller-or-tied candidate failed.
+            # Reached only after every smaller or tied candidate failed (the
+            # candidates are ordered, so nothing wider is ever tried).
             return array
-        if candidate.itemsize > array.dtype.itemsize:
-            # float16 input, not exact in bfloat16: float16 itself is next.
-            continue
         converted = _convert(array, candidate)
         if _round_trips(array, converted):
             return converted

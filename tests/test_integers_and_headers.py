@@ -1,0 +1,478 @@
+"""The strict integer grammar and the SPEC §2 header set, through the public API."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import ml_dtypes
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from meshnet_proto import (
+    WIRE_DTYPES,
+    Limits,
+    MeshnetError,
+    ProtocolError,
+    WireHeaders,
+    parse_canonical_uint,
+    parse_wire_headers,
+    wire_dtype_name,
+)
+
+SESSION = "5b1e7c2a-0d4f-4e8b-9a1c-3f6e2d7b8c90"
+
+
+def pairs(**overrides: bytes | str | None) -> list[tuple[bytes, bytes | str]]:
+    """A valid node request's headers, with some replaced or (None) removed."""
+    base: dict[str, bytes | str | None] = {
+        "content-type": b"application/octet-stream",
+        "x-meshnet-shape": b"1,4,8",
+        "x-meshnet-dtype": b"float32",
+        "x-meshnet-session": SESSION.encode(),
+        "x-meshnet-chunk-index": b"0",
+        "x-meshnet-chunk-total": b"1",
+    }
+    for key, value in overrides.items():
+        base[key.replace("_", "-")] = value
+    return [(name.encode(), value) for name, value in base.items() if value is not None]
+
+
+# ---------------------------------------------------------------- integers
+
+
+@pytest.mark.parametrize(
+    ("raw", "expected"),
+    [
+        ("0", 0),
+        (b"0", 0),
+        ("7", 7),
+        (b"10", 10),
+        ("9" * 19, 10**19 - 1),
+        (bytearray(b"42"), 42),
+        (memoryview(b"123"), 123),
+    ],
+)
+def test_canonical_uint_accepts(raw: bytes | str, expected: int) -> None:
+    assert parse_canonical_uint(raw, header="x-meshnet-position") == expected
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        "",
+        b"",
+        "00",
+        "01",
+        "-1",
+        "+1",
+        " 1",
+        "1 ",
+        "1_000",
+        "٤",  # ARABIC-INDIC DIGIT FOUR: int() and isdigit() accept it
+        "\uff11",  # FULLWIDTH DIGIT ONE
+        "1\n",
+        "0x10",
+        "1e3",
+        "1.0",
+        "1" * 20,
+        "9" * 10_000,
+        b"\xff",
+        "\ud800",  # a lone surrogate must not become a UnicodeError
+    ],
+)
+def test_canonical_uint_rejects(raw: bytes | str) -> None:
+    with pytest.raises(ProtocolError) as info:
+        parse_canonical_uint(raw, header="X-Meshnet-Position")
+    assert (info.value.status, info.value.code, info.value.header) == (
+        400,
+        "bad_integer",
+        "x-meshnet-position",
+    )
+
+
+def test_canonical_uint_rejects_other_types() -> None:
+    with pytest.raises(TypeError):
+        parse_canonical_uint(7, header="x")  # type: ignore[arg-type]
+
+
+@given(st.integers(min_value=0, max_value=10**19 - 1))
+def test_canonical_uint_round_trips(value: int) -> None:
+    assert parse_canonical_uint(str(value), header="x") == value
+
+
+# ------------------------------------------------------------------ dtypes
+
+
+def test_wire_dtypes_are_little_endian() -> None:
+    assert set(WIRE_DTYPES) == {"float32", "float16", "bfloat16", "int32"}
+    for name, dtype in WIRE_DTYPES.items():
+        assert dtype.byteorder in ("<", "=") if dtype.itemsize > 1 else True
+        assert wire_dtype_name(dtype) == name
+    assert WIRE_DTYPES["bfloat16"] == np.dtype(ml_dtypes.bfloat16)
+
+
+@pytest.mark.parametrize(
+    ("dtype", "name"),
+    [(">f4", "float32"), ("<f2", "float16"), (">i4", "int32"), (ml_dtypes.bfloat16, "bfloat16")],
+)
+def test_wire_dtype_name_ignores_byte_order(dtype: object, name: str) -> None:
+    assert wire_dtype_name(np.dtype(dtype)) == name
+
+
+@pytest.mark.parametrize("dtype", ["f8", "i8", "i1", "u4", "bool", "V2", "c8"])
+def test_wire_dtype_name_rejects_others(dtype: str) -> None:
+    with pytest.raises(ValueError, match="not a wire dtype"):
+        wire_dtype_name(np.dtype(dtype))
+
+
+# ----------------------------------------------------------------- parsing
+
+
+def test_parse_minimal_node_request() -> None:
+    headers = parse_wire_headers(pairs())
+    assert headers == WireHeaders(
+        shape=(1, 4, 8), dtype="float32", session=SESSION, chunk_index=0, chunk_total=1
+    )
+    assert headers.encoding == "identity"
+    assert headers.nbytes == 128
+    assert headers.tokens == 4
+    assert headers.numpy_dtype == np.dtype("<f4")
+
+
+def test_parse_every_field_any_case_str_or_bytes() -> None:
+    given_pairs: list[tuple[bytes | str, bytes | str]] = [
+        ("Content-Type", " Application/Octet-Stream\t"),
+        (b"X-MESHNET-WIRE", b"2"),
+        ("x-Meshnet-Shape", "2,3"),
+        (b"X-Meshnet-Dtype", "bfloat16"),
+        ("X-Meshnet-Session", SESSION),
+        ("X-Meshnet-Chunk-Index", b"2"),
+        ("X-Meshnet-Chunk-Total", "3"),
+        ("X-Meshnet-Encoding", "zstd"),
+        ("X-Meshnet-Position", "1024"),
+        ("X-Meshnet-Deadline-Ms", "59000"),
+        ("Content-Length", "12"),
+        ("X-Meshnet-Future-Thing", "whatever"),
+        ("X-Meshnet-Future-Thing", "twice is fine: unknown"),
+    ]
+    headers = parse_wire_headers(given_pairs)
+    assert headers == WireHeaders(
+        shape=(2, 3),
+        dtype="bfloat16",
+        session=SESSION,
+        chunk_index=2,
+        chunk_total=3,
+        encoding="zstd",
+        position=1024,
+        deadline_ms=59000,
+    )
+    assert headers.tokens == 3
+    assert headers.nbytes == 12
+
+
+def test_kelvin_sign_does_not_spell_a_known_header() -> None:
+    # str.lower() maps U+212A KELVIN SIGN to "k"; header names must not.
+    sneaky = [*pairs(x_meshnet_chunk_index=None), ("x-meshnet-chun\u212a-index", "0")]
+    with pytest.raises(ProtocolError) as info:
+        parse_wire_headers(sneaky)
+    assert info.value.code == "missing_header"
+    assert info.value.header == "x-meshnet-chunk-index"
+
+
+def test_gateway_input_without_sequencing() -> None:
+    minimal = pairs(x_meshnet_session=None, x_meshnet_chunk_index=None, x_meshnet_chunk_total=None)
+    headers = parse_wire_headers(minimal, require_sequencing=False)
+    assert (headers.session, headers.chunk_index, headers.chunk_total) == (None, None, None)
+    full = parse_wire_headers(pairs(), require_sequencing=False)
+    assert (full.session, full.chunk_index, full.chunk_total) == (SESSION, 0, 1)
+    index_only = pairs(x_meshnet_chunk_total=None)
+    assert parse_wire_headers(index_only, require_sequencing=False).chunk_index == 0
+
+
+def test_limits_are_honoured() -> None:
+    small = Limits(max_rank=2, max_tensor_bytes=64, max_chunk_total=4)
+    with pytest.raises(ProtocolError) as info:
+        parse_wire_headers(pairs(), limits=small)
+    assert info.value.code == "bad_shape"
+    with pytest.raises(ProtocolError) as info:
+        parse_wire_headers(pairs(x_meshnet_shape="4,5"), limits=small)
+    assert (info.value.status, info.value.code) == (413, "tensor_too_large")
+    assert parse_wire_headers(pairs(x_meshnet_shape="4,4"), limits=small).nbytes == 64
+    ok = pairs(x_meshnet_shape="4,4", x_meshnet_chunk_total="4", x_meshnet_chunk_index="3")
+    assert parse_wire_headers(ok, limits=small).chunk_total == 4
+
+
+def test_huge_shape_is_rejected_before_anything_is_allocated() -> None:
+    # 8 dimensions of 19 digits: computed exactly with Python ints.
+    with pytest.raises(ProtocolError) as info:
+        parse_wire_headers(pairs(x_meshnet_shape=",".join(["9" * 19] * 8)))
+    assert (info.value.status, info.value.code) == (413, "tensor_too_large")
+
+
+def test_header_errors_carry_a_message_and_serialise() -> None:
+    with pytest.raises(ProtocolError) as info:
+        parse_wire_headers(pairs(x_meshnet_dtype="float64"))
+    body = info.value.to_dict()["error"]
+    assert body["status"] == 415
+    assert body["code"] == "unsupported_dtype"
+    assert body["header"] == "x-meshnet-dtype"
+    assert "float64" in body["message"]
+
+
+def test_wire1_message_says_wire_1_is_gone() -> None:
+    with pytest.raises(ProtocolError) as info:
+        parse_wire_headers(pairs(content_type="application/json"))
+    assert "wire 1 is gone" in info.value.message
+
+
+def test_long_values_are_quoted_briefly() -> None:
+    with pytest.raises(ProtocolError) as info:
+        parse_wire_headers(pairs(content_type="x" * 10_000))
+    assert len(info.value.message) < 300
+
+
+def test_rejects_non_bytes_pairs() -> None:
+    with pytest.raises(TypeError):
+        parse_wire_headers([(b"content-type", 5)])  # type: ignore[list-item]
+
+
+# ------------------------------------------------------------- WireHeaders
+
+
+def test_to_pairs_is_canonical_and_parses_back() -> None:
+    headers = WireHeaders(
+        shape=(1, 128, 16384),
+        dtype="bfloat16",
+        session=SESSION,
+        chunk_index=3,
+        chunk_total=9,
+        encoding="zstd",
+        position=384,
+        deadline_ms=1500,
+    )
+    out = headers.to_pairs()
+    assert out == [
+        (b"Content-Type", b"application/octet-stream"),
+        (b"X-Meshnet-Wire", b"2"),
+        (b"X-Meshnet-Shape", b"1,128,16384"),
+        (b"X-Meshnet-Dtype", b"bfloat16"),
+        (b"X-Meshnet-Session", SESSION.encode()),
+        (b"X-Meshnet-Chunk-Index", b"3"),
+        (b"X-Meshnet-Chunk-Total", b"9"),
+        (b"X-Meshnet-Encoding", b"zstd"),
+        (b"X-Meshnet-Position", b"384"),
+        (b"X-Meshnet-Deadline-Ms", b"1500"),
+    ]
+    assert not any(name.lower() == b"content-length" for name, _ in out)
+    assert parse_wire_headers(out) == headers
+
+
+def test_to_pairs_omits_unset_fields() -> None:
+    names = [name for name, _ in WireHeaders(shape=(3,), dtype="int32").to_pairs()]
+    assert names == [
+        b"Content-Type",
+        b"X-Meshnet-Wire",
+        b"X-Meshnet-Shape",
+        b"X-Meshnet-Dtype",
+        b"X-Meshnet-Encoding",
+    ]
+
+
+uuids = st.uuids().map(str)
+uints = st.integers(min_value=0, max_value=10**19 - 1)
+
+
+@st.composite
+def wire_headers(draw: st.DrawFn) -> WireHeaders:
+    shape = tuple(draw(st.lists(st.integers(1, 10**6), min_size=1, max_size=8)))
+    total = draw(st.none() | st.integers(1, 65536))
+    index = None if total is None else draw(st.none() | st.integers(0, total - 1))
+    return WireHeaders(
+        shape=shape,
+        dtype=draw(st.sampled_from(sorted(WIRE_DTYPES))),
+        session=draw(st.none() | uuids),
+        chunk_index=index,
+        chunk_total=total,
+        encoding=draw(st.sampled_from(["identity", "zstd"])),
+        position=draw(st.none() | uints),
+        deadline_ms=draw(st.none() | uints),
+    )
+
+
+@settings(max_examples=150)
+@given(wire_headers())
+def test_to_pairs_round_trips(headers: WireHeaders) -> None:
+    limits = Limits(max_tensor_bytes=10**200)
+    if headers.chunk_total in (None, 1) and headers.chunk_index in (None, 0):
+        parsed = parse_wire_headers(headers.to_pairs(), limits=limits, require_sequencing=False)
+        assert parsed == headers
+    if None not in (headers.session, headers.chunk_index, headers.chunk_total):
+        assert parse_wire_headers(headers.to_pairs(), limits=limits) == headers
+
+
+def test_parsed_round_trip_rejects_gateway_only_chunks() -> None:
+    headers = WireHeaders(shape=(1, 2), dtype="float32", chunk_index=1, chunk_total=2)
+    with pytest.raises(ProtocolError) as info:
+        parse_wire_headers(headers.to_pairs(), require_sequencing=False)
+    assert info.value.code == "bad_chunk_index"
+
+
+def test_for_array_and_properties() -> None:
+    array = np.zeros((2, 5, 3), dtype=">f4")
+    headers = WireHeaders.for_array(array, session=SESSION, chunk_index=0, chunk_total=1)
+    assert headers.shape == (2, 5, 3)
+    assert headers.dtype == "float32"
+    assert headers.tokens == 5
+    assert headers.nbytes == 120
+    rank1 = WireHeaders.for_array(np.zeros(7, dtype=ml_dtypes.bfloat16))
+    assert (rank1.dtype, rank1.tokens, rank1.nbytes) == ("bfloat16", 7, 14)
+    with pytest.raises(ValueError, match="not a wire dtype"):
+        WireHeaders.for_array(np.zeros(3))
+
+
+def test_replace_validates() -> None:
+    headers = WireHeaders(shape=(1, 4), dtype="float32", chunk_index=0, chunk_total=2)
+    assert headers.replace(chunk_index=1).chunk_index == 1
+    with pytest.raises(ValueError):
+        headers.replace(chunk_index=2)
+    with pytest.raises(ValueError):
+        headers.replace(dtype="float64")
+
+
+def test_headers_are_frozen_and_slotted() -> None:
+    headers = WireHeaders(shape=(1,), dtype="int32")
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        headers.dtype = "float32"  # type: ignore[misc]
+    assert not hasattr(headers, "__dict__")
+    with pytest.raises(TypeError):
+        WireHeaders((1,), "int32")  # type: ignore[misc]  # keyword-only
+
+
+def test_shape_is_normalised_to_a_tuple_of_ints() -> None:
+    headers = WireHeaders(shape=[np.int64(2), 3], dtype="float16")  # type: ignore[arg-type]
+    assert headers.shape == (2, 3)
+    assert all(type(dim) is int for dim in headers.shape)
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {"shape": ()},
+        {"shape": (1,) * 9},
+        {"shape": (0, 3)},
+        {"shape": (10**19,)},
+        {"shape": (True, 2)},
+        {"shape": (1.5, 2)},
+        {"shape": 3},
+        {"shape": ("1",)},
+        {"dtype": "float64"},
+        {"dtype": "Float32"},
+        {"encoding": "gzip"},
+        {"session": SESSION.upper()},
+        {"session": "{" + SESSION + "}"},
+        {"session": "é" * 36},
+        {"session": 5},
+        {"chunk_index": -1, "chunk_total": 1},
+        {"chunk_index": 1, "chunk_total": 1},
+        {"chunk_total": 0},
+        {"chunk_index": True},
+        {"position": -1},
+        {"position": 10**19},
+        {"deadline_ms": 1.0},
+    ],
+)
+def test_hand_built_headers_validate(fields: dict[str, object]) -> None:
+    values: dict[str, object] = {"shape": (1, 2), "dtype": "float32", **fields}
+    with pytest.raises(ValueError):
+        WireHeaders(**values)  # type: ignore[arg-type]
+
+
+# ------------------------------------------------------------ the property
+
+_KNOWN_NAMES = [
+    "content-type",
+    "x-meshnet-wire",
+    "x-meshnet-shape",
+    "x-meshnet-dtype",
+    "x-meshnet-session",
+    "x-meshnet-chunk-index",
+    "x-meshnet-chunk-total",
+    "x-meshnet-encoding",
+    "x-meshnet-position",
+    "x-meshnet-deadline-ms",
+]
+_PLAUSIBLE_VALUES = [
+    "application/octet-stream",
+    "application/json",
+    "2",
+    "1,4,8",
+    "1,0",
+    "9999999999999999999,9999999999999999999",
+    "float32",
+    "bfloat16",
+    "Float32",
+    "float64",
+    "zstd",
+    "gzip",
+    SESSION,
+    "0",
+    "1",
+    "65537",
+    "٤",
+]
+
+
+def _recase(name: str, flips: list[bool]) -> str:
+    return "".join(
+        c.upper() if flip else c for c, flip in zip(name, flips + [False] * len(name), strict=False)
+    )
+
+
+header_names = st.one_of(
+    st.builds(_recase, st.sampled_from(_KNOWN_NAMES), st.lists(st.booleans(), max_size=24)),
+    st.text(max_size=24),
+    st.binary(max_size=24),
+)
+header_values = st.one_of(
+    st.sampled_from(_PLAUSIBLE_VALUES),
+    st.text(max_size=48),
+    st.binary(max_size=48),
+    st.lists(st.integers(0, 10**20), min_size=0, max_size=10).map(
+        lambda dims: ",".join(map(str, dims))
+    ),
+)
+
+
+@settings(max_examples=400)
+@given(
+    st.lists(st.tuples(header_names, header_values), max_size=14),
+    st.booleans(),
+)
+def test_parse_either_returns_headers_or_raises_meshnet_error(
+    given_pairs: list[tuple[bytes | str, bytes | str]], require_sequencing: bool
+) -> None:
+    try:
+        result = parse_wire_headers(given_pairs, require_sequencing=require_sequencing)
+    except MeshnetError as error:
+        assert 400 <= error.status < 500
+        assert error.code
+        assert error.message
+    else:
+        assert isinstance(result, WireHeaders)
+
+
+@settings(max_examples=300)
+@given(st.data())
+def test_mutating_one_valid_header_never_escapes(data: st.DataObject) -> None:
+    base = pairs(x_meshnet_encoding="zstd", x_meshnet_position="5", x_meshnet_deadline_ms="9")
+    index = data.draw(st.integers(0, len(base) - 1))
+    name, _ = base[index]
+    base[index] = (name, data.draw(header_values))
+    try:
+        result = parse_wire_headers(base)
+    except MeshnetError as error:
+        assert error.header == name.decode()
+    else:
+        assert isinstance(result, WireHeaders)
