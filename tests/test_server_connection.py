@@ -627,3 +627,18 @@ def test_events_validate_their_fields() -> None:
     with pytest.raises(TypeError):
         ActivationHead(wire, False)  # type: ignore[misc]  # keyword-only
     assert repr(NEED_DATA) == "NEED_DATA" and repr(PAUSED) == "PAUSED"
+
+
+def test_answers_to_head_have_no_body() -> None:
+    # Found by the fuzzer: h11 refuses a body after HEAD, so an error answer
+    # to a HEAD request must leave its body out (the headers still say its size).
+    conn = ServerConnection()
+    events = feed(conn, b"HEAD /health HTTP/1.1\r\nHost: n\r\n\r\n")
+    out = conn.send_error(events[0].error)
+    assert len(out) == 1
+    assert out[0].startswith(b"HTTP/1.1 405 Method Not Allowed\r\n")
+    conn = ServerConnection(routes={"/health": ("GET", "HEAD")})
+    feed(conn, b"HEAD /health HTTP/1.1\r\nHost: n\r\n\r\n")
+    assert conn.send_response(200, body=b"ok") == [b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\n"]
+    feed(conn, b"GET /health HTTP/1.1\r\nHost: n\r\n\r\n")
+    assert conn.send_response(200, body=b"ok")[1] == b"ok"

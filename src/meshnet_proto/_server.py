@@ -230,6 +230,9 @@ class ServerConnection:
         self._h11 = h11.Connection(h11.SERVER, max_incomplete_event_size=limits.max_header_bytes)
         self._phase = _Phase.IDLE
         self._needs_drain = False
+        # An answer to HEAD carries the headers of a GET's and no body (h11
+        # would refuse one): remembered until the answer goes out.
+        self._answering_head = False
         self._reset_cycle()
 
     # ------------------------------------------------------------- state
@@ -335,6 +338,7 @@ class ServerConnection:
         return ConnectionClosed()
 
     def _on_head(self, request: h11.Request) -> ActivationHead | None:
+        self._answering_head = request.method == b"HEAD"
         if _head_size(request) > self._limits.max_header_bytes:
             raise ProtocolError(
                 f"request head over {self._limits.max_header_bytes} bytes",
@@ -580,10 +584,11 @@ class ServerConnection:
             raise ValueError(f"not a valid response: {exc}") from None
         head = b"".join(self._send_pieces(response))
         out: Output = [head]
-        if len(data):
+        if len(data) and not self._answering_head:
             out += self._send_pieces(h11.Data(data=data))
         # Content-Length framing: the end of the message writes nothing.
         self._send_pieces(h11.EndOfMessage())
+        self._answering_head = False
         if early:
             # The request may still be streaming in; its bytes will never be
             # read as a request again.
