@@ -21,9 +21,11 @@ from .server import build_server, ready_line
 
 
 async def serve(config: ServerConfig) -> None:
+    # Listen before anything else starts: a taken port is a plain OSError
+    # (one line on stderr, exit 1), not a traceback out of a task group.
+    bound = await listen(host=config.host, port=config.port, uds=config.uds, tls=config.tls)
     app = GatewayApp(config)
     async with app.running():
-        bound = await listen(host=config.host, port=config.port, uds=config.uds, tls=config.tls)
         server = build_server(config, app)
 
         def ready(url: str) -> None:

@@ -1,0 +1,151 @@
+"""Helpers for the gateway and CLI tests: chains in-process and as subprocesses."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import select
+import signal
+import socket
+import subprocess
+import sys
+from collections.abc import AsyncIterator, Iterator, Sequence
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+
+import ml_dtypes
+import numpy as np
+
+from meshnet_gateway import RunningGateway, open_gateway
+from meshnet_node import RunningNode, serve_node
+from meshnet_runtime.config import load_config
+
+QUIET = ["--host", "127.0.0.1", "--port", "0", "--log-level", "warning"]
+
+
+def activation(tokens: int = 512, hidden: int = 64, seed: int = 7) -> np.ndarray:
+    """A (1, tokens, hidden) bfloat16 stub activation with random bits."""
+    rng = np.random.default_rng(seed)
+    return rng.standard_normal((1, tokens, hidden), dtype=np.float32).astype(ml_dtypes.bfloat16)
+
+
+def same_bits(a: np.ndarray, b: np.ndarray) -> bool:
+    return (
+        a.shape == b.shape
+        and a.dtype == b.dtype
+        and bytes(np.ascontiguousarray(a).view(np.uint8))
+        == bytes(np.ascontiguousarray(b).view(np.uint8))
+    )
+
+
+@dataclass
+class Chain:
+    nodes: list[RunningNode]  # entry first
+    gateway: RunningGateway
+
+    @property
+    def entry(self) -> str:
+        return self.nodes[0].url
+
+
+@asynccontextmanager
+async def chain(
+    length: int = 2,
+    *,
+    node_flags: Sequence[str] = (),
+    last_flags: Sequence[str] = (),
+    gateway_flags: Sequence[str] = (),
+) -> AsyncIterator[Chain]:
+    """``length`` nodes (the last one gets ``last_flags`` too) and a gateway."""
+    async with contextlib.AsyncExitStack() as stack:
+        nodes: list[RunningNode] = []
+        next_url: str | None = None
+        for position in range(length):
+            flags = [*QUIET, *node_flags]
+            if position == 0:
+                flags += list(last_flags)
+            if next_url is not None:
+                flags += ["--next", next_url]
+            node = await stack.enter_async_context(serve_node(load_config("node", flags)))
+            nodes.insert(0, node)
+            next_url = node.url
+        assert next_url is not None
+        gateway = await stack.enter_async_context(
+            open_gateway(load_config("gateway", [*QUIET, "--entry", next_url, *gateway_flags]))
+        )
+        yield Chain(nodes, gateway)
+
+
+def closed_port_url() -> str:
+    """A loopback URL nobody listens on (bound, then released)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    return f"http://127.0.0.1:{port}"
+
+
+# ------------------------------------------------------------------ processes
+
+
+def clean_env() -> dict[str, str]:
+    return {k: v for k, v in os.environ.items() if not k.startswith("MESHNET_")}
+
+
+def spawn(module: str, *args: str, timeout: float = 30.0) -> tuple[subprocess.Popen[str], str]:
+    """Start ``python -m module`` as a user would; return it and its URL from the ready line."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", module, "--port", "0", "--log-level", "warning", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=clean_env(),
+    )
+    assert proc.stdout is not None
+    ready, _, _ = select.select([proc.stdout], [], [], timeout)
+    if not ready:
+        proc.kill()
+        raise AssertionError(f"{module}: no ready line within {timeout} s")
+    line = proc.stdout.readline()
+    if " listening on " not in line:
+        proc.kill()
+        raise AssertionError(f"{module}: bad ready line {line!r}; stderr: {proc.stderr.read()}")
+    url = line.split(" listening on ", 1)[1].split()[0]
+    return proc, url
+
+
+def stop(proc: subprocess.Popen[str], timeout: float = 20.0) -> int:
+    """SIGTERM, then the exit status (killing it if it does not exit in time)."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+    try:
+        return proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+        raise AssertionError(
+            f"pid {proc.pid} did not exit within {timeout} s of SIGTERM"
+        ) from None
+
+
+@contextlib.contextmanager
+def process_chain(
+    length: int = 2, *, gateway_flags: Sequence[str] = ()
+) -> Iterator[tuple[list[str], str, list[subprocess.Popen[str]]]]:
+    """Nodes and a gateway as subprocesses: (node URLs entry first, gateway URL, procs)."""
+    procs: list[subprocess.Popen[str]] = []
+    urls: list[str] = []
+    try:
+        args: list[str] = []
+        for _ in range(length):
+            proc, url = spawn("meshnet_node", *args)
+            procs.append(proc)
+            urls.insert(0, url)
+            args = ["--next", url]
+        proc, gateway_url = spawn("meshnet_gateway", "--entry", urls[0], *gateway_flags)
+        procs.append(proc)
+        yield urls, gateway_url, procs
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
