@@ -11,9 +11,9 @@ import from ``meshnet_proto``, never from the ``_modules``.
 from ._chunking import *  # noqa: F403
 from ._chunking import __all__ as _chunking_all
 from ._client import *  # noqa: F403
+from ._client import __all__ as _client_all
 from ._client_sessions import *  # noqa: F403
 from ._client_sessions import __all__ as _client_sessions_all
-from ._client import __all__ as _client_all
 from ._codec import *  # noqa: F403
 from ._codec import __all__ as _codec_all
 from ._dtypes import *  # noqa: F403
