@@ -9,6 +9,7 @@ from __future__ import annotations
 import uuid
 
 import anyio
+import anyio.abc
 import ml_dtypes
 import numpy as np
 import pytest
@@ -20,6 +21,7 @@ from meshnet_gateway import (
     delete_session,
     forward_via_chain,
     forward_via_gateway,
+    open_gateway,
 )
 from meshnet_gateway.app import _reorder_window
 from meshnet_node import serve_node
@@ -237,8 +239,6 @@ async def test_entry_down_is_502_naming_it_not_a_hang() -> None:
         chain(1) as c,
     ):
         # A gateway whose entry is down, and a node whose --next is down.
-        from meshnet_gateway import open_gateway
-
         flags = ["--port", "0", "--entry", down, "--log-level", "error"]
         async with open_gateway(load_config("gateway", flags)) as gateway:
             with anyio.fail_after(LIMIT), pytest.raises(MeshnetError) as caught:
@@ -255,6 +255,50 @@ async def test_entry_down_is_502_naming_it_not_a_hang() -> None:
                     await forward_via_gateway(gateway.url, activation(10, 4))
                 assert (caught.value.status, caught.value.hop) == (502, down)
         assert c.gateway.app.inflight == 1
+
+
+async def test_entry_that_accepts_but_never_answers_is_504_within_the_budget() -> None:
+    """SPEC §4: a stopped process still accepts TCP connections; only the
+    deadline (the gateway's --timeout) detects it, and names the hop."""
+    listener = await anyio.create_tcp_listener(local_host="127.0.0.1", local_port=0)
+    port = listener.extra(anyio.abc.SocketAttribute.local_port)
+    hung = f"http://127.0.0.1:{port}"
+    held: list[object] = []
+
+    async def hold(stream: anyio.abc.SocketStream) -> None:
+        held.append(stream)  # never read, never answer, never close
+        await anyio.sleep_forever()
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(listener.serve, hold)
+        flags = ["--port", "0", "--entry", hung, "--timeout", "0.8", "--log-level", "error"]
+        async with open_gateway(load_config("gateway", flags)) as gateway:
+            started = anyio.current_time()
+            with anyio.fail_after(LIMIT), pytest.raises(RemoteError) as caught:
+                await forward_via_gateway(gateway.url, activation(10, 4))
+            assert (caught.value.status, caught.value.code) == (504, "downstream_timeout")
+            assert caught.value.hop == hung
+            assert anyio.current_time() - started < LIMIT
+        tg.cancel_scope.cancel()
+    await listener.aclose()
+
+
+async def test_entry_window_is_learnt_once_the_entry_comes_up() -> None:
+    down = closed_port_url()
+    flags = ["--port", "0", "--entry", down, "--inflight", "4", "--log-level", "error"]
+    async with open_gateway(load_config("gateway", flags)) as gateway:
+        assert gateway.app.inflight == 1  # unknown window: one chunk at a time
+        port = down.rsplit(":", 1)[1]
+        node_flags = ["--port", port, "--reorder-window", "3", "--log-level", "warning"]
+        async with serve_node(load_config("node", node_flags)):
+            with anyio.fail_after(LIMIT):
+                result = await forward_via_gateway(gateway.url, activation(300, 8))
+                for _ in range(400):  # the /info question runs in the background
+                    if gateway.app.entry_info_read:
+                        break
+                    await anyio.sleep(0.005)
+            assert same_bits(result.output, activation(300, 8))
+            assert gateway.app.inflight == 3
 
 
 async def test_client_to_a_closed_port_raises_downstream_error() -> None:

@@ -52,9 +52,9 @@ __all__ = ["GatewayApp"]
 
 log = logging.getLogger("meshnet.gateway")
 
-# Asking the entry node for its /info must not hold up startup or a request
-# for long: on failure the configured --inflight is used, capped at the
-# SPEC's default window, and the question is asked again next time.
+# Asking the entry node for its /info must not hold up startup for long, and
+# never a request: until it answers, one chunk at a time (every window is
+# >= 1) and the question is asked again, in the background, on each request.
 INFO_TIMEOUT = 2.0
 DEFAULT_REORDER_WINDOW = 16
 # Background DELETEs down the chain after a failed chunk: bounded, so a hung
@@ -91,6 +91,8 @@ class GatewayApp:
         )
         self.sessions = ClientSessionTable(config.max_sessions, config.session_ttl)
         self.entry_window: int | None = None  # the entry node's reorder window, once known
+        self.entry_info_read = False  # its /info answered (a window may still be absent)
+        self._refreshing = False
         self._background: anyio.abc.TaskGroup | None = None
         # Sessions with a request in progress: checked on the head, before
         # the body is read (SPEC §2 order: header-only sequencing first).
@@ -115,6 +117,8 @@ class GatewayApp:
     @property
     def inflight(self) -> int:
         """``--inflight`` capped at the entry node's reorder window (SPEC §1)."""
+        if not self.entry_info_read:
+            return 1  # safe under any window until the entry tells us its own
         return min(self.config.inflight, self.entry_window or DEFAULT_REORDER_WINDOW)
 
     async def refresh_entry_window(self) -> int | None:
@@ -127,6 +131,7 @@ class GatewayApp:
         except (MeshnetError, ValueError) as exc:
             log.warning("cannot read the reorder window of %s: %s", self.pool.url, exc)
             return None
+        self.entry_info_read = True
         if self.entry_window is None:
             log.warning("%s /info shows no reorder window; assuming %d",
                         self.pool.url, DEFAULT_REORDER_WINDOW)  # fmt: skip
@@ -134,6 +139,13 @@ class GatewayApp:
             log.info("--inflight %d capped at the entry node's reorder window %d",
                      self.config.inflight, self.entry_window)  # fmt: skip
         return self.entry_window
+
+    async def _refresh_in_background(self) -> None:
+        self._refreshing = True
+        try:
+            await self.refresh_entry_window()
+        finally:
+            self._refreshing = False
 
     # ------------------------------------------------------------ /forward
 
@@ -159,8 +171,8 @@ class GatewayApp:
         request = event.headers
         deadline = Deadline.start(ctx.started, self.config.timeout, request.deadline_ms)
         deadline.check()
-        if self.entry_window is None:
-            await self.refresh_entry_window()
+        if not self.entry_info_read and self._background is not None and not self._refreshing:
+            self._background.start_soon(self._refresh_in_background)
         now = anyio.current_time()
         self.sessions.expire(now)
         lease = self.sessions.begin(request.session, now, entropy=os.urandom(16))

@@ -55,7 +55,7 @@ def ready_line(url: str, app: GatewayApp) -> str:
     """The one line a started gateway prints (SPEC §9); the URL comes first
     after ``listening on`` so scripts can cut it out."""
     config = app.config
-    window = app.entry_window if app.entry_window is not None else "unknown"
+    window = app.entry_window if app.entry_info_read else "unknown"
     return (
         f"meshnet-gateway listening on {url} (entry {app.pool.url}, "
         f"chunk-tokens {config.chunk_tokens}, inflight {app.inflight} "
