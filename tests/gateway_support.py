@@ -122,9 +122,7 @@ def stop(proc: subprocess.Popen[str], timeout: float = 20.0) -> int:
     except subprocess.TimeoutExpired:
         proc.kill()
         proc.wait()
-        raise AssertionError(
-            f"pid {proc.pid} did not exit within {timeout} s of SIGTERM"
-        ) from None
+        raise AssertionError(f"pid {proc.pid} did not exit within {timeout} s of SIGTERM") from None
 
 
 @contextlib.contextmanager
