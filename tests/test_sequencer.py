@@ -254,6 +254,19 @@ def test_last_run_chunk_without_position_and_different_tensor_is_the_next_run() 
     assert node.offer(1, 2, tag="a1") == Replay("resp1")
 
 
+def test_last_run_chunk_with_another_total_is_not_a_replay() -> None:
+    # The stored answer says total 2: replaying it to a sender whose run has
+    # another total would hand back an answer for a run it never sent.
+    node = Node()
+    node.run(2, tag="a")
+    with pytest.raises(SequencingError) as err:
+        node.offer(0, 3, position=0, tag="a0")
+    assert (err.value.status, err.value.code) == (409, "chunk_conflict")
+    # Without a position it is simply the next run's chunk 0.
+    t = node.process(0, 3, tag="a0")
+    assert (t.run, t.position) == (1, 8)
+
+
 def test_last_run_chunk_still_in_flight_is_joined() -> None:
     node = Node()
     t0 = node.process(0, 1, position=0)

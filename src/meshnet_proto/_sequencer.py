@@ -472,9 +472,13 @@ class SessionTable:
         # Between runs: a retransmission of the last run, or the next run.
         record = s.last_records.get(index)
         if record is not None and position in (None, record.ticket.position):
-            if fp is None:
+            # The stored answer names the last run's total: a "retransmission"
+            # with another total is not the same chunk, and replaying would
+            # hand the sender an answer for a run it did not send.
+            same_total = h.chunk_total == s.last_total
+            if same_total and fp is None:
                 return _Route.UNDECIDED, None
-            if fp == record.ticket.fingerprint:
+            if same_total and fp == record.ticket.fingerprint:
                 return _Route.AGAIN, record
             if position is not None:  # unmistakably the last run's chunk, changed
                 raise self._conflict(s, index)
@@ -549,7 +553,8 @@ class SessionTable:
     @staticmethod
     def _conflict(s: _Session, index: int) -> SequencingError:
         return SequencingError(
-            f"session {s.id}: chunk {index} was already sent with a different tensor",
+            f"session {s.id}: chunk {index} was already sent with a different tensor "
+            "or chunk total",
             code="chunk_conflict",
             header=_INDEX,
         )
