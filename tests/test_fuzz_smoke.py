@@ -89,3 +89,19 @@ def test_property_edited_seeds(
     position = min(position, len(seed))
     data = seed[:position] + insert + seed[position + delete :]
     harness.exercise(data, cuts)
+
+
+def test_harness_runs_for_a_bounded_time_as_ci_runs_it() -> None:
+    # CI's bounded fuzz run: the script exactly as a developer starts it,
+    # random mutation for a few seconds (atheris is not needed for this mode).
+    import subprocess
+
+    result = subprocess.run(
+        [sys.executable, str(HARNESS), "--seconds", "6", "--seed", "11"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "no invariant broken" in result.stdout
