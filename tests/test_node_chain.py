@@ -202,6 +202,9 @@ async def test_wait_beyond_reorder_timeout_is_409() -> None:
         assert isinstance(response, ErrorResponse)
         assert (response.status, response.error["code"]) == (409, "chunk_wait_timeout")
         await pool.aclose()
+        # A timed-out wait leaves nothing behind: a stream of chunks for
+        # sessions that never start must not grow the node's memory.
+        assert node.app._wakeups == {}
 
 
 async def test_retransmission_replays_without_rerunning_the_stage() -> None:

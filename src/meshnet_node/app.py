@@ -147,6 +147,11 @@ class NodeApp:
                     await wake.wait()
                 if timer.cancelled_caught:
                     self._count("wait_timeout")
+                    # Wake the session's other waiters (they re-offer and wait
+                    # again on a fresh event) so its wake-up event is not left
+                    # behind: for a session that never starts, nothing else
+                    # would ever pop it, and those would pile up.
+                    self._wake(headers.session)
                     raise self.table.give_up(waiter, anyio.current_time())
                 continue
             if isinstance(decision, Process):
