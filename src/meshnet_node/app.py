@@ -231,7 +231,9 @@ class NodeApp:
         )
         if self.downstream is None:
             reply = ActivationReply(out, body)
-            self.table.response_ready(ticket, reply, anyio.current_time())
+            self.table.response_ready(
+                ticket, reply, anyio.current_time(), nbytes=memoryview(reply.body).nbytes
+            )
             return reply
         try:
             response = await self.downstream.forward(out, body, deadline)
@@ -243,7 +245,9 @@ class NodeApp:
             raise response.to_error(hop=self.downstream.url)
         # Relayed unchanged: the last node's headers and body as received.
         reply = ActivationReply(response.headers, response.body)
-        self.table.response_ready(ticket, reply, anyio.current_time())
+        self.table.response_ready(
+            ticket, reply, anyio.current_time(), nbytes=memoryview(reply.body).nbytes
+        )
         return reply
 
     async def _join(self, ticket: Ticket, deadline: Deadline) -> ActivationReply:

@@ -34,6 +34,10 @@ class Limits:
     reorder_timeout: float = 10.0
     # SPEC §4: a client gets 10 s to send its request head.
     head_timeout: float = 10.0
+    # Success responses kept for replay (SPEC §3), over all sessions. Without
+    # a budget, max_sessions x 2 x (reorder_window + 1) x max_tensor_bytes is
+    # held by peers' say-so; past it the oldest stored answers are dropped.
+    max_stored_bytes: int = 1024 * MiB
 
     def __post_init__(self) -> None:
         for name in (
@@ -43,6 +47,7 @@ class Limits:
             "max_chunk_total",
             "max_sessions",
             "reorder_window",
+            "max_stored_bytes",
         ):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:

@@ -161,6 +161,7 @@ class _Phase(Enum):
     FORWARDING = "forwarding"  # stage done; its output is downstream (or being answered)
     FORWARD_FAILED = "forward_failed"  # stage output kept for a reforward
     ANSWERED = "answered"  # success response kept for a replay
+    EVICTED = "evicted"  # answered, but its response went to keep the byte budget
 
 
 # Every legal move of a chunk record: (phase, event) -> next phase, None = forgotten.
@@ -258,6 +259,11 @@ class SessionTable:
         self._waiting: dict[str, dict[int, Waiter]] = {}
         self._pending = 0
         self._serials = itertools.count(1)
+        # Stored responses, oldest first: serial -> (ticket, bytes), for the
+        # ``limits.max_stored_bytes`` budget. Entries whose record is gone are
+        # purged lazily (they hold no response, only a count).
+        self._stored: dict[int, tuple[Ticket, int]] = {}
+        self._stored_bytes = 0
 
     # -- queries ---------------------------------------------------------------
 
@@ -385,8 +391,13 @@ class SessionTable:
             s.shape = None
         s.touched = now
 
-    def response_ready(self, ticket: Ticket, response: Any, now: float) -> None:
-        """Keep a success response for replay; the stage output is no longer needed."""
+    def response_ready(self, ticket: Ticket, response: Any, now: float, *, nbytes: int = 0) -> None:
+        """Keep a success response for replay; the stage output is no longer needed.
+
+        ``nbytes`` is the response's size as the driver counts it; stored
+        responses together are held to ``limits.max_stored_bytes``: past it
+        the oldest go, and a retransmission of theirs is refused (409).
+        """
         found = self._lookup(ticket)
         if found is None:
             return
@@ -395,6 +406,35 @@ class SessionTable:
         record.response, record.stage_output = response, None
         s.touched = now
         self._trim(s)
+        if nbytes > 0:
+            self._stored[ticket.serial] = (ticket, nbytes)
+            self._stored_bytes += nbytes
+            self._keep_budget()
+
+    @property
+    def stored_bytes(self) -> int:
+        """Bytes of the stored responses still held (as ``response_ready`` was told)."""
+        self._purge_stored()
+        return self._stored_bytes
+
+    def _purge_stored(self) -> None:
+        for serial, (ticket, nbytes) in list(self._stored.items()):
+            found = self._lookup(ticket)
+            if found is None or found[1].phase is not _Phase.ANSWERED:
+                del self._stored[serial]
+                self._stored_bytes -= nbytes
+
+    def _keep_budget(self) -> None:
+        if self._stored_bytes <= self.limits.max_stored_bytes:
+            return
+        self._purge_stored()
+        while self._stored_bytes > self.limits.max_stored_bytes and self._stored:
+            serial = next(iter(self._stored))
+            ticket, nbytes = self._stored.pop(serial)
+            self._stored_bytes -= nbytes
+            found = self._lookup(ticket)
+            if found is not None and found[1].phase is _Phase.ANSWERED:
+                found[1].phase, found[1].response = _Phase.EVICTED, None
 
     def forward_failed(self, ticket: Ticket, now: float) -> None:
         """The forward failed: keep the stage output so a retransmission reforwards it."""
@@ -583,6 +623,13 @@ class SessionTable:
             return Join(record.ticket)
         if record.phase is _Phase.ANSWERED:
             return Replay(record.response)
+        if record.phase is _Phase.EVICTED:
+            raise SequencingError(
+                f"session {record.ticket.session}: chunk {record.ticket.index} was answered, "
+                "but its answer is no longer kept (the node's stored-answer budget)",
+                code="chunk_conflict",
+                header=_INDEX,
+            )
         self._move(record, "reforward")
         return Reforward(record.ticket, record.stage_output)
 

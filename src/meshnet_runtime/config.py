@@ -44,6 +44,7 @@ class ServerConfig:
     reorder_timeout: float = 10.0
     head_timeout: float = 10.0
     max_tensor_bytes: int = 512 * 1024 * 1024
+    max_stored_bytes: int = 1024 * 1024 * 1024
     max_connections: int = 256
     shutdown_timeout: float = 30.0
     token: str | None = field(default=None, repr=False)  # never logged
@@ -68,6 +69,7 @@ class ServerConfig:
     def limits(self) -> Limits:
         return Limits(
             max_tensor_bytes=self.max_tensor_bytes,
+            max_stored_bytes=self.max_stored_bytes,
             max_sessions=self.max_sessions,
             session_ttl=self.session_ttl,
             reorder_window=self.reorder_window,
@@ -166,6 +168,12 @@ _COMMON: list[_Flag] = [
     ("--reorder-timeout", _seconds, 10.0, "seconds a chunk waits for its predecessor"),
     ("--head-timeout", _seconds, 10.0, "seconds a client has to send its request head"),
     ("--max-tensor-bytes", _positive_int, 512 * 1024 * 1024, "largest tensor accepted"),
+    (
+        "--max-stored-bytes",
+        _positive_int,
+        1024 * 1024 * 1024,
+        "answers kept for replay, all sessions together",
+    ),
     ("--max-connections", _positive_int, 256, "concurrent connections (more get 503)"),
     ("--shutdown-timeout", _seconds, 30.0, "seconds in-flight requests get on shutdown"),
     ("--token", _nonempty, None, "require 'Authorization: Bearer TOKEN' (and present it)"),

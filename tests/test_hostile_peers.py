@@ -1,0 +1,216 @@
+"""Hostile peers over real loopback sockets: a node must answer every bad
+input with a SPEC §4 4xx, stay up, keep other sessions intact and never
+hold memory that grows with what peers send.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+import anyio
+import numpy as np
+import pytest
+
+from meshnet_node import RunningNode, serve_node
+from meshnet_proto import (
+    ErrorResponse,
+    Limits,
+    SequencingError,
+    SessionTable,
+    WireHeaders,
+    encode_for_wire,
+)
+from meshnet_runtime.config import load_config
+from meshnet_runtime.deadlines import Deadline
+from meshnet_runtime.downstream import DownstreamPool
+
+pytestmark = pytest.mark.anyio
+
+
+@asynccontextmanager
+async def node(*args: str) -> AsyncIterator[RunningNode]:
+    async with serve_node(load_config("node", ["--port", "0", *args], {})) as running:
+        yield running
+
+
+def host_port(url: str) -> tuple[str, int]:
+    host, port = url.removeprefix("http://").rsplit(":", 1)
+    return host, int(port)
+
+
+async def exchange(url: str, data: bytes, *, limit: int = 1 << 20) -> bytes:
+    """Send raw bytes, half-close, read the whole answer (bounded in size and time)."""
+    host, port = host_port(url)
+    out = bytearray()
+    with anyio.fail_after(10):
+        async with await anyio.connect_tcp(host, port) as stream:
+            await stream.send(data)
+            await stream.send_eof()
+            while len(out) < limit:
+                try:
+                    out += await stream.receive(65536)
+                except (anyio.EndOfStream, anyio.BrokenResourceError):
+                    break
+    return bytes(out)
+
+
+def status_and_code(answer: bytes) -> tuple[int, str | None]:
+    head, _, body = answer.partition(b"\r\n\r\n")
+    status = int(head.split(b" ", 2)[1])
+    if status < 400:
+        return status, None
+    return status, json.loads(body)["error"]["code"]
+
+
+def forward_request(
+    *,
+    shape: str = "1,4,4",
+    dtype: str = "float32",
+    session: str | None = None,
+    index: int = 0,
+    total: int = 1,
+    extra: bytes = b"",
+    length: bytes | None = None,
+    body: bytes | None = None,
+) -> bytes:
+    session = session or str(uuid.uuid4())
+    body = bytes(64) if body is None else body
+    length = str(len(body)).encode() if length is None else length
+    head = (
+        b"POST /forward HTTP/1.1\r\nHost: node\r\nConnection: close\r\n"
+        b"Content-Type: application/octet-stream\r\n"
+        + f"X-Meshnet-Shape: {shape}\r\nX-Meshnet-Dtype: {dtype}\r\n"
+        f"X-Meshnet-Session: {session}\r\nX-Meshnet-Chunk-Index: {index}\r\n"
+        f"X-Meshnet-Chunk-Total: {total}\r\n".encode()
+        + extra
+        + b"Content-Length: "
+        + length
+        + b"\r\n\r\n"
+    )
+    return head + body
+
+
+HOSTILE = [
+    ("content-length 10^18", dict(length=b"1000000000000000000"), 413, "body_too_large"),
+    ("content-length 2^63", dict(length=b"9223372036854775808"), 413, "body_too_large"),
+    ("content-length negative", dict(length=b"-1"), 400, "bad_framing"),
+    ("content-length plus sign", dict(length=b"+64"), 400, "bad_framing"),
+    ("content-length 23 digits", dict(length=b"9" * 23), 400, "bad_framing"),
+    ("shape product over int64", dict(shape="4294967296,4294967296"), 413, "tensor_too_large"),
+    ("8 dims of 65536", dict(shape=",".join(["65536"] * 8)), 413, "tensor_too_large"),
+    ("dimension 2^64", dict(shape="18446744073709551616,1"), 400, "bad_shape"),
+    ("NUL in a header", dict(extra=b"X-Foo: a\x00b\r\n"), 400, "malformed_request"),
+    ("bare CR in a header", dict(extra=b"X-Foo: a\rb\r\n"), 400, "malformed_request"),
+    ("non-ascii in a wire value", dict(dtype="fl\u00f6at32"), 400, "bad_dtype"),
+    (
+        "many unknown X-Meshnet headers over 16 KiB",
+        dict(extra=b"".join(b"X-Meshnet-Z%d: 1\r\n" % i for i in range(1200))),
+        431,
+        "header_block_too_large",
+    ),
+]
+
+
+@pytest.mark.parametrize(("name", "parts", "status", "code"), HOSTILE, ids=[h[0] for h in HOSTILE])
+async def test_hostile_request_gets_4xx_and_node_stays_up(
+    name: str, parts: dict, status: int, code: str
+) -> None:
+    async with node() as running:
+        got = status_and_code(await exchange(running.url, forward_request(**parts)))
+        assert got == (status, code), name
+        assert status_and_code(await exchange(running.url, forward_request())) == (200, None)
+
+
+async def test_headers_just_under_the_limit_are_served() -> None:
+    request = forward_request()
+    extra = b"".join(b"X-B%04d: b\r\n" % i for i in range((15_900 - len(request)) // 12))
+    async with node() as running:
+        answer = await exchange(running.url, forward_request(extra=extra))
+        assert status_and_code(answer) == (200, None)
+
+
+@pytest.mark.parametrize(
+    ("target", "method", "status"),
+    [
+        (b"/../../etc/passwd", b"GET", 404),
+        (b"/sessions/../../etc/passwd", b"DELETE", 404),
+        (b"/sessions/not-a-uuid", b"DELETE", 404),
+        (b"http://evil.example/forward", b"POST", 404),
+        (b"*", b"OPTIONS", 404),
+        (b"127.0.0.1:22", b"CONNECT", 404),
+    ],
+)
+async def test_odd_request_targets(target: bytes, method: bytes, status: int) -> None:
+    async with node() as running:
+        request = method + b" " + target + b" HTTP/1.1\r\nHost: node\r\n\r\n"
+        got_status, code = status_and_code(await exchange(running.url, request))
+        assert got_status == status and code is not None
+        assert status_and_code(await exchange(running.url, forward_request())) == (200, None)
+
+
+async def test_chunked_body_with_endless_extensions_is_refused() -> None:
+    async with node() as running:
+        head = forward_request(body=b"").split(b"Content-Length")[0]
+        request = head + b"Transfer-Encoding: chunked\r\n\r\n40;" + b"a=b;" * 50_000 + b"\r\n"
+        assert status_and_code(await exchange(running.url, request)) == (
+            431,
+            "header_block_too_large",
+        )
+
+
+async def send_chunk(pool: DownstreamPool, array: np.ndarray, session: str):
+    dtype, enc, body = encode_for_wire(array)
+    headers = WireHeaders(shape=array.shape, dtype=dtype, session=session, chunk_index=0,
+                          chunk_total=1, encoding=enc, position=0)  # fmt: skip
+    return await pool.forward(headers, body, Deadline.after(10))
+
+
+async def test_stored_responses_are_held_to_a_byte_budget() -> None:
+    """Many sessions each leaving a stored answer must not make the node hold
+    max_sessions x window x max_tensor_bytes: past the budget the oldest stored
+    answers go, and their retransmission is refused (409), never run again."""
+    array = np.ones((1, 64, 16), dtype=np.float32)  # 4 KiB
+    async with node("--max-stored-bytes", str(3 * array.nbytes)) as running:
+        pool = DownstreamPool(running.url)
+        try:
+            first = str(uuid.uuid4())
+            assert not isinstance(await send_chunk(pool, array, first), ErrorResponse)
+            # While within budget the retransmission is a replay.
+            assert not isinstance(await send_chunk(pool, array, first), ErrorResponse)
+            for _ in range(20):
+                answer = await send_chunk(pool, array, str(uuid.uuid4()))
+                assert not isinstance(answer, ErrorResponse)
+                assert running.app.table.stored_bytes <= 3 * array.nbytes
+            again = await send_chunk(pool, array, first)
+            assert isinstance(again, ErrorResponse)
+            assert (again.status, again.error["code"]) == (409, "chunk_conflict")
+        finally:
+            await pool.aclose()
+
+
+def test_session_table_counts_and_evicts_stored_bytes() -> None:
+    from meshnet_proto import Process, Replay, tensor_fingerprint
+
+    table = SessionTable(Limits(max_stored_bytes=100))
+    array = np.zeros((1, 2, 2), dtype=np.float32)
+    headers = {
+        sid: WireHeaders.for_array(array, session=sid, chunk_index=0, chunk_total=1, position=0)
+        for sid in (str(uuid.uuid4()) for _ in range(3))
+    }
+    fp = tensor_fingerprint(array)
+    for h in headers.values():
+        decision = table.offer(h, fp, 0.0)
+        assert isinstance(decision, Process)
+        table.stage_done(decision.ticket, array, 0.0)
+        table.response_ready(decision.ticket, f"answer {h.session}", 0.0, nbytes=40)
+        assert table.stored_bytes <= 100
+    oldest, *kept = headers.values()
+    for h in kept:
+        assert isinstance(table.offer(h, fp, 1.0), Replay)
+    with pytest.raises(SequencingError) as caught:
+        table.offer(oldest, fp, 1.0)
+    assert caught.value.code == "chunk_conflict"
+    assert table.stored_bytes == 80
