@@ -11,6 +11,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 import anyio
+import anyio.abc
 import numpy as np
 import pytest
 
@@ -214,3 +215,35 @@ def test_session_table_counts_and_evicts_stored_bytes() -> None:
         table.offer(oldest, fp, 1.0)
     assert caught.value.code == "chunk_conflict"
     assert table.stored_bytes == 80
+
+
+@asynccontextmanager
+async def scripted_downstream(answer: bytes) -> AsyncIterator[str]:
+    """A loopback 'node' that answers every request head with ``answer``."""
+
+    async def handle(stream: anyio.abc.SocketStream) -> None:
+        async with stream:
+            with anyio.move_on_after(5):
+                seen = b""
+                while b"\r\n\r\n" not in seen:
+                    seen += await stream.receive(65536)
+                await stream.send(answer)
+
+    listener = await anyio.create_tcp_listener(local_host="127.0.0.1", local_port=0)
+    port = listener.extra(anyio.abc.SocketAttribute.local_port)
+    async with listener, anyio.create_task_group() as tg:
+        tg.start_soon(listener.serve, handle)
+        try:
+            yield f"http://127.0.0.1:{port}"
+        finally:
+            tg.cancel_scope.cancel()
+
+
+@pytest.mark.parametrize("status", [b"600", b"999"])
+async def test_downstream_status_beyond_599_is_502_not_500(status: bytes) -> None:
+    answer = b"HTTP/1.1 " + status + b" Weird\r\nContent-Length: 0\r\n\r\n"
+    async with scripted_downstream(answer) as fake, node("--next", fake) as running:
+        got = status_and_code(await exchange(running.url, forward_request()))
+        assert got == (502, "downstream_bad_response")
+        health = b"GET /health?deep=1 HTTP/1.1\r\nHost: node\r\nConnection: close\r\n\r\n"
+        assert status_and_code(await exchange(running.url, health))[0] != 500

@@ -311,6 +311,8 @@ class ClientConnection:
         headers = tuple(response.headers)
         lengths = [int(value) for name, value in headers if name == b"content-length"]
         length = lengths[0] if lengths else None
+        if status > 599:  # h11 takes any three digits; HTTP statuses end at 599
+            raise self._bad(f"status {status} is not an HTTP status")
         if status >= 400:
             kind, wire, limit = _Kind.ERROR, None, self._max_response_body
         elif not self._activation:
