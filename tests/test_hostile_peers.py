@@ -247,3 +247,27 @@ async def test_downstream_status_beyond_599_is_502_not_500(status: bytes) -> Non
         assert got == (502, "downstream_bad_response")
         health = b"GET /health?deep=1 HTTP/1.1\r\nHost: node\r\nConnection: close\r\n\r\n"
         assert status_and_code(await exchange(running.url, health))[0] != 500
+
+
+def rss_bytes() -> int:
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    raise AssertionError("no VmRSS")
+
+
+def test_a_promised_body_costs_memory_only_as_it_arrives() -> None:
+    """A ~300-byte head promising a 256 MiB tensor, then 1 KiB of body, must
+    not make the node commit 256 MiB: with max_connections such heads would
+    take max_connections x max_tensor_bytes for the whole body timeout."""
+    from meshnet_proto import NEED_DATA, ActivationHead, ServerConnection
+
+    conn = ServerConnection()
+    request = forward_request(shape="1,65536,1024", length=str(256 * 1024 * 1024).encode())
+    conn.receive_data(request + bytes(1024))
+    assert isinstance(conn.next_event(), ActivationHead)
+    before = rss_bytes()
+    assert conn.next_event() is NEED_DATA  # the body reader is set up, 1 KiB in
+    grown = rss_bytes() - before
+    assert grown < 32 * 1024 * 1024, f"RSS grew {grown >> 20} MiB for 1 KiB of body"

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import enum
 import json
+import mmap
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -40,7 +41,7 @@ from ._events import (
 from ._headers import WireHeaders, parse_wire_headers
 from ._integers import parse_canonical_uint
 from ._limits import Limits, MiB
-from ._server import Body, Output, _as_byte_buffer
+from ._server import Body, Output, _as_byte_buffer, body_buffer
 
 __all__ = ["ClientConnection"]
 
@@ -73,7 +74,7 @@ class _Pending:
     kind: _Kind
     status: int
     headers: tuple[tuple[bytes, bytes], ...]
-    buffer: bytearray
+    buffer: bytearray | mmap.mmap
     limit: int
     wire: WireHeaders | None = None
     filled: int = 0
@@ -344,7 +345,7 @@ class ClientConnection:
             size = limit
         else:
             size = 0
-        return _Pending(kind, status, headers, bytearray(size), limit, wire)
+        return _Pending(kind, status, headers, body_buffer(size), limit, wire)
 
     def _on_data(self, data: bytes) -> None:
         pending = self._pending

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import enum
 import hmac
+import mmap
 from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass
 from http import HTTPStatus
@@ -115,11 +116,26 @@ _TRANSITIONS: dict[tuple[_Phase, _Trigger], _Phase] = {
 }
 
 
+def body_buffer(size: int) -> bytearray | mmap.mmap:
+    """A zeroed buffer of ``size`` bytes that costs memory only as it is written.
+
+    ``bytearray(size)`` zero-fills, so a head promising a 512 MiB tensor would
+    commit 512 MiB before a byte of body arrives (and keep it for the body
+    timeout). An anonymous mapping's pages are committed when written.
+    """
+    if size < _LAZY_BUFFER_BYTES:
+        return bytearray(size)
+    return mmap.mmap(-1, size)
+
+
+_LAZY_BUFFER_BYTES = 256 * KiB
+
+
 @dataclass(slots=True)
 class _BodyReader:
     """One request body being collected into one preallocated buffer."""
 
-    buffer: bytearray
+    buffer: bytearray | mmap.mmap
     limit: int  # bytes the body may have; over it is 413
     filled: int = 0
 
@@ -457,7 +473,7 @@ class ServerConnection:
             )
         else:
             size = length
-        self._body = _BodyReader(bytearray(size), size)
+        self._body = _BodyReader(body_buffer(size), size)
 
     def _on_end(self) -> ActivationReceived | EndpointRequest:
         body = self._body
