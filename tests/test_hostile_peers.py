@@ -271,3 +271,32 @@ def test_a_promised_body_costs_memory_only_as_it_arrives() -> None:
     assert conn.next_event() is NEED_DATA  # the body reader is set up, 1 KiB in
     grown = rss_bytes() - before
     assert grown < 32 * 1024 * 1024, f"RSS grew {grown >> 20} MiB for 1 KiB of body"
+
+
+def test_stored_bytes_forget_answers_of_ended_sessions() -> None:
+    # An ended session's stored answers no longer count against the budget,
+    # and eviction skips entries whose answer is already gone.
+    from meshnet_proto import Process, tensor_fingerprint
+
+    table = SessionTable(Limits(max_stored_bytes=100))
+    array = np.zeros((1, 2, 2), dtype=np.float32)
+    fp = tensor_fingerprint(array)
+    sessions = [str(uuid.uuid4()) for _ in range(3)]
+    for sid in sessions[:2]:
+        h = WireHeaders.for_array(array, session=sid, chunk_index=0, chunk_total=1, position=0)
+        decision = table.offer(h, fp, 0.0)
+        assert isinstance(decision, Process)
+        table.stage_done(decision.ticket, array, 0.0)
+        table.response_ready(decision.ticket, "answer", 0.0, nbytes=40)
+    assert table.stored_bytes == 80
+    assert table.end_session(sessions[0])
+    assert table.stored_bytes == 40
+    # Over budget again: the ended session's entry (if still listed) is not
+    # what gets evicted; the live one is, oldest first.
+    assert table.end_session(sessions[1])
+    h = WireHeaders.for_array(array, session=sessions[2], chunk_index=0, chunk_total=1, position=0)
+    decision = table.offer(h, fp, 1.0)
+    assert isinstance(decision, Process)
+    table.stage_done(decision.ticket, array, 1.0)
+    table.response_ready(decision.ticket, "answer", 1.0, nbytes=120)
+    assert table.stored_bytes == 0

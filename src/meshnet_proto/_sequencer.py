@@ -433,8 +433,10 @@ class SessionTable:
             ticket, nbytes = self._stored.pop(serial)
             self._stored_bytes -= nbytes
             found = self._lookup(ticket)
-            if found is not None and found[1].phase is _Phase.ANSWERED:
-                found[1].phase, found[1].response = _Phase.EVICTED, None
+            # _purge_stored just dropped every entry that is not an answer
+            # still held, so each one left is found and ANSWERED.
+            assert found is not None and found[1].phase is _Phase.ANSWERED
+            found[1].phase, found[1].response = _Phase.EVICTED, None
 
     def forward_failed(self, ticket: Ticket, now: float) -> None:
         """The forward failed: keep the stage output so a retransmission reforwards it."""
