@@ -300,3 +300,40 @@ def test_stored_bytes_forget_answers_of_ended_sessions() -> None:
     table.stage_done(decision.ticket, array, 1.0)
     table.response_ready(decision.ticket, "answer", 1.0, nbytes=120)
     assert table.stored_bytes == 0
+
+
+async def test_many_legal_requests_cannot_add_up_past_the_inflight_budget() -> None:
+    # Each request is legal on its own (256 KiB); together they would hold
+    # more than --max-inflight-bytes. A second one while the first holds its
+    # reservation (body still streaming) is 503 memory_full with Retry-After,
+    # before any of its body is read; once the first is done, room is back.
+    tensor = 256 * 1024
+    async with node("--max-inflight-bytes", str(tensor + tensor // 2)) as running:
+        host, port = host_port(running.url)
+        shape = f"1,{tensor // 4 // 64},64"
+        request = forward_request(shape=shape, body=bytes(tensor))
+        head, body = request[: len(request) - tensor], request[len(request) - tensor :]
+        with anyio.fail_after(10):
+            async with await anyio.connect_tcp(host, port) as slow:
+                await slow.send(head + body[:1024])  # holds its reservation
+                budget = running.server.budget
+                assert budget is not None
+                for _ in range(500):  # bounded: until the server has reserved
+                    if budget.in_use:
+                        break
+                    await anyio.sleep(0.01)
+                assert budget.in_use == tensor
+                answer = await exchange(running.url, forward_request(shape=shape, body=b""))
+                status, code = status_and_code(answer)
+                assert (status, code) == (503, "memory_full")
+                assert b"retry-after: 1" in answer.lower()
+                await slow.send(body[1024:])
+                reply = bytearray()
+                while b"\r\n\r\n" not in reply:
+                    reply += await slow.receive(65536)
+                assert reply.startswith(b"HTTP/1.1 200")
+        answer = await exchange(running.url, request)
+        assert status_and_code(answer) == (200, None)
+        assert budget.in_use == 0
+        metrics = running.app.metrics.render().decode()
+        assert "meshnet_inflight_tensor_bytes 0.0" in metrics

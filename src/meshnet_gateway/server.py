@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import anyio
 
-from meshnet_proto import ServerConnection
+from meshnet_proto import ByteBudget, ServerConnection, WireHeaders, request_cost
 from meshnet_runtime.config import ServerConfig
 from meshnet_runtime.http_server import HttpServer, ServerSettings
 from meshnet_runtime.transports import server_ssl_context
@@ -48,7 +48,15 @@ def build_server(config: ServerConfig, app: GatewayApp) -> HttpServer:
         metrics=app.metrics,
         ssl_context=ssl_context,
         codecs=app.codecs,
+        budget=ByteBudget(limits.max_inflight_bytes, retry_after=settings.retry_after),
+        cost=_gateway_cost,
     )
+
+
+def _gateway_cost(headers: WireHeaders) -> int:
+    # Beside the request (body and tensor) the gateway holds the reassembled
+    # output, as large as the input: the chain's stages keep shapes.
+    return request_cost(headers) + headers.nbytes
 
 
 def ready_line(url: str, app: GatewayApp) -> str:

@@ -34,6 +34,7 @@ from meshnet_proto import (
     WIRE_VERSION,
     ActivationHead,
     ActivationReceived,
+    ByteBudget,
     DownstreamError,
     EndpointRequest,
     ErrorResponse,
@@ -404,6 +405,7 @@ def build_node(config: ServerConfig, *, stage: Stage | None = None) -> tuple[Nod
         metrics=metrics,
         ssl_context=ssl_context,
         codecs=app.codecs,
+        budget=ByteBudget(app.limits.max_inflight_bytes, retry_after=settings.retry_after),
     )
     return app, server
 

@@ -8,6 +8,8 @@ Every public name is re-exported here from the private module that owns it;
 import from ``meshnet_proto``, never from the ``_modules``.
 """
 
+from ._budget import *  # noqa: F403
+from ._budget import __all__ as _budget_all
 from ._chunking import *  # noqa: F403
 from ._chunking import __all__ as _chunking_all
 from ._client import *  # noqa: F403
@@ -43,6 +45,7 @@ __all__ = sorted(
     {
         "WIRE_VERSION",
         "__version__",
+        *_budget_all,
         *_chunking_all,
         *_client_all,
         *_client_sessions_all,

@@ -38,6 +38,11 @@ class Limits:
     # a budget, max_sessions x 2 x (reorder_window + 1) x max_tensor_bytes is
     # held by peers' say-so; past it the oldest stored answers are dropped.
     max_stored_bytes: int = 1024 * MiB
+    # Tensor bytes held for requests in flight, all connections together
+    # (ByteBudget): 4 x max_tensor_bytes lets four maximal requests (or many
+    # chunk-sized ones) in at once while 256 legal connections cannot add up
+    # to 128 GiB. Past it a new request head gets 503 memory_full.
+    max_inflight_bytes: int = 2048 * MiB
 
     def __post_init__(self) -> None:
         for name in (
@@ -48,6 +53,7 @@ class Limits:
             "max_sessions",
             "reorder_window",
             "max_stored_bytes",
+            "max_inflight_bytes",
         ):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:

@@ -45,6 +45,7 @@ class ServerConfig:
     head_timeout: float = 10.0
     max_tensor_bytes: int = 512 * 1024 * 1024
     max_stored_bytes: int = 1024 * 1024 * 1024
+    max_inflight_bytes: int = 2048 * 1024 * 1024
     max_connections: int = 256
     shutdown_timeout: float = 30.0
     token: str | None = field(default=None, repr=False)  # never logged
@@ -70,6 +71,7 @@ class ServerConfig:
         return Limits(
             max_tensor_bytes=self.max_tensor_bytes,
             max_stored_bytes=self.max_stored_bytes,
+            max_inflight_bytes=self.max_inflight_bytes,
             max_sessions=self.max_sessions,
             session_ttl=self.session_ttl,
             reorder_window=self.reorder_window,
@@ -173,6 +175,12 @@ _COMMON: list[_Flag] = [
         _positive_int,
         1024 * 1024 * 1024,
         "answers kept for replay, all sessions together",
+    ),
+    (
+        "--max-inflight-bytes",
+        _positive_int,
+        2048 * 1024 * 1024,
+        "tensor bytes held for requests in flight, all together (more get 503)",
     ),
     ("--max-connections", _positive_int, 256, "concurrent connections (more get 503)"),
     ("--shutdown-timeout", _seconds, 30.0, "seconds in-flight requests get on shutdown"),

@@ -31,6 +31,7 @@ from meshnet_proto import (
     NEED_DATA,
     ActivationHead,
     ActivationReceived,
+    ByteBudget,
     CapacityError,
     ConnectionClosed,
     EndpointRequest,
@@ -39,6 +40,7 @@ from meshnet_proto import (
     ProtocolErrorReceived,
     ServerConnection,
     WireHeaders,
+    request_cost,
 )
 
 from .codec_pool import CodecPool
@@ -144,9 +146,17 @@ class HttpServer:
         metrics: ServerMetrics | None = None,
         ssl_context: ssl.SSLContext | None = None,
         codecs: CodecPool | None = None,
+        budget: ByteBudget | None = None,
+        cost: Callable[[WireHeaders], int] = request_cost,
     ) -> None:
         self.app = app
         self.codecs = codecs
+        # Tensor bytes held for requests in flight (SPEC §3: waiting chunks
+        # count against the memory limits); None = unbounded (tests, embedding).
+        self.budget = budget
+        self.cost = cost  # what one request holds, from its head alone
+        if metrics is not None and budget is not None:
+            metrics.inflight_bytes.set_function(lambda: budget.in_use)
         self.make_connection = make_connection
         self.settings = settings
         self.metrics = metrics
@@ -429,40 +439,54 @@ class _Connection:
                 log.exception("handle_activation_head failed")
                 await self._error(ctx.path, _internal_error())
                 return False
-            if event.expects_continue:
-                await self._send([self.conn.send_continue()])
-            offload = None
-            codecs = self.server.codecs
-            if (
-                codecs is not None
-                and event.headers.encoding == "zstd"
-                and event.headers.nbytes >= codecs.inline_bytes
-            ):
-                offload = codecs
-            with anyio.move_on_after(settings.body_timeout) as body_timer:
-                event = await _read_event(self.conn, self.stream, offload=offload)
-            if body_timer.cancelled_caught:
-                await self._error(ctx.path, _request_timeout("body"))
-                return False
-            if isinstance(event, ConnectionClosed):
-                return False
-            if isinstance(event, ProtocolErrorReceived):
-                await self._error(ctx.path, event.error)
-                return False
-            if not isinstance(event, ActivationReceived):
-                log.error("unexpected event after ActivationHead: %r", event)
-                await self._error(ctx.path, _internal_error())
-                return False
-            if self.server.metrics:
-                self.server.metrics.bytes_in.labels("upstream").inc(event.body_nbytes)
-            handler = self.server.app.handle_activation
-        elif isinstance(event, EndpointRequest):
-            handler = self.server.app.handle_endpoint
-        else:
-            log.error("unexpected event from ServerConnection: %r", event)
+            reservation = None
+            if self.server.budget is not None:
+                try:
+                    reservation = self.server.budget.reserve(self.server.cost(event.headers))
+                except MeshnetError as err:  # 503 memory_full, before any body byte
+                    await self._error(ctx.path, err)
+                    return False
+            with reservation or contextlib.nullcontext():
+                return await self._activation(event, ctx)
+        if isinstance(event, EndpointRequest):
+            return await self._handle(self.server.app.handle_endpoint, event, ctx)
+        log.error("unexpected event from ServerConnection: %r", event)
+        await self._error(ctx.path, _internal_error())
+        return False
+
+    async def _activation(self, event: ActivationHead, ctx: RequestContext) -> bool:
+        """An accepted head: its body, the application, the answer."""
+        settings = self.server.settings
+        if event.expects_continue:
+            await self._send([self.conn.send_continue()])
+        offload = None
+        codecs = self.server.codecs
+        if (
+            codecs is not None
+            and event.headers.encoding == "zstd"
+            and event.headers.nbytes >= codecs.inline_bytes
+        ):
+            offload = codecs
+        with anyio.move_on_after(settings.body_timeout) as body_timer:
+            received = await _read_event(self.conn, self.stream, offload=offload)
+        if body_timer.cancelled_caught:
+            await self._error(ctx.path, _request_timeout("body"))
+            return False
+        if isinstance(received, ConnectionClosed):
+            return False
+        if isinstance(received, ProtocolErrorReceived):
+            await self._error(ctx.path, received.error)
+            return False
+        if not isinstance(received, ActivationReceived):
+            log.error("unexpected event after ActivationHead: %r", received)
             await self._error(ctx.path, _internal_error())
             return False
+        if self.server.metrics:
+            self.server.metrics.bytes_in.labels("upstream").inc(received.body_nbytes)
+        return await self._handle(self.server.app.handle_activation, received, ctx)
 
+    async def _handle(self, handler: Any, event: Any, ctx: RequestContext) -> bool:
+        """Run the application on a complete request and write its answer."""
         try:
             reply = await handler(event, ctx)  # type: ignore[arg-type]
         except MeshnetError as err:

@@ -58,6 +58,11 @@ class ServerMetrics:
         )  # fmt: skip
         self.sessions = Gauge("meshnet_sessions", "Sessions currently held", registry=r)
         self.connections = Gauge("meshnet_connections", "Open client connections", registry=r)
+        self.inflight_bytes = Gauge(
+            "meshnet_inflight_tensor_bytes",
+            "Tensor bytes reserved for requests in flight (--max-inflight-bytes)",
+            registry=r,
+        )
         self.stage_seconds = Histogram(
             "meshnet_stage_seconds", "Stage compute time per chunk",
             buckets=_SECONDS_BUCKETS, registry=r,
