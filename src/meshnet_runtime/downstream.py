@@ -42,6 +42,11 @@ __all__ = ["DownstreamPool"]
 log = logging.getLogger("meshnet.downstream")
 
 READ_SIZE = 65536
+# The answer to an activation is about as large as the activation: read it up
+# to 1 MiB at a time (64 KiB reads of a 16 MiB answer cost a loop round and an
+# h11 event each; benchmarks/bench_hop.py). Transient: the response buffer
+# still commits memory as bytes arrive and is held to the headers' bound.
+BODY_READ_SIZE = 1024 * 1024
 _STREAM_ERRORS = (
     anyio.EndOfStream,
     anyio.BrokenResourceError,
@@ -187,6 +192,7 @@ class DownstreamPool:
                 decode=False,
             )
         keep = False
+        read_size = min(BODY_READ_SIZE, max(READ_SIZE, body_nbytes))
         try:
             received = 0
             try:
@@ -210,7 +216,7 @@ class DownstreamPool:
                         ) from None
                     if event is NEED_DATA:
                         try:
-                            data = await stream.receive(READ_SIZE)
+                            data = await stream.receive(read_size)
                         except anyio.EndOfStream:
                             data = b""
                         received += len(data)

@@ -40,6 +40,7 @@ from meshnet_proto import (
     ProtocolErrorReceived,
     ServerConnection,
     WireHeaders,
+    body_bound,
     request_cost,
 )
 
@@ -59,8 +60,14 @@ __all__ = [
 log = logging.getLogger("meshnet.server")
 
 READ_SIZE = 65536
+# A tensor body larger than one read is read up to this much at a time: each
+# receive costs a loop round and an h11 event (~40 us), so 64 KiB reads of a
+# 16 MiB body spent more on rounds than on bytes (benchmarks/bench_hop.py).
+# The read is transient (the body buffer still commits memory as bytes
+# arrive) and only follows a head that passed every check and the budget.
+BODY_READ_SIZE = 1024 * 1024
 # Reading a large zstd body whose decode runs in a thread: fewer, larger hops.
-OFFLOAD_READ_SIZE = 1024 * 1024
+OFFLOAD_READ_SIZE = BODY_READ_SIZE
 # After an early answer (body unread) the client may still be sending: read
 # and discard briefly so it gets to read our answer instead of a reset.
 DRAIN_SECONDS = 1.0
@@ -314,6 +321,7 @@ async def _read_event(
     stream: ByteStream,
     counter: list[int] | None = None,
     offload: CodecPool | None = None,
+    read_size: int = READ_SIZE,
 ) -> Any:
     """The next event, reading as needed; EOF is fed as ``b""``.
 
@@ -322,7 +330,8 @@ async def _read_event(
     large zstd body must not stall the event loop. Reads are larger then, to
     keep the thread hops few.
     """
-    read_size = OFFLOAD_READ_SIZE if offload is not None else READ_SIZE
+    if offload is not None:
+        read_size = max(read_size, OFFLOAD_READ_SIZE)
     while True:
         if offload is None:
             event = conn.next_event()
@@ -467,8 +476,12 @@ class _Connection:
             and event.headers.nbytes >= codecs.inline_bytes
         ):
             offload = codecs
+        # Reads sized to the body's bound, at least 64 KiB, at most 1 MiB.
+        read_size = min(BODY_READ_SIZE, max(READ_SIZE, body_bound(event.headers)))
         with anyio.move_on_after(settings.body_timeout) as body_timer:
-            received = await _read_event(self.conn, self.stream, offload=offload)
+            received = await _read_event(
+                self.conn, self.stream, offload=offload, read_size=read_size
+            )
         if body_timer.cancelled_caught:
             await self._error(ctx.path, _request_timeout("body"))
             return False
