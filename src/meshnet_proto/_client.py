@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import enum
 import json
-import mmap
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -74,7 +73,7 @@ class _Pending:
     kind: _Kind
     status: int
     headers: tuple[tuple[bytes, bytes], ...]
-    buffer: bytearray | mmap.mmap
+    buffer: bytearray
     limit: int
     wire: WireHeaders | None = None
     filled: int = 0
@@ -353,9 +352,7 @@ class ClientConnection:
         end = pending.filled + len(data)
         if end > pending.limit:
             raise self._bad(f"response body over its bound of {pending.limit} bytes")
-        if end > len(pending.buffer):
-            pending.buffer.extend(bytes(end - len(pending.buffer)))
-        pending.buffer[pending.filled : end] = data
+        pending.buffer[pending.filled : end] = data  # overwrites or appends
         pending.filled = end
 
     def _on_end(self) -> ActivationResponse | ErrorResponse | Response:

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import enum
 import hmac
-import mmap
 from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass
 from http import HTTPStatus
@@ -116,16 +115,23 @@ _TRANSITIONS: dict[tuple[_Phase, _Trigger], _Phase] = {
 }
 
 
-def body_buffer(size: int) -> bytearray | mmap.mmap:
-    """A zeroed buffer of ``size`` bytes that costs memory only as it is written.
+def body_buffer(size: int) -> bytearray:
+    """A buffer for a body of at most ``size`` bytes that commits memory only
+    as bytes arrive.
 
     ``bytearray(size)`` zero-fills, so a head promising a 512 MiB tensor would
     commit 512 MiB before a byte of body arrives (and keep it for the body
-    timeout). An anonymous mapping's pages are committed when written.
+    timeout). From `_LAZY_BUFFER_BYTES` on, the buffer starts empty and grows
+    by appending: CPython over-allocates a growing bytearray by an eighth and
+    the allocator grows large blocks in place (``mremap``), so appending costs
+    what filling a preallocated buffer does. An anonymous ``mmap`` would also
+    commit pages as written, but every page of a fresh mapping is a fault and
+    a kernel zero-fill: 16-18 ms per 16 MiB against 3-5 ms appended, on each
+    side of every hop (benchmarks/bench_hop.py, docs/performance.md).
     """
     if size < _LAZY_BUFFER_BYTES:
         return bytearray(size)
-    return mmap.mmap(-1, size)
+    return bytearray()
 
 
 _LAZY_BUFFER_BYTES = 256 * KiB
@@ -133,9 +139,9 @@ _LAZY_BUFFER_BYTES = 256 * KiB
 
 @dataclass(slots=True)
 class _BodyReader:
-    """One request body being collected into one preallocated buffer."""
+    """One request body being collected into one buffer (`body_buffer`)."""
 
-    buffer: bytearray | mmap.mmap
+    buffer: bytearray
     limit: int  # bytes the body may have; over it is 413
     filled: int = 0
 
@@ -147,10 +153,8 @@ class _BodyReader:
                 code="body_too_large",
                 status=413,
             )
-        if end > len(self.buffer):
-            # Only the endpoint reader of a chunked body starts small; it
-            # grows to at most `limit` (64 KiB by default).
-            self.buffer.extend(bytes(end - len(self.buffer)))
+        # Within a preallocated buffer this overwrites; at the end of a
+        # growing one (a large body, a chunked endpoint body) it appends.
         self.buffer[self.filled : end] = data
         self.filled = end
 
