@@ -73,7 +73,7 @@ class _Pending:
     kind: _Kind
     status: int
     headers: tuple[tuple[bytes, bytes], ...]
-    buffer: bytearray
+    buffer: bytearray | memoryview
     limit: int
     wire: WireHeaders | None = None
     filled: int = 0
@@ -352,7 +352,7 @@ class ClientConnection:
         end = pending.filled + len(data)
         if end > pending.limit:
             raise self._bad(f"response body over its bound of {pending.limit} bytes")
-        pending.buffer[pending.filled : end] = data  # overwrites or appends
+        pending.buffer[pending.filled : end] = data  # a bytearray grows (small bodies)
         pending.filled = end
 
     def _on_end(self) -> ActivationResponse | ErrorResponse | Response:

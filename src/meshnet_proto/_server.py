@@ -115,23 +115,25 @@ _TRANSITIONS: dict[tuple[_Phase, _Trigger], _Phase] = {
 }
 
 
-def body_buffer(size: int) -> bytearray:
-    """A buffer for a body of at most ``size`` bytes that commits memory only
-    as bytes arrive.
+def body_buffer(size: int) -> bytearray | memoryview:
+    """A writable buffer of ``size`` bytes that commits memory only as it is
+    written.
 
     ``bytearray(size)`` zero-fills, so a head promising a 512 MiB tensor would
     commit 512 MiB before a byte of body arrives (and keep it for the body
-    timeout). From `_LAZY_BUFFER_BYTES` on, the buffer starts empty and grows
-    by appending: CPython over-allocates a growing bytearray by an eighth and
-    the allocator grows large blocks in place (``mremap``), so appending costs
-    what filling a preallocated buffer does. An anonymous ``mmap`` would also
-    commit pages as written, but every page of a fresh mapping is a fault and
-    a kernel zero-fill: 16-18 ms per 16 MiB against 3-5 ms appended, on each
-    side of every hop (benchmarks/bench_hop.py, docs/performance.md).
+    timeout). From `_LAZY_BUFFER_BYTES` on, the buffer is uninitialised memory
+    from ``numpy.empty``: the allocator hands out untouched pages (committed
+    when written) or reuses memory the process already holds, and never
+    writes it first. An anonymous ``mmap`` commits as written too, but every
+    page of a fresh mapping is a fault and a kernel zero-fill: filling 16 MiB
+    took 16-19 ms against ~2 ms, on each side of every hop
+    (benchmarks/bench_hop.py). Growing a bytearray by appending commits as
+    written as well, but its reallocations copy (up to twice the body held at
+    once, and quadratic time when the allocator cannot grow in place).
     """
     if size < _LAZY_BUFFER_BYTES:
         return bytearray(size)
-    return bytearray()
+    return memoryview(np.empty(size, dtype=np.uint8))
 
 
 _LAZY_BUFFER_BYTES = 256 * KiB
@@ -139,9 +141,10 @@ _LAZY_BUFFER_BYTES = 256 * KiB
 
 @dataclass(slots=True)
 class _BodyReader:
-    """One request body being collected into one buffer (`body_buffer`)."""
+    """One request body being collected into one preallocated buffer
+    (`body_buffer`); an endpoint's chunked body grows a bytearray."""
 
-    buffer: bytearray
+    buffer: bytearray | memoryview
     limit: int  # bytes the body may have; over it is 413
     filled: int = 0
 
@@ -153,8 +156,8 @@ class _BodyReader:
                 code="body_too_large",
                 status=413,
             )
-        # Within a preallocated buffer this overwrites; at the end of a
-        # growing one (a large body, a chunked endpoint body) it appends.
+        # Only an endpoint's chunked body (a bytearray) grows past its
+        # buffer, to at most `limit`; slice assignment extends it.
         self.buffer[self.filled : end] = data
         self.filled = end
 
