@@ -337,3 +337,67 @@ async def test_many_legal_requests_cannot_add_up_past_the_inflight_budget() -> N
         assert budget.in_use == 0
         metrics = running.app.metrics.render().decode()
         assert "meshnet_inflight_tensor_bytes 0.0" in metrics
+
+
+def test_outputs_kept_for_a_reforward_count_against_the_stored_budget() -> None:
+    # A downstream that keeps failing must not let a peer park stage outputs
+    # (kept for a reforward) beyond max_stored_bytes: the oldest go, and a
+    # retransmission of theirs is 409 — its stage already ran, so it cannot
+    # simply run again.
+    from meshnet_proto import Process, Reforward, tensor_fingerprint
+
+    table = SessionTable(Limits(max_stored_bytes=100))
+    array = np.zeros((1, 2, 2), dtype=np.float32)
+    fp = tensor_fingerprint(array)
+    sessions = [str(uuid.uuid4()) for _ in range(3)]
+    chunk = {
+        sid: WireHeaders.for_array(array, session=sid, chunk_index=0, chunk_total=1, position=0)
+        for sid in sessions
+    }
+    for sid in sessions:
+        decision = table.offer(chunk[sid], fp, 0.0)
+        assert isinstance(decision, Process)
+        table.stage_done(decision.ticket, array, 0.0)
+        table.forward_failed(decision.ticket, 0.0, nbytes=40)
+        assert table.stored_bytes <= 100
+    oldest, *kept = sessions
+    with pytest.raises(SequencingError) as caught:
+        table.offer(chunk[oldest], fp, 1.0)
+    assert (caught.value.status, caught.value.code) == (409, "chunk_conflict")
+    for sid in kept:
+        again = table.offer(chunk[sid], fp, 1.0)
+        assert isinstance(again, Reforward) and again.stage_output is array
+    # Reforwarded outputs are in flight again, not held: they leave the budget.
+    assert table.stored_bytes == 0
+
+
+async def test_a_failing_downstream_holds_reforward_outputs_to_the_budget() -> None:
+    # The entry node's downstream is gone: every chunk's forward fails (502)
+    # and the node keeps its stage output for a reforward. With a small
+    # --max-stored-bytes those outputs are held to it, not to the count bounds.
+    tensor = 64 * 1024
+    async with node(
+        "--next", "http://127.0.0.1:9", "--max-stored-bytes", str(2 * tensor)
+    ) as running:
+        pool = DownstreamPool(running.url)
+        try:
+            x = np.ones((1, tensor // 4 // 64, 64), dtype=np.float32)
+            for _ in range(6):
+                dtype, enc, body = encode_for_wire(x)
+                headers = WireHeaders(
+                    shape=x.shape,
+                    dtype=dtype,
+                    session=str(uuid.uuid4()),
+                    chunk_index=0,
+                    chunk_total=1,
+                    encoding=enc,
+                    position=0,
+                )
+                answer = await pool.forward(headers, body, Deadline.after(10))
+                assert isinstance(answer, ErrorResponse)
+                assert (answer.status, answer.error["code"]) == (502, "downstream_unreachable")
+                assert answer.error["hop"] == "http://127.0.0.1:9"
+                assert running.app.table.stored_bytes <= 2 * tensor
+            assert running.app.table.stored_bytes == 2 * tensor
+        finally:
+            await pool.aclose()

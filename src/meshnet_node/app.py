@@ -236,13 +236,16 @@ class NodeApp:
                 ticket, reply, anyio.current_time(), nbytes=memoryview(reply.body).nbytes
             )
             return reply
+        # What a reforward would need is the stage output: count it against the
+        # stored-bytes budget while it is kept.
+        kept = output.nbytes  # an ndarray: Stage checks what a stage returns
         try:
             response = await self.downstream.forward(out, body, deadline)
         except BaseException:
-            self.table.forward_failed(ticket, anyio.current_time())
+            self.table.forward_failed(ticket, anyio.current_time(), nbytes=kept)
             raise
         if isinstance(response, ErrorResponse):
-            self.table.forward_failed(ticket, anyio.current_time())
+            self.table.forward_failed(ticket, anyio.current_time(), nbytes=kept)
             raise response.to_error(hop=self.downstream.url)
         # Relayed unchanged: the last node's headers and body as received.
         reply = ActivationReply(response.headers, response.body)

@@ -168,7 +168,7 @@ class _Phase(Enum):
     FORWARDING = "forwarding"  # stage done; its output is downstream (or being answered)
     FORWARD_FAILED = "forward_failed"  # stage output kept for a reforward
     ANSWERED = "answered"  # success response kept for a replay
-    EVICTED = "evicted"  # answered, but its response went to keep the byte budget
+    EVICTED = "evicted"  # its response or kept output went to keep the byte budget
 
 
 # Every legal move of a chunk record: (phase, event) -> next phase, None = forgotten.
@@ -181,6 +181,8 @@ _TRANSITIONS: dict[tuple[_Phase, str], _Phase | None] = {
     (_Phase.FORWARD_FAILED, "reforward"): _Phase.FORWARDING,
 }
 _IN_FLIGHT = frozenset({_Phase.RUNNING, _Phase.FORWARDING})
+# What a record holds between requests, counted against max_stored_bytes.
+_HELD = frozenset({_Phase.ANSWERED, _Phase.FORWARD_FAILED})
 
 
 class _Route(Enum):
@@ -413,6 +415,9 @@ class SessionTable:
         record.response, record.stage_output = response, None
         s.touched = now
         self._trim(s)
+        self._hold(ticket, nbytes)
+
+    def _hold(self, ticket: Ticket, nbytes: int) -> None:
         if nbytes > 0:
             self._stored[ticket.serial] = (ticket, nbytes)
             self._stored_bytes += nbytes
@@ -420,14 +425,15 @@ class SessionTable:
 
     @property
     def stored_bytes(self) -> int:
-        """Bytes of the stored responses still held (as ``response_ready`` was told)."""
+        """Bytes still held between requests: stored responses and stage outputs
+        kept for a reforward (as ``response_ready``/``forward_failed`` were told)."""
         self._purge_stored()
         return self._stored_bytes
 
     def _purge_stored(self) -> None:
         for serial, (ticket, nbytes) in list(self._stored.items()):
             found = self._lookup(ticket)
-            if found is None or found[1].phase is not _Phase.ANSWERED:
+            if found is None or found[1].phase not in _HELD:
                 del self._stored[serial]
                 self._stored_bytes -= nbytes
 
@@ -440,13 +446,19 @@ class SessionTable:
             ticket, nbytes = self._stored.pop(serial)
             self._stored_bytes -= nbytes
             found = self._lookup(ticket)
-            # _purge_stored just dropped every entry that is not an answer
-            # still held, so each one left is found and ANSWERED.
-            assert found is not None and found[1].phase is _Phase.ANSWERED
-            found[1].phase, found[1].response = _Phase.EVICTED, None
+            # _purge_stored just dropped every entry that holds nothing any
+            # more, so each one left is found and holds its bytes.
+            assert found is not None and found[1].phase in _HELD
+            record = found[1]
+            record.phase, record.response, record.stage_output = _Phase.EVICTED, None, None
 
-    def forward_failed(self, ticket: Ticket, now: float) -> None:
-        """The forward failed: keep the stage output so a retransmission reforwards it."""
+    def forward_failed(self, ticket: Ticket, now: float, *, nbytes: int = 0) -> None:
+        """The forward failed: keep the stage output so a retransmission reforwards it.
+
+        ``nbytes`` (the output's size) counts against ``limits.max_stored_bytes``
+        like a stored response: past the budget the oldest held bytes go, and a
+        retransmission of theirs is refused (409) — its stage already ran.
+        """
         found = self._lookup(ticket)
         if found is None:
             return
@@ -454,6 +466,7 @@ class SessionTable:
         self._move(record, "forward_failed")
         s.touched = now
         self._trim(s)
+        self._hold(ticket, nbytes)
 
     # -- ending ----------------------------------------------------------------------
 
@@ -634,8 +647,8 @@ class SessionTable:
             return Replay(record.response)
         if record.phase is _Phase.EVICTED:
             raise SequencingError(
-                f"session {record.ticket.session}: chunk {record.ticket.index} was answered, "
-                "but its answer is no longer kept (the node's stored-answer budget)",
+                f"session {record.ticket.session}: chunk {record.ticket.index} already ran, "
+                "but its answer or output is no longer kept (the node's stored-bytes budget)",
                 code="chunk_conflict",
                 header=_INDEX,
             )
