@@ -112,3 +112,21 @@ def test_spawn_helper_reports_a_gateway_that_cannot_listen() -> None:
         assert done.returncode == 1 and "cannot listen" in done.stderr
     finally:
         assert stop(proc) == 0
+
+
+def test_a_node_that_cannot_listen_says_so_in_one_line_and_exits_1() -> None:
+    proc, url = spawn("meshnet_node")
+    try:
+        port = url.rsplit(":", 1)[1]
+        done = subprocess.run(
+            [sys.executable, "-m", "meshnet_node", "--port", port],
+            capture_output=True,
+            text=True,
+            env=clean_env(),
+            timeout=30,
+        )
+        assert done.returncode == 1
+        assert done.stderr.startswith("meshnet-node: cannot listen:")
+        assert "Traceback" not in done.stderr and done.stdout == ""
+    finally:
+        assert stop(proc) == 0

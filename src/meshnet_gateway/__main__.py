@@ -10,10 +10,8 @@ from __future__ import annotations
 import sys
 from collections.abc import Sequence
 
-import anyio
-
 from meshnet_runtime.config import ServerConfig, load_config
-from meshnet_runtime.lifecycle import configure_logging, serve_until_signalled
+from meshnet_runtime.lifecycle import run_process, serve_until_signalled
 from meshnet_runtime.transports import listen
 
 from .app import GatewayApp
@@ -35,16 +33,7 @@ async def serve(config: ServerConfig) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    config = load_config("gateway", argv)
-    configure_logging(config.log_level)
-    try:
-        anyio.run(serve, config, backend=config.async_backend)
-    except OSError as exc:  # the port is taken, the socket path is not writable…
-        print(f"meshnet-gateway: cannot listen: {exc}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:  # before the signal handlers were installed
-        return 130
-    return 0
+    return run_process("meshnet-gateway", serve, load_config("gateway", argv))
 
 
 if __name__ == "__main__":

@@ -9,7 +9,7 @@ import anyio
 
 from meshnet_proto import WIRE_VERSION
 from meshnet_runtime.config import ServerConfig, load_config
-from meshnet_runtime.lifecycle import configure_logging, serve_until_signalled
+from meshnet_runtime.lifecycle import run_process, serve_until_signalled
 from meshnet_runtime.transports import listen
 
 from .app import build_node
@@ -42,16 +42,7 @@ async def run(config: ServerConfig) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    config = load_config("node", argv)
-    configure_logging(config.log_level)
-    try:
-        anyio.run(run, config, backend=config.async_backend)
-    except OSError as exc:
-        print(f"meshnet-node: {exc}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:  # before the signal handlers were installed
-        return 130
-    return 0
+    return run_process("meshnet-node", run, load_config("node", argv))
 
 
 if __name__ == "__main__":

@@ -9,14 +9,15 @@ from __future__ import annotations
 import logging
 import signal
 import sys
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 import anyio
 
+from .config import ServerConfig
 from .http_server import HttpServer
 from .transports import BoundListener
 
-__all__ = ["configure_logging", "serve_until_signalled"]
+__all__ = ["configure_logging", "run_process", "serve_until_signalled"]
 
 
 def configure_logging(level: str) -> None:
@@ -55,3 +56,23 @@ async def serve_until_signalled(
 
             tg.start_soon(watch)
             ready(await tg.start(run))
+
+
+def run_process(
+    program: str, serve: Callable[[ServerConfig], Awaitable[None]], config: ServerConfig
+) -> int:
+    """Run ``serve(config)`` on the configured backend; the process's exit status.
+
+    0 after a graceful shutdown; 1 with one line on stderr when the server
+    cannot listen (port taken, socket path not writable): an OSError out of
+    ``serve`` before it is ready is that, not a crash to print a traceback of.
+    """
+    configure_logging(config.log_level)
+    try:
+        anyio.run(serve, config, backend=config.async_backend)
+    except OSError as exc:
+        print(f"{program}: cannot listen: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:  # before the signal handlers were installed
+        return 130
+    return 0
