@@ -373,7 +373,7 @@ async def test_deep_health_names_a_dead_downstream() -> None:
         last.server.request_shutdown()
         await anyio.sleep(0.1)
         pool = DownstreamPool(entry.url)
-        for _ in range(50):  # bounded: until the last node's listener is gone
+        for _ in range(200):  # bounded (~10 s): until the last node's listener is gone
             health = await pool.request("GET", "/health?deep=1", Deadline.after(10))
             if isinstance(health, ErrorResponse):
                 break

@@ -81,7 +81,7 @@ def test_sigterm_lets_the_request_in_flight_finish_then_exits_0(backend: str) ->
         host, port = url.removeprefix("http://").rsplit(":", 1)
         busy = socket.create_connection((host, int(port)), timeout=30)
         busy.sendall(forward(str(uuid.uuid4())))
-        for _ in range(200):  # bounded: until the stage is running
+        for _ in range(500):  # bounded (~10 s): until the stage is running
             _, metrics = http(url, b"GET /metrics HTTP/1.1\r\nHost: t\r\n\r\n")
             if b'meshnet_chunks_total{outcome="processed"} 1.0' in metrics:
                 break
