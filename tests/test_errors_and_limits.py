@@ -79,3 +79,9 @@ def test_limits_defaults_are_the_spec_defaults() -> None:
 def test_limits_reject_nonsense(changes: dict[str, object]) -> None:
     with pytest.raises(ValueError, match="Limits"):
         Limits(**changes)  # type: ignore[arg-type]
+
+
+def test_limits_to_dict_names_every_limit() -> None:
+    document = Limits(reorder_window=4).to_dict()
+    assert document["reorder_window"] == 4
+    assert set(document) == set(Limits.__dataclass_fields__)

@@ -314,9 +314,8 @@ class GatewayApp:
                 "ttl_s": config.session_ttl,
             },
             "limits": {
-                "max_tensor_bytes": config.max_tensor_bytes,
-                "max_chunk_total": config.limits.max_chunk_total,
-                "max_header_bytes": config.limits.max_header_bytes,
+                **config.limits.to_dict(),
+                "max_connections": config.max_connections,
             },
             "auth": config.token is not None,
         }

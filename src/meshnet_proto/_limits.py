@@ -5,7 +5,8 @@ Each default says where it comes from. All sizes are bytes, all times seconds.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
+from typing import Any
 
 __all__ = ["Limits"]
 
@@ -64,3 +65,7 @@ class Limits:
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0:
                 raise ValueError(f"Limits.{name} must be a positive number, got {value!r}")
+
+    def to_dict(self) -> dict[str, Any]:
+        """Every limit by name: what ``GET /info`` shows (SPEC §6)."""
+        return asdict(self)
