@@ -15,8 +15,8 @@ import anyio
 
 from meshnet_proto import ByteBudget, ServerConnection, WireHeaders, request_cost
 from meshnet_runtime.config import ServerConfig
-from meshnet_runtime.http_server import HttpServer, ServerSettings
-from meshnet_runtime.transports import server_ssl_context
+from meshnet_runtime.http_server import HttpServer
+from meshnet_runtime.lifecycle import server_settings, server_tls
 
 from .app import GatewayApp
 
@@ -31,16 +31,8 @@ def build_server(config: ServerConfig, app: GatewayApp) -> HttpServer:
         # are optional there (SPEC §2).
         return ServerConnection(limits=limits, token=config.token, require_sequencing=False)
 
-    settings = ServerSettings(
-        head_timeout=config.head_timeout,
-        body_timeout=config.timeout,
-        write_timeout=config.timeout,
-        max_connections=config.max_connections,
-        shutdown_timeout=config.shutdown_timeout,
-    )
-    ssl_context = None
-    if config.tls_cert is not None and config.tls_key is not None:
-        ssl_context = server_ssl_context(config.tls_cert, config.tls_key)
+    settings = server_settings(config)
+    ssl_context = server_tls(config)
     return HttpServer(
         app,
         make_connection,

@@ -60,10 +60,10 @@ from meshnet_runtime.http_server import (
     HttpServer,
     Reply,
     RequestContext,
-    ServerSettings,
 )
+from meshnet_runtime.lifecycle import server_settings, server_tls
 from meshnet_runtime.metrics import METRICS_CONTENT_TYPE, ServerMetrics
-from meshnet_runtime.transports import client_ssl_context, listen, server_ssl_context
+from meshnet_runtime.transports import client_ssl_context, listen
 
 from .backends import Stage, make_stage
 
@@ -381,18 +381,8 @@ def build_node(config: ServerConfig, *, stage: Stage | None = None) -> tuple[Nod
     """The application and its server, not yet listening."""
     metrics = ServerMetrics("node")
     app = NodeApp(config, stage=stage, metrics=metrics)
-    settings = ServerSettings(
-        head_timeout=config.head_timeout,
-        body_timeout=config.timeout,
-        write_timeout=config.timeout,
-        max_connections=config.max_connections,
-        shutdown_timeout=config.shutdown_timeout,
-    )
-    ssl_context = (
-        server_ssl_context(config.tls_cert, config.tls_key)
-        if config.tls_cert and config.tls_key
-        else None
-    )
+    settings = server_settings(config)
+    ssl_context = server_tls(config)
     server = HttpServer(
         app,
         app.make_connection,

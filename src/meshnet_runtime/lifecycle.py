@@ -8,16 +8,41 @@ from __future__ import annotations
 
 import logging
 import signal
+import ssl
 import sys
 from collections.abc import Awaitable, Callable
 
 import anyio
 
 from .config import ServerConfig
-from .http_server import HttpServer
-from .transports import BoundListener
+from .http_server import HttpServer, ServerSettings
+from .transports import BoundListener, server_ssl_context
 
-__all__ = ["configure_logging", "run_process", "serve_until_signalled"]
+__all__ = [
+    "configure_logging",
+    "run_process",
+    "serve_until_signalled",
+    "server_settings",
+    "server_tls",
+]
+
+
+def server_settings(config: ServerConfig) -> ServerSettings:
+    """The serving loop's settings from a node's or gateway's flags."""
+    return ServerSettings(
+        head_timeout=config.head_timeout,
+        body_timeout=config.timeout,
+        write_timeout=config.timeout,
+        max_connections=config.max_connections,
+        shutdown_timeout=config.shutdown_timeout,
+    )
+
+
+def server_tls(config: ServerConfig) -> ssl.SSLContext | None:
+    """The TLS context to serve with (``--tls-cert``/``--tls-key``), or None."""
+    if config.tls_cert and config.tls_key:
+        return server_ssl_context(config.tls_cert, config.tls_key)
+    return None
 
 
 def configure_logging(level: str) -> None:
