@@ -6,6 +6,7 @@ subprocess tests are in ``test_gateway_process.py``.
 
 from __future__ import annotations
 
+import contextlib
 import uuid
 
 import anyio
@@ -14,7 +15,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from gateway_support import activation, chain, closed_port_url, same_bits
+from gateway_support import QUIET, activation, chain, closed_port_url, same_bits
 from meshnet_gateway import (
     Client,
     RemoteError,
@@ -375,3 +376,42 @@ def _deadline():  # type: ignore[no-untyped-def]
     from meshnet_runtime.deadlines import Deadline
 
     return Deadline.after(LIMIT)
+
+
+async def test_a_hang_deep_in_the_chain_is_named_by_the_node_nearest_to_it() -> None:
+    """SPEC §4 deadlines: gateway → node 1 → node 2 → a stage that accepts and
+    never answers (a stopped process). Each sender passes the time left minus
+    a margin, so node 2 — nearest the hang — gives up first and answers 504
+    naming the hung hop; node 1 and the gateway relay that, rather than each
+    timing out on its own and blaming its neighbour."""
+    listener = await anyio.create_tcp_listener(local_host="127.0.0.1", local_port=0)
+    hung = f"http://127.0.0.1:{listener.extra(anyio.abc.SocketAttribute.local_port)}"
+
+    async def hold(stream: anyio.abc.SocketStream) -> None:
+        async with stream:
+            await anyio.sleep_forever()
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(listener.serve, hold)
+        async with contextlib.AsyncExitStack() as stack:
+            # The gateway deletes the session down the chain after the failure;
+            # that DELETE hangs at node 2 too: short node timeouts keep the
+            # test's shutdown quick.
+            quick = [*QUIET, "--timeout", "3", "--shutdown-timeout", "1"]
+            node2 = await stack.enter_async_context(
+                serve_node(load_config("node", [*quick, "--next", hung]))
+            )
+            node1 = await stack.enter_async_context(
+                serve_node(load_config("node", [*quick, "--next", node2.url]))
+            )
+            gateway = await stack.enter_async_context(
+                open_gateway(
+                    load_config("gateway", [*QUIET, "--entry", node1.url, "--timeout", "1.5"])
+                )
+            )
+            with anyio.fail_after(LIMIT), pytest.raises(RemoteError) as caught:
+                await forward_via_gateway(gateway.url, activation(10, 4))
+            err = caught.value
+            assert (err.status, err.code, err.hop) == (504, "downstream_timeout", hung)
+        tg.cancel_scope.cancel()
+    await listener.aclose()
