@@ -7,23 +7,7 @@ import os
 import sys
 from collections.abc import Sequence
 
-from meshnet_runtime.config import ENCODINGS, WIRE_DTYPES
-
-
-def _positive_int(text: str) -> int:
-    if not (text.isascii() and text.isdigit()) or int(text) < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    return int(text)
-
-
-def _seconds(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = -1.0
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"expected a positive number of seconds, got {text!r}")
-    return value
+from meshnet_runtime.config import ENCODINGS, WIRE_DTYPES, positive_int, positive_seconds
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -39,10 +23,10 @@ def build_parser() -> argparse.ArgumentParser:
         "bfloat16 activation through them in chunks, print what crossed the wire, and "
         "check the output equals the input bit for bit.",
     )
-    demo.add_argument("--tokens", type=_positive_int, default=512, help="sequence length [512]")
-    demo.add_argument("--hidden", type=_positive_int, default=4096, help="hidden size [4096]")
-    demo.add_argument("--chunk-tokens", type=_positive_int, default=128, help="[128]")
-    demo.add_argument("--inflight", type=_positive_int, default=1, help="chunks in flight [1]")
+    demo.add_argument("--tokens", type=positive_int, default=512, help="sequence length [512]")
+    demo.add_argument("--hidden", type=positive_int, default=4096, help="hidden size [4096]")
+    demo.add_argument("--chunk-tokens", type=positive_int, default=128, help="[128]")
+    demo.add_argument("--inflight", type=positive_int, default=1, help="chunks in flight [1]")
     demo.add_argument("--async-backend", choices=("trio", "asyncio"), default="trio", help="[trio]")
 
     send = commands.add_parser(
@@ -72,7 +56,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="bearer token [env MESHNET_TOKEN]",
     )
     send.add_argument("--tls-ca", default=None, help="CA bundle for an https gateway")
-    send.add_argument("--timeout", type=_seconds, default=60.0, help="seconds [60]")
+    send.add_argument("--timeout", type=positive_seconds, default=60.0, help="seconds [60]")
     return parser
 
 

@@ -19,7 +19,14 @@ from meshnet_proto import Limits
 
 from .endpoints import Endpoint, parse_endpoint
 
-__all__ = ["ServerConfig", "build_parser", "env_name", "load_config"]
+__all__ = [
+    "ServerConfig",
+    "build_parser",
+    "env_name",
+    "load_config",
+    "positive_int",
+    "positive_seconds",
+]
 
 Role = Literal["node", "gateway"]
 
@@ -89,7 +96,7 @@ def env_name(flag: str) -> str:
     return "MESHNET_" + flag.lstrip("-").upper().replace("-", "_")
 
 
-def _positive_int(text: str) -> int:
+def positive_int(text: str) -> int:
     if not (text.isascii() and text.isdigit()) or int(text) < 1:
         raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
     return int(text)
@@ -112,7 +119,7 @@ def _level(text: str) -> int:
     return value
 
 
-def _seconds(text: str) -> float:
+def positive_seconds(text: str) -> float:
     try:
         value = float(text)
     except ValueError:
@@ -163,27 +170,27 @@ _COMMON: list[_Flag] = [
     ("--host", _nonempty, "127.0.0.1", "address to listen on"),
     ("--port", _port, 0, "TCP port (0 = a free one, shown in the ready line)"),
     ("--uds", _nonempty, None, "listen on this Unix socket path instead of TCP"),
-    ("--timeout", _seconds, 60.0, "budget of one request, seconds"),
-    ("--max-sessions", _positive_int, 1024, "sessions held at once"),
-    ("--session-ttl", _seconds, 600.0, "idle seconds before a session is forgotten"),
-    ("--reorder-window", _positive_int, 16, "chunks a session may run ahead"),
-    ("--reorder-timeout", _seconds, 10.0, "seconds a chunk waits for its predecessor"),
-    ("--head-timeout", _seconds, 10.0, "seconds a client has to send its request head"),
-    ("--max-tensor-bytes", _positive_int, 512 * 1024 * 1024, "largest tensor accepted"),
+    ("--timeout", positive_seconds, 60.0, "budget of one request, seconds"),
+    ("--max-sessions", positive_int, 1024, "sessions held at once"),
+    ("--session-ttl", positive_seconds, 600.0, "idle seconds before a session is forgotten"),
+    ("--reorder-window", positive_int, 16, "chunks a session may run ahead"),
+    ("--reorder-timeout", positive_seconds, 10.0, "seconds a chunk waits for its predecessor"),
+    ("--head-timeout", positive_seconds, 10.0, "seconds a client has to send its request head"),
+    ("--max-tensor-bytes", positive_int, 512 * 1024 * 1024, "largest tensor accepted"),
     (
         "--max-stored-bytes",
-        _positive_int,
+        positive_int,
         1024 * 1024 * 1024,
         "answers kept for replay, all sessions together",
     ),
     (
         "--max-inflight-bytes",
-        _positive_int,
+        positive_int,
         2048 * 1024 * 1024,
         "tensor bytes held for requests in flight, all together (more get 503)",
     ),
-    ("--max-connections", _positive_int, 256, "concurrent connections (more get 503)"),
-    ("--shutdown-timeout", _seconds, 30.0, "seconds in-flight requests get on shutdown"),
+    ("--max-connections", positive_int, 256, "concurrent connections (more get 503)"),
+    ("--shutdown-timeout", positive_seconds, 30.0, "seconds in-flight requests get on shutdown"),
     ("--token", _nonempty, None, "require 'Authorization: Bearer TOKEN' (and present it)"),
     ("--tls-cert", _nonempty, None, "serve TLS with this PEM certificate chain"),
     ("--tls-key", _nonempty, None, "... and this PEM private key"),
@@ -201,8 +208,8 @@ _NODE: list[_Flag] = [
 ]
 _GATEWAY: list[_Flag] = [
     ("--entry", _endpoint, None, "URL of the first node (required)"),
-    ("--chunk-tokens", _positive_int, 128, "tokens per chunk"),
-    ("--inflight", _positive_int, 1, "chunks in flight per session"),
+    ("--chunk-tokens", positive_int, 128, "tokens per chunk"),
+    ("--inflight", positive_int, 1, "chunks in flight per session"),
 ]
 
 
