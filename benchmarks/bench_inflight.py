@@ -16,10 +16,10 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import time
 
 import anyio
 import numpy as np
+from _timing import best_forward
 
 from meshnet_cli.demo import make_activation
 from meshnet_gateway import Client, open_gateway
@@ -44,16 +44,7 @@ async def measure(
             open_gateway(load_config("gateway", gateway_flags))
         )
         client = await stack.enter_async_context(Client(gateway.url))
-        await client.forward(array[:, :1], encoding=args.encoding)  # warm the connections
-        best = float("inf")
-        output = None
-        for _ in range(args.repeat):
-            start = time.perf_counter()
-            result = await client.forward(array, encoding=args.encoding)
-            best = min(best, time.perf_counter() - start)
-            output = result.output
-        assert output is not None
-        return best, output
+        return await best_forward(client, array, encoding=args.encoding, repeat=args.repeat)
 
 
 async def main(args: argparse.Namespace) -> None:

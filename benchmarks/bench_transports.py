@@ -14,11 +14,11 @@ from __future__ import annotations
 import argparse
 import contextlib
 import tempfile
-import time
 from pathlib import Path
 
 import anyio
 import numpy as np
+from _timing import best_forward
 
 from meshnet_cli.demo import make_activation
 from meshnet_gateway import Client, open_gateway
@@ -51,15 +51,7 @@ async def measure(
             open_gateway(load_config("gateway", gateway_flags))
         )
         client = await stack.enter_async_context(Client(gateway.url))
-        await client.forward(array[:, :1], encoding="identity")
-        best, output = float("inf"), None
-        for _ in range(args.repeat):
-            start = time.perf_counter()
-            result = await client.forward(array, encoding="identity")
-            best = min(best, time.perf_counter() - start)
-            output = result.output
-        assert output is not None
-        return best, output
+        return await best_forward(client, array, encoding="identity", repeat=args.repeat)
 
 
 async def main(args: argparse.Namespace) -> None:
