@@ -1,4 +1,5 @@
-"""``meshnet``: ``demo`` (a chain in one process), ``send`` (one .npy through a gateway)."""
+"""``meshnet``: ``demo`` (a chain in one process), ``send`` (one .npy through a gateway),
+``bench`` (wire 2 measured against its baselines)."""
 
 from __future__ import annotations
 
@@ -57,6 +58,36 @@ def build_parser() -> argparse.ArgumentParser:
     )
     send.add_argument("--tls-ca", default=None, help="CA bundle for an https gateway")
     send.add_argument("--timeout", type=positive_seconds, default=60.0, help="seconds [60]")
+
+    bench = commands.add_parser(
+        "bench",
+        help="measure wire 2 against its baselines, side by side, and print the ratios",
+        description="Run every comparison (wire 1 vs wire 2 end to end, one hop vs the raw "
+        "socket, decode-step latency, pipelining, codec, relay memory) side by side in one "
+        "run and print a table of ratios; progress goes to stderr. The full run takes a few "
+        "minutes; --quick under a minute.",
+    )
+    bench.add_argument("--quick", action="store_true", help="smaller repeats: under 60 s")
+    bench.add_argument("--json", action="store_true", help="print one flat JSON object of keys")
+    bench.add_argument(
+        "--plot",
+        nargs="?",
+        const="docs/bench-throughput.png",
+        default=None,
+        metavar="PNG",
+        help="also chart end-to-end throughput vs payload size, wire 1 and wire 2 "
+        "(needs matplotlib: the [bench] extra) [docs/bench-throughput.png]",
+    )
+    bench.add_argument(
+        "--only",
+        type=lambda text: [name for name in text.split(",") if name],
+        default=None,
+        metavar="SECTION[,SECTION...]",
+        help="run only these sections (default: all)",
+    )
+    bench.add_argument(
+        "--async-backend", choices=("trio", "asyncio"), default="trio", help="[trio]"
+    )
     return parser
 
 
@@ -72,11 +103,32 @@ def main(argv: Sequence[str] | None = None) -> int:
             inflight=args.inflight,
             backend=args.async_backend,
         )
+    if args.command == "bench":
+        return _bench(args)
     if args.gateway is None:
         build_parser().error("send needs --gateway URL (or MESHNET_GATEWAY)")
     from .send import run_send
 
     return run_send(args)
+
+
+def _bench(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from meshnet_bench.runner import SECTIONS
+    from meshnet_bench.runner import main as run_bench
+
+    unknown = sorted(set(args.only or ()) - set(SECTIONS))
+    if unknown:
+        build_parser().error(f"unknown section(s) {', '.join(unknown)} (choose from "
+                             f"{', '.join(SECTIONS)})")  # fmt: skip
+    return run_bench(
+        quick=args.quick,
+        as_json=args.json,
+        plot=Path(args.plot) if args.plot else None,
+        only=args.only,
+        async_backend=args.async_backend,
+    )
 
 
 if __name__ == "__main__":

@@ -8,8 +8,6 @@ the gateway (it chunks); both outputs must equal the input bit for bit.
 
 from __future__ import annotations
 
-import base64
-import json
 import platform
 import sys
 import time
@@ -18,6 +16,7 @@ from collections.abc import Callable
 import anyio
 import ml_dtypes
 import numpy as np
+import numpy.typing as npt
 
 from meshnet_gateway import ForwardResult, forward_via_chain, forward_via_gateway, open_gateway
 from meshnet_node import serve_node
@@ -32,26 +31,26 @@ DATA_DESCRIPTION = (
 )
 
 
-def make_activation(tokens: int, hidden: int, seed: int = SEED) -> np.ndarray:
-    """A (1, tokens, hidden) bfloat16 tensor shaped like a transformer's hidden
-    states: most channels small, a few large outliers. Random mantissas are
-    what keeps zstd's ratio honest: a zeroed or constant tensor would
-    compress a thousandfold and prove nothing."""
+def make_activation(
+    tokens: int, hidden: int, seed: int = SEED, dtype: npt.DTypeLike = ml_dtypes.bfloat16
+) -> np.ndarray:
+    """A (1, tokens, hidden) tensor shaped like a transformer's hidden states:
+    most channels small, a few large outliers; bfloat16 unless ``dtype`` says
+    otherwise (``meshnet bench`` sends float32 as wire 1 did). Random
+    mantissas are what keeps zstd's ratio honest: a zeroed or constant tensor
+    would compress a thousandfold and prove nothing."""
     rng = np.random.default_rng(seed)
     scale = rng.lognormal(mean=np.log(0.5), sigma=0.5, size=hidden).astype(np.float32)
     scale[rng.choice(hidden, size=min(4, hidden), replace=False)] *= 30.0
     values = rng.standard_normal((1, tokens, hidden), dtype=np.float32) * scale
-    return values.astype(ml_dtypes.bfloat16)
+    return values.astype(dtype, copy=False)
 
 
 def wire1_body_size(array: np.ndarray) -> int:
     """Bytes of the same tensor as wire 1 sent it: base64 inside a JSON object."""
-    document = {
-        "shape": list(array.shape),
-        "dtype": str(array.dtype),
-        "data": base64.b64encode(np.ascontiguousarray(array).tobytes()).decode("ascii"),
-    }
-    return len(json.dumps(document).encode())
+    from meshnet_bench._wire1 import encode_body
+
+    return len(encode_body(array))
 
 
 def _same_bits(a: np.ndarray, b: np.ndarray) -> bool:

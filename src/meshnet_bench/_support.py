@@ -1,0 +1,149 @@
+"""What several sections share: timing, percentiles, server processes, cells.
+
+Every figure of ``meshnet bench`` is a ratio of two things measured in the
+same run; :func:`interleaved` alternates them (A, B, A, B, …) so that a
+neighbour's burst of load on this shared machine falls on both alike.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import select
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Awaitable, Callable, Iterator, Sequence
+from pathlib import Path
+
+MiB = 1024 * 1024
+LOOPBACK = ["--host", "127.0.0.1", "--port", "0"]
+QUIET = [*LOOPBACK, "--log-level", "warning"]
+
+
+async def interleaved(
+    contenders: dict[str, Callable[[], Awaitable[object]]], repeat: int
+) -> dict[str, list[float]]:
+    """Wall times of ``repeat`` calls of each contender, taken in turns."""
+    times: dict[str, list[float]] = {name: [] for name in contenders}
+    for _ in range(repeat):
+        for name, call in contenders.items():
+            start = time.perf_counter()
+            await call()
+            times[name].append(time.perf_counter() - start)
+    return times
+
+
+def median(values: Sequence[float]) -> float:
+    return statistics.median(values)
+
+
+def percentile(values: Sequence[float], fraction: float) -> float:
+    """The nearest-rank percentile (``fraction`` in 0..1) of ``values``."""
+    ordered = sorted(values)
+    rank = max(1, math.ceil(fraction * len(ordered)))
+    return ordered[min(rank, len(ordered)) - 1]
+
+
+def rate_mb_s(nbytes: int, seconds: float) -> float:
+    return nbytes / seconds / 1e6
+
+
+def ratio(numerator: float, denominator: float) -> float:
+    """Rounded for the JSON object; a zero denominator (never expected) is inf."""
+    return round(numerator / denominator, 3) if denominator else float("inf")
+
+
+# ------------------------------------------------------------ processes
+
+
+def _child_env() -> dict[str, str]:
+    """Our environment without MESHNET_* settings (they would change the
+    servers under test) and with this package importable (a source run)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MESHNET_")}
+    src = str(Path(__file__).resolve().parents[1])
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [src, env.get("PYTHONPATH")]))
+    return env
+
+
+@contextlib.contextmanager
+def server_process(
+    module: str, *args: str, timeout: float = 30.0
+) -> Iterator[tuple[subprocess.Popen[str], str]]:
+    """``python -m module args`` until the block ends; yields it and the URL of
+    its ready line (``… listening on URL``). Always stopped, killed if need be."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", module, *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+        env=_child_env(),
+    )
+    try:
+        assert proc.stdout is not None
+        ready, _, _ = select.select([proc.stdout], [], [], timeout)
+        line = proc.stdout.readline() if ready else ""
+        if " listening on " not in line:
+            raise RuntimeError(f"{module} did not start (ready line {line!r})")
+        yield proc, line.split(" listening on ", 1)[1].split()[0]
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+def peak_rss_bytes(pid: int) -> int:
+    """The process's peak resident set (``VmHWM``), Linux only."""
+    with open(f"/proc/{pid}/status") as status:
+        for line in status:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError(f"no VmHWM for pid {pid}")
+
+
+def reset_peak_rss(pid: int) -> bool:
+    """Reset ``VmHWM`` to the current RSS (Linux >= 4.0: write 5 to clear_refs).
+
+    False where the kernel or permissions do not allow it: the peak then
+    includes whatever came before (the warm-up), which only makes it higher.
+    """
+    try:
+        with open(f"/proc/{pid}/clear_refs", "w") as refs:
+            refs.write("5")
+    except OSError:
+        return False
+    return True
+
+
+def current_rss_bytes(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as status:
+        for line in status:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError(f"no VmRSS for pid {pid}")
+
+
+# ------------------------------------------------------------ cells
+
+
+def ms(seconds: float) -> str:
+    return f"{seconds * 1000:.1f} ms"
+
+
+def us(seconds: float) -> str:
+    return f"{seconds * 1e6:.0f} us"
+
+
+def mib(nbytes: int) -> str:
+    return f"{nbytes / MiB:.1f} MiB" if nbytes >= MiB else f"{nbytes / 1024:.0f} KiB"
+
+
+def times_x(value: float) -> str:
+    return f"{value:.2f}x"
