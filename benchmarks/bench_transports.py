@@ -18,8 +18,8 @@ from pathlib import Path
 
 import anyio
 import numpy as np
-from _timing import best_forward
 
+from meshnet_bench._support import best_forward
 from meshnet_cli.demo import make_activation
 from meshnet_gateway import Client, open_gateway
 from meshnet_node import serve_node

@@ -13,7 +13,6 @@ Key: ``pipeline_efficiency`` (ideal ÷ measured, ``--inflight 4``).
 from __future__ import annotations
 
 import contextlib
-import time
 
 import anyio
 import numpy as np
@@ -24,7 +23,7 @@ from meshnet_node import serve_node
 from meshnet_runtime.config import load_config
 
 from ._result import BenchOptions, SectionResult
-from ._support import QUIET, ms, ratio
+from ._support import QUIET, best_forward, ms, ratio
 
 KEYS = ("pipeline_efficiency",)
 
@@ -50,14 +49,7 @@ async def measure(delay_ms: int, window: int, repeat: int) -> tuple[float, np.nd
             open_gateway(load_config("gateway", gateway_flags))
         )
         client = await stack.enter_async_context(Client(gateway.url))
-        await client.forward(array[:, :1], encoding="identity")  # connections open
-        best, output = float("inf"), None
-        for _ in range(repeat):
-            start = time.perf_counter()
-            result = await client.forward(array, encoding="identity")
-            best = min(best, time.perf_counter() - start)
-            output = result.output
-        assert output is not None
+        best, output = await best_forward(client, array, encoding="identity", repeat=repeat)
         if output.tobytes() != array.tobytes():
             raise RuntimeError(f"--inflight {window}: the output is not the input")
         return best, output

@@ -68,6 +68,8 @@ def build_parser() -> argparse.ArgumentParser:
         "minutes; --quick under a minute.",
     )
     bench.add_argument("--quick", action="store_true", help="smaller repeats: under 60 s")
+    # The smallest sizes that run every code path (the test suite's smoke run).
+    bench.add_argument("--tiny", action="store_true", help=argparse.SUPPRESS)
     bench.add_argument("--json", action="store_true", help="print one flat JSON object of keys")
     bench.add_argument(
         "--plot",
@@ -124,6 +126,7 @@ def _bench(args: argparse.Namespace) -> int:
                              f"{', '.join(SECTIONS)})")  # fmt: skip
     return run_bench(
         quick=args.quick,
+        tiny=args.tiny,
         as_json=args.json,
         plot=Path(args.plot) if args.plot else None,
         only=args.only,

@@ -127,7 +127,7 @@ def body_buffer(size: int) -> bytearray | memoryview:
     writes it first. An anonymous ``mmap`` commits as written too, but every
     page of a fresh mapping is a fault and a kernel zero-fill: filling 16 MiB
     took 16-19 ms against ~2 ms, on each side of every hop
-    (benchmarks/bench_hop.py). Growing a bytearray by appending commits as
+    (meshnet bench, section hop). Growing a bytearray by appending commits as
     written as well, but its reallocations copy (up to twice the body held at
     once, and quadratic time when the allocator cannot grow in place).
     """

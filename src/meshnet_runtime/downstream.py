@@ -44,7 +44,7 @@ log = logging.getLogger("meshnet.downstream")
 READ_SIZE = 65536
 # The answer to an activation is about as large as the activation: read it up
 # to 1 MiB at a time (64 KiB reads of a 16 MiB answer cost a loop round and an
-# h11 event each; benchmarks/bench_hop.py). Transient: the response buffer
+# h11 event each; meshnet bench, section hop). Transient: the response buffer
 # still commits memory as bytes arrive and is held to the headers' bound.
 BODY_READ_SIZE = 1024 * 1024
 _STREAM_ERRORS = (

@@ -62,7 +62,7 @@ log = logging.getLogger("meshnet.server")
 READ_SIZE = 65536
 # A tensor body larger than one read is read up to this much at a time: each
 # receive costs a loop round and an h11 event (~40 us), so 64 KiB reads of a
-# 16 MiB body spent more on rounds than on bytes (benchmarks/bench_hop.py).
+# 16 MiB body spent more on rounds than on bytes (meshnet bench, section hop).
 # The read is transient (the body buffer still commits memory as bytes
 # arrive) and only follows a head that passed every check and the budget.
 BODY_READ_SIZE = 1024 * 1024
