@@ -31,15 +31,23 @@ QUIET = [*LOOPBACK, "--log-level", "warning"]
 
 
 async def interleaved(
-    contenders: dict[str, Callable[[], Awaitable[object]]], repeat: int
+    contenders: dict[str, Callable[[], Awaitable[object]]],
+    repeat: int,
+    check: Callable[[str, object], None] | None = None,
 ) -> dict[str, list[float]]:
-    """Wall times of ``repeat`` calls of each contender, taken in turns."""
+    """Wall times of ``repeat`` calls of each contender, taken in turns.
+
+    ``check(name, result)`` (say, that an echo is bit-identical) runs after
+    each call, outside the timed part.
+    """
     times: dict[str, list[float]] = {name: [] for name in contenders}
     for _ in range(repeat):
         for name, call in contenders.items():
             start = time.perf_counter()
-            await call()
+            result = await call()
             times[name].append(time.perf_counter() - start)
+            if check is not None:
+                check(name, result)
     return times
 
 

@@ -83,6 +83,7 @@ async def measure(steps: int, backend_flags: list[str]) -> dict[str, list[float]
     """``steps`` round trips to each server, alternating; seconds per trip."""
     array = make_activation(1, HIDDEN)
     body = memoryview(array.reshape(-1).view(np.uint8))
+    token = body.tobytes()
     session = str(uuid.uuid4())
     times: dict[str, list[float]] = {"node": [], "bare h11": []}
     async with (
@@ -101,7 +102,7 @@ async def measure(steps: int, backend_flags: list[str]) -> dict[str, list[float]
                     start = time.perf_counter()
                     response = await pool.forward(headers, body, Deadline.after(30.0))
                     elapsed = time.perf_counter() - start
-                    if not isinstance(response, ActivationResponse) or response.body != body:
+                    if not isinstance(response, ActivationResponse) or bytes(response.body) != token:
                         raise RuntimeError(f"{name} did not echo the token: {response!r}")
                     if position:
                         times[name].append(elapsed)

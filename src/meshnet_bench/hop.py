@@ -45,24 +45,25 @@ async def _node_round_trip(pool: DownstreamPool, array: np.ndarray, body: memory
 
 async def measure(nbytes: int, repeat: int, node_url: str, raw_url: str) -> dict[str, list[float]]:
     array = make_activation(nbytes // (HIDDEN * 2), HIDDEN)
-    payload = memoryview(array.reshape(-1).view(np.uint8))
+    expected = array.reshape(-1).view(np.uint8)
+    payload = memoryview(expected)
     host, port = raw_url.removeprefix("tcp://").rsplit(":", 1)
     pool = DownstreamPool(node_url, max_connections=1)
     async with await anyio.connect_tcp(host, int(port)) as raw:
         try:
+            calls = {
+                "raw TCP echo": lambda: _raw_echo.round_trip(raw, payload),
+                "node hop (identity)": lambda: _node_round_trip(pool, array, payload),
+            }
 
-            async def raw_call() -> None:
-                if await _raw_echo.round_trip(raw, payload) != payload:
-                    raise RuntimeError("the raw echo changed the bytes")
+            def check(name: str, echoed: object) -> None:
+                got = np.frombuffer(echoed, dtype=np.uint8)  # type: ignore[call-overload]
+                if not np.array_equal(got, expected):
+                    raise RuntimeError(f"{name}: the answer is not the payload")
 
-            async def node_call() -> None:
-                if await _node_round_trip(pool, array, payload) != payload:
-                    raise RuntimeError("the node changed the bytes")
-
-            calls = {"raw TCP echo": raw_call, "node hop (identity)": node_call}
-            for call in calls.values():  # warm-up: connections open
-                await call()
-            return await interleaved(calls, repeat)
+            for name, call in calls.items():  # warm-up: connections open
+                check(name, await call())
+            return await interleaved(calls, repeat, check)
         finally:
             await pool.aclose()
 

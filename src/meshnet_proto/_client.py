@@ -27,6 +27,7 @@ from typing import Any
 import h11
 import numpy as np
 
+from ._body_bypass import count_off, pending_body_bytes
 from ._codec import body_bound, decode_tensor
 from ._errors import DownstreamError, MeshnetError
 from ._events import (
@@ -114,6 +115,8 @@ class ClientConnection:
         self._max_response_body = max_response_body
         self._decompressor = decompressor
         self._h11 = h11.Connection(h11.CLIENT, max_incomplete_event_size=limits.max_header_bytes)
+        # True from h11's NEED_DATA until bytes are fed to it: it holds none.
+        self._h11_drained = False
         self._phase = _Phase.IDLE
         self._activation = False
         self._pending: _Pending | None = None
@@ -231,11 +234,25 @@ class ClientConnection:
 
     # ------------------------------------------------------------- input
 
-    def receive_data(self, data: bytes) -> None:
-        """Buffer bytes from the transport; ``b""`` means end of stream."""
+    def receive_data(self, data: bytes | bytearray | memoryview) -> None:
+        """Buffer bytes from the transport; ``b""`` means end of stream.
+
+        Bytes of a Content-Length response body go straight into its buffer
+        when h11 has nothing unread (`_body_bypass`); the rest to h11.
+        """
         if not data:
             self._eof = True
-        self._h11.receive_data(data)
+        elif self._h11_drained and self._pending is not None:
+            take = min(pending_body_bytes(self._h11), len(data))
+            if take:
+                view = memoryview(data)
+                self._on_data(view[:take])
+                count_off(self._h11, take)
+                if take == len(view):
+                    return
+                data = view[take:]
+        self._h11_drained = False
+        self._h11.receive_data(data)  # type: ignore[arg-type]  # any bytes-like
 
     def next_event(
         self,
@@ -256,6 +273,7 @@ class ClientConnection:
             while True:
                 event = self._h11.next_event()
                 if event is h11.NEED_DATA:
+                    self._h11_drained = True  # h11 holds no unread byte now
                     return NEED_DATA
                 result = self._handle(event)
                 if result is not None:

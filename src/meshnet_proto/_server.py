@@ -25,6 +25,7 @@ from http import HTTPStatus
 import h11
 import numpy as np
 
+from ._body_bypass import count_off, pending_body_bytes
 from ._codec import body_bound, decode_tensor
 from ._errors import MeshnetError, ProtocolError, error_body
 from ._events import (
@@ -251,6 +252,8 @@ class ServerConnection:
         self._max_endpoint_body = max_endpoint_body
         self._decompressor = decompressor
         self._h11 = h11.Connection(h11.SERVER, max_incomplete_event_size=limits.max_header_bytes)
+        # True from h11's NEED_DATA until bytes are fed to it: it holds none.
+        self._h11_drained = False
         self._phase = _Phase.IDLE
         self._needs_drain = False
         # An answer to HEAD carries the headers of a GET's and no body (h11
@@ -297,9 +300,29 @@ class ServerConnection:
 
     # ------------------------------------------------------------- input
 
-    def receive_data(self, data: bytes) -> None:
-        """Buffer bytes from the transport; ``b""`` means end of stream."""
-        self._h11.receive_data(data)
+    def receive_data(self, data: bytes | bytearray | memoryview) -> None:
+        """Buffer bytes from the transport; ``b""`` means end of stream.
+
+        Bytes of a tensor body go straight into its buffer when h11 has
+        nothing unread (`_body_bypass`); the rest, and everything else, to h11.
+        """
+        body = self._body
+        if (
+            data
+            and self._h11_drained
+            and body is not None
+            and self._phase is _Phase.ACTIVATION_BODY
+        ):
+            take = min(pending_body_bytes(self._h11), len(data))
+            if take:
+                view = memoryview(data)
+                body.add(view[:take])
+                count_off(self._h11, take)
+                if take == len(view):
+                    return
+                data = view[take:]
+        self._h11_drained = False
+        self._h11.receive_data(data)  # type: ignore[arg-type]  # any bytes-like
 
     def next_event(
         self,
@@ -329,6 +352,7 @@ class ServerConnection:
             while True:
                 event = self._h11.next_event()
                 if event is h11.NEED_DATA:
+                    self._h11_drained = True  # h11 holds no unread byte now
                     return NEED_DATA
                 result = self._handle(event)
                 if result is not None:

@@ -1,0 +1,55 @@
+"""Content-Length body bytes straight into our buffer, past h11's copies.
+
+h11 copies every body byte three times on its way to us: ``receive_data``
+appends it to its receive buffer, and its Content-Length reader slices the
+same range out twice (``maybe_extract_at_most``). For a tensor body that is
+most of a hop's CPU (``meshnet bench``, section hop: ~40 % of a node's
+samples on a 64 MiB identity body). Our own copy into the preallocated body
+buffer is the only one needed.
+
+So while h11 is reading a Content-Length body *and holds no unread bytes*
+(it last answered ``NEED_DATA``), the bytes that arrive next belong, up to
+the body's remaining length, to that body and nothing else: the connection
+copies them into its buffer itself and counts them off h11's remaining
+length; h11 then sees ``EndOfMessage`` exactly where it would have, and
+any bytes past the body (a pipelined next request) go to h11 as usual.
+h11 still frames the message: we only ever take what its own counter says
+is body, never more, so the framing (what request smuggling attacks) is
+h11's throughout.
+
+The counter is h11's private ``ContentLengthReader._remaining``: h11 has no
+public way to be told "these bytes were consumed". Every h11 release this
+project allows (``>=0.14,<0.17``) has it; :func:`pending_body_bytes`
+checks the reader's exact type and the attribute's type before trusting it,
+and returns 0 (the ordinary path through h11) otherwise.
+"""
+
+from __future__ import annotations
+
+import h11
+
+try:  # the reader h11 uses for a Content-Length body
+    from h11._readers import ContentLengthReader as _ContentLengthReader
+except ImportError:  # pragma: no cover - a future h11 without it: never bypass
+    _ContentLengthReader = None
+
+__all__ = ["count_off", "pending_body_bytes"]
+
+
+def pending_body_bytes(conn: h11.Connection) -> int:
+    """Body bytes h11 still expects of the Content-Length body it is reading
+    (0 when it is not reading one, or its reader is not the one we know)."""
+    reader = getattr(conn, "_reader", None)
+    if _ContentLengthReader is None or type(reader) is not _ContentLengthReader:
+        return 0
+    remaining = getattr(reader, "_remaining", None)
+    if type(remaining) is not int:  # pragma: no cover - h11 changed its reader
+        return 0
+    return max(remaining, 0)
+
+
+def count_off(conn: h11.Connection, nbytes: int) -> None:
+    """Tell h11's reader that ``nbytes`` of its body were consumed outside it
+    (``nbytes`` <= :func:`pending_body_bytes`)."""
+    reader = conn._reader  # type: ignore[attr-defined]
+    reader._remaining -= nbytes
