@@ -312,3 +312,26 @@ async def test_tls_server_and_pool(tmp_path: Path) -> None:
         with pytest.raises(DownstreamError) as exc:
             await untrusting.request("GET", "/health", Deadline.after(10))
         assert (exc.value.code, exc.value.hop) == ("downstream_unreachable", url)
+
+
+class _RecordingStream:
+    """Just enough of a ByteStream to see how an answer is cut into sends."""
+
+    def __init__(self) -> None:
+        self.sends: list[bytes] = []
+
+    async def send(self, data: bytes) -> None:
+        self.sends.append(bytes(data))
+
+
+@pytest.mark.anyio
+async def test_a_small_answer_goes_out_in_one_send_a_large_one_uncopied() -> None:
+    from meshnet_runtime.http_server import COALESCE_BYTES, _write
+
+    small = _RecordingStream()
+    await _write(small, anyio.Lock(), [b"HTTP/1.1 200 OK\r\n\r\n", memoryview(b"x" * 100)], 5.0)
+    assert small.sends == [b"HTTP/1.1 200 OK\r\n\r\n" + b"x" * 100]
+    large = _RecordingStream()
+    body = memoryview(bytes(COALESCE_BYTES))
+    await _write(large, anyio.Lock(), [b"head", body], 5.0)
+    assert large.sends == [b"head", bytes(body)]

@@ -41,6 +41,11 @@ WIRE2 = {
     "wire 2 bfloat16 zstd": ("bfloat16", "zstd"),
 }
 WIRE1 = "wire 1 float32 base64 JSON"
+# A server closes a keep-alive connection that sends no head for
+# --head-timeout (10 s): on a loaded machine a wire-1 turn can outlast that
+# while the client's wire-2 connection waits, and a gateway input (no
+# session) is not retried on a stale connection. Not what is measured here.
+KEEP_IDLE = [*QUIET, "--head-timeout", "600"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,11 +78,11 @@ async def _stacks(chunk_tokens: int, inflight: int) -> AsyncIterator[_Stacks]:
         wire1 = _wire1.Wire1Client.for_url(w1_gateway.url)
         stack.push_async_callback(wire1.aclose)
 
-        last = await stack.enter_async_context(serve_node(load_config("node", QUIET)))
+        last = await stack.enter_async_context(serve_node(load_config("node", KEEP_IDLE)))
         entry = await stack.enter_async_context(
-            serve_node(load_config("node", [*QUIET, "--next", last.url]))
+            serve_node(load_config("node", [*KEEP_IDLE, "--next", last.url]))
         )
-        flags = [*QUIET, "--entry", entry.url, "--chunk-tokens", str(chunk_tokens),
+        flags = [*KEEP_IDLE, "--entry", entry.url, "--chunk-tokens", str(chunk_tokens),
                  "--inflight", str(inflight)]  # fmt: skip
         gateway = await stack.enter_async_context(open_gateway(load_config("gateway", flags)))
         wire2 = await stack.enter_async_context(Client(gateway.url))
