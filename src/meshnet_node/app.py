@@ -190,7 +190,8 @@ class NodeApp:
             outcome.finish(None, err)
             raise
         finally:
-            outcome.finish(None, _gone())
+            if not outcome.done.is_set():  # cancelled: joined retransmissions must not hang
+                outcome.finish(None, _gone())
             del self._outcomes[ticket.serial]
 
     async def _stage(self, ticket: Ticket, event: ActivationReceived) -> Any:
@@ -273,7 +274,7 @@ class NodeApp:
             event.set()
 
     def _count(self, outcome: str) -> None:
-        self.metrics.chunks.labels(outcome).inc()
+        self.metrics.labelled(self.metrics.chunks, outcome).inc()
 
     # ------------------------------------------------------------ endpoints
 

@@ -136,4 +136,6 @@ class CodecPool:
 
     def _observe(self, op: str, start: float) -> None:
         if self.metrics:
-            self.metrics.codec_seconds.labels(op).observe(time.perf_counter() - start)
+            self.metrics.labelled(self.metrics.codec_seconds, op).observe(
+                time.perf_counter() - start
+            )

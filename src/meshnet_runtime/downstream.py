@@ -200,7 +200,7 @@ class DownstreamPool:
                     if len(part):
                         await stream.send(part)
                 if self.metrics and body_nbytes:
-                    self.metrics.bytes_out.labels("downstream").inc(body_nbytes)
+                    self.metrics.labelled(self.metrics.bytes_out, "downstream").inc(body_nbytes)
                 while True:
                     try:
                         event = conn.next_event()
@@ -235,7 +235,7 @@ class DownstreamPool:
                 raise self._error(f"unexpected event {type(event).__name__}",
                                   "downstream_bad_response")  # fmt: skip
             if self.metrics and isinstance(event, ActivationResponse):
-                self.metrics.bytes_in.labels("downstream").inc(len(event.body))
+                self.metrics.labelled(self.metrics.bytes_in, "downstream").inc(len(event.body))
             if conn.reusable and not self._closed:
                 conn.start_next_cycle()
                 keep = True

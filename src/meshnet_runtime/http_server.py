@@ -503,7 +503,9 @@ class _Connection:
             await self._error(ctx.path, _internal_error())
             return False
         if self.server.metrics:
-            self.server.metrics.bytes_in.labels("upstream").inc(received.body_nbytes)
+            self.server.metrics.labelled(self.server.metrics.bytes_in, "upstream").inc(
+                received.body_nbytes
+            )
         return await self._handle(self.server.app.handle_activation, received, ctx)
 
     async def _handle(self, handler: Any, event: Any, ctx: RequestContext) -> bool:
@@ -527,7 +529,9 @@ class _Connection:
             parts = self.conn.send_activation(reply.headers, reply.body)
             status = 200
             if self.server.metrics:
-                self.server.metrics.bytes_out.labels("upstream").inc(len(reply.body))
+                self.server.metrics.labelled(self.server.metrics.bytes_out, "upstream").inc(
+                    len(reply.body)
+                )
         else:
             parts = self.conn.send_response(reply.status, list(reply.headers), reply.body)
             status = reply.status
