@@ -116,7 +116,7 @@ async def measure(steps: int, backend_flags: list[str]) -> dict[str, list[float]
 
 
 def run(options: BenchOptions) -> SectionResult:
-    steps = 20 if options.tiny else 300 if options.quick else 3000
+    steps = 20 if options.tiny else 500 if options.quick else 3000
     options.progress(f"decode: {steps} one-token round trips, node vs bare h11 echo")
     backend = ["--async-backend", options.async_backend]
     times = anyio.run(measure, steps, backend, backend=options.async_backend)

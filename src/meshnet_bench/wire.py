@@ -142,7 +142,7 @@ def _tokens(options: BenchOptions) -> tuple[int, int]:
     """(tokens, repeats) for this run."""
     if options.tiny:
         return 8, 1
-    return 2048, 2 if options.quick else 5
+    return 2048, 1 if options.quick else 5
 
 
 def run(options: BenchOptions) -> SectionResult:
