@@ -326,7 +326,8 @@ class _RecordingStream:
 
 @pytest.mark.anyio
 async def test_a_small_answer_goes_out_in_one_send_a_large_one_uncopied() -> None:
-    from meshnet_runtime.http_server import COALESCE_BYTES, _write
+    from meshnet_runtime.http_server import _write
+    from meshnet_runtime.transports import COALESCE_BYTES
 
     small = _RecordingStream()
     await _write(small, anyio.Lock(), [b"HTTP/1.1 200 OK\r\n\r\n", memoryview(b"x" * 100)], 5.0)

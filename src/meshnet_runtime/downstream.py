@@ -35,7 +35,7 @@ from meshnet_proto import (
 from .deadlines import DEFAULT_MARGIN, Deadline
 from .endpoints import Endpoint, parse_endpoint
 from .metrics import ServerMetrics
-from .transports import connect
+from .transports import coalesce, connect
 
 __all__ = ["DownstreamPool"]
 
@@ -196,7 +196,7 @@ class DownstreamPool:
         try:
             received = 0
             try:
-                for part in build(conn):
+                for part in coalesce(build(conn)):
                     if len(part):
                         await stream.send(part)
                 if self.metrics and body_nbytes:

@@ -46,7 +46,7 @@ from meshnet_proto import (
 
 from .codec_pool import CodecPool
 from .metrics import ServerMetrics
-from .transports import BoundListener
+from .transports import BoundListener, coalesce
 
 __all__ = [
     "ActivationReply",
@@ -68,12 +68,6 @@ READ_SIZE = 65536
 BODY_READ_SIZE = 1024 * 1024
 # Reading a large zstd body whose decode runs in a thread: fewer, larger hops.
 OFFLOAD_READ_SIZE = BODY_READ_SIZE
-# An answer this small goes out in one send (head and body joined): one
-# syscall and one segment instead of two, so the peer wakes once, not twice.
-# A decode step's 16 KiB answer spent a tenth of its node time on the second
-# send (meshnet bench, section decode). Larger bodies are sent as they are:
-# joining would copy them.
-COALESCE_BYTES = 64 * 1024
 # After an early answer (body unread) the client may still be sending: read
 # and discard briefly so it gets to read our answer instead of a reset.
 DRAIN_SECONDS = 1.0
@@ -359,8 +353,7 @@ async def _write(
 ) -> None:
     """Write ``parts`` in order; a half-written answer is never abandoned to a
     cancellation (it would corrupt the stream), only to the write timeout."""
-    if len(parts) > 1 and sum(len(part) for part in parts) <= COALESCE_BYTES:
-        parts = [b"".join(parts)]
+    parts = coalesce(parts)
     async with lock:
         with anyio.move_on_after(timeout, shield=True) as scope:
             for part in parts:
