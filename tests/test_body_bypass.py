@@ -22,6 +22,7 @@ from meshnet_proto import (
     ActivationReceived,
     ActivationResponse,
     ClientConnection,
+    ConnectionClosed,
     ServerConnection,
     WireHeaders,
     encode_tensor,
@@ -118,3 +119,27 @@ def test_nothing_pending_outside_a_content_length_body() -> None:
     import h11
 
     assert pending_body_bytes(h11.Connection(h11.SERVER)) == 0
+
+
+def test_client_bytes_past_the_response_body_go_to_h11() -> None:
+    """A response's last body bytes and whatever follows them in one piece:
+    the body takes exactly its remaining length, h11 gets the rest (here
+    bytes no server may send between exchanges, so the connection ends)."""
+    server = ServerConnection()
+    client = ClientConnection()
+    wire = WireHeaders.for_array(FIRST, session=SESSION, chunk_index=0, chunk_total=1, position=0)
+    for part in client.send_activation(wire, encode_tensor(FIRST)):
+        server.receive_data(bytes(part))
+    assert isinstance(server.next_event(), ActivationHead)
+    received = server.next_event()
+    assert isinstance(received, ActivationReceived)
+    answer = server.send_activation(received.headers, encode_tensor(received.tensor))
+    data = b"".join(bytes(part) for part in answer)
+    head_end = data.index(b"\r\n\r\n") + 4
+    client.receive_data(data[:head_end])
+    assert client.next_event() is NEED_DATA  # h11 drained: the body may bypass it
+    client.receive_data(data[head_end:] + b"garbage\r\n\r\n")
+    response = client.next_event()
+    assert isinstance(response, ActivationResponse)
+    assert response.tensor is not None and response.tensor.tobytes() == FIRST.tobytes()
+    assert isinstance(client.next_event(), ConnectionClosed)

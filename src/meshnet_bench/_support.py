@@ -34,14 +34,17 @@ async def interleaved(
     contenders: dict[str, Callable[[], Awaitable[object]]],
     repeat: int,
     check: Callable[[str, object], None] | None = None,
+    progress: Callable[[str], None] | None = None,
 ) -> dict[str, list[float]]:
     """Wall times of ``repeat`` calls of each contender, taken in turns.
 
     ``check(name, result)`` (say, that an echo is bit-identical) runs after
-    each call, outside the timed part.
+    each call, outside the timed part; ``progress`` gets a line per round.
     """
     times: dict[str, list[float]] = {name: [] for name in contenders}
-    for _ in range(repeat):
+    for round_ in range(repeat):
+        if progress is not None:
+            progress(f"  round {round_ + 1}/{repeat}")
         for name, call in contenders.items():
             start = time.perf_counter()
             result = await call()

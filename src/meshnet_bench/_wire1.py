@@ -145,8 +145,9 @@ async def serve_wire1(
     async def handle(stream: ByteStream) -> None:
         conn = h11.Connection(h11.SERVER)
         async with stream:
+            # A peer gone, bad HTTP or an oversized body: this connection ends.
             with contextlib.suppress(
-                anyio.EndOfStream, anyio.BrokenResourceError, h11.RemoteProtocolError
+                anyio.EndOfStream, anyio.BrokenResourceError, h11.RemoteProtocolError, ValueError
             ):
                 while True:
                     event = conn.next_event()

@@ -14,6 +14,7 @@ Key: ``hop_over_raw_throughput`` (node MB/s ÷ raw MB/s).
 from __future__ import annotations
 
 import uuid
+from collections.abc import Callable
 
 import anyio
 import numpy as np
@@ -43,7 +44,13 @@ async def _node_round_trip(pool: DownstreamPool, array: np.ndarray, body: memory
     return memoryview(response.body)
 
 
-async def measure(nbytes: int, repeat: int, node_url: str, raw_url: str) -> dict[str, list[float]]:
+async def measure(
+    nbytes: int,
+    repeat: int,
+    node_url: str,
+    raw_url: str,
+    progress: Callable[[str], None] | None = None,
+) -> dict[str, list[float]]:
     array = make_activation(nbytes // (HIDDEN * 2), HIDDEN)
     expected = array.reshape(-1).view(np.uint8)
     payload = memoryview(expected)
@@ -63,7 +70,7 @@ async def measure(nbytes: int, repeat: int, node_url: str, raw_url: str) -> dict
 
             for name, call in calls.items():  # warm-up: connections open
                 check(name, await call())
-            return await interleaved(calls, repeat, check)
+            return await interleaved(calls, repeat, check, progress)
         finally:
             await pool.aclose()
 
@@ -79,7 +86,10 @@ def run(options: BenchOptions) -> SectionResult:
         server_process("meshnet_node", *QUIET, *backend) as (_, node_url),
         server_process("meshnet_bench._raw_echo", *backend) as (_, raw_url),
     ):
-        times = anyio.run(measure, nbytes, repeat, node_url, raw_url, backend=options.async_backend)
+        times = anyio.run(
+            measure, nbytes, repeat, node_url, raw_url, options.progress,
+            backend=options.async_backend,
+        )  # fmt: skip
     raw, node = (median(times[name]) for name in ("raw TCP echo", "node hop (identity)"))
     result = SectionResult(
         title=f"one hop vs raw socket, {mib(nbytes)} bfloat16 identity, separate processes, "

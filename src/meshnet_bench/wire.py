@@ -122,7 +122,12 @@ def _label(dtype: str) -> str:
 
 
 async def measure(
-    tokens: int, repeat: int, *, chunk_tokens: int = 128, inflight: int = 4
+    tokens: int,
+    repeat: int,
+    *,
+    chunk_tokens: int = 128,
+    inflight: int = 4,
+    progress: Callable[[str], None] | None = None,
 ) -> list[Point]:
     """Every format at ``[1, tokens, 4096]`` float32: ``repeat`` interleaved
     timed runs each, after one token each has opened every connection."""
@@ -133,7 +138,9 @@ async def measure(
         for call in calls.values():
             await call(array[:, :1])
         times = await interleaved(
-            {name: functools.partial(call, array) for name, call in calls.items()}, repeat
+            {name: functools.partial(call, array) for name, call in calls.items()},
+            repeat,
+            progress=progress,
         )
     return [Point(name, array.nbytes, median(times[name]), sizes[name]) for name in calls]
 
@@ -149,7 +156,10 @@ def run(options: BenchOptions) -> SectionResult:
     tokens, repeat = _tokens(options)
     options.progress(f"wire: wire 1 vs wire 2 end to end, [1, {tokens}, {HIDDEN}] float32, "
                      f"{repeat} interleaved repeats")  # fmt: skip
-    points = anyio.run(measure, tokens, repeat, backend=options.async_backend)
+    points = anyio.run(
+        functools.partial(measure, tokens, repeat, progress=options.progress),
+        backend=options.async_backend,
+    )
     by_name = {p.name: p for p in points}
     wire1 = by_name[WIRE1]
     fastest = min((p for p in points if p.name != WIRE1), key=lambda p: p.seconds)
