@@ -15,6 +15,7 @@ import signal
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Awaitable, Callable, Iterator, Sequence
 from pathlib import Path
@@ -87,9 +88,10 @@ def rate_mb_s(nbytes: int, seconds: float) -> float:
     return nbytes / seconds / 1e6
 
 
-def ratio(numerator: float, denominator: float) -> float:
-    """Rounded for the JSON object; a zero denominator (never expected) is inf."""
-    return round(numerator / denominator, 3) if denominator else float("inf")
+def ratio(numerator: float, denominator: float) -> float | None:
+    """Rounded for the JSON object; None (JSON null) for a zero denominator,
+    which a timer never gives (JSON has no infinity)."""
+    return round(numerator / denominator, 3) if denominator else None
 
 
 # ------------------------------------------------------------ processes
@@ -106,32 +108,40 @@ def _child_env() -> dict[str, str]:
 
 @contextlib.contextmanager
 def server_process(
-    module: str, *args: str, timeout: float = 30.0
+    module: str, *args: str, timeout: float = 60.0
 ) -> Iterator[tuple[subprocess.Popen[str], str]]:
     """``python -m module args`` until the block ends; yields it and the URL of
-    its ready line (``… listening on URL``). Always stopped, killed if need be."""
-    proc = subprocess.Popen(
-        [sys.executable, "-m", module, *args],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL,
-        text=True,
-        env=_child_env(),
-    )
-    try:
-        assert proc.stdout is not None
-        ready, _, _ = select.select([proc.stdout], [], [], timeout)
-        line = proc.stdout.readline() if ready else ""
-        if " listening on " not in line:
-            raise RuntimeError(f"{module} did not start (ready line {line!r})")
-        yield proc, line.split(" listening on ", 1)[1].split()[0]
-    finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+    its ready line (``… listening on URL``). Always stopped, killed if need be.
+
+    Its stderr goes to a temporary file, quoted when it fails to start. The
+    generous start-up timeout is for a loaded machine (imports take seconds).
+    """
+    with tempfile.TemporaryFile("w+") as errors:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", module, *args],
+            stdout=subprocess.PIPE,
+            stderr=errors,
+            text=True,
+            env=_child_env(),
+        )
+        try:
+            assert proc.stdout is not None
+            ready, _, _ = select.select([proc.stdout], [], [], timeout)
+            line = proc.stdout.readline() if ready else ""
+            if " listening on " not in line:
+                errors.seek(0)
+                raise RuntimeError(
+                    f"{module} did not start (ready line {line!r}); stderr: {errors.read()[-2000:]}"
+                )
+            yield proc, line.split(" listening on ", 1)[1].split()[0]
+        finally:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+                try:
+                    proc.wait(10)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait()
 
 
 def peak_rss_bytes(pid: int) -> int:
