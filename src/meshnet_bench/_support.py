@@ -36,11 +36,14 @@ async def interleaved(
     repeat: int,
     check: Callable[[str, object], None] | None = None,
     progress: Callable[[str], None] | None = None,
+    after: Callable[[str], Awaitable[object]] | None = None,
 ) -> dict[str, list[float]]:
     """Wall times of ``repeat`` calls of each contender, taken in turns.
 
     ``check(name, result)`` (say, that an echo is bit-identical) runs after
-    each call, outside the timed part; ``progress`` gets a line per round.
+    each call, outside the timed part, and so does ``await after(name)``
+    (say, ending the session the call opened); ``progress`` gets a line per
+    round.
     """
     times: dict[str, list[float]] = {name: [] for name in contenders}
     for round_ in range(repeat):
@@ -52,6 +55,8 @@ async def interleaved(
             times[name].append(time.perf_counter() - start)
             if check is not None:
                 check(name, result)
+            if after is not None:
+                await after(name)
     return times
 
 

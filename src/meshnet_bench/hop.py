@@ -33,15 +33,28 @@ KEYS = ("hop_over_raw_throughput",)
 HIDDEN = 4096
 
 
-async def _node_round_trip(pool: DownstreamPool, array: np.ndarray, body: memoryview) -> memoryview:
+async def _node_round_trip(
+    pool: DownstreamPool, array: np.ndarray, body: memoryview, session: str
+) -> memoryview:
     headers = WireHeaders(
-        shape=array.shape, dtype="bfloat16", session=str(uuid.uuid4()),
+        shape=array.shape, dtype="bfloat16", session=session,
         chunk_index=0, chunk_total=1, encoding="identity", position=0,
     )  # fmt: skip
     response = await pool.forward(headers, body, Deadline.after(120.0))
     if not isinstance(response, ActivationResponse):
         raise RuntimeError(f"the node answered an error: {response.error}")
     return memoryview(response.body)
+
+
+async def _end_session(pool: DownstreamPool, session: str) -> None:
+    """What a client done with a sequence does: the node drops the answer
+    it kept for replay. Without it, every round trip (a new session each)
+    pins 64 MiB until --max-stored-bytes (1 GiB) evicts, and on this shared
+    machine fresh pages then cost the node 2-3x its round trip (section hop
+    in docs/performance.md); the echo keeps nothing either."""
+    answer = await pool.request("DELETE", f"/sessions/{session}", Deadline.after(30.0))
+    if answer.status != 204:
+        raise RuntimeError(f"the node did not end session {session}: {answer.status}")
 
 
 async def measure(
@@ -58,9 +71,19 @@ async def measure(
     pool = DownstreamPool(node_url, max_connections=1)
     async with await anyio.connect_tcp(host, int(port)) as raw:
         try:
+            sessions = [str(uuid.uuid4())]
+
+            async def node_call() -> memoryview:
+                sessions.append(str(uuid.uuid4()))
+                return await _node_round_trip(pool, array, payload, sessions[-1])
+
+            async def after(name: str) -> None:
+                if name == "node hop (identity)":
+                    await _end_session(pool, sessions[-1])
+
             calls = {
                 "raw TCP echo": lambda: _raw_echo.round_trip(raw, payload),
-                "node hop (identity)": lambda: _node_round_trip(pool, array, payload),
+                "node hop (identity)": node_call,
             }
 
             def check(name: str, echoed: object) -> None:
@@ -70,7 +93,8 @@ async def measure(
 
             for name, call in calls.items():  # warm-up: connections open
                 check(name, await call())
-            return await interleaved(calls, repeat, check, progress)
+                await after(name)
+            return await interleaved(calls, repeat, check, progress, after)
         finally:
             await pool.aclose()
 
