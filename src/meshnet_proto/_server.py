@@ -17,6 +17,7 @@ close.
 from __future__ import annotations
 
 import enum
+import functools
 import hmac
 from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass
@@ -663,6 +664,7 @@ class ServerConnection:
         return b"".join(self._send_pieces(event))  # a head only: small
 
 
+@functools.cache  # a handful of statuses; HTTPStatus(...) is an enum lookup per answer
 def _reason(status: int) -> bytes:
     try:
         return HTTPStatus(status).phrase.encode("ascii")
