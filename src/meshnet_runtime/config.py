@@ -72,6 +72,10 @@ class ServerConfig:
     entry: Endpoint | None = None
     chunk_tokens: int = 128
     inflight: int = 1
+    model: str | None = None  # checkpoint directory: the gateway serves its OpenAI API
+    model_name: str | None = None  # the id /v1/models shows (default: the directory's name)
+    max_tokens_default: int = 256  # completion length when a request names none
+    max_context: int = 0  # 0: the checkpoint's max_position_embeddings
 
     @property
     def limits(self) -> Limits:
@@ -99,6 +103,12 @@ def env_name(flag: str) -> str:
 def positive_int(text: str) -> int:
     if not (text.isascii() and text.isdigit()) or int(text) < 1:
         raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return int(text)
+
+
+def _nonnegative_int(text: str) -> int:
+    if not (text.isascii() and text.isdigit()):
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}")
     return int(text)
 
 
@@ -210,6 +220,10 @@ _GATEWAY: list[_Flag] = [
     ("--entry", _endpoint, None, "URL of the first node (required)"),
     ("--chunk-tokens", positive_int, 128, "tokens per chunk"),
     ("--inflight", positive_int, 1, "chunks in flight per session"),
+    ("--model", _nonempty, None, "checkpoint directory: serve the OpenAI API (/v1) for it"),
+    ("--model-name", _nonempty, None, "model id in the OpenAI API (default: directory name)"),
+    ("--max-tokens-default", positive_int, 256, "completion tokens when a request names none"),
+    ("--max-context", _nonnegative_int, 0, "context length (0: the checkpoint's config.json)"),
 ]
 
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import ssl
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -55,6 +55,7 @@ __all__ = [
     "Reply",
     "RequestContext",
     "ServerSettings",
+    "StreamReply",
 ]
 
 log = logging.getLogger("meshnet.server")
@@ -105,6 +106,27 @@ class Reply:
         return cls(status, [(b"content-type", b"application/json")], body)
 
 
+StreamSend = Callable[[bytes], Awaitable[None]]
+
+
+@dataclass(frozen=True, slots=True)
+class StreamReply:
+    """An answer whose body is produced while it is sent (server-sent events).
+
+    The driver writes the head, then awaits ``produce(send)``; each
+    ``await send(piece)`` writes one piece. When the client goes away
+    mid-stream (end of stream or a reset on its side, or a write that
+    fails), ``produce`` is *cancelled*: it must free what it holds in a
+    ``finally`` (shielded where that awaits). An exception out of
+    ``produce`` after the head went out can no longer become an error
+    answer: it is logged and the connection closed.
+    """
+
+    status: int
+    headers: Sequence[tuple[bytes | str, bytes | str]]
+    produce: Callable[[StreamSend], Awaitable[None]]
+
+
 @dataclass(slots=True)
 class RequestContext:
     """What the driver knows about a request beyond its event."""
@@ -124,7 +146,7 @@ class Application(Protocol):
 
     async def handle_endpoint(
         self, event: EndpointRequest, ctx: RequestContext
-    ) -> ActivationReply | Reply: ...
+    ) -> ActivationReply | Reply | StreamReply: ...
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -514,7 +536,10 @@ class _Connection:
         # the connection itself ends here.
         return not self.conn.should_close and not self.server.draining
 
-    async def _answer(self, path: str, reply: ActivationReply | Reply) -> None:
+    async def _answer(self, path: str, reply: ActivationReply | Reply | StreamReply) -> None:
+        if isinstance(reply, StreamReply):
+            await self._stream(path, reply)
+            return
         if isinstance(reply, ActivationReply):
             parts = self.conn.send_activation(reply.headers, reply.body)
             status = 200
@@ -525,6 +550,46 @@ class _Connection:
             status = reply.status
         self.server._count(path, status)
         await self._send(parts)
+
+    async def _stream(self, path: str, reply: StreamReply) -> None:
+        """Write a streamed answer; cancel its producer when the client leaves."""
+        head = self.conn.send_stream_start(reply.status, list(reply.headers))
+        self.server._count(path, reply.status)
+        await self._send([head])
+
+        async def send(piece: bytes) -> None:
+            await self._send(self.conn.send_stream_data(piece))
+
+        client_gone = False
+        async with anyio.create_task_group() as tg:
+
+            async def watch() -> None:
+                # The request is complete, so the client has nothing to send
+                # but a pipelined next request: end of stream (or a reset)
+                # here means it left and nobody will read what we produce.
+                nonlocal client_gone
+                try:
+                    data = await self.stream.receive(READ_SIZE)
+                except _DEAD_STREAM:
+                    data = b""
+                if data:
+                    self.conn.receive_data(data)  # parsed after this answer
+                    return
+                client_gone = True
+                tg.cancel_scope.cancel()
+
+            tg.start_soon(watch)
+            try:
+                await reply.produce(send)
+            except _Closed:
+                client_gone = True  # a write failed: the same as leaving
+            except Exception:
+                log.exception("streamed answer on %s failed", path)
+                client_gone = True  # half an answer: closing is the only signal left
+            tg.cancel_scope.cancel()
+        if client_gone:
+            raise _Closed("client left mid-stream")
+        await self._send(self.conn.send_stream_end())
 
     async def _error(self, path: str, error: MeshnetError) -> None:
         """Answer ``error`` when the protocol state allows it; drain if closing."""

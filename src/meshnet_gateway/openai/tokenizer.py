@@ -1,0 +1,181 @@
+"""A checkpoint's tokenizer and chat template, as Hugging Face lays them out.
+
+``tokenizer.json`` is read by the ``tokenizers`` library; the chat template
+and the special tokens come from ``tokenizer_config.json`` and the template
+is rendered by jinja2 in an immutable sandbox, the way ``transformers``
+renders it (templates ship inside downloaded checkpoints: they are data,
+not trusted code).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from functools import cached_property
+from pathlib import Path
+from typing import Any
+
+import jinja2
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import Tokenizer
+
+__all__ = ["ChatTemplateError", "ModelTokenizer", "TextStream"]
+
+# The template of the checkpoints that ship none: plain "role: content" lines.
+FALLBACK_TEMPLATE = (
+    "{% for message in messages %}{{ message['role'] }}: {{ message['content'] }}\n"
+    "{% endfor %}{% if add_generation_prompt %}assistant: {% endif %}"
+)
+
+
+class ChatTemplateError(ValueError):
+    """The template refused the conversation (its ``raise_exception``) or failed."""
+
+
+def _raise_exception(message: str) -> None:
+    raise ChatTemplateError(message)
+
+
+def _tojson(value: Any, indent: int | None = None) -> str:
+    # HF's tojson keeps non-ASCII text as is (jinja2's own escapes it for HTML).
+    return json.dumps(value, ensure_ascii=False, indent=indent)
+
+
+def _token_text(value: Any) -> str | None:
+    """``bos_token`` may be a plain string or an AddedToken dict."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, Mapping) and isinstance(value.get("content"), str):
+        return value["content"]
+    return None
+
+
+@dataclass(frozen=True)  # no slots: cached_property needs a __dict__
+class ModelTokenizer:
+    """Text ↔ token ids, and a conversation → prompt text."""
+
+    tokenizer: Tokenizer
+    chat_template: str
+    bos_token: str | None
+    eos_token: str | None
+    add_bos: bool  # prepend bos to a prompt unless the text already starts with it
+
+    @classmethod
+    def load(cls, directory: str | Path) -> ModelTokenizer:
+        """Read ``tokenizer.json`` and (optional) ``tokenizer_config.json`` from ``directory``."""
+        root = Path(directory)
+        path = root / "tokenizer.json"
+        if not path.is_file():
+            raise FileNotFoundError(f"{path}: no tokenizer.json in the model directory")
+        tokenizer = Tokenizer.from_file(str(path))
+        config: dict[str, Any] = {}
+        config_path = root / "tokenizer_config.json"
+        if config_path.is_file():
+            loaded = json.loads(config_path.read_text(encoding="utf-8"))
+            if not isinstance(loaded, dict):
+                raise ValueError(f"{config_path} is not a JSON object")
+            config = loaded
+        template = config.get("chat_template")
+        if isinstance(template, list):  # named templates: [{"name": ..., "template": ...}]
+            named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+            template = named.get("default")
+        if not isinstance(template, str):
+            template = FALLBACK_TEMPLATE
+        return cls(
+            tokenizer=tokenizer,
+            chat_template=template,
+            bos_token=_token_text(config.get("bos_token")),
+            eos_token=_token_text(config.get("eos_token")),
+            add_bos=bool(config.get("add_bos_token", False)),
+        )
+
+    # ------------------------------------------------------------ ids
+
+    @property
+    def vocab_size(self) -> int:
+        return self.tokenizer.get_vocab_size(with_added_tokens=True)
+
+    @cached_property
+    def eos_id(self) -> int | None:
+        if self.eos_token is None:
+            return None
+        return self.tokenizer.token_to_id(self.eos_token)
+
+    @cached_property
+    def bos_id(self) -> int | None:
+        if self.bos_token is None:
+            return None
+        return self.tokenizer.token_to_id(self.bos_token)
+
+    def encode(self, text: str) -> list[int]:
+        """Prompt text → ids; special tokens written in the text are honoured
+        (a rendered chat template contains them), and bos is prepended when
+        the checkpoint asks for it and the text lacks it."""
+        ids: list[int] = self.tokenizer.encode(text, add_special_tokens=False).ids
+        if self.add_bos and self.bos_id is not None and (not ids or ids[0] != self.bos_id):
+            ids.insert(0, self.bos_id)
+        return ids
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self.tokenizer.decode(list(ids), skip_special_tokens=True)
+
+    # ------------------------------------------------------------ chat
+
+    @cached_property
+    def _template(self) -> jinja2.Template:
+        env = ImmutableSandboxedEnvironment(
+            trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
+        )
+        env.globals["raise_exception"] = _raise_exception
+        env.filters["tojson"] = _tojson
+        return env.from_string(self.chat_template)
+
+    def render_chat(
+        self, messages: Sequence[Mapping[str, Any]], *, add_generation_prompt: bool = True
+    ) -> str:
+        """The prompt text of a conversation, per the checkpoint's template."""
+        try:
+            return self._template.render(
+                messages=list(messages),
+                add_generation_prompt=add_generation_prompt,
+                bos_token=self.bos_token or "",
+                eos_token=self.eos_token or "",
+            )
+        except ChatTemplateError:
+            raise
+        except jinja2.TemplateError as exc:
+            raise ChatTemplateError(f"chat template failed: {exc}") from exc
+
+
+class TextStream:
+    """Turns ids generated one at a time into text pieces safe to emit.
+
+    Decoding ids one by one breaks multi-byte characters and the
+    tokenizer's spacing rules, so the whole generated text is decoded each
+    time and only what is new is emitted; an unfinished UTF-8 sequence
+    (decoded as U+FFFD at the end) is held back until its next id arrives.
+    """
+
+    def __init__(self, tokenizer: ModelTokenizer) -> None:
+        self._tokenizer = tokenizer
+        self.ids: list[int] = []
+        self.text = ""  # everything emitted so far
+
+    def push(self, token_id: int) -> str:
+        self.ids.append(token_id)
+        full = self._tokenizer.decode(self.ids)
+        if full.endswith("\ufffd"):
+            return ""
+        return self._advance(full)
+
+    def flush(self) -> str:
+        """What is left at the end (a dangling partial character included)."""
+        return self._advance(self._tokenizer.decode(self.ids))
+
+    def _advance(self, full: str) -> str:
+        # Should the tokenizer re-spell earlier text (rare), what was emitted
+        # stays emitted: only text past its length is new.
+        piece = full[len(self.text) :]
+        self.text = full
+        return piece
