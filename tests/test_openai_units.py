@@ -86,7 +86,7 @@ def test_missing_template_falls_back_to_role_lines(tmp_path: Path) -> None:
 
 
 def test_missing_tokenizer_json_is_named(tmp_path: Path) -> None:
-    with pytest.raises(FileNotFoundError, match="tokenizer.json"):
+    with pytest.raises(FileNotFoundError, match=r"tokenizer\.json"):
         ModelTokenizer.load(tmp_path)
 
 

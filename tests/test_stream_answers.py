@@ -20,8 +20,8 @@ def request(http: bytes = b"HTTP/1.1", extra: bytes = b"") -> bytes:
 
 def parse_answer(data: bytes) -> tuple[h11.Response, bytes]:
     client = h11.Connection(h11.CLIENT)
-    client.send(h11.Request(method="POST", target="/events", headers=[("Host", "x"),
-                                                                        ("Content-Length", "2")]))  # fmt: skip
+    headers = [("Host", "x"), ("Content-Length", "2")]
+    client.send(h11.Request(method="POST", target="/events", headers=headers))
     client.send(h11.Data(data=b"{}"))
     client.send(h11.EndOfMessage())
     client.receive_data(data)
