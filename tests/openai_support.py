@@ -43,6 +43,17 @@ def fake_middle(tensor: np.ndarray) -> np.ndarray:
 
 
 BIGRAM = np.random.default_rng(7).standard_normal((VOCAB, VOCAB)).astype(np.float32) * 4
+EOS_ID = 1  # write_tokenizer's "</s>"
+BIGRAM[:, EOS_ID] = -50.0  # never ends by itself: lengths are the request's
+
+
+def greedy_continuation(prompt_ids: list[int], count: int) -> list[int]:
+    """What the fake chain must produce greedily: the bigram argmax walk."""
+    ids, last = [], prompt_ids[-1]
+    for _ in range(count):
+        last = int(np.argmax(BIGRAM[last]))
+        ids.append(last)
+    return ids
 
 
 def fake_head(tensor: np.ndarray) -> np.ndarray:

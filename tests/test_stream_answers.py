@@ -171,3 +171,39 @@ async def test_client_leaving_mid_stream_cancels_the_producer() -> None:
         assert app.cancelled
         assert app.sent < app.count
         server.request_shutdown()
+
+
+@pytest.mark.anyio
+async def test_client_leaving_while_the_producer_is_silent_cancels_it() -> None:
+    """No write fails when nothing is written (a long prefill): the loop
+    notices the client's end of stream by itself."""
+    started, finished = anyio.Event(), anyio.Event()
+    cancelled = []
+
+    class Silent(_App):
+        async def handle_endpoint(self, event: EndpointRequest, ctx: object) -> StreamReply:
+            async def produce(send: object) -> None:
+                try:
+                    await send(b"data: first\n\n")  # type: ignore[operator]
+                    started.set()
+                    await anyio.sleep_forever()
+                except anyio.get_cancelled_exc_class():
+                    cancelled.append(True)
+                    raise
+                finally:
+                    finished.set()
+
+            return StreamReply(200, [], produce)
+
+    server, bound = await _serve(Silent(count=0))
+    async with anyio.create_task_group() as tg:
+        url = await tg.start(server.serve, bound)
+        host, port = url.removeprefix("http://").rsplit(":", 1)
+        with anyio.fail_after(20):
+            stream = await anyio.connect_tcp(host, int(port))
+            await stream.send(request())
+            await started.wait()
+            await stream.aclose()
+            await finished.wait()
+        assert cancelled == [True]
+        server.request_shutdown()

@@ -1,4 +1,6 @@
-"""``meshnet``: ``demo`` (a chain in one process), ``send`` (one .npy through a gateway)."""
+"""``meshnet``: ``demo`` (a chain in one process), ``send`` (one .npy through a gateway),
+``generate`` (text from a gateway's OpenAI API), ``run`` (a model's nodes and gateway in
+one process)."""
 
 from __future__ import annotations
 
@@ -57,7 +59,39 @@ def build_parser() -> argparse.ArgumentParser:
     )
     send.add_argument("--tls-ca", default=None, help="CA bundle for an https gateway")
     send.add_argument("--timeout", type=positive_seconds, default=60.0, help="seconds [60]")
+
+    generate = commands.add_parser(
+        "generate",
+        help="stream text from a running gateway's OpenAI API",
+        description="POST the prompt to a gateway started with --model and print the "
+        "completion as it streams; a summary line goes to stderr.",
+    )
+    generate.add_argument("--prompt", required=True, help="the prompt text")
+    generate.add_argument(
+        "--gateway",
+        default=os.environ.get("MESHNET_GATEWAY", "http://127.0.0.1:8000"),
+        help="gateway URL [env MESHNET_GATEWAY, default http://127.0.0.1:8000]",
+    )
+    generate.add_argument("--chat", action="store_true", help="send as a user chat message")
+    generate.add_argument("--model", help="model id (default: the gateway's first)")
+    generate.add_argument("--max-tokens", type=_nonnegative, default=64, help="[64]")
+    generate.add_argument("--temperature", type=float, default=1.0, help="0 = greedy [1.0]")
+    generate.add_argument("--top-p", type=float, default=1.0, help="[1.0]")
+    generate.add_argument("--top-k", type=_nonnegative, default=None, help="[none]")
+    generate.add_argument("--seed", type=_nonnegative, default=None, help="reproducible sampling")
+    generate.add_argument("--stop", action="append", help="stop sequence (repeatable)")
+    generate.add_argument(
+        "--token", default=os.environ.get("MESHNET_TOKEN"), help="bearer token [env MESHNET_TOKEN]"
+    )
+    generate.add_argument("--tls-ca", default=None, help="CA bundle for an https gateway")
+    generate.add_argument("--timeout", type=positive_seconds, default=300.0, help="seconds [300]")
     return parser
+
+
+def _nonnegative(text: str) -> int:
+    if not (text.isascii() and text.isdigit()):
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}")
+    return int(text)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -72,6 +106,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             inflight=args.inflight,
             backend=args.async_backend,
         )
+    if args.command == "generate":
+        from .generate import run_generate
+
+        return run_generate(args)
     if args.gateway is None:
         build_parser().error("send needs --gateway URL (or MESHNET_GATEWAY)")
     from .send import run_send

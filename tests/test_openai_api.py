@@ -1,0 +1,282 @@
+"""The gateway's OpenAI API end to end, driven by the official ``openai`` client.
+
+Nodes and gateway run in-process on loopback (``openai_support``); the sync
+``openai`` client runs in a worker thread so the servers keep running on
+the test's event loop (trio or asyncio).
+"""
+
+from __future__ import annotations
+
+import functools
+import http.client
+import json
+import math
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, TypeVar
+
+import anyio
+import openai
+import pytest
+
+from meshnet_gateway.openai.tokenizer import ModelTokenizer
+from openai_support import (
+    Served,
+    fake_stages,
+    greedy_continuation,
+    serve_openai,
+    write_model_dir,
+)
+
+pytestmark = pytest.mark.anyio
+
+LIMIT = 30  # every test's wait is bounded: a hang fails the test, not the run
+T = TypeVar("T")
+
+
+@pytest.fixture
+def model_dir(tmp_path: Path) -> Path:
+    return write_model_dir(tmp_path / "tiny-model", context=256)
+
+
+def client_for(served: Served) -> openai.OpenAI:
+    return openai.OpenAI(
+        base_url=served.url + "/v1",
+        api_key="unused",
+        max_retries=0,
+        timeout=LIMIT,
+        # No proxy between the test and loopback, whatever the environment says.
+        http_client=openai.DefaultHttpxClient(trust_env=False),
+    )
+
+
+async def in_thread(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+    with anyio.fail_after(LIMIT):
+        return await anyio.to_thread.run_sync(functools.partial(fn, *args, **kwargs))
+
+
+async def sessions_freed(served: Served) -> None:
+    """Wait (bounded) until no node holds a session and no generation runs."""
+    with anyio.fail_after(LIMIT):
+        while any(node.info()["sessions"] for node in served.nodes) or (
+            served.gateway.openai is not None and served.gateway.openai.active
+        ):
+            await anyio.sleep(0.005)
+
+
+async def test_models_lists_the_served_checkpoint(model_dir: Path) -> None:
+    async with serve_openai(model_dir) as served:
+        client = client_for(served)
+        models = await in_thread(client.models.list)
+        assert [m.id for m in models.data] == ["tiny-model"]
+        assert (await in_thread(client.models.retrieve, "tiny-model")).id == "tiny-model"
+        with pytest.raises(openai.NotFoundError):
+            await in_thread(client.models.retrieve, "other")
+
+
+async def test_greedy_completion_is_the_chains_output_chunked_and_freed(model_dir: Path) -> None:
+    """Temperature 0 through 3 stages: the text is exactly what the chain's
+    logits dictate; the prompt went down in chunks of 4, one decode step per
+    token after the first; every node forgot the session afterwards."""
+    tokenizer = ModelTokenizer.load(model_dir)
+    prompt = "the quick brown fox jumps over the lazy dog"
+    prompt_ids = tokenizer.encode(prompt)
+    stages = fake_stages(3)
+    flags = ["--chunk-tokens", "4", "--inflight", "3"]
+    async with serve_openai(model_dir, stages=stages, gateway_flags=flags) as served:
+        client = client_for(served)
+        result = await in_thread(
+            client.completions.create, model="tiny-model", prompt=prompt, max_tokens=12,
+            temperature=0,
+        )  # fmt: skip
+        await sessions_freed(served)
+    expected = greedy_continuation(prompt_ids, 12)
+    choice = result.choices[0]
+    assert choice.text == tokenizer.decode(expected)
+    assert choice.finish_reason == "length"
+    assert result.usage is not None
+    assert (result.usage.prompt_tokens, result.usage.completion_tokens) == (len(prompt_ids), 12)
+    assert result.usage.total_tokens == len(prompt_ids) + 12
+    prefill_chunks = math.ceil(len(prompt_ids) / 4)
+    assert prefill_chunks > 1
+    for stage in stages:  # every stage computed each chunk and each step once
+        assert stage.calls == prefill_chunks + 11
+    assert served.gateway.inflight == 3
+
+
+async def test_streaming_matches_non_streaming_for_the_same_seed(model_dir: Path) -> None:
+    async with serve_openai(model_dir) as served:
+        client = client_for(served)
+        args = {"model": "tiny-model", "prompt": "hello world", "max_tokens": 20, "seed": 11,
+                "temperature": 0.9, "top_p": 0.95, "extra_body": {"top_k": 40}}  # fmt: skip
+        whole = await in_thread(client.completions.create, **args)
+        events = await in_thread(
+            lambda: list(
+                client.completions.create(
+                    **args, stream=True, stream_options={"include_usage": True}
+                )
+            )
+        )
+        await sessions_freed(served)
+    text_events = [e for e in events if e.choices]
+    streamed = "".join(e.choices[0].text for e in text_events)
+    assert streamed == whole.choices[0].text and len(text_events) > 3
+    assert text_events[-1].choices[0].finish_reason == "length"
+    assert all(e.choices[0].finish_reason is None for e in text_events[:-1])
+    assert events[-1].usage is not None and events[-1].usage.completion_tokens == 20
+
+
+async def test_chat_whole_and_streamed(model_dir: Path) -> None:
+    tokenizer = ModelTokenizer.load(model_dir)
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
+    prompt_ids = tokenizer.encode(tokenizer.render_chat(messages))
+    async with serve_openai(model_dir) as served:
+        client = client_for(served)
+        whole = await in_thread(
+            client.chat.completions.create, model="tiny-model", messages=messages,
+            max_tokens=8, temperature=0,
+        )  # fmt: skip
+        chunks = await in_thread(
+            lambda: list(
+                client.chat.completions.create(
+                    model="tiny-model",
+                    messages=messages,
+                    max_tokens=8,
+                    temperature=0,
+                    stream=True,
+                )
+            )
+        )
+        await sessions_freed(served)
+    expected = tokenizer.decode(greedy_continuation(prompt_ids, 8))
+    assert whole.choices[0].message.role == "assistant"
+    assert whole.choices[0].message.content == expected
+    assert whole.usage is not None and whole.usage.prompt_tokens == len(prompt_ids)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == expected
+    assert chunks[-1].choices[0].finish_reason == "length"
+    assert {c.object for c in chunks} == {"chat.completion.chunk"}
+
+
+async def test_seeds_reproduce_and_differ(model_dir: Path) -> None:
+    async with serve_openai(model_dir) as served:
+        client = client_for(served)
+
+        async def text(**kwargs: Any) -> str:
+            result = await in_thread(
+                client.completions.create, model="tiny-model", prompt="once upon a time",
+                max_tokens=24, **kwargs,
+            )  # fmt: skip
+            return result.choices[0].text
+
+        assert await text(seed=5) == await text(seed=5)
+        assert await text(seed=5) != await text(seed=6)
+        assert await text(temperature=0, seed=1) == await text(temperature=0, seed=2)
+
+
+async def test_stop_sequence_cuts_the_text(model_dir: Path) -> None:
+    async with serve_openai(model_dir) as served:
+        client = client_for(served)
+        args = {"model": "tiny-model", "prompt": "the lazy dog", "temperature": 0}
+        full = (await in_thread(client.completions.create, max_tokens=30, **args)).choices[0]
+        # A stop sequence from the middle of what the model writes.
+        stop = full.text[10:13]
+        cut = full.text[: full.text.find(stop)]
+        stopped = (
+            await in_thread(client.completions.create, max_tokens=30, stop=[stop, "@@@@"], **args)
+        ).choices[0]
+        streamed = await in_thread(
+            lambda: list(client.completions.create(max_tokens=30, stop=stop, stream=True, **args))
+        )
+        await sessions_freed(served)
+    assert full.finish_reason == "length" and len(full.text) > 13
+    assert stopped.text == cut and stopped.finish_reason == "stop"
+    assert "".join(e.choices[0].text for e in streamed) == cut
+    assert streamed[-1].choices[0].finish_reason == "stop"
+
+
+async def test_invalid_requests_get_openai_error_bodies(model_dir: Path) -> None:
+    async with serve_openai(model_dir, gateway_flags=["--max-context", "64"]) as served:
+        client = client_for(served)
+        base = {"model": "tiny-model", "prompt": "hi"}
+        cases: list[tuple[dict[str, Any], type[Exception], str | None, str | None]] = [
+            ({**base, "model": "gpt-4"}, openai.NotFoundError, "model", "model_not_found"),
+            ({**base, "max_tokens": -1}, openai.BadRequestError, "max_tokens", "invalid_value"),
+            ({**base, "max_tokens": 1000}, openai.BadRequestError, "max_tokens",
+             "context_length_exceeded"),
+            ({**base, "prompt": "the fox " * 40}, openai.BadRequestError, "prompt",
+             "context_length_exceeded"),
+            ({**base, "temperature": "hot"}, openai.BadRequestError, "temperature",
+             "invalid_type"),
+            ({**base, "n": 3}, openai.BadRequestError, "n", "unsupported_value"),
+            ({**base, "prompt": [5, 9999]}, openai.BadRequestError, "prompt", "invalid_value"),
+        ]  # fmt: skip
+        for body, error, param, code in cases:
+            with pytest.raises(error) as caught:
+                await in_thread(client.completions.create, **body)
+            assert isinstance(caught.value, openai.APIStatusError)
+            detail = caught.value.body
+            assert isinstance(detail, dict), detail  # the client unwraps {"error": ...}
+            assert detail["param"] == param and detail["code"] == code, (body, detail)
+            assert detail["type"] == "invalid_request_error" and detail["message"]
+        with pytest.raises(openai.BadRequestError) as caught:
+            await in_thread(
+                client.chat.completions.create, model="tiny-model",
+                messages=[{"role": "robot", "content": "beep"}],
+            )  # fmt: skip
+        assert "unknown role robot" in str(caught.value)
+
+        def raw(body: bytes) -> tuple[int, dict[str, Any]]:
+            host, port = served.url.removeprefix("http://").rsplit(":", 1)
+            conn = http.client.HTTPConnection(host, int(port), timeout=LIMIT)
+            try:
+                conn.request("POST", "/v1/completions", body=body)
+                response = conn.getresponse()
+                return response.status, json.loads(response.read())
+            finally:
+                conn.close()
+
+        status, document = await in_thread(raw, b"{not json")
+        assert status == 400
+        assert set(document["error"]) == {"message", "type", "param", "code"}
+        await sessions_freed(served)
+
+
+async def test_refused_requests_never_reach_a_node(model_dir: Path) -> None:
+    stages = fake_stages(2)
+    async with serve_openai(model_dir, stages=stages) as served:
+        client = client_for(served)
+        for body in ({"model": "x", "prompt": "hi"}, {"model": "tiny-model", "prompt": "hi",
+                                                       "top_p": 7}):  # fmt: skip
+            with pytest.raises(openai.APIStatusError):
+                await in_thread(client.completions.create, **body)
+    assert [stage.calls for stage in stages] == [0, 0]
+
+
+async def test_client_disconnect_mid_stream_frees_every_node(model_dir: Path) -> None:
+    """A client that leaves mid-stream: the generation is cancelled at once
+    and the session deleted on every node, long before max_tokens."""
+    stages = fake_stages(3)
+    stages[-1].delay_ms = 2.0  # a decode step takes a moment: the stream is long
+    async with serve_openai(model_dir, stages=stages) as served:
+        host, port = served.url.removeprefix("http://").rsplit(":", 1)
+        body = json.dumps(
+            {"model": "tiny-model", "prompt": "hello", "max_tokens": 200, "stream": True}
+        ).encode()
+        head = (
+            f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(body)}\r\n\r\n"
+        ).encode()
+        with anyio.fail_after(LIMIT):
+            stream = await anyio.connect_tcp(host, int(port))
+            await stream.send(head + body)
+            seen = b""
+            while seen.count(b"data: ") < 3:  # the stream is under way
+                seen += await stream.receive()
+            assert any(node.info()["sessions"] for node in served.nodes)
+            await stream.aclose()
+        await sessions_freed(served)
+        calls_when_freed = stages[-1].calls
+        assert calls_when_freed < 100  # cancelled, not run to its 200 tokens
+        await anyio.sleep(0.1)
+        assert stages[-1].calls == calls_when_freed  # and nothing runs after
