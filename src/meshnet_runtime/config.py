@@ -33,6 +33,7 @@ Role = Literal["node", "gateway"]
 WIRE_DTYPES = ("keep", "float32", "bfloat16", "float16", "auto-lossless")
 ENCODINGS = ("mirror", "identity", "zstd", "auto")
 BACKENDS = ("echo", "zeros")
+MODEL_DTYPES = ("keep", "float32", "bfloat16", "float16")
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 
 
@@ -68,11 +69,16 @@ class ServerConfig:
     next: Endpoint | None = None
     backend: str = "echo"
     delay_ms: float = 0.0
+    # node: a checkpoint directory whose layers to run instead of --backend;
+    # gateway: the checkpoint whose tokenizer it loads to serve the OpenAI API.
+    model: str | None = None
+    layers: str | None = None  # "A:B", checked against the model when it loads
+    dtype: str = "keep"  # weights as held in memory (compute is float32)
+    kv_budget_bytes: int = 1024 * 1024 * 1024
     # gateway
     entry: Endpoint | None = None
     chunk_tokens: int = 128
     inflight: int = 1
-    model: str | None = None  # checkpoint directory: the gateway serves its OpenAI API
     model_name: str | None = None  # the id /v1/models shows (default: the directory's name)
     max_tokens_default: int = 256  # completion length when a request names none
     max_context: int = 0  # 0: the checkpoint's max_position_embeddings
@@ -162,6 +168,15 @@ def _nonempty(text: str) -> str:
     return text
 
 
+def _layers(text: str) -> str:
+    start, sep, end = text.partition(":")
+    if not (sep and start.isascii() and start.isdigit() and end.isascii() and end.isdigit()):
+        raise argparse.ArgumentTypeError(f"expected A:B (layers A..B-1), got {text!r}")
+    if int(start) >= int(end):
+        raise argparse.ArgumentTypeError(f"layers {text}: the start must be below the end")
+    return text
+
+
 def _choice(choices: Sequence[str]) -> Callable[[str], str]:
     def parse(text: str) -> str:
         if text not in choices:
@@ -215,6 +230,15 @@ _NODE: list[_Flag] = [
     ("--next", _endpoint, None, "downstream node URL (none = last stage)"),
     ("--backend", _choice(BACKENDS), "echo", "stage backend"),
     ("--delay-ms", _millis, 0.0, "simulated stage compute per chunk, ms"),
+    ("--model", _nonempty, None, "checkpoint directory (HF layout): run its layers, not --backend"),
+    ("--layers", _layers, None, "with --model: run layers A..B-1, as A:B (default: all)"),
+    ("--dtype", _choice(MODEL_DTYPES), "keep", "with --model: weights dtype in memory"),
+    (
+        "--kv-budget-bytes",
+        positive_int,
+        1024 * 1024 * 1024,
+        "with --model: KV cache memory, all sessions together (more get 503)",
+    ),
 ]
 _GATEWAY: list[_Flag] = [
     ("--entry", _endpoint, None, "URL of the first node (required)"),
@@ -271,6 +295,8 @@ def load_config(
             values[dest] = default
     if (values["tls_cert"] is None) != (values["tls_key"] is None):
         parser.error("--tls-cert and --tls-key go together")
+    if role == "node" and values["model"] is None and values["layers"] is not None:
+        parser.error("--layers needs --model")
     if role == "gateway" and values["entry"] is None:
         parser.error(f"--entry (or {env_name('--entry')}) is required")
     try:
