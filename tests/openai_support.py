@@ -1,11 +1,16 @@
 """A chain serving the OpenAI API in-process, for the /v1 tests.
 
-Until real model stages exist the nodes run *fake* stages that honour the
-model-stage contract: the first stage takes ``int32`` ids ``[1, tokens]``
-and embeds them, the last answers float32 logits of each chunk's last
-position ``[1, vocab]``. The logits are a fixed function of the last id (a
-random bigram table), so generation is deterministic given the sampler and
-the text depends on every token generated.
+The nodes run real model stages (``meshnet-node --model DIR --layers A:B``)
+over a tiny random Llama checkpoint written here, with a tokenizer trained
+here; ``reference_greedy`` computes what greedy decoding must produce with
+one in-process runner holding every layer (the chain's float32 wire makes
+the logits bit-identical, so the argmax walk is exact).
+
+Tests about the gateway alone (a stage that must be slow, a request that
+must never reach a node) use *fake* stages honouring the same contract:
+the first takes ``int32`` ids ``[1, tokens]``, the last answers float32
+logits of each chunk's last position ``[1, vocab]``, a fixed function of
+the last id (a random bigram table).
 """
 
 from __future__ import annotations
@@ -19,11 +24,14 @@ from pathlib import Path
 import numpy as np
 
 from meshnet_gateway import open_gateway
+from meshnet_model import StageRunner
+from meshnet_model.testing import small_config, write_checkpoint
 from meshnet_gateway.app import GatewayApp
 from meshnet_gateway.openai.testing import write_tokenizer
 from meshnet_node import serve_node
 from meshnet_node.app import NodeApp
-from meshnet_node.backends import Stage
+from meshnet_node.backends import Stage, StageBackend
+from meshnet_node.model_chain import even_splits, start_model_chain
 from meshnet_runtime.config import load_config
 
 VOCAB = 320
@@ -69,13 +77,31 @@ def fake_stages(count: int) -> list[Stage]:
     return [Stage("fake-embed", fake_embed), *middle, Stage("fake-head", fake_head)]
 
 
-def write_model_dir(root: Path, vocab: int = VOCAB, context: int = 512) -> Path:
-    """A model directory with what the gateway reads: tokenizer files + config.json."""
+LAYERS = 4
+
+
+def write_model_dir(root: Path, vocab: int = VOCAB, context: int = 256) -> Path:
+    """A tiny random Llama checkpoint (hidden 64, 4 layers) with its tokenizer files."""
+    config = small_config(
+        vocab_size=vocab, num_hidden_layers=LAYERS, max_position_embeddings=context
+    )
+    write_checkpoint(root, config, seed=3)
     write_tokenizer(root, vocab)
-    config = {"vocab_size": vocab, "max_position_embeddings": context}
-    if not (root / "config.json").exists():
-        (root / "config.json").write_text(json.dumps(config))
     return root
+
+
+def reference_greedy(model_dir: Path, prompt_ids: list[int], count: int) -> list[int]:
+    """Greedy ids from one runner holding every layer, in this process."""
+    runner = StageRunner.load(model_dir)
+    ids: list[int] = []
+    logits = runner.run("reference", 0, np.asarray([prompt_ids], dtype=np.int32))
+    position = len(prompt_ids)
+    for _ in range(count):
+        ids.append(int(np.argmax(logits[0])))
+        logits = runner.run("reference", position, np.asarray([[ids[-1]]], dtype=np.int32))
+        position += 1
+    runner.end_session("reference")
+    return ids
 
 
 @dataclass
@@ -90,29 +116,50 @@ class Served:
 async def serve_openai(
     model_dir: Path,
     *,
-    stages: list[Stage] | None = None,
+    stages: int | list[Stage] = 2,
     gateway_flags: list[str] = (),  # type: ignore[assignment]
     node_flags: list[str] = (),  # type: ignore[assignment]
 ) -> AsyncIterator[Served]:
-    """Nodes (last first, each pointing at the next) and a gateway with --model."""
-    stages = stages if stages is not None else fake_stages(2)
+    """Nodes (last first, each pointing at the next) and a gateway with --model.
+
+    ``stages``: how many real model nodes to split the checkpoint over (an
+    even split of its layers), or fake stages to run instead.
+    """
     async with AsyncExitStack() as stack:
-        nodes: list[NodeApp] = []
         urls: list[str] = []
-        next_url: str | None = None
-        for stage in reversed(stages):
-            flags = ["--port", "0", "--log-level", "warning", *node_flags]
-            if next_url is not None:
-                flags += ["--next", next_url]
-            node = await stack.enter_async_context(
-                serve_node(load_config("node", flags), stage=stage)
+        apps: list[NodeApp] = []
+        if isinstance(stages, int):
+            running = await stack.enter_async_context(
+                start_model_chain(
+                    model_dir, even_splits(LAYERS, stages), extra=["--log-level", "warning"]
+                )
             )
-            nodes.insert(0, node.app)
-            urls.insert(0, node.url)
-            next_url = node.url
+            urls = [node.url for node in running]
+            apps = [node.app for node in running]
+        else:
+            next_url: str | None = None
+            for stage in reversed(stages):
+                flags = ["--port", "0", "--log-level", "warning", *node_flags]
+                if next_url is not None:
+                    flags += ["--next", next_url]
+                node = await stack.enter_async_context(
+                    serve_node(load_config("node", flags), stage=stage)
+                )
+                apps.insert(0, node.app)
+                urls.insert(0, node.url)
+                next_url = node.url
         flags = [
             "--port", "0", "--log-level", "warning", "--entry", urls[0],
             "--model", str(model_dir), *gateway_flags,
         ]  # fmt: skip
         gateway = await stack.enter_async_context(open_gateway(load_config("gateway", flags)))
-        yield Served(gateway.url, gateway.app, nodes, urls)
+        yield Served(gateway.url, gateway.app, apps, urls)
+
+
+def stage_of(app: NodeApp) -> StageBackend:
+    return app.stage
+
+
+def kv_bytes(app: NodeApp) -> int:
+    """KV cache bytes a model node holds, as its /info reports them."""
+    return int(app.info()["stage"]["kv_bytes_in_use"])

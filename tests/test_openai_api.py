@@ -1,6 +1,7 @@
 """The gateway's OpenAI API end to end, driven by the official ``openai`` client.
 
-Nodes and gateway run in-process on loopback (``openai_support``); the sync
+Real model nodes (a tiny random Llama split over 2 or 3 nodes) and the
+gateway run in-process on loopback (``openai_support``); the sync
 ``openai`` client runs in a worker thread so the servers keep running on
 the test's event loop (trio or asyncio).
 """
@@ -23,7 +24,8 @@ from meshnet_gateway.openai.tokenizer import ModelTokenizer
 from openai_support import (
     Served,
     fake_stages,
-    greedy_continuation,
+    kv_bytes,
+    reference_greedy,
     serve_openai,
     write_model_dir,
 )
@@ -75,22 +77,24 @@ async def test_models_lists_the_served_checkpoint(model_dir: Path) -> None:
 
 
 async def test_greedy_completion_is_the_chains_output_chunked_and_freed(model_dir: Path) -> None:
-    """Temperature 0 through 3 stages: the text is exactly what the chain's
-    logits dictate; the prompt went down in chunks of 4, one decode step per
-    token after the first; every node forgot the session afterwards."""
+    """Temperature 0 through 3 model nodes: the text is exactly the greedy
+    walk of the whole model in one process; the prompt went down in chunks
+    of 4, one decode step per token after the first; every node freed the
+    session's KV cache afterwards."""
     tokenizer = ModelTokenizer.load(model_dir)
     prompt = "the quick brown fox jumps over the lazy dog"
     prompt_ids = tokenizer.encode(prompt)
-    stages = fake_stages(3)
     flags = ["--chunk-tokens", "4", "--inflight", "3"]
-    async with serve_openai(model_dir, stages=stages, gateway_flags=flags) as served:
+    async with serve_openai(model_dir, stages=3, gateway_flags=flags) as served:
         client = client_for(served)
         result = await in_thread(
             client.completions.create, model="tiny-model", prompt=prompt, max_tokens=12,
             temperature=0,
         )  # fmt: skip
         await sessions_freed(served)
-    expected = greedy_continuation(prompt_ids, 12)
+        assert [kv_bytes(node) for node in served.nodes] == [0, 0, 0]
+        stages = [node.stage for node in served.nodes]
+    expected = reference_greedy(model_dir, prompt_ids, 12)
     choice = result.choices[0]
     assert choice.text == tokenizer.decode(expected)
     assert choice.finish_reason == "length"
@@ -148,7 +152,7 @@ async def test_chat_whole_and_streamed(model_dir: Path) -> None:
             )
         )
         await sessions_freed(served)
-    expected = tokenizer.decode(greedy_continuation(prompt_ids, 8))
+    expected = tokenizer.decode(reference_greedy(model_dir, prompt_ids, 8))
     assert whole.choices[0].message.role == "assistant"
     assert whole.choices[0].message.content == expected
     assert whole.usage is not None and whole.usage.prompt_tokens == len(prompt_ids)
@@ -243,8 +247,8 @@ async def test_invalid_requests_get_openai_error_bodies(model_dir: Path) -> None
 
 
 async def test_refused_requests_never_reach_a_node(model_dir: Path) -> None:
-    stages = fake_stages(2)
-    async with serve_openai(model_dir, stages=stages) as served:
+    async with serve_openai(model_dir) as served:
+        stages = [node.stage for node in served.nodes]
         client = client_for(served)
         for body in ({"model": "x", "prompt": "hi"}, {"model": "tiny-model", "prompt": "hi",
                                                        "top_p": 7}):  # fmt: skip
@@ -253,30 +257,46 @@ async def test_refused_requests_never_reach_a_node(model_dir: Path) -> None:
     assert [stage.calls for stage in stages] == [0, 0]
 
 
-async def test_client_disconnect_mid_stream_frees_every_node(model_dir: Path) -> None:
-    """A client that leaves mid-stream: the generation is cancelled at once
-    and the session deleted on every node, long before max_tokens."""
+async def leave_mid_stream(served: Served, max_tokens: int) -> None:
+    """Start a streamed completion over a raw socket, read 3 events, hang up."""
+    host, port = served.url.removeprefix("http://").rsplit(":", 1)
+    body = json.dumps(
+        {"model": "tiny-model", "prompt": "hello", "max_tokens": max_tokens, "stream": True}
+    ).encode()
+    head = (
+        f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(body)}\r\n\r\n"
+    ).encode()
+    with anyio.fail_after(LIMIT):
+        stream = await anyio.connect_tcp(host, int(port))
+        await stream.send(head + body)
+        seen = b""
+        while seen.count(b"data: ") < 3:  # the stream is under way
+            seen += await stream.receive()
+        assert any(node.info()["sessions"] for node in served.nodes)
+        await stream.aclose()
+
+
+async def test_client_disconnect_mid_stream_frees_every_nodes_kv(model_dir: Path) -> None:
+    """A client that leaves mid-stream: the session is deleted on every
+    model node and their KV caches freed."""
+    async with serve_openai(model_dir, stages=3) as served:
+        await leave_mid_stream(served, max_tokens=200)
+        assert any(kv_bytes(node) for node in served.nodes)  # the caches were in use
+        await sessions_freed(served)
+        assert [kv_bytes(node) for node in served.nodes] == [0, 0, 0]
+        assert all(node.info()["stage"]["kv_sessions"] == 0 for node in served.nodes)
+
+
+async def test_client_disconnect_cancels_the_generation_at_once(model_dir: Path) -> None:
+    """With a slow last stage (fake, 2 ms a step) the generation is cut
+    short, not run to its 200 tokens, and nothing runs after the DELETE."""
     stages = fake_stages(3)
-    stages[-1].delay_ms = 2.0  # a decode step takes a moment: the stream is long
+    stages[-1].delay_ms = 2.0
     async with serve_openai(model_dir, stages=stages) as served:
-        host, port = served.url.removeprefix("http://").rsplit(":", 1)
-        body = json.dumps(
-            {"model": "tiny-model", "prompt": "hello", "max_tokens": 200, "stream": True}
-        ).encode()
-        head = (
-            f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-            f"Content-Length: {len(body)}\r\n\r\n"
-        ).encode()
-        with anyio.fail_after(LIMIT):
-            stream = await anyio.connect_tcp(host, int(port))
-            await stream.send(head + body)
-            seen = b""
-            while seen.count(b"data: ") < 3:  # the stream is under way
-                seen += await stream.receive()
-            assert any(node.info()["sessions"] for node in served.nodes)
-            await stream.aclose()
+        await leave_mid_stream(served, max_tokens=200)
         await sessions_freed(served)
         calls_when_freed = stages[-1].calls
-        assert calls_when_freed < 100  # cancelled, not run to its 200 tokens
+        assert calls_when_freed < 100
         await anyio.sleep(0.1)
-        assert stages[-1].calls == calls_when_freed  # and nothing runs after
+        assert stages[-1].calls == calls_when_freed

@@ -1,4 +1,4 @@
-"""``meshnet generate`` against a gateway serving the OpenAI API."""
+"""``meshnet generate`` against a gateway serving the OpenAI API over model nodes."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import pytest
 from meshnet_cli.__main__ import build_parser
 from meshnet_cli.generate import run_generate
 from meshnet_gateway.openai.tokenizer import ModelTokenizer
-from openai_support import greedy_continuation, serve_openai, write_model_dir
+from openai_support import reference_greedy, serve_openai, write_model_dir
 
 pytestmark = pytest.mark.anyio
 
@@ -32,7 +32,7 @@ async def test_generate_streams_the_greedy_text(
     model_dir = write_model_dir(tmp_path / "tiny")
     tokenizer = ModelTokenizer.load(model_dir)
     prompt = "hello world"
-    expected = tokenizer.decode(greedy_continuation(tokenizer.encode(prompt), 10))
+    expected = tokenizer.decode(reference_greedy(model_dir, tokenizer.encode(prompt), 10))
     async with serve_openai(model_dir) as served:
         code, out = await generate(
             ["--gateway", served.url, "--prompt", prompt, "--max-tokens", "10",
