@@ -15,7 +15,6 @@ the last id (a random bigram table).
 
 from __future__ import annotations
 
-import json
 from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass
@@ -24,10 +23,10 @@ from pathlib import Path
 import numpy as np
 
 from meshnet_gateway import open_gateway
-from meshnet_model import StageRunner
-from meshnet_model.testing import small_config, write_checkpoint
 from meshnet_gateway.app import GatewayApp
 from meshnet_gateway.openai.testing import write_tokenizer
+from meshnet_model import StageRunner
+from meshnet_model.testing import small_config, write_checkpoint
 from meshnet_node import serve_node
 from meshnet_node.app import NodeApp
 from meshnet_node.backends import Stage, StageBackend
