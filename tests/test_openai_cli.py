@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import io
+import select
+import subprocess
+import sys
 from pathlib import Path
 
 import anyio
 import pytest
 
+from gateway_support import clean_env, stop
 from meshnet_cli.__main__ import build_parser
 from meshnet_cli.generate import run_generate
 from meshnet_gateway.openai.tokenizer import ModelTokenizer
@@ -63,3 +67,48 @@ def test_generate_to_a_closed_port_is_one_line_exit_1(capfd: pytest.CaptureFixtu
     assert run_generate(args, io.StringIO()) == 1
     err = capfd.readouterr().err
     assert err.startswith("meshnet generate: http://127.0.0.1:1") and err.count("\n") == 1
+
+
+def test_meshnet_run_serves_a_split_checkpoint_in_one_process(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """``meshnet run --model DIR --stages 3`` as a user runs it: a ready line
+    with the URL, the OpenAI API answering through 3 nodes, exit 0 on SIGTERM."""
+    model_dir = write_model_dir(tmp_path / "tiny")
+    tokenizer = ModelTokenizer.load(model_dir)
+    argv = [sys.executable, "-m", "meshnet_cli", "run", "--model", str(model_dir),
+            "--stages", "3", "--port", "0", "--chunk-tokens", "2"]  # fmt: skip
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=clean_env())  # fmt: skip
+    try:
+        assert proc.stdout is not None
+        ready, _, _ = select.select([proc.stdout], [], [], 60)
+        assert ready, "no ready line within 60 s"
+        line = proc.stdout.readline()
+        assert line.startswith("meshnet run listening on http://127.0.0.1:"), line
+        assert "3 nodes, layers 0:1, 1:3, 3:4" in line and "model tiny" in line
+        url = line.split(" listening on ", 1)[1].split()[0]
+        args = build_parser().parse_args(
+            ["generate", "--gateway", url, "--prompt", "the fox", "--max-tokens", "6",
+             "--temperature", "0", "--timeout", "30"]
+        )  # fmt: skip
+        out = io.StringIO()
+        assert run_generate(args, out) == 0
+        expected = reference_greedy(model_dir, tokenizer.encode("the fox"), 6)
+        assert out.getvalue() == tokenizer.decode(expected) + "\n"
+        assert stop(proc) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_meshnet_run_refuses_more_stages_than_layers(tmp_path: Path) -> None:
+    model_dir = write_model_dir(tmp_path / "tiny")
+    result = subprocess.run(
+        [sys.executable, "-m", "meshnet_cli", "run", "--model", str(model_dir), "--stages", "9",
+         "--port", "0"],
+        capture_output=True, text=True, timeout=60, env=clean_env(),
+    )  # fmt: skip
+    assert result.returncode == 1
+    assert result.stderr.strip() == "meshnet run: --stages must be 1..4 (the model has 4 layers)"

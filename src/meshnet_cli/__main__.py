@@ -85,6 +85,24 @@ def build_parser() -> argparse.ArgumentParser:
     )
     generate.add_argument("--tls-ca", default=None, help="CA bundle for an https gateway")
     generate.add_argument("--timeout", type=positive_seconds, default=300.0, help="seconds [300]")
+
+    run = commands.add_parser(
+        "run",
+        help="serve a checkpoint split over N model nodes with a gateway, in this process",
+        description="Start N model nodes (an even split of the layers) and a gateway with "
+        "the OpenAI API on one machine, in one process; prints a ready line with the URL.",
+    )
+    run.add_argument("--model", required=True, help="checkpoint directory (HF layout)")
+    run.add_argument("--stages", type=positive_int, default=2, help="nodes [2]")
+    run.add_argument("--host", default="127.0.0.1", help="gateway address [127.0.0.1]")
+    run.add_argument("--port", type=_nonnegative, default=8000, help="gateway port, 0 = any [8000]")
+    run.add_argument("--chunk-tokens", type=positive_int, default=128, help="[128]")
+    run.add_argument("--inflight", type=positive_int, default=4, help="[4]")
+    run.add_argument("--max-tokens-default", type=positive_int, default=None, help="[256]")
+    run.add_argument("--model-name", default=None, help="model id (default: directory name)")
+    run.add_argument("--dtype", default="keep", help="weights dtype in memory [keep]")
+    run.add_argument("--log-level", default="warning", help="[warning]")
+    run.add_argument("--async-backend", choices=("trio", "asyncio"), default="trio", help="[trio]")
     return parser
 
 
@@ -106,6 +124,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             inflight=args.inflight,
             backend=args.async_backend,
         )
+    if args.command == "run":
+        from .run import main as run_main
+
+        return run_main(args)
     if args.command == "generate":
         from .generate import run_generate
 
