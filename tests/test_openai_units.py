@@ -109,6 +109,16 @@ def test_text_stream_pieces_join_to_the_decoded_text(text: str) -> None:
     assert "".join(pieces) == tok.decode(ids) == text
 
 
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.integers(0, 299), max_size=40))
+def test_text_stream_of_any_ids_joins_to_their_decoding(ids: list[int]) -> None:
+    """Random ids (what a random model writes): broken UTF-8, special ids."""
+    tok = _shared_tokenizer()
+    stream = TextStream(tok)
+    pieces = [stream.push(i) for i in ids] + [stream.flush()]
+    assert "".join(pieces) == tok.decode(ids)
+
+
 _TOK: list[ModelTokenizer] = []
 
 

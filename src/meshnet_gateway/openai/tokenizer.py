@@ -151,31 +151,34 @@ class ModelTokenizer:
 class TextStream:
     """Turns ids generated one at a time into text pieces safe to emit.
 
-    Decoding ids one by one breaks multi-byte characters and the
-    tokenizer's spacing rules, so the whole generated text is decoded each
-    time and only what is new is emitted; an unfinished UTF-8 sequence
-    (decoded as U+FFFD at the end) is held back until its next id arrives.
+    Decoding ids one by one breaks multi-byte characters and the tokenizer's
+    spacing rules, and decoding the whole text at every step costs O(n) per
+    token. As vLLM's incremental detokenizer does, only a short window is
+    decoded: the ids since ``prefix`` (already emitted, kept as context for
+    the spacing rules) and the new ones since ``read``. A piece that ends in
+    an unfinished UTF-8 sequence (U+FFFD) is held back until the ids that
+    complete it arrive.
     """
 
     def __init__(self, tokenizer: ModelTokenizer) -> None:
         self._tokenizer = tokenizer
         self.ids: list[int] = []
-        self.text = ""  # everything emitted so far
+        self._prefix = 0  # start of the context window
+        self._read = 0  # ids before this one have been emitted
 
     def push(self, token_id: int) -> str:
         self.ids.append(token_id)
-        full = self._tokenizer.decode(self.ids)
-        if full.endswith("\ufffd"):
-            return ""
-        return self._advance(full)
+        return self._advance(final=False)
 
     def flush(self) -> str:
         """What is left at the end (a dangling partial character included)."""
-        return self._advance(self._tokenizer.decode(self.ids))
+        return self._advance(final=True)
 
-    def _advance(self, full: str) -> str:
-        # Should the tokenizer re-spell earlier text (rare), what was emitted
-        # stays emitted: only text past its length is new.
-        piece = full[len(self.text) :]
-        self.text = full
-        return piece
+    def _advance(self, *, final: bool) -> str:
+        decode = self._tokenizer.decode
+        known = decode(self.ids[self._prefix : self._read])
+        text = decode(self.ids[self._prefix :])
+        if len(text) <= len(known) or (text.endswith("\ufffd") and not final):
+            return ""
+        self._prefix, self._read = self._read, len(self.ids)
+        return text[len(known) :]
