@@ -17,12 +17,16 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import anyio
+import numpy as np
 import openai
 import pytest
 
 from meshnet_gateway.openai.tokenizer import ModelTokenizer
+from meshnet_node.backends import Stage
+from meshnet_proto import CapacityError
 from openai_support import (
     Served,
+    fake_head,
     fake_stages,
     kv_bytes,
     reference_greedy,
@@ -300,3 +304,83 @@ async def test_client_disconnect_cancels_the_generation_at_once(model_dir: Path)
         assert calls_when_freed < 100
         await anyio.sleep(0.1)
         assert stages[-1].calls == calls_when_freed
+
+
+def failing_head(after: int) -> Stage:
+    """A last stage that runs out of KV memory on its ``after``-th chunk."""
+
+    def head(tensor: np.ndarray) -> np.ndarray:
+        if failing.calls >= after:
+            raise CapacityError("KV cache memory is full", code="kv_memory_full", retry_after=5)
+        return fake_head(tensor)
+
+    failing = Stage("failing-head", head)
+    return failing
+
+
+async def test_chain_failure_is_an_openai_error_and_frees_the_session(model_dir: Path) -> None:
+    stages = [fake_stages(2)[0], failing_head(after=4)]
+    async with serve_openai(model_dir, stages=stages) as served:
+        client = client_for(served)
+        args = {"model": "tiny-model", "prompt": "hello", "max_tokens": 10}
+        with pytest.raises(openai.APIStatusError) as caught:
+            await in_thread(client.completions.create, **args)
+        assert caught.value.status_code == 503
+        assert caught.value.response.headers["retry-after"] == "5"
+        detail = caught.value.body
+        assert isinstance(detail, dict)
+        assert (detail["type"], detail["code"]) == ("server_error", "kv_memory_full")
+        assert "KV cache memory is full" in detail["message"]
+        await sessions_freed(served)
+
+        # Streamed: the 200 head is out, so the failure comes as an error event.
+        stages[1].calls = 0
+        pieces: list[str] = []
+
+        def stream() -> None:
+            for event in client.completions.create(**args, stream=True):
+                pieces.append(event.choices[0].text)
+
+        with pytest.raises(openai.APIError, match="KV cache memory is full") as streamed:
+            await in_thread(stream)
+        assert not isinstance(streamed.value, openai.APIStatusError)
+        # Text of the tokens before the failure arrived first; the 4th chunk failed.
+        assert pieces and stages[1].calls == 4
+        await sessions_freed(served)
+
+
+async def test_bearer_token_is_the_api_key(model_dir: Path) -> None:
+    async with serve_openai(model_dir, stages=fake_stages(1),
+                            gateway_flags=["--token", "s3cret"],
+                            node_flags=["--token", "s3cret"]) as served:  # fmt: skip
+        client = client_for(served)
+        with pytest.raises(openai.AuthenticationError):
+            await in_thread(client.models.list)
+        good = client.with_options(api_key="s3cret")
+        result = await in_thread(good.completions.create, model="tiny-model", prompt="hi",
+                                 max_tokens=3)  # fmt: skip
+        assert result.usage is not None and result.usage.completion_tokens == 3
+
+
+async def test_concurrent_streams_do_not_mix(model_dir: Path) -> None:
+    """Two generations at once on one chain, each its own session: each gets
+    exactly the text it gets alone."""
+    async with serve_openai(model_dir) as served:
+        client = client_for(served)
+
+        def streamed(prompt: str) -> str:
+            events = client.completions.create(model="tiny-model", prompt=prompt, max_tokens=16,
+                                               temperature=0, stream=True)  # fmt: skip
+            return "".join(e.choices[0].text for e in events)
+
+        alone = [await in_thread(streamed, p) for p in ("the quick", "a pipeline of")]
+        together: list[str] = ["", ""]
+
+        async def one(index: int, prompt: str) -> None:
+            together[index] = await in_thread(streamed, prompt)
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(one, 0, "the quick")
+            tg.start_soon(one, 1, "a pipeline of")
+        assert together == alone and alone[0] != alone[1]
+        await sessions_freed(served)

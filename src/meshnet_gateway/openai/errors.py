@@ -21,8 +21,10 @@ class OpenAIError(Exception):
         type: str = "invalid_request_error",
         param: str | None = None,
         code: str | None = None,
+        retry_after: int | None = None,
     ) -> None:
         super().__init__(message)
+        self.retry_after = retry_after
         self.message = message
         self.status = status
         self.type = type
@@ -40,7 +42,12 @@ class OpenAIError(Exception):
         }
 
     def reply(self) -> Reply:
-        return Reply.json(self.status, self.body())
+        reply = Reply.json(self.status, self.body())
+        if self.retry_after is None:
+            return reply
+        # A node out of KV memory says when to come back: the client hears it.
+        headers = [*reply.headers, (b"retry-after", str(self.retry_after).encode())]
+        return Reply(reply.status, headers, reply.body)
 
 
 def invalid(param: str, message: str, code: str | None = None) -> OpenAIError:
@@ -51,4 +58,6 @@ def from_meshnet(exc: MeshnetError) -> OpenAIError:
     """A chain failure (a node's error, unreachable, timed out) in OpenAI's shape."""
     hop = f" (hop {exc.hop})" if exc.hop else ""
     kind = "server_error" if exc.status >= 500 else "invalid_request_error"
-    return OpenAIError(f"{exc.message}{hop}", status=exc.status, type=kind, code=exc.code)
+    retry = int(exc.retry_after) if exc.retry_after is not None else None
+    return OpenAIError(f"{exc.message}{hop}", status=exc.status, type=kind, code=exc.code,
+                       retry_after=retry)  # fmt: skip
