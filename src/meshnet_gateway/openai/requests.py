@@ -118,6 +118,11 @@ def _options(document: dict[str, Any], *, max_tokens_names: tuple[str, ...]) -> 
         raise invalid("stop", "stop must be a string or a list of strings", "invalid_type")
     if document.get("logprobs") not in (None, False, 0):
         raise invalid("logprobs", "logprobs are not supported", "unsupported_parameter")
+    for name in ("presence_penalty", "frequency_penalty"):
+        if _number(document, name, 0.0, -2.0, 2.0) != 0.0:
+            raise invalid(name, f"{name} is not supported (only 0)", "unsupported_parameter")
+    if document.get("logit_bias") not in (None, {}):
+        raise invalid("logit_bias", "logit_bias is not supported", "unsupported_parameter")
     if _bool(document, "echo"):
         raise invalid("echo", "echo is not supported", "unsupported_parameter")
     stream = _bool(document, "stream")
