@@ -78,6 +78,11 @@ async def test_models_lists_the_served_checkpoint(model_dir: Path) -> None:
         assert (await in_thread(client.models.retrieve, "tiny-model")).id == "tiny-model"
         with pytest.raises(openai.NotFoundError):
             await in_thread(client.models.retrieve, "other")
+        assert served.gateway.info()["model"] == "tiny-model"
+        metrics = served.gateway.metrics.render().decode()
+        # Per-endpoint counts with a bounded label: every model id is one label.
+        assert 'endpoint="/v1/models",status="200"} 2.0' in metrics
+        assert 'endpoint="/v1/models",status="404"} 1.0' in metrics
 
 
 async def test_greedy_completion_is_the_chains_output_chunked_and_freed(model_dir: Path) -> None:
