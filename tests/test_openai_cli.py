@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import http.client
 import io
+import json
 import select
 import subprocess
 import sys
@@ -11,7 +13,7 @@ from pathlib import Path
 import anyio
 import pytest
 
-from gateway_support import clean_env, stop
+from gateway_support import clean_env, closed_port_url, spawn, stop
 from meshnet_cli.__main__ import build_parser
 from meshnet_cli.generate import run_generate
 from meshnet_gateway.openai.tokenizer import ModelTokenizer
@@ -112,3 +114,32 @@ def test_meshnet_run_refuses_more_stages_than_layers(tmp_path: Path) -> None:
     )  # fmt: skip
     assert result.returncode == 1
     assert result.stderr.strip() == "meshnet run: --stages must be 1..4 (the model has 4 layers)"
+
+
+def test_gateway_process_with_model_serves_v1_and_refuses_a_bad_directory(tmp_path: Path) -> None:
+    model_dir = write_model_dir(tmp_path / "tiny")
+    proc, url = spawn("meshnet_gateway", "--entry", closed_port_url(), "--model", str(model_dir))
+    try:
+        host, port = url.removeprefix("http://").rsplit(":", 1)
+        conn = http.client.HTTPConnection(host, int(port), timeout=30)
+        conn.request("GET", "/v1/models")
+        response = conn.getresponse()
+        assert response.status == 200
+        assert json.loads(response.read())["data"][0]["id"] == "tiny"
+        conn.close()
+        assert stop(proc) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    (tmp_path / "broken").mkdir()
+    (tmp_path / "broken" / "tokenizer.json").write_text("{not a tokenizer")
+    for bad in (tmp_path / "missing", tmp_path / "broken"):
+        result = subprocess.run(
+            [sys.executable, "-m", "meshnet_gateway", "--entry", "http://127.0.0.1:1",
+             "--model", str(bad)],
+            capture_output=True, text=True, timeout=60, env=clean_env(),
+        )  # fmt: skip
+        assert result.returncode == 2
+        assert result.stderr.startswith(f"meshnet-gateway: cannot load --model {bad}: ")
+        assert result.stderr.count("\n") == 1

@@ -68,7 +68,12 @@ class ModelTokenizer:
         path = root / "tokenizer.json"
         if not path.is_file():
             raise FileNotFoundError(f"{path}: no tokenizer.json in the model directory")
-        tokenizer = Tokenizer.from_file(str(path))
+        try:
+            tokenizer = Tokenizer.from_file(str(path))
+        except Exception as exc:  # the Rust library raises plain Exception on bad files
+            raise ValueError(
+                f"{path}: not a tokenizer the tokenizers library reads: {exc}"
+            ) from None
         config: dict[str, Any] = {}
         config_path = root / "tokenizer_config.json"
         if config_path.is_file():
