@@ -11,12 +11,13 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import anyio
 import numpy as np
 import pytest
 
 from meshnet_model import StageRunner
 from meshnet_model.testing import small_config, write_checkpoint
-from meshnet_node.model_chain import ModelSession, start_model_chain
+from meshnet_node.model_chain import ChainError, ModelSession, start_model_chain
 from meshnet_proto import Response
 from meshnet_runtime.deadlines import Deadline
 from meshnet_runtime.downstream import DownstreamPool
@@ -80,3 +81,108 @@ async def test_split_chain_is_bit_identical_to_one_node(
         assert document["stage"]["layers"] == list(splits[0])
         assert document["stage"]["kv_bytes_in_use"] == 0
         await pool.aclose()
+
+
+async def test_auto_lossless_wire_is_bit_identical_too(checkpoint: Path) -> None:
+    ids = prompt()
+    want = StageRunner.load(checkpoint).run("r", 0, ids)
+    async with start_model_chain(
+        checkpoint, [(0, 1), (1, 3), (3, 4)], extra=["--wire-dtype", "auto-lossless"]
+    ) as nodes:
+        pool = DownstreamPool(nodes[0].url)
+        assert np.array_equal(await ModelSession(pool).run(ids), want)
+        # Chunked, it is the same chunking through one in-process runner, bit for bit.
+        chunked = await ModelSession(pool).run(ids, chunk_tokens=8)
+        assert np.array_equal(chunked, await _chunked_reference(checkpoint, ids, 8))
+        await pool.aclose()
+
+
+async def _chunked_reference(checkpoint: Path, ids: np.ndarray, chunk: int) -> np.ndarray:
+    runner = StageRunner.load(checkpoint)
+    out = None
+    for lo in range(0, ids.shape[1], chunk):
+        out = runner.run("r", lo, ids[:, lo : lo + chunk])
+    assert out is not None
+    return out
+
+
+async def test_chunked_prefill_and_decode_through_a_chain(checkpoint: Path) -> None:
+    """Chunk sizes and decode steps over the wire: same numbers as in process."""
+    ids = prompt(30)
+    async with start_model_chain(checkpoint, [(0, 2), (2, 4)]) as nodes:
+        pool = DownstreamPool(nodes[0].url)
+        for chunk in (1, 7, 30):
+            session = ModelSession(pool)
+            got = await session.run(ids[:, :24], chunk_tokens=chunk)
+            assert np.array_equal(got, await _chunked_reference(checkpoint, ids[:, :24], chunk))
+            for t in range(24, 30):  # decode: one run of [1, 1] per token
+                step = await session.decode(int(ids[0, t]))
+            whole = StageRunner.load(checkpoint).run("w", 0, ids)
+            scale = max(1.0, float(np.abs(whole).max()))
+            assert float(np.abs(step - whole).max()) <= 1e-5 * scale
+            assert await session.delete() == 204
+        assert kv_bytes(nodes) == [0, 0]
+        await pool.aclose()
+
+
+async def test_ttl_expiry_frees_the_kv_cache(checkpoint: Path) -> None:
+    async with start_model_chain(checkpoint, [(0, 2), (2, 4)],
+                                 extra=["--session-ttl", "0.4"]) as nodes:  # fmt: skip
+        pool = DownstreamPool(nodes[0].url)
+        await ModelSession(pool).run(prompt())
+        assert all(kv_bytes(nodes))
+        with anyio.fail_after(15):  # expiry runs every ttl/4; bounded, not timed
+            while any(kv_bytes(nodes)):
+                await anyio.sleep(0.05)
+        assert len(nodes[0].app.table) == len(nodes[1].app.table) == 0
+        await pool.aclose()
+
+
+async def test_kv_budget_full_is_503_with_retry_after_then_delete_makes_room(
+    checkpoint: Path,
+) -> None:
+    per_position = 2 * 4 * 2 * 16 * 4  # K and V, 4 layers, 2 KV heads, head_dim 16, float32
+    budget = 16 * per_position  # one session of <= 16 tokens
+    async with start_model_chain(checkpoint, [(0, LAYERS)],
+                                 extra=["--kv-budget-bytes", str(budget)]) as nodes:  # fmt: skip
+        pool = DownstreamPool(nodes[0].url)
+        first = ModelSession(pool)
+        await first.run(prompt(10))
+        assert kv_bytes(nodes) == [budget]
+        second = ModelSession(pool)
+        with pytest.raises(ChainError) as refused:
+            await second.run(prompt(10))
+        assert (refused.value.status, refused.value.code) == (503, "kv_memory_full")
+        assert refused.value.retry_after is not None and refused.value.retry_after >= 1
+        assert kv_bytes(nodes) == [budget]  # nothing grew
+        document = await info(pool)
+        assert document["stage"]["kv_budget_bytes"] == budget
+        assert document["stage"]["kv_bytes_in_use"] == budget
+        assert await first.delete() == 204
+        logits = await second.run(prompt(10))  # the refused chunk may simply be sent again
+        assert logits.shape == (1, VOCAB)
+        await pool.aclose()
+
+
+async def test_a_chunk_a_stage_cannot_take_is_400_and_the_session_goes_on(
+    checkpoint: Path,
+) -> None:
+    async with start_model_chain(checkpoint, [(0, 2), (2, 4)]) as nodes:
+        entry = DownstreamPool(nodes[0].url)
+        middle = DownstreamPool(nodes[1].url)
+        session = ModelSession(entry)
+        with pytest.raises(ChainError) as out_of_range:
+            await session.run(np.array([[1, VOCAB]], np.int32))
+        assert (out_of_range.value.status, out_of_range.value.code) == (400, "bad_stage_input")
+        with pytest.raises(ChainError) as hidden_into_first:
+            await ModelSession(middle)._send(np.zeros((1, 3), np.float32), 0, 1)
+        assert hidden_into_first.value.code == "bad_stage_input"
+        with pytest.raises(ChainError) as ids_into_middle:
+            await ModelSession(middle).run(np.array([[1, 2]], np.int32))
+        assert (ids_into_middle.value.status, ids_into_middle.value.code) == (
+            400, "bad_stage_input",
+        )  # fmt: skip
+        # The refused chunk advanced nothing: the session starts at 0 as if new.
+        assert (await session.run(prompt(4))).shape == (1, VOCAB)
+        await entry.aclose()
+        await middle.aclose()
