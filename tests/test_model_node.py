@@ -186,3 +186,49 @@ async def test_a_chunk_a_stage_cannot_take_is_400_and_the_session_goes_on(
         assert (await session.run(prompt(4))).shape == (1, VOCAB)
         await entry.aclose()
         await middle.aclose()
+
+
+async def test_a_retransmitted_chunk_replays_its_logits_without_recomputing(
+    checkpoint: Path,
+) -> None:
+    """The response shape ([1, vocab]) differs from the request's ([1, tokens]):
+    the sequencer stores and replays it all the same, and no layer runs twice."""
+    async with start_model_chain(checkpoint, [(0, 2), (2, 4)]) as nodes:
+        pool = DownstreamPool(nodes[0].url)
+        session = ModelSession(pool)
+        ids = prompt(6)
+        first = await session.run(ids)
+        calls = [node.app.stage.calls for node in nodes]
+        cached = kv_bytes(nodes)
+        session.position = 0  # the very same chunk again: index 0, position 0
+        again = await session.run(ids)
+        assert np.array_equal(first, again)
+        assert [node.app.stage.calls for node in nodes] == calls
+        assert kv_bytes(nodes) == cached
+        assert nodes[1].app.table.position(session.session) == 6
+        await pool.aclose()
+
+
+async def test_metrics_show_the_kv_cache(checkpoint: Path) -> None:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    async with start_model_chain(checkpoint, [(0, LAYERS)],
+                                 extra=["--kv-budget-bytes", "1000000"]) as nodes:  # fmt: skip
+        pool = DownstreamPool(nodes[0].url)
+        await ModelSession(pool).run(prompt())
+
+        async def gauges() -> dict[str, float]:
+            response = await pool.request("GET", "/metrics", Deadline.after(10))
+            assert isinstance(response, Response)
+            return {
+                f.name: f.samples[0].value
+                for f in text_string_to_metric_families(response.body.decode())
+                if f.name.startswith("meshnet_kv_")
+            }
+
+        assert await gauges() == {
+            "meshnet_kv_cache_bytes": kv_bytes(nodes)[0],
+            "meshnet_kv_budget_bytes": 1000000,
+        }
+        assert kv_bytes(nodes)[0] > 0
+        await pool.aclose()

@@ -31,6 +31,7 @@ from typing import Any
 
 import anyio
 import numpy as np
+from prometheus_client import CollectorRegistry, Gauge
 
 from meshnet_model import (
     CacheMismatch,
@@ -99,6 +100,15 @@ class ModelStage:
 
     def end_session(self, session: str) -> None:
         self.runner.end_session(session)
+
+    def bind_metrics(self, registry: CollectorRegistry) -> None:
+        """``meshnet_kv_cache_bytes`` and ``meshnet_kv_budget_bytes`` on ``/metrics``."""
+        used = Gauge("meshnet_kv_cache_bytes", "KV cache bytes allocated, all sessions",
+                     registry=registry)  # fmt: skip
+        used.set_function(lambda: self.runner.kv_bytes_in_use)
+        limit = Gauge("meshnet_kv_budget_bytes", "KV cache budget (--kv-budget-bytes)",
+                      registry=registry)  # fmt: skip
+        limit.set(self.runner.budget.limit)
 
     @property
     def kv_bytes_in_use(self) -> int:
