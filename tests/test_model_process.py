@@ -28,10 +28,10 @@ def test_two_node_processes_split_the_model(tmp_path: Path) -> None:
     want = StageRunner.load(checkpoint).run("s", 0, ids)
     procs = []
     try:
-        last, last_url = spawn("meshnet_node", "--model", str(checkpoint), "--layers", "1:4")
+        model = ["--model", str(checkpoint), "--dtype", "keep"]  # bf16, memory-mapped
+        last, last_url = spawn("meshnet_node", *model, "--layers", "1:4")
         procs.append(last)
-        first, url = spawn("meshnet_node", "--model", str(checkpoint), "--layers", "0:1",
-                           "--next", last_url)  # fmt: skip
+        first, url = spawn("meshnet_node", *model, "--layers", "0:1", "--next", last_url)
         procs.append(first)
 
         async def drive() -> tuple[np.ndarray, dict]:  # type: ignore[type-arg]

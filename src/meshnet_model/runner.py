@@ -67,7 +67,7 @@ class StageRunner:
         directory: str | Path,
         layers: range | None = None,
         *,
-        dtype: str = "keep",
+        dtype: str = "float32",
         kv_budget_bytes: int = DEFAULT_KV_BUDGET,
     ) -> StageRunner:
         path = Path(directory)

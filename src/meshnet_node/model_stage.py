@@ -122,7 +122,7 @@ def load_model_stage(
     model: str | Path,
     layers: str | None = None,
     *,
-    dtype: str = "keep",
+    dtype: str = "float32",
     kv_budget_bytes: int,
 ) -> ModelStage:
     """Load the stage's tensors from a checkpoint directory (the node's flags).
