@@ -232,3 +232,68 @@ async def test_metrics_show_the_kv_cache(checkpoint: Path) -> None:
         }
         assert kv_bytes(nodes)[0] > 0
         await pool.aclose()
+
+
+async def test_a_wrong_dtype_is_refused_before_the_body_is_read(checkpoint: Path) -> None:
+    from meshnet_runtime.endpoints import parse_endpoint
+    from meshnet_runtime.transports import connect
+
+    async with start_model_chain(checkpoint, [(0, LAYERS)]) as nodes:
+        stream = await connect(parse_endpoint(nodes[0].url))
+        try:
+            shape, nbytes = "1,4096,64", 4096 * 64 * 4  # hidden states sent to the ids node
+            await stream.send(
+                (
+                    "POST /forward HTTP/1.1\r\nHost: t\r\n"
+                    "Content-Type: application/octet-stream\r\n"
+                    f"X-Meshnet-Shape: {shape}\r\nX-Meshnet-Dtype: float32\r\n"
+                    "X-Meshnet-Session: 5b1e0c2a-1111-4abc-8def-000000000001\r\n"
+                    "X-Meshnet-Chunk-Index: 0\r\nX-Meshnet-Chunk-Total: 1\r\n"
+                    f"Content-Length: {nbytes}\r\n\r\n"
+                ).encode()
+            )  # ... and no body: the answer must come anyway
+            with anyio.fail_after(20):
+                data = b""
+                while b"\r\n\r\n" not in data:
+                    data += await stream.receive()
+        finally:
+            await stream.aclose()
+        head, _, body = data.partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 400 "), head
+        assert b"bad_stage_input" in body  # the small JSON error comes with the head
+        assert nodes[0].app.stage.calls == 0
+
+
+async def test_sessions_interleaved_on_one_chain_keep_their_own_context(
+    checkpoint: Path,
+) -> None:
+    a_ids, b_ids = prompt(10, seed=1), prompt(10, seed=2)
+    async with start_model_chain(checkpoint, [(0, 2), (2, 4)]) as nodes:
+        pool = DownstreamPool(nodes[0].url)
+        a, b = ModelSession(pool), ModelSession(pool)
+        got: dict[str, list[np.ndarray]] = {"a": [], "b": []}
+
+        async def drive(name: str, session: ModelSession, ids: np.ndarray) -> None:
+            got[name].append(await session.run(ids, chunk_tokens=3))
+            for token in (5, 6, 7):
+                got[name].append(await session.decode(token))
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(drive, "a", a, a_ids)
+            tg.start_soon(drive, "b", b, b_ids)
+        for name, ids in (("a", a_ids), ("b", b_ids)):
+            alone = StageRunner.load(checkpoint)
+            want = [await _chunked_reference_on(alone, ids, 3)]
+            want += [
+                alone.run("r", 10 + i, np.array([[t]], np.int32)) for i, t in enumerate((5, 6, 7))
+            ]
+            assert all(np.array_equal(x, y) for x, y in zip(got[name], want, strict=True)), name
+        await pool.aclose()
+
+
+async def _chunked_reference_on(runner: StageRunner, ids: np.ndarray, chunk: int) -> np.ndarray:
+    out = None
+    for lo in range(0, ids.shape[1], chunk):
+        out = runner.run("r", lo, ids[:, lo : lo + chunk])
+    assert out is not None
+    return out

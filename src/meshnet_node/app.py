@@ -132,6 +132,9 @@ class NodeApp:
     async def handle_activation_head(self, event: ActivationHead, ctx: RequestContext) -> None:
         if event.headers.deadline_ms == 0:
             Deadline(ctx.started).check()
+        stage_check = getattr(self.stage, "check_head", None)
+        if stage_check is not None:  # a stage that can refuse by shape and dtype alone
+            stage_check(event.headers.shape, event.headers.dtype)
         self.table.check_head(event.headers, anyio.current_time())
 
     async def handle_activation(

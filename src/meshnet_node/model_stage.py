@@ -98,6 +98,13 @@ class ModelStage:
             ) from None
         return output
 
+    def check_head(self, shape: tuple[int, ...], dtype: str) -> None:
+        """Refuse a chunk of the wrong dtype or shape before its body is read."""
+        try:
+            self.runner.check_shape(shape, dtype)
+        except StageInputError as exc:
+            raise ProtocolError(str(exc), code="bad_stage_input") from None
+
     def end_session(self, session: str) -> None:
         self.runner.end_session(session)
 
