@@ -9,6 +9,7 @@ across runs (decode steps), and goes on DELETE, TTL and eviction.
 from __future__ import annotations
 
 import json
+from contextlib import AsyncExitStack
 from pathlib import Path
 
 import anyio
@@ -297,3 +298,33 @@ async def _chunked_reference_on(runner: StageRunner, ids: np.ndarray, chunk: int
         out = runner.run("r", lo, ids[:, lo : lo + chunk])
     assert out is not None
     return out
+
+
+async def test_a_stage_computing_a_suffix_is_a_500_never_a_short_frame(
+    checkpoint: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The invariant of shared/seeds/003 at the node: a non-first stage that
+    would emit fewer positions than it received fails loudly, by name."""
+    from meshnet_model import StageModel, StageWeights
+    from meshnet_node import serve_node
+    from meshnet_node.model_stage import ModelStage
+    from meshnet_runtime.config import load_config
+
+    class SuffixOnly(StageModel):
+        def _layers(self, x, cache, position):  # type: ignore[no-untyped-def]
+            return super()._layers(x, cache, position)[:, 1:]
+
+    runner = StageRunner(StageWeights.load(checkpoint, range(2, 4)))
+    runner.model = SuffixOnly(runner.weights)
+    async with AsyncExitStack() as stack:
+        config = load_config("node", ["--port", "0"], {})
+        last = await stack.enter_async_context(serve_node(config, stage=ModelStage(runner)))
+        first = await stack.enter_async_context(
+            start_model_chain(checkpoint, [(0, 2)], extra=["--next", last.url])
+        )
+        pool = DownstreamPool(first[0].url)
+        with pytest.raises(ChainError) as failed:
+            await ModelSession(pool).run(prompt(5))
+        assert (failed.value.status, failed.value.code) == (500, "internal_error")
+        assert "must execute the full range" in caplog.text
+        await pool.aclose()

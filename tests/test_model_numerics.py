@@ -10,6 +10,8 @@ prefill and decode must agree with one whole pass within TOLERANCE.
 
 from __future__ import annotations
 
+import functools
+import itertools
 import json
 import math
 from pathlib import Path
@@ -17,6 +19,8 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from meshnet_model import (
     Checkpoint,
@@ -337,3 +341,39 @@ def test_non_first_stage_computing_a_suffix_is_refused_by_name(checkpoint: Path)
     hidden = np.zeros((1, 4, 64), np.float32)
     with pytest.raises(StageInvariantError, match="must execute the full range"):
         model.forward(hidden, model.new_cache(KVBudget(1 << 20), 1), 0)
+
+
+def test_a_cache_ended_mid_compute_gives_its_bytes_back_once(checkpoint: Path) -> None:
+    from meshnet_model import SessionEnded
+
+    runner = StageRunner.load(checkpoint, kv_budget_bytes=1 << 20)
+    ids = prompt(20)
+    runner.run("s", 0, ids[:, :10])
+    cache = runner._caches["s"]
+    held = runner.kv_bytes_in_use
+    assert runner.end_session("s") == held and runner.kv_bytes_in_use == 0
+    assert cache.close() == 0  # idempotent: never given back twice
+    # The chunk that was computing on it cannot grow it any more...
+    with pytest.raises(SessionEnded):
+        cache.reserve(20)
+    assert runner.kv_bytes_in_use == 0
+    # ...and the session id starts over cleanly.
+    fresh = runner.run("s", 0, ids[:, :10])
+    assert np.array_equal(fresh, StageRunner.load(checkpoint).run("x", 0, ids[:, :10]))
+
+
+@functools.cache
+def _weights(path: Path) -> StageWeights:
+    return StageWeights.load(path)
+
+
+@settings(max_examples=12, deadline=None)
+@given(cuts=st.lists(st.integers(1, 23), max_size=5, unique=True))
+def test_any_chunking_of_a_prompt_is_within_tolerance(checkpoint: Path, cuts: list[int]) -> None:
+    ids = prompt(24)
+    want = StageRunner(_weights(checkpoint)).run("w", 0, ids)
+    runner = StageRunner(_weights(checkpoint))
+    bounds = [0, *sorted(cuts), 24]
+    for lo, hi in itertools.pairwise(bounds):
+        got = runner.run("s", lo, ids[:, lo:hi])
+    assert within_tolerance(got, want), (bounds, np.abs(got - want).max())
