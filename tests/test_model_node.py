@@ -328,3 +328,30 @@ async def test_a_stage_computing_a_suffix_is_a_500_never_a_short_frame(
         assert (failed.value.status, failed.value.code) == (500, "internal_error")
         assert "must execute the full range" in caplog.text
         await pool.aclose()
+
+
+async def test_kv_full_deep_in_the_chain_then_a_retry_reforwards_without_recomputing(
+    checkpoint: Path,
+) -> None:
+    """503 kv_memory_full from the last node: the entry node keeps its output
+    (its stage already ran and its cache advanced); the same chunk sent again
+    is reforwarded, not recomputed, and the logits are right."""
+    per_position_last = 2 * 2 * 2 * 16 * 4  # layers 2..3 only
+    budget = 16 * per_position_last
+    async with start_model_chain(
+        checkpoint, [(0, 2), (2, 4)], per_node=[[], ["--kv-budget-bytes", str(budget)]]
+    ) as nodes:
+        pool = DownstreamPool(nodes[0].url)
+        first = ModelSession(pool)
+        await first.run(prompt(10, seed=1))
+        second = ModelSession(pool)
+        ids = prompt(10, seed=2)
+        with pytest.raises(ChainError) as refused:
+            await second.run(ids)
+        assert (refused.value.status, refused.value.code) == (503, "kv_memory_full")
+        calls = nodes[0].app.stage.calls
+        assert await first.delete() == 204
+        logits = await second.run(ids)  # the very same chunk: index 0, position 0
+        assert nodes[0].app.stage.calls == calls  # reforwarded from the kept output
+        assert np.array_equal(logits, StageRunner.load(checkpoint).run("r", 0, ids))
+        await pool.aclose()
