@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import math
 
+import ml_dtypes
 import numpy as np
 
 from .config import LlamaConfig
@@ -44,8 +45,18 @@ class StageInvariantError(RuntimeError):
     """A stage broke a rule that must always hold (a bug, never the peer's doing)."""
 
 
+_BF16 = np.dtype(ml_dtypes.bfloat16)
+
+
 def _f32(w: np.ndarray) -> np.ndarray:
-    return w if w.dtype == F32 else w.astype(F32)
+    """``w`` as float32 (itself when it is). bfloat16 is the upper half of a
+    float32, so it widens exactly by a 16-bit shift — several times faster than
+    ml_dtypes' element-wise ``astype``, and this runs per matmul with ``keep``."""
+    if w.dtype == F32:
+        return w
+    if w.dtype == _BF16:
+        return (w.view(np.uint16).astype(np.uint32) << 16).view(F32)
+    return w.astype(F32)
 
 
 def linear(x: np.ndarray, weight: np.ndarray, bias: np.ndarray | None = None) -> np.ndarray:

@@ -67,7 +67,7 @@ class StageRunner:
         directory: str | Path,
         layers: range | None = None,
         *,
-        dtype: str = "keep",
+        dtype: str = "float32",
         kv_budget_bytes: int = DEFAULT_KV_BUDGET,
     ) -> StageRunner:
         path = Path(directory)
@@ -85,30 +85,31 @@ class StageRunner:
     def last(self) -> bool:
         return self.weights.last
 
-    def check_input(self, inputs: np.ndarray) -> None:
-        """Raise ``StageInputError`` unless ``inputs`` is what this stage takes."""
+    def check_shape(self, shape: tuple[int, ...], dtype: str) -> None:
+        """Raise ``StageInputError`` unless a chunk of this shape and dtype (its
+        wire name) is what this stage takes — the checks that need no values."""
         c = self.config
         if self.first:
-            if inputs.dtype != np.int32 or inputs.ndim != 2:
+            if dtype != "int32" or len(shape) != 2:
                 raise StageInputError(
                     f"the stage owning layer 0 takes token ids: int32 [batch, tokens], got "
-                    f"{inputs.dtype} {list(inputs.shape)}"
-                )
-            if inputs.size and (inputs.min() < 0 or inputs.max() >= c.vocab_size):
-                raise StageInputError(
-                    f"token ids must be in 0..{c.vocab_size - 1}, got "
-                    f"{inputs.min()}..{inputs.max()}"
+                    f"{dtype} {list(shape)}"
                 )
             return
-        if (
-            inputs.dtype.name not in _FLOAT_WIRE
-            or inputs.ndim != 3
-            or (inputs.shape[2] != c.hidden_size)
-        ):
+        if dtype not in _FLOAT_WIRE or len(shape) != 3 or shape[2] != c.hidden_size:
             raise StageInputError(
                 f"layers {self.weights.layers.start}..{self.weights.layers.stop - 1} take "
-                f"hidden states: float [batch, tokens, {c.hidden_size}], got {inputs.dtype} "
-                f"{list(inputs.shape)}"
+                f"hidden states: float [batch, tokens, {c.hidden_size}], got {dtype} "
+                f"{list(shape)}"
+            )
+
+    def check_input(self, inputs: np.ndarray) -> None:
+        """Raise ``StageInputError`` unless ``inputs`` is what this stage takes."""
+        self.check_shape(inputs.shape, inputs.dtype.name)
+        vocab = self.config.vocab_size
+        if self.first and inputs.size and (inputs.min() < 0 or inputs.max() >= vocab):
+            raise StageInputError(
+                f"token ids must be in 0..{vocab - 1}, got {inputs.min()}..{inputs.max()}"
             )
 
     def output_shape(self, inputs_shape: tuple[int, ...]) -> tuple[int, ...]:

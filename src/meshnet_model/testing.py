@@ -144,7 +144,7 @@ def write_checkpoint(
     path = Path(directory)
     path.mkdir(parents=True, exist_ok=True)
     tensors = dict(weights) if weights is not None else random_weights(config, seed)
-    tensors = {k: np.ascontiguousarray(v.astype(target)) for k, v in tensors.items()}
+    tensors = {k: np.ascontiguousarray(v.astype(target, copy=False)) for k, v in tensors.items()}
     document = config.to_dict()
     document["torch_dtype"] = dtype
     (path / "config.json").write_text(json.dumps(document, indent=2) + "\n", encoding="utf-8")

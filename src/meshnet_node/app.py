@@ -108,6 +108,9 @@ class NodeApp:
         self.table = SessionTable(self.limits, on_forget=self.stage.end_session)
         self.metrics = metrics or ServerMetrics("node")
         self.metrics.sessions.set_function(lambda: len(self.table))
+        bind_metrics = getattr(self.stage, "bind_metrics", None)
+        if bind_metrics is not None:  # a stage with gauges of its own (a model's KV cache)
+            bind_metrics(self.metrics.registry)
         self.codecs = CodecPool(limits=self.limits, metrics=self.metrics)
         self.downstream: DownstreamPool | None = None
         if config.next is not None:
@@ -129,6 +132,9 @@ class NodeApp:
     async def handle_activation_head(self, event: ActivationHead, ctx: RequestContext) -> None:
         if event.headers.deadline_ms == 0:
             Deadline(ctx.started).check()
+        stage_check = getattr(self.stage, "check_head", None)
+        if stage_check is not None:  # a stage that can refuse by shape and dtype alone
+            stage_check(event.headers.shape, event.headers.dtype)
         self.table.check_head(event.headers, anyio.current_time())
 
     async def handle_activation(

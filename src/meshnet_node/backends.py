@@ -63,7 +63,9 @@ class StageBackend(Protocol):
     session — DELETE, TTL expiry, expiry to make room — also while one of its
     chunks is still computing. A stage raising ``MeshnetError`` has it
     answered as is (a 4xx for a chunk it cannot take, 503 when full); any
-    other exception is a 500.
+    other exception is a 500. A stage may also have
+    ``check_head(shape, dtype)``, raising ``MeshnetError`` to refuse a chunk
+    from its headers alone, before the body is read.
     """
 
     name: str

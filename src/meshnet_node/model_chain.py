@@ -30,9 +30,11 @@ __all__ = ["ChainError", "ModelSession", "even_splits", "start_model_chain"]
 class ChainError(Exception):
     """The chain answered an error (status, code and message in the text)."""
 
-    def __init__(self, status: int, code: str, message: str) -> None:
+    def __init__(
+        self, status: int, code: str, message: str, retry_after: int | None = None
+    ) -> None:
         super().__init__(f"{status} {code}: {message}")
-        self.status, self.code = status, code
+        self.status, self.code, self.retry_after = status, code, retry_after
 
 
 def even_splits(num_layers: int, stages: int) -> list[tuple[int, int]]:
@@ -99,7 +101,8 @@ class ModelSession:
         response = await self.pool.forward(headers, body, Deadline.after(self.timeout))
         if not isinstance(response, ActivationResponse):
             error = response.error
-            raise ChainError(response.status, str(error.get("code")), str(error.get("message")))
+            raise ChainError(response.status, str(error.get("code")),
+                             str(error.get("message")), response.retry_after)  # fmt: skip
         self.position += chunk.shape[1]
         return np.array(decode_tensor(response.headers, response.body))
 

@@ -31,6 +31,7 @@ from typing import Any
 
 import anyio
 import numpy as np
+from prometheus_client import CollectorRegistry, Gauge
 
 from meshnet_model import (
     CacheMismatch,
@@ -74,11 +75,9 @@ class ModelStage:
         except StageInputError as exc:
             raise ProtocolError(str(exc), code="bad_stage_input") from None
         try:
-            started = time.perf_counter()
             output = await anyio.to_thread.run_sync(
-                self.runner.run, context.session, context.position, tensor, limiter=self.limiter
+                self._timed_run, context.session, context.position, tensor, limiter=self.limiter
             )
-            self.compute_seconds += time.perf_counter() - started
         except StageInputError as exc:
             raise ProtocolError(str(exc), code="bad_stage_input") from None
         except KVBudgetExceeded as exc:
@@ -97,8 +96,32 @@ class ModelStage:
             ) from None
         return output
 
+    def _timed_run(self, session: str, position: int, tensor: np.ndarray) -> np.ndarray:
+        # Timed inside the worker thread: the layers' time, not the wait for the limiter.
+        started = time.perf_counter()
+        try:
+            return self.runner.run(session, position, tensor)
+        finally:
+            self.compute_seconds += time.perf_counter() - started
+
+    def check_head(self, shape: tuple[int, ...], dtype: str) -> None:
+        """Refuse a chunk of the wrong dtype or shape before its body is read."""
+        try:
+            self.runner.check_shape(shape, dtype)
+        except StageInputError as exc:
+            raise ProtocolError(str(exc), code="bad_stage_input") from None
+
     def end_session(self, session: str) -> None:
         self.runner.end_session(session)
+
+    def bind_metrics(self, registry: CollectorRegistry) -> None:
+        """``meshnet_kv_cache_bytes`` and ``meshnet_kv_budget_bytes`` on ``/metrics``."""
+        used = Gauge("meshnet_kv_cache_bytes", "KV cache bytes allocated, all sessions",
+                     registry=registry)  # fmt: skip
+        used.set_function(lambda: self.runner.kv_bytes_in_use)
+        limit = Gauge("meshnet_kv_budget_bytes", "KV cache budget (--kv-budget-bytes)",
+                      registry=registry)  # fmt: skip
+        limit.set(self.runner.budget.limit)
 
     @property
     def kv_bytes_in_use(self) -> int:
@@ -112,7 +135,7 @@ def load_model_stage(
     model: str | Path,
     layers: str | None = None,
     *,
-    dtype: str = "keep",
+    dtype: str = "float32",
     kv_budget_bytes: int,
 ) -> ModelStage:
     """Load the stage's tensors from a checkpoint directory (the node's flags).

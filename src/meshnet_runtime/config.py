@@ -73,7 +73,7 @@ class ServerConfig:
     # gateway: the checkpoint whose tokenizer it loads to serve the OpenAI API.
     model: str | None = None
     layers: str | None = None  # "A:B", checked against the model when it loads
-    dtype: str = "keep"  # weights as held in memory (compute is float32)
+    dtype: str = "float32"  # weights as held in memory (compute is float32)
     kv_budget_bytes: int = 1024 * 1024 * 1024
     # gateway
     entry: Endpoint | None = None
@@ -232,7 +232,7 @@ _NODE: list[_Flag] = [
     ("--delay-ms", _millis, 0.0, "simulated stage compute per chunk, ms"),
     ("--model", _nonempty, None, "checkpoint directory (HF layout): run its layers, not --backend"),
     ("--layers", _layers, None, "with --model: run layers A..B-1, as A:B (default: all)"),
-    ("--dtype", _choice(MODEL_DTYPES), "keep", "with --model: weights dtype in memory"),
+    ("--dtype", _choice(MODEL_DTYPES), "float32", "with --model: weights dtype in memory"),
     (
         "--kv-budget-bytes",
         positive_int,
