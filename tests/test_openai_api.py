@@ -142,7 +142,7 @@ async def test_streaming_matches_non_streaming_for_the_same_seed(model_dir: Path
 async def test_chat_whole_and_streamed(model_dir: Path) -> None:
     tokenizer = ModelTokenizer.load(model_dir)
     messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
-    prompt_ids = tokenizer.encode(tokenizer.render_chat(messages))
+    prompt_ids = tokenizer.encode(tokenizer.render_chat(messages), chat=True)
     async with serve_openai(model_dir) as served:
         client = client_for(served)
         whole = await in_thread(

@@ -51,7 +51,7 @@ def test_chat_template_renders_roles_special_tokens_and_the_generation_prompt(
     assert not tokenizer.render_chat(messages, add_generation_prompt=False).endswith(
         "<|assistant|>\n"
     )
-    ids = tokenizer.encode(text)
+    ids = tokenizer.encode(text, chat=True)
     # The markers are single special ids, not spelled out byte by byte.
     assert tokenizer.tokenizer.token_to_id("<|user|>") in ids
     assert ids.count(tokenizer.bos_id) == 1
@@ -83,6 +83,38 @@ def test_missing_template_falls_back_to_role_lines(tmp_path: Path) -> None:
     tok = ModelTokenizer.load(tmp_path)
     assert tok.render_chat([{"role": "user", "content": "hi"}]) == "user: hi\nassistant: "
     assert tok.eos_id is None and not tok.add_bos
+
+
+def test_generation_config_eos_ids_also_stop(tmp_path: Path) -> None:
+    write_tokenizer(tmp_path, 300)
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [1, 4]}))
+    (tmp_path / "config.json").write_text(json.dumps({"eos_token_id": 3, "bos_token_id": 0}))
+    tok = ModelTokenizer.load(tmp_path)
+    assert tok.stop_ids == {1, 3, 4}  # </s>, config.json's and generation_config's
+
+
+def test_post_processor_bos_is_not_doubled_and_chat_adds_none(tmp_path: Path) -> None:
+    """A tokenizer whose post-processor adds bos (as Llama 3's does)."""
+    from tokenizers import Tokenizer, processors
+
+    write_tokenizer(tmp_path, 300)
+    raw = Tokenizer.from_file(str(tmp_path / "tokenizer.json"))
+    raw.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 0)])
+    raw.save(str(tmp_path / "tokenizer.json"))
+    tok = ModelTokenizer.load(tmp_path)
+    assert tok.encode("hi")[:2].count(0) == 1 and tok.encode("hi")[0] == 0
+    rendered = tok.render_chat([{"role": "user", "content": "hi"}])
+    assert tok.encode(rendered, chat=True).count(0) == 1  # the template's own bos only
+
+
+def test_template_can_print_the_date(tmp_path: Path) -> None:
+    write_tokenizer(tmp_path, 300)
+    config_path = tmp_path / "tokenizer_config.json"
+    config = json.loads(config_path.read_text())
+    config["chat_template"] = "{{ strftime_now('%Y') }}"
+    config_path.write_text(json.dumps(config))
+    year = ModelTokenizer.load(tmp_path).render_chat([])
+    assert year.isdigit() and len(year) == 4
 
 
 def test_missing_tokenizer_json_is_named(tmp_path: Path) -> None:

@@ -167,7 +167,7 @@ class OpenAIService:
             prompt = self.model.tokenizer.render_chat(request.messages)
         except ChatTemplateError as exc:
             raise invalid("messages", str(exc), "invalid_messages") from None
-        ids = self.model.tokenizer.encode(prompt)
+        ids = self.model.tokenizer.encode(prompt, chat=True)
         return await self._serve(ids, options, _ChatFormat(self.model.name))
 
     def _budget(self, ids: list[int], options: GenerationOptions) -> int:

@@ -221,7 +221,7 @@ async def generate(
         return result
     stream = TextStream(tokenizer)
     stops = StopFilter(stop)
-    eos = tokenizer.eos_id
+    stop_ids = tokenizer.stop_ids
 
     async def emit(piece: str) -> None:
         if piece:
@@ -234,7 +234,7 @@ async def generate(
     for produced in range(1, max_tokens + 1):
         token = sampler(logits)
         result.completion_tokens = produced
-        if token == eos:
+        if token in stop_ids:
             stopped = True
             break
         result.token_ids.append(token)

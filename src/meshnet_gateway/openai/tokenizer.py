@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from datetime import datetime
 from functools import cached_property
 from pathlib import Path
 from typing import Any
@@ -42,6 +43,23 @@ def _tojson(value: Any, indent: int | None = None) -> str:
     return json.dumps(value, ensure_ascii=False, indent=indent)
 
 
+def _strftime_now(format: str) -> str:
+    # Templates that print today's date (Llama 3.x) call this, as under transformers.
+    return datetime.now().strftime(format)
+
+
+def _eos_ids(path: Path) -> list[int]:
+    """``eos_token_id`` (an id or a list of ids) of a JSON config, if any."""
+    if not path.is_file():
+        return []
+    try:
+        value = json.loads(path.read_text(encoding="utf-8")).get("eos_token_id")
+    except (ValueError, AttributeError):
+        return []
+    values = value if isinstance(value, list) else [value]
+    return [v for v in values if isinstance(v, int) and not isinstance(v, bool) and v >= 0]
+
+
 def _token_text(value: Any) -> str | None:
     """``bos_token`` may be a plain string or an AddedToken dict."""
     if isinstance(value, str):
@@ -60,6 +78,10 @@ class ModelTokenizer:
     bos_token: str | None
     eos_token: str | None
     add_bos: bool  # prepend bos to a prompt unless the text already starts with it
+    # Every id that ends a generation: the tokenizer's eos token and the
+    # eos_token_id(s) of generation_config.json and config.json (chat models
+    # often end a turn with a token other than the tokenizer's eos).
+    stop_ids: frozenset[int] = frozenset()
 
     @classmethod
     def load(cls, directory: str | Path) -> ModelTokenizer:
@@ -87,12 +109,17 @@ class ModelTokenizer:
             template = named.get("default")
         if not isinstance(template, str):
             template = FALLBACK_TEMPLATE
+        eos_token = _token_text(config.get("eos_token"))
+        stop_ids = set(_eos_ids(root / "generation_config.json") + _eos_ids(root / "config.json"))
+        if eos_token is not None and tokenizer.token_to_id(eos_token) is not None:
+            stop_ids.add(tokenizer.token_to_id(eos_token))
         return cls(
             tokenizer=tokenizer,
             chat_template=template,
             bos_token=_token_text(config.get("bos_token")),
-            eos_token=_token_text(config.get("eos_token")),
+            eos_token=eos_token,
             add_bos=bool(config.get("add_bos_token", False)),
+            stop_ids=frozenset(stop_ids),
         )
 
     # ------------------------------------------------------------ ids
@@ -113,13 +140,19 @@ class ModelTokenizer:
             return None
         return self.tokenizer.token_to_id(self.bos_token)
 
-    def encode(self, text: str) -> list[int]:
-        """Prompt text → ids; special tokens written in the text are honoured
-        (a rendered chat template contains them), and bos is prepended when
-        the checkpoint asks for it and the text lacks it."""
-        ids: list[int] = self.tokenizer.encode(text, add_special_tokens=False).ids
-        if self.add_bos and self.bos_id is not None and (not ids or ids[0] != self.bos_id):
-            ids.insert(0, self.bos_id)
+    def encode(self, text: str, *, chat: bool = False) -> list[int]:
+        """Prompt text → ids, special tokens written in the text honoured.
+
+        A plain prompt gets the tokenizer's own special tokens (its
+        post-processor: Llama 3 adds its bos there) and bos when
+        ``add_bos_token`` asks for it and it is still missing. A rendered
+        chat template (``chat=True``) already holds every special token it
+        wants and gets none added, as ``apply_chat_template`` does.
+        """
+        ids: list[int] = self.tokenizer.encode(text, add_special_tokens=not chat).ids
+        bos = self.bos_id
+        if not chat and self.add_bos and bos is not None and (not ids or ids[0] != bos):
+            ids.insert(0, bos)
         return ids
 
     def decode(self, ids: Sequence[int]) -> str:
@@ -133,6 +166,7 @@ class ModelTokenizer:
             trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
         )
         env.globals["raise_exception"] = _raise_exception
+        env.globals["strftime_now"] = _strftime_now
         env.filters["tojson"] = _tojson
         return env.from_string(self.chat_template)
 
