@@ -389,3 +389,19 @@ async def test_concurrent_streams_do_not_mix(model_dir: Path) -> None:
             tg.start_soon(one, 1, "a pipeline of")
         assert together == alone and alone[0] != alone[1]
         await sessions_freed(served)
+
+
+async def test_logits_that_cannot_be_sampled_are_a_502_naming_the_chain(model_dir: Path) -> None:
+    def nan_head(tensor: np.ndarray) -> np.ndarray:
+        return np.full((tensor.shape[0], 320), np.nan, dtype=np.float32)
+
+    stages = [fake_stages(2)[0], Stage("nan-head", nan_head)]
+    async with serve_openai(model_dir, stages=stages) as served:
+        client = client_for(served)
+        with pytest.raises(openai.APIStatusError) as caught:
+            await in_thread(client.completions.create, model="tiny-model", prompt="hi")
+        assert caught.value.status_code == 502
+        detail = caught.value.body
+        assert isinstance(detail, dict) and detail["code"] == "downstream_bad_response"
+        assert served.node_urls[0] in detail["message"]
+        await sessions_freed(served)

@@ -62,6 +62,16 @@ def test_template_raise_exception_is_a_chat_template_error(tokenizer: ModelToken
         tokenizer.render_chat([{"role": "robot", "content": "beep"}])
 
 
+def test_template_tripping_over_the_messages_is_a_chat_template_error(tmp_path: Path) -> None:
+    write_tokenizer(tmp_path, 300)
+    config_path = tmp_path / "tokenizer_config.json"
+    config = json.loads(config_path.read_text())
+    config["chat_template"] = "{{ messages[0]['content'] + 5 }}"
+    config_path.write_text(json.dumps(config))
+    with pytest.raises(ChatTemplateError, match="TypeError"):
+        ModelTokenizer.load(tmp_path).render_chat([{"role": "user", "content": "x"}])
+
+
 def test_template_is_sandboxed_and_has_tojson(tmp_path: Path) -> None:
     write_tokenizer(tmp_path, 300)
     config_path = tmp_path / "tokenizer_config.json"

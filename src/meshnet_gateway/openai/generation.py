@@ -232,7 +232,15 @@ async def generate(
     logits = await chain.prefill(prompt_ids)
     stopped = False
     for produced in range(1, max_tokens + 1):
-        token = sampler(logits)
+        try:
+            token = sampler(logits)
+        except ValueError as exc:  # e.g. every logit NaN: the last stage is broken
+            raise MeshnetError(
+                f"{chain.pool.url}: the last stage's logits cannot be sampled: {exc}",
+                code="downstream_bad_response",
+                status=502,
+                hop=chain.pool.url,
+            ) from None
         result.completion_tokens = produced
         if token in stop_ids:
             stopped = True

@@ -185,6 +185,10 @@ class ModelTokenizer:
             raise
         except jinja2.TemplateError as exc:
             raise ChatTemplateError(f"chat template failed: {exc}") from exc
+        except Exception as exc:
+            # The template is the checkpoint's, the messages the client's: a
+            # template tripping over them (a TypeError, say) is a bad request.
+            raise ChatTemplateError(f"chat template failed: {type(exc).__name__}: {exc}") from exc
 
 
 class TextStream:
