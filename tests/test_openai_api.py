@@ -297,6 +297,31 @@ async def test_client_disconnect_mid_stream_frees_every_nodes_kv(model_dir: Path
         assert all(node.info()["stage"]["kv_sessions"] == 0 for node in served.nodes)
 
 
+async def test_client_leaving_a_non_streamed_request_cancels_it(model_dir: Path) -> None:
+    """Not only streams: a client that gives up on a whole answer (a timeout
+    on its side) stops the generation too, and every node is freed."""
+    stages = fake_stages(2)
+    stages[-1].delay_ms = 2.0
+    async with serve_openai(model_dir, stages=stages) as served:
+        host, port = served.url.removeprefix("http://").rsplit(":", 1)
+        body = json.dumps({"model": "tiny-model", "prompt": "hello", "max_tokens": 200}).encode()
+        head = (
+            f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(body)}\r\n\r\n"
+        ).encode()
+        with anyio.fail_after(LIMIT):
+            stream = await anyio.connect_tcp(host, int(port))
+            await stream.send(head + body)
+            while stages[-1].calls < 5:  # the generation is under way
+                await anyio.sleep(0.005)
+            await stream.aclose()
+        await sessions_freed(served)
+        calls_when_freed = stages[-1].calls
+        assert calls_when_freed < 100
+        await anyio.sleep(0.1)
+        assert stages[-1].calls == calls_when_freed
+
+
 async def test_client_disconnect_cancels_the_generation_at_once(model_dir: Path) -> None:
     """With a slow last stage (fake, 2 ms a step) the generation is cut
     short, not run to its 200 tokens, and nothing runs after the DELETE."""

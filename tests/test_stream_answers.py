@@ -207,3 +207,65 @@ async def test_client_leaving_while_the_producer_is_silent_cancels_it() -> None:
             await finished.wait()
         assert cancelled == [True]
         server.request_shutdown()
+
+
+class _Watched(_App):
+    """POST /events works until cancelled; the app asks to be cancelled on departure."""
+
+    def __init__(self) -> None:
+        super().__init__(count=0)
+        self.started = anyio.Event()
+        self.release = anyio.Event()
+
+    def cancel_on_disconnect(self, event: EndpointRequest) -> bool:
+        return event.path == "/events"
+
+    async def handle_endpoint(self, event: EndpointRequest, ctx: object) -> Reply | StreamReply:
+        if event.path == "/plain":
+            return Reply.json(200, {"cancelled": self.cancelled})
+        self.started.set()
+        try:
+            await self.release.wait()
+        except anyio.get_cancelled_exc_class():
+            self.cancelled = True
+            raise
+        finally:
+            self.finished.set()
+        return Reply.json(200, {"done": True})
+
+
+@pytest.mark.anyio
+async def test_watched_request_is_cancelled_when_its_client_leaves() -> None:
+    app = _Watched()
+    server, bound = await _serve(app)
+    async with anyio.create_task_group() as tg:
+        url = await tg.start(server.serve, bound)
+        host, port = url.removeprefix("http://").rsplit(":", 1)
+        with anyio.fail_after(20):
+            stream = await anyio.connect_tcp(host, int(port))
+            await stream.send(request())
+            await app.started.wait()
+            await stream.aclose()
+            await app.finished.wait()
+        assert app.cancelled
+        server.request_shutdown()
+
+
+@pytest.mark.anyio
+async def test_watched_request_with_a_pipelined_next_one_answers_both() -> None:
+    app = _Watched()
+    server, bound = await _serve(app)
+    async with anyio.create_task_group() as tg:
+        url = await tg.start(server.serve, bound)
+        host, port = url.removeprefix("http://").rsplit(":", 1)
+        with anyio.fail_after(20):
+            stream = await anyio.connect_tcp(host, int(port))
+            await stream.send(request() + b"GET /plain HTTP/1.1\r\nHost: x\r\n\r\n")
+            await app.started.wait()
+            app.release.set()
+            data = b""
+            while data.count(b"HTTP/1.1 200") < 2 or not data.endswith(b"}"):
+                data += await stream.receive()
+            await stream.aclose()
+        assert b'{"done":true}' in data and b'{"cancelled":false}' in data
+        server.request_shutdown()

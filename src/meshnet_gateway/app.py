@@ -231,6 +231,11 @@ class GatewayApp:
         self.metrics.chunks.labels("ok").inc(len(result.chunks))
         return ActivationReply(_response_headers(result.output, dtype, encoding, lease), body)
 
+    def cancel_on_disconnect(self, event: EndpointRequest) -> bool:
+        """The serving loop cancels these requests when their client leaves:
+        a generation nobody waits for would hold every node's KV to the end."""
+        return self.openai is not None and event.path.startswith("/v1/")
+
     def _busy(self, session: str) -> bool:
         return session in self._active
 

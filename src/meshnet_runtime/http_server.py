@@ -480,7 +480,9 @@ class _Connection:
             with reservation or contextlib.nullcontext():
                 return await self._activation(event, ctx)
         if isinstance(event, EndpointRequest):
-            return await self._handle(self.server.app.handle_endpoint, event, ctx)
+            wants = getattr(self.server.app, "cancel_on_disconnect", None)
+            watch = bool(wants is not None and wants(event))
+            return await self._handle(self.server.app.handle_endpoint, event, ctx, watch=watch)
         log.error("unexpected event from ServerConnection: %r", event)
         await self._error(ctx.path, _internal_error())
         return False
@@ -520,10 +522,22 @@ class _Connection:
             self.server.metrics.bytes_in.labels("upstream").inc(received.body_nbytes)
         return await self._handle(self.server.app.handle_activation, received, ctx)
 
-    async def _handle(self, handler: Any, event: Any, ctx: RequestContext) -> bool:
-        """Run the application on a complete request and write its answer."""
+    async def _handle(
+        self, handler: Any, event: Any, ctx: RequestContext, *, watch: bool = False
+    ) -> bool:
+        """Run the application on a complete request and write its answer.
+
+        ``watch``: cancel the handler if the client leaves while it works
+        (the application's ``cancel_on_disconnect`` asked for it); nobody
+        would read the answer, and the connection closes.
+        """
         try:
-            reply = await handler(event, ctx)  # type: ignore[arg-type]
+            if watch:
+                reply = await self._unless_client_leaves(handler, event, ctx)
+                if reply is None:
+                    return False
+            else:
+                reply = await handler(event, ctx)  # type: ignore[arg-type]
         except MeshnetError as err:
             await self._error(ctx.path, err)
             return not self.conn.should_close
@@ -551,6 +565,41 @@ class _Connection:
         self.server._count(path, status)
         await self._send(parts)
 
+    async def _until_client_leaves(self, on_leave: Callable[[], None]) -> None:
+        """Call ``on_leave`` when the client closes its side (or resets).
+
+        Only while a complete request is being answered: the client has
+        nothing to send then but a pipelined next request, whose bytes are
+        kept for later (and the watch ends). Cancelling this loses no byte.
+        """
+        try:
+            data = await self.stream.receive(READ_SIZE)
+        except _DEAD_STREAM:
+            data = b""
+        if data:
+            self.conn.receive_data(data)  # parsed after this answer
+            return
+        on_leave()
+
+    async def _unless_client_leaves(
+        self, handler: Any, event: Any, ctx: RequestContext
+    ) -> ActivationReply | Reply | StreamReply | None:
+        """``handler(event, ctx)``, or None once it was cancelled because the client left."""
+        reply = None
+        client_gone = False
+        async with anyio.create_task_group() as tg:
+
+            def leave() -> None:
+                nonlocal client_gone
+                client_gone = True
+                tg.cancel_scope.cancel()
+
+            tg.start_soon(self._until_client_leaves, leave)
+            reply = await handler(event, ctx)
+            # Stop watching before answering: a streamed answer watches on its own.
+            tg.cancel_scope.cancel()
+        return None if client_gone else reply
+
     async def _stream(self, path: str, reply: StreamReply) -> None:
         """Write a streamed answer; cancel its producer when the client leaves."""
         head = self.conn.send_stream_start(reply.status, list(reply.headers))
@@ -563,22 +612,13 @@ class _Connection:
         client_gone = False
         async with anyio.create_task_group() as tg:
 
-            async def watch() -> None:
-                # The request is complete, so the client has nothing to send
-                # but a pipelined next request: end of stream (or a reset)
-                # here means it left and nobody will read what we produce.
+            def leave() -> None:
+                # Nobody will read what we produce: stop producing it.
                 nonlocal client_gone
-                try:
-                    data = await self.stream.receive(READ_SIZE)
-                except _DEAD_STREAM:
-                    data = b""
-                if data:
-                    self.conn.receive_data(data)  # parsed after this answer
-                    return
                 client_gone = True
                 tg.cancel_scope.cancel()
 
-            tg.start_soon(watch)
+            tg.start_soon(self._until_client_leaves, leave)
             try:
                 await reply.produce(send)
             except _Closed:
