@@ -32,5 +32,6 @@ def test_model_section_reports_its_keys_and_rows() -> None:
         value = result.keys[key]
         assert isinstance(value, float) and math.isfinite(value) and value > 0, (key, value)
     assert 0 < result.keys["model_decode_wire_share"] <= 1  # type: ignore[operator]
+    assert result.keys["model_splits_bit_identical"] == 1
     assert [row["nodes"] for row in result.rows] == ["1", "2", "3"]
     assert lines and all(line.startswith("model:") for line in lines)

@@ -176,7 +176,7 @@ async def test_a_chunk_a_stage_cannot_take_is_400_and_the_session_goes_on(
             await session.run(np.array([[1, VOCAB]], np.int32))
         assert (out_of_range.value.status, out_of_range.value.code) == (400, "bad_stage_input")
         with pytest.raises(ChainError) as hidden_into_first:
-            await ModelSession(middle)._send(np.zeros((1, 3), np.float32), 0, 1)
+            await ModelSession(middle).send(np.zeros((1, 3), np.float32), 0, 1)
         assert hidden_into_first.value.code == "bad_stage_input"
         with pytest.raises(ChainError) as ids_into_middle:
             await ModelSession(middle).run(np.array([[1, 2]], np.int32))

@@ -377,3 +377,16 @@ def test_any_chunking_of_a_prompt_is_within_tolerance(checkpoint: Path, cuts: li
     for lo, hi in itertools.pairwise(bounds):
         got = runner.run("s", lo, ids[:, lo:hi])
     assert within_tolerance(got, want), (bounds, np.abs(got - want).max())
+
+
+def test_a_non_float_weight_is_refused_by_name(tmp_path: Path) -> None:
+    config = small_config()
+    path = write_checkpoint(tmp_path, config)
+    # write_checkpoint casts to the asked dtype: write the int tensor by hand.
+    from safetensors.numpy import save_file
+
+    tensors = random_weights(config)
+    tensors["model.layers.0.mlp.up_proj.weight"] = np.zeros((128, 64), np.int32)
+    save_file(tensors, str(path / "model.safetensors"))
+    with pytest.raises(CheckpointError, match=r"up_proj\.weight: dtype int32 is not a float type"):
+        StageWeights.load(path)

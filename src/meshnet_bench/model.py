@@ -4,7 +4,9 @@ A random checkpoint of SmolLM-135M's shape (hidden 576, 9 heads / 3 KV heads,
 intermediate 1536, vocabulary 49152, tied head; 30 layers, 4 in quick mode,
 a 4-layer toy in tiny mode) is written to a temporary directory, then served
 by in-process nodes over loopback TCP: one node with every layer, then the
-layers split evenly over two and over three nodes, in the same run.
+layers split evenly over two and over three nodes, all up at once in the
+same run and measured step by step in turn (chunk k on 1, 2, 3 nodes, then
+chunk k+1 …; decode step j on each), so load changes hit them alike.
 
 Per chain: prefill tokens/s (a prompt in chunks, one session) and decode
 tokens/s (one-token runs on the same session, as a generator does). The
@@ -45,12 +47,12 @@ class _Plan:
     label: str
 
 
-@dataclass(slots=True)
+@dataclass(frozen=True, slots=True)
 class _Measured:
     nodes: int
-    prefill_tps: float = 0.0
-    decode_tps: float = 0.0
-    decode_wire_share: float = 1.0
+    prefill_tps: float
+    decode_tps: float
+    decode_wire_share: float
 
 
 def _plan(options: BenchOptions) -> _Plan:
@@ -59,39 +61,35 @@ def _plan(options: BenchOptions) -> _Plan:
     if options.quick:
         return _Plan(layers=4, prompt=32, chunk=16, decode=6, repeats=2,
                      label="SmolLM-135M shape, 4 layers")  # fmt: skip
-    return _Plan(layers=30, prompt=128, chunk=64, decode=16, repeats=3,
+    return _Plan(layers=30, prompt=128, chunk=32, decode=16, repeats=2,
                  label="SmolLM-135M shape, 30 layers")  # fmt: skip
 
 
-async def _once(pool: DownstreamPool, stages: list[ModelStage], ids: np.ndarray,
-                plan: _Plan) -> tuple[float, float, float]:  # fmt: skip
-    """One session: (prefill seconds, decode seconds, decode seconds inside the layers)."""
-    session = ModelSession(pool)
-    try:
-        started = time.perf_counter()
-        logits = await session.run(ids, chunk_tokens=plan.chunk)
-        prefill = time.perf_counter() - started
-        compute_before = sum(s.compute_seconds for s in stages)
-        started = time.perf_counter()
-        for _ in range(plan.decode):
-            token = int(np.argmax(logits[0]))  # greedy, like a generator would
-            logits = await session.decode(token)
-        decode = time.perf_counter() - started
-        compute = sum(s.compute_seconds for s in stages) - compute_before
-    finally:
-        await session.delete()
-    return prefill, decode, compute
+@dataclass(slots=True)
+class _Chain:
+    pool: DownstreamPool
+    stages: list[ModelStage]
+    prefill: float = 0.0  # seconds, all repeats
+    decode: float = 0.0
+    decode_compute: float = 0.0  # seconds inside the layers during decode
+
+    def compute(self) -> float:
+        return sum(s.compute_seconds for s in self.stages)
 
 
-async def _measure_all(directory: str, plan: _Plan, vocab: int,
-                       progress: Callable[[str], None]) -> dict[int, _Measured]:  # fmt: skip
-    """All three chains up at once, measured in turn, best of ``plan.repeats``:
-    side by side, so a change in the machine's load hits all of them alike."""
+async def _measure_all(
+    directory: str, plan: _Plan, vocab: int, progress: Callable[[str], None]
+) -> tuple[dict[int, _Measured], bool]:
+    """All three chains up at once and measured step by step in turn — chunk k
+    of the prompt on 1, 2, 3 nodes, then chunk k+1 …, decode step j on each —
+    so a change in the machine's load hits all of them alike. Returns the
+    figures and whether every chain's logits were bit-identical."""
     ids = np.random.default_rng(0).integers(0, vocab, (1, plan.prompt)).astype(np.int32)
-    measured = {n: _Measured(n) for n in (1, 2, 3)}
+    bounds = list(range(0, plan.prompt, plan.chunk))
+    identical = True
     async with AsyncExitStack() as stack:
-        chains = {}
-        for n in measured:
+        chains: dict[int, _Chain] = {}
+        for n in (1, 2, 3):
             nodes = await stack.enter_async_context(
                 start_model_chain(directory, even_splits(plan.layers, n))
             )
@@ -99,20 +97,46 @@ async def _measure_all(directory: str, plan: _Plan, vocab: int,
             stack.push_async_callback(pool.aclose)
             stages = [node.app.stage for node in nodes]
             assert all(isinstance(s, ModelStage) for s in stages)
-            chains[n] = (pool, stages)
+            chains[n] = _Chain(pool, stages)  # type: ignore[arg-type]
             # Warm-up: first touch of the mapped weights, worker threads started.
-            await _once(pool, stages, ids[:, : plan.chunk], _Plan(
-                plan.layers, plan.chunk, plan.chunk, 1, 1, plan.label))  # fmt: skip
+            warm = ModelSession(pool)
+            await warm.run(ids[:, : plan.chunk])
+            await warm.decode(0)
+            await warm.delete()
         for repeat in range(plan.repeats):
-            for n, (pool, stages) in chains.items():
-                progress(f"model: {n} node(s), repeat {repeat + 1}/{plan.repeats}")
-                prefill, decode, compute = await _once(pool, stages, ids, plan)
-                m = measured[n]
-                m.prefill_tps = max(m.prefill_tps, plan.prompt / prefill)
-                if plan.decode / decode > m.decode_tps:
-                    m.decode_tps = plan.decode / decode
-                    m.decode_wire_share = max(0.0, 1.0 - compute / decode)
-    return measured
+            progress(f"model: 1, 2 and 3 nodes side by side, repeat {repeat + 1}/{plan.repeats}")
+            sessions = {n: ModelSession(c.pool) for n, c in chains.items()}
+            logits: dict[int, np.ndarray] = {}
+            try:
+                for index, lo in enumerate(bounds):
+                    for n, chain in chains.items():
+                        started = time.perf_counter()
+                        logits[n] = await sessions[n].send(
+                            ids[:, lo : lo + plan.chunk], index, len(bounds)
+                        )
+                        chain.prefill += time.perf_counter() - started
+                for _ in range(plan.decode):
+                    for n, chain in chains.items():
+                        token = int(np.argmax(logits[n][0]))  # greedy, as a generator
+                        before = chain.compute()
+                        started = time.perf_counter()
+                        logits[n] = await sessions[n].decode(token)
+                        chain.decode += time.perf_counter() - started
+                        chain.decode_compute += chain.compute() - before
+                identical &= all(np.array_equal(logits[1], logits[n]) for n in (2, 3))
+            finally:
+                for session in sessions.values():
+                    await session.delete()
+    measured = {
+        n: _Measured(
+            nodes=n,
+            prefill_tps=plan.prompt * plan.repeats / c.prefill,
+            decode_tps=plan.decode * plan.repeats / c.decode,
+            decode_wire_share=max(0.0, 1.0 - c.decode_compute / c.decode),
+        )
+        for n, c in chains.items()
+    }
+    return measured, identical
 
 
 def run(options: BenchOptions) -> SectionResult:
@@ -126,8 +150,10 @@ def run(options: BenchOptions) -> SectionResult:
     with tempfile.TemporaryDirectory(prefix="meshnet-bench-model-") as directory:
         options.progress(f"model: writing a random checkpoint ({plan.label})")
         write_checkpoint(directory, config, seed=0)
-        measured = anyio.run(_measure_all, directory, plan, config.vocab_size,
-                             options.progress, backend=options.async_backend)  # fmt: skip
+        measured, identical = anyio.run(
+            _measure_all, directory, plan, config.vocab_size, options.progress,
+            backend=options.async_backend,
+        )  # fmt: skip
     single = measured[1]
     keys: dict[str, float | int | str | None] = {
         "model_shape": plan.label,
@@ -143,6 +169,8 @@ def run(options: BenchOptions) -> SectionResult:
         )
         keys[f"model_split{stages}_over_single_decode"] = round(m.decode_tps / single.decode_tps, 3)
     keys["model_decode_wire_share"] = round(measured[2].decode_wire_share, 3)
+    # float32 wire: every split must give the very logits of one node (docs/models.md).
+    keys["model_splits_bit_identical"] = int(identical)
     keys["model_split3_decode_wire_share"] = round(measured[3].decode_wire_share, 3)
     result.keys = keys
     for stages, m in measured.items():

@@ -39,6 +39,11 @@ WEIGHT_DTYPES: dict[str, np.dtype | None] = {
 }
 
 
+_FLOAT_DTYPES = frozenset(
+    np.dtype(t) for t in (np.float32, np.float16, np.float64, ml_dtypes.bfloat16)
+)
+
+
 def parse_layers(text: str, num_layers: int | None = None) -> range:
     """``"A:B"`` → ``range(A, B)``; checked against ``num_layers`` when given."""
     start_text, sep, end_text = text.partition(":")
@@ -135,7 +140,7 @@ class StageWeights:
                     f"{name}: shape {list(array.shape)} in the checkpoint, {list(shape)} "
                     "from config.json"
                 )
-            if array.dtype.kind not in "fV" and array.dtype != np.dtype(ml_dtypes.bfloat16):
+            if array.dtype not in _FLOAT_DTYPES:
                 raise CheckpointError(f"{name}: dtype {array.dtype} is not a float type")
             if not matrix:
                 return np.ascontiguousarray(array, dtype=np.float32)

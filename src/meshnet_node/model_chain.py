@@ -84,16 +84,17 @@ class ModelSession:
         logits: np.ndarray | None = None
         for index, lo in enumerate(bounds):
             chunk = ids[:, lo : lo + step]
-            logits = await self._send(chunk, index, len(bounds))
+            logits = await self.send(chunk, index, len(bounds))
         assert logits is not None
         return logits
 
     async def decode(self, token: int | Sequence[int]) -> np.ndarray:
         """One decode step: a new run of a single ``[batch, 1]`` chunk."""
         column = np.asarray([token] if np.isscalar(token) else token, np.int32).reshape(-1, 1)
-        return await self._send(column, 0, 1)
+        return await self.send(column, 0, 1)
 
-    async def _send(self, chunk: np.ndarray, index: int, total: int) -> np.ndarray:
+    async def send(self, chunk: np.ndarray, index: int, total: int) -> np.ndarray:
+        """One chunk of a run at the session's position; its answer, decoded."""
         dtype, encoding, body = encode_for_wire(chunk)
         headers = WireHeaders(shape=chunk.shape, dtype=dtype, session=self.session,
                               chunk_index=index, chunk_total=total, encoding=encoding,
