@@ -241,6 +241,8 @@ def test_stop_split_across_pieces_never_leaks() -> None:
     assert run_filter(["END"], ["abc E", "N", "D more"]) == ("abc ", True)
     assert run_filter(["END"], ["abc E", "N", "x"]) == ("abc ENx", False)
     assert run_filter(["\n\n", "x"], ["a\n", "\nb"]) == ("a", True)
+    # The first stop to complete wins, even if a longer one began earlier.
+    assert run_filter(["c", "acc"], ["ac", "c"]) == ("a", True)
 
 
 @settings(max_examples=200, deadline=None)
@@ -248,13 +250,20 @@ def test_stop_split_across_pieces_never_leaks() -> None:
     st.lists(st.text(alphabet="abc\n", max_size=4), max_size=10),
     st.lists(st.text(alphabet="abc\n", min_size=1, max_size=3), max_size=3),
 )
-def test_stop_filter_equals_cutting_the_whole_text(pieces: list[str], stops: list[str]) -> None:
-    whole = "".join(pieces)
-    cuts = [whole.find(s) for s in stops if s in whole]
-    expected = (whole[: min(cuts)], True) if cuts else (whole, False)
-    out, stopped = run_filter(stops, pieces)
-    # A stop can only be seen once its last piece arrived: same cut, same verdict.
-    assert (out, stopped) == expected
+def test_stop_filter_equals_cutting_the_text_where_a_stop_first_appears(
+    pieces: list[str], stops: list[str]
+) -> None:
+    # Generation ends at the first piece after which the text holds a stop
+    # sequence (a longer one still in progress then does not count), and
+    # the text is cut before the earliest stop it holds at that point.
+    text, expected = "", None
+    for piece in pieces:
+        text += piece
+        cuts = [text.find(s) for s in stops if s in text]
+        if cuts:
+            expected = (text[: min(cuts)], True)
+            break
+    assert run_filter(stops, pieces) == (expected or (text, False))
 
 
 # ------------------------------------------------------------------ requests
