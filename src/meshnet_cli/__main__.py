@@ -9,7 +9,14 @@ import os
 import sys
 from collections.abc import Sequence
 
-from meshnet_runtime.config import ENCODINGS, WIRE_DTYPES, positive_int, positive_seconds
+from meshnet_runtime.config import (
+    ENCODINGS,
+    LOG_LEVELS,
+    MODEL_DTYPES,
+    WIRE_DTYPES,
+    positive_int,
+    positive_seconds,
+)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -100,8 +107,10 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--inflight", type=positive_int, default=4, help="[4]")
     run.add_argument("--max-tokens-default", type=positive_int, default=None, help="[256]")
     run.add_argument("--model-name", default=None, help="model id (default: directory name)")
-    run.add_argument("--dtype", default="keep", help="weights dtype in memory [keep]")
-    run.add_argument("--log-level", default="warning", help="[warning]")
+    run.add_argument(
+        "--dtype", choices=MODEL_DTYPES, default=None, help="weights dtype in memory [the node's]"
+    )
+    run.add_argument("--log-level", choices=LOG_LEVELS, default="warning", help="[warning]")
     run.add_argument("--async-backend", choices=("trio", "asyncio"), default="trio", help="[trio]")
     return parser
 

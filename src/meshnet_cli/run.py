@@ -85,7 +85,9 @@ async def run_local(
         gateway_flags += ["--max-tokens-default", str(args.max_tokens_default)]
     if args.model_name is not None:
         gateway_flags += ["--model-name", args.model_name]
-    node_flags = ["--log-level", args.log_level, "--dtype", args.dtype]
+    node_flags = ["--log-level", args.log_level]
+    if args.dtype is not None:
+        node_flags += ["--dtype", args.dtype]
     with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
         async with serve_local(
             args.model, args.stages, gateway_flags=gateway_flags, node_flags=node_flags
