@@ -414,3 +414,25 @@ async def test_generate_cuts_at_a_stop_sequence(tokenizer: ModelTokenizer) -> No
     result = await generate(ScriptedChain(words), tokenizer, [0], max_tokens=50,  # type: ignore[arg-type]
                             sampler=greedy, stop=["brown", "zzz"])  # fmt: skip
     assert result.text == "the quick " and result.finish_reason == "stop"
+
+
+JSON_VALUES = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=5),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=5), inner,
+                                                                 max_size=3),
+    max_leaves=8,
+)  # fmt: skip
+FIELDS = ["model", "prompt", "messages", "max_tokens", "max_completion_tokens", "temperature",
+          "top_p", "top_k", "seed", "stop", "n", "stream", "stream_options", "logprobs", "echo",
+          "presence_penalty", "frequency_penalty", "logit_bias"]  # fmt: skip
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.dictionaries(st.sampled_from(FIELDS), JSON_VALUES, max_size=8))
+def test_any_json_document_is_parsed_or_refused_as_a_4xx(document: dict[str, object]) -> None:
+    """Whatever a client sends, the parser answers a request or an OpenAIError (never a 500)."""
+    for parse in (parse_completion, parse_chat):
+        try:
+            parse(document)
+        except OpenAIError as exc:
+            assert 400 <= exc.status < 500 and exc.message
