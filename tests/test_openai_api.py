@@ -430,3 +430,32 @@ async def test_logits_that_cannot_be_sampled_are_a_502_naming_the_chain(model_di
         assert isinstance(detail, dict) and detail["code"] == "downstream_bad_response"
         assert served.node_urls[0] in detail["message"]
         await sessions_freed(served)
+
+
+async def test_client_leaving_during_the_prefill_frees_every_node(model_dir: Path) -> None:
+    """The chat stream's first event goes out before the prefill; a client
+    leaving right then cancels a prefill whose first chunks are already on
+    the nodes, and the session is deleted there all the same."""
+    stages = fake_stages(2)
+    stages[0].delay_ms = 20.0  # 40 prompt chunks of 1 token: the prefill takes a while
+    async with serve_openai(
+        model_dir, stages=stages, gateway_flags=["--chunk-tokens", "1"]
+    ) as served:
+        host, port = served.url.removeprefix("http://").rsplit(":", 1)
+        messages = [{"role": "user", "content": "the quick brown fox jumps over the dog"}]
+        body = json.dumps({"model": "tiny-model", "messages": messages, "stream": True}).encode()
+        head = (
+            f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
+            f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
+        ).encode()
+        with anyio.fail_after(LIMIT):
+            stream = await anyio.connect_tcp(host, int(port))
+            await stream.send(head + body)
+            seen = b""
+            while b'"role": "assistant"' not in seen:
+                seen += await stream.receive()
+            while stages[0].calls < 2:  # chunks have reached the entry node
+                await anyio.sleep(0.005)
+            await stream.aclose()
+        await sessions_freed(served)
+        assert stages[1].calls < 40  # the prefill was cut short

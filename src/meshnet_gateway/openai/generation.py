@@ -64,8 +64,10 @@ class ChainSession:
         self.settings = settings
         self.session = str(uuid.uuid4())
         self.position = 0
-        self.runs = 0  # runs sent: prefill + decode steps
-        self.chunks = 0  # chunks sent, all runs together
+        self.runs = 0  # runs completed: prefill + decode steps
+        # Chunks handed to the wire, all runs together: counted before they
+        # go, so that a prefill cancelled halfway is still deleted.
+        self.chunks = 0
 
     async def prefill(self, ids: Sequence[int]) -> np.ndarray:
         """Send the prompt; the logits after its last token (``[vocab]``)."""
@@ -146,8 +148,8 @@ class ChainSession:
         Shielded and bounded: it runs in ``finally`` blocks of cancelled
         requests, and a node that cannot be reached is left to its TTL.
         """
-        if self.runs == 0:
-            return  # nothing was sent: no node holds this session
+        if self.chunks == 0:
+            return  # no chunk went out: no node holds this session
         with anyio.CancelScope(shield=True):
             try:
                 response = await self.pool.request(
