@@ -257,11 +257,18 @@ async def test_a_wrong_dtype_is_refused_before_the_body_is_read(checkpoint: Path
                 data = b""
                 while b"\r\n\r\n" not in data:
                     data += await stream.receive()
+                head, _, body = data.partition(b"\r\n\r\n")
+                length = next(
+                    int(line.split(b":")[1])
+                    for line in head.split(b"\r\n")
+                    if line.lower().startswith(b"content-length:")
+                )
+                while len(body) < length:
+                    body += await stream.receive()
         finally:
             await stream.aclose()
-        head, _, body = data.partition(b"\r\n\r\n")
         assert head.startswith(b"HTTP/1.1 400 "), head
-        assert b"bad_stage_input" in body  # the small JSON error comes with the head
+        assert json.loads(body)["error"]["code"] == "bad_stage_input"
         assert nodes[0].app.stage.calls == 0
 
 
@@ -354,4 +361,33 @@ async def test_kv_full_deep_in_the_chain_then_a_retry_reforwards_without_recompu
         logits = await second.run(ids)  # the very same chunk: index 0, position 0
         assert nodes[0].app.stage.calls == calls  # reforwarded from the kept output
         assert np.array_equal(logits, StageRunner.load(checkpoint).run("r", 0, ids))
+        await pool.aclose()
+
+
+async def test_expiry_to_make_room_for_a_new_session_frees_the_old_kv(
+    checkpoint: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Table full (--max-sessions 1): a new session makes room by expiring the
+    idle one inside the sequencer — and its KV cache goes with it."""
+    from meshnet_node import NodeApp
+
+    async def no_background_expiry(self: NodeApp) -> None:
+        await anyio.sleep_forever()  # only the make-room path may forget a session
+
+    monkeypatch.setattr(NodeApp, "maintain", no_background_expiry)
+    async with start_model_chain(
+        checkpoint, [(0, LAYERS)], extra=["--max-sessions", "1", "--session-ttl", "0.3"]
+    ) as nodes:
+        pool = DownstreamPool(nodes[0].url)
+        old = ModelSession(pool)
+        await old.run(prompt(20))
+        held = kv_bytes(nodes)[0]
+        assert held > 0
+        await anyio.sleep(0.5)  # idle past the TTL; nothing expires it in the background
+        assert old.session in nodes[0].app.table and kv_bytes(nodes) == [held]
+        new = ModelSession(pool)
+        await new.run(prompt(5))
+        assert old.session not in nodes[0].app.table
+        assert nodes[0].app.stage.runner.sessions == 1
+        assert kv_bytes(nodes)[0] == 16 * 2 * 4 * 2 * 16 * 4  # only the new one's 16 positions
         await pool.aclose()

@@ -390,3 +390,26 @@ def test_a_non_float_weight_is_refused_by_name(tmp_path: Path) -> None:
     save_file(tensors, str(path / "model.safetensors"))
     with pytest.raises(CheckpointError, match=r"up_proj\.weight: dtype int32 is not a float type"):
         StageWeights.load(path)
+
+
+@settings(max_examples=60, deadline=None)
+@given(data=st.data())
+def test_a_damaged_safetensors_file_is_a_checkpoint_error_never_a_crash(
+    checkpoint: Path, data: st.DataObject, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    from meshnet_model import SafetensorsFile
+
+    raw = bytearray((checkpoint / "model.safetensors").read_bytes()[:4096])
+    header_end = 8 + int.from_bytes(raw[:8], "little")
+    for _ in range(data.draw(st.integers(1, 4))):
+        at = data.draw(st.integers(0, min(header_end, len(raw)) - 1))
+        raw[at] = data.draw(st.integers(0, 255))
+    cut = data.draw(st.integers(0, len(raw)))
+    path = tmp_path_factory.mktemp("bad") / "model.safetensors"
+    path.write_bytes(bytes(raw[:cut]))
+    try:
+        f = SafetensorsFile(path)
+        for name in f:
+            f.tensor(name)  # offsets were checked against the file: reads stay inside it
+    except CheckpointError:
+        pass

@@ -20,7 +20,7 @@ from __future__ import annotations
 import json
 import math
 import struct
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -111,6 +111,9 @@ class SafetensorsFile:
 
     def keys(self) -> list[str]:
         return list(self._entries)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._entries)
 
     def __contains__(self, name: object) -> bool:
         return name in self._entries
