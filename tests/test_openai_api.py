@@ -270,7 +270,13 @@ async def leave_mid_stream(served: Served, max_tokens: int) -> None:
     """Start a streamed completion over a raw socket, read 3 events, hang up."""
     host, port = served.url.removeprefix("http://").rsplit(":", 1)
     body = json.dumps(
-        {"model": "tiny-model", "prompt": "hello", "max_tokens": max_tokens, "stream": True}
+        {
+            "model": "tiny-model",
+            "prompt": "hello",
+            "max_tokens": max_tokens,
+            "stream": True,
+            "seed": 1,
+        }
     ).encode()
     head = (
         f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
@@ -352,7 +358,7 @@ async def test_chain_failure_is_an_openai_error_and_frees_the_session(model_dir:
     stages = [fake_stages(2)[0], failing_head(after=4)]
     async with serve_openai(model_dir, stages=stages) as served:
         client = client_for(served)
-        args = {"model": "tiny-model", "prompt": "hello", "max_tokens": 10}
+        args = {"model": "tiny-model", "prompt": "hello", "max_tokens": 10, "temperature": 0}
         with pytest.raises(openai.APIStatusError) as caught:
             await in_thread(client.completions.create, **args)
         assert caught.value.status_code == 503
