@@ -61,6 +61,11 @@ async def in_thread(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         return await anyio.to_thread.run_sync(functools.partial(fn, *args, **kwargs))
 
 
+def sample(served: Served, name: str, **labels: str) -> float | None:
+    """One value of the gateway's /metrics registry."""
+    return served.gateway.metrics.registry.get_sample_value(name, labels)
+
+
 async def sessions_freed(served: Served) -> None:
     """Wait (bounded) until no node holds a session and no generation runs."""
     with anyio.fail_after(LIMIT):
@@ -103,6 +108,13 @@ async def test_greedy_completion_is_the_chains_output_chunked_and_freed(model_di
         await sessions_freed(served)
         assert [kv_bytes(node) for node in served.nodes] == [0, 0, 0]
         stages = [node.stage for node in served.nodes]
+        outcome = {"endpoint": "completions", "outcome": "length"}
+        assert sample(served, "meshnet_openai_generations_total", **outcome) == 1
+        assert sample(served, "meshnet_openai_prompt_tokens_total") == len(prompt_ids)
+        assert sample(served, "meshnet_openai_completion_tokens_total") == 12
+        assert sample(served, "meshnet_openai_prefill_seconds_count") == 1
+        assert sample(served, "meshnet_openai_decode_step_seconds_count") == 11
+        assert sample(served, "meshnet_openai_active_generations") == 0
     expected = reference_greedy(model_dir, prompt_ids, 12)
     choice = result.choices[0]
     assert choice.text == tokenizer.decode(expected)
@@ -301,6 +313,8 @@ async def test_client_disconnect_mid_stream_frees_every_nodes_kv(model_dir: Path
         await sessions_freed(served)
         assert [kv_bytes(node) for node in served.nodes] == [0, 0, 0]
         assert all(node.info()["stage"]["kv_sessions"] == 0 for node in served.nodes)
+        outcome = {"endpoint": "completions", "outcome": "cancelled"}
+        assert sample(served, "meshnet_openai_generations_total", **outcome) == 1
 
 
 async def test_client_leaving_a_non_streamed_request_cancels_it(model_dir: Path) -> None:
@@ -383,6 +397,8 @@ async def test_chain_failure_is_an_openai_error_and_frees_the_session(model_dir:
         # Text of the tokens before the failure arrived first; the 4th chunk failed.
         assert pieces and stages[1].calls == 4
         await sessions_freed(served)
+        outcome = {"endpoint": "completions", "outcome": "error"}
+        assert sample(served, "meshnet_openai_generations_total", **outcome) == 2
 
 
 async def test_bearer_token_is_the_api_key(model_dir: Path) -> None:

@@ -49,6 +49,7 @@ from meshnet_runtime.metrics import METRICS_CONTENT_TYPE, ServerMetrics
 from ._pipeline import run_chunks
 from .openai import OpenAIService, ServedModel
 from .openai.generation import ChainSettings
+from .openai.metrics import GenerationMetrics
 
 __all__ = ["GatewayApp"]
 
@@ -395,6 +396,7 @@ def _openai_service(app: GatewayApp) -> OpenAIService:
         chain_settings,
         max_tokens_default=config.max_tokens_default,
         max_prompt_tokens=max_prompt,
+        metrics=GenerationMetrics(app.metrics.registry),
     )
 
 

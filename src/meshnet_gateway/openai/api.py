@@ -27,6 +27,7 @@ from meshnet_runtime.http_server import Reply, StreamReply, StreamSend
 
 from .errors import OpenAIError, from_meshnet, invalid
 from .generation import ChainSession, ChainSettings, GenerationResult, generate
+from .metrics import GenerationMetrics
 from .requests import (
     ChatRequest,
     CompletionRequest,
@@ -104,6 +105,7 @@ class OpenAIService:
         *,
         max_tokens_default: int = 256,
         max_prompt_tokens: int | None = None,
+        metrics: GenerationMetrics | None = None,
     ) -> None:
         self.model = model
         self.pool = pool
@@ -112,6 +114,9 @@ class OpenAIService:
         self.max_tokens_default = max_tokens_default
         self.max_prompt_tokens = max_prompt_tokens
         self.active: set[str] = set()  # chain sessions of requests in progress
+        self.metrics = metrics
+        if metrics is not None:
+            metrics.active.set_function(lambda: len(self.active))
 
     async def handle(self, event: EndpointRequest) -> Reply | StreamReply:
         try:
@@ -201,12 +206,13 @@ class OpenAIService:
     ) -> Reply | StreamReply:
         max_tokens = self._budget(ids, options)
         sampler = Sampler(options.sampling, options.seed)
-        chain = ChainSession(self.pool, self.codecs, self.chain_settings())
+        chain = ChainSession(self.pool, self.codecs, self.chain_settings(), metrics=self.metrics)
 
         async def run(on_text: Callable[[str], Any] | None) -> GenerationResult:
             self.active.add(chain.session)
+            outcome = "cancelled"  # unless it ends any other way: the client left
             try:
-                return await generate(
+                result = await generate(
                     chain,
                     self.model.tokenizer,
                     ids,
@@ -215,10 +221,20 @@ class OpenAIService:
                     stop=options.stop,
                     on_text=on_text,
                 )
+                outcome = result.finish_reason
+                if self.metrics is not None:
+                    self.metrics.completion_tokens.inc(result.completion_tokens)
+                return result
+            except Exception:
+                outcome = "error"
+                raise
             finally:
                 # Every exit: done, failed, or cancelled by a client that left.
                 await chain.close()
                 self.active.discard(chain.session)
+                if self.metrics is not None:
+                    self.metrics.prompt_tokens.inc(len(ids))
+                    self.metrics.generations.labels(fmt.endpoint, outcome).inc()
 
         if not options.stream:
             try:
@@ -266,6 +282,7 @@ def _usage(result: GenerationResult) -> dict[str, int]:
 class _Format:
     """The JSON shapes of one endpoint: a whole answer and its stream chunks."""
 
+    endpoint = ""  # the metrics label
     object_whole = ""
     object_chunk = ""
     prefix = ""
@@ -301,6 +318,7 @@ class _Format:
 
 
 class _CompletionFormat(_Format):
+    endpoint = "completions"
     object_whole = object_chunk = "text_completion"
     prefix = "cmpl"
 
@@ -320,6 +338,7 @@ class _CompletionFormat(_Format):
 
 
 class _ChatFormat(_Format):
+    endpoint = "chat"
     object_whole = "chat.completion"
     object_chunk = "chat.completion.chunk"
     prefix = "chatcmpl"

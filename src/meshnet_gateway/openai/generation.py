@@ -15,6 +15,7 @@ the DELETE down the chain.
 from __future__ import annotations
 
 import logging
+import time
 import uuid
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
@@ -28,6 +29,7 @@ from meshnet_runtime.deadlines import Deadline
 from meshnet_runtime.downstream import DownstreamPool
 
 from .._pipeline import _check_response
+from .metrics import GenerationMetrics
 from .sampling import Sampler
 from .tokenizer import ModelTokenizer, TextStream
 
@@ -58,10 +60,18 @@ class ChainSettings:
 class ChainSession:
     """One session on the chain: its position advances with every token sent."""
 
-    def __init__(self, pool: DownstreamPool, codecs: CodecPool, settings: ChainSettings) -> None:
+    def __init__(
+        self,
+        pool: DownstreamPool,
+        codecs: CodecPool,
+        settings: ChainSettings,
+        *,
+        metrics: GenerationMetrics | None = None,
+    ) -> None:
         self.pool = pool
         self.codecs = codecs
         self.settings = settings
+        self.metrics = metrics
         self.session = str(uuid.uuid4())
         self.position = 0
         self.runs = 0  # runs completed: prefill + decode steps
@@ -71,11 +81,19 @@ class ChainSession:
 
     async def prefill(self, ids: Sequence[int]) -> np.ndarray:
         """Send the prompt; the logits after its last token (``[vocab]``)."""
-        return await self._run(np.asarray([ids], dtype=np.int32))
+        started = time.perf_counter()
+        logits = await self._run(np.asarray([ids], dtype=np.int32))
+        if self.metrics is not None:
+            self.metrics.prefill_seconds.observe(time.perf_counter() - started)
+        return logits
 
     async def step(self, token_id: int) -> np.ndarray:
         """One decode step: the logits after ``token_id``."""
-        return await self._run(np.asarray([[token_id]], dtype=np.int32))
+        started = time.perf_counter()
+        logits = await self._run(np.asarray([[token_id]], dtype=np.int32))
+        if self.metrics is not None:
+            self.metrics.step_seconds.observe(time.perf_counter() - started)
+        return logits
 
     async def _run(self, ids: np.ndarray) -> np.ndarray:
         """One run of chunks; the last stage's answer to the last chunk."""
