@@ -16,6 +16,8 @@ KEYS = {
     "model_split2_over_single_prefill",
     "model_split3_over_single_decode",
     "model_split3_over_single_prefill",
+    "model_split2_pipelined_prefill_over_single",
+    "model_split3_pipelined_prefill_over_single",
     "model_decode_wire_share",
     "model_single_prefill_tokens_per_s",
     "model_single_decode_tokens_per_s",

@@ -391,3 +391,24 @@ async def test_expiry_to_make_room_for_a_new_session_frees_the_old_kv(
         assert nodes[0].app.stage.runner.sessions == 1
         assert kv_bytes(nodes)[0] == 16 * 2 * 4 * 2 * 16 * 4  # only the new one's 16 positions
         await pool.aclose()
+
+
+async def test_pipelined_prefill_gives_the_same_bits_as_one_chunk_at_a_time(
+    checkpoint: Path,
+) -> None:
+    """Chunks in flight together (node 1 on chunk i+1 while node 2 has chunk i):
+    the sequencer keeps the order, so the logits are those of the same chunking
+    sent one by one."""
+    ids = prompt(32)
+    async with start_model_chain(checkpoint, [(0, 1), (1, 3), (3, 4)]) as nodes:
+        pool = DownstreamPool(nodes[0].url, max_connections=8)
+        pipelined = ModelSession(pool)
+        got = await pipelined.run(ids, chunk_tokens=4, inflight=4)
+        assert np.array_equal(got, await _chunked_reference(checkpoint, ids, 4))
+        assert pipelined.position == 32
+        assert [node.app.table.position(pipelined.session) for node in nodes] == [32] * 3
+        step = await pipelined.decode(9)  # and the context goes on from there
+        sequential = ModelSession(pool)
+        await sequential.run(ids, chunk_tokens=4)
+        assert np.array_equal(step, await sequential.decode(9))
+        await pool.aclose()

@@ -413,3 +413,35 @@ def test_a_damaged_safetensors_file_is_a_checkpoint_error_never_a_crash(
             f.tensor(name)  # offsets were checked against the file: reads stay inside it
     except CheckpointError:
         pass
+
+
+def test_plan_splits_a_checkpoint_into_contiguous_stages(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from meshnet_model.__main__ import main, plan_stages
+
+    config = small_config(num_hidden_layers=6, tie_word_embeddings=True)
+    path = write_checkpoint(tmp_path, config, seed=3, shards=2, dtype="bfloat16")
+    for stages in (1, 2, 3, 6):
+        plan = plan_stages(path, stages)
+        ranges = [parse_layers(str(p["layers"]), 6) for p in plan]
+        assert len(ranges) == stages and ranges[0].start == 0 and ranges[-1].stop == 6
+        assert all(a.stop == b.start for a, b in itertools.pairwise(ranges))
+        per_token = sum(int(p["kv_bytes_per_token"]) for p in plan)  # type: ignore[call-overload]
+        assert per_token == 6 * 2 * 2 * 16 * 4
+        # The ranges load, and together compute what one stage does.
+        ids = prompt(5)
+        x: np.ndarray = ids
+        for r in ranges:
+            x = StageRunner.load(path, r).run("s", 0, x)
+        assert np.array_equal(x, StageRunner.load(path).run("s", 0, ids))
+    # A tied head maps the embedding on the first and the last stage.
+    embed = 256 * 64 * 2
+    two = plan_stages(path, 2)
+    assert int(two[0]["checkpoint_bytes"]) > embed and int(two[1]["checkpoint_bytes"]) > embed  # type: ignore[call-overload]
+    assert main(["plan", str(path), "--stages", "3", "--json"]) == 0
+    assert [p["layers"] for p in json.loads(capsys.readouterr().out)] == [
+        p["layers"] for p in plan_stages(path, 3)
+    ]
+    assert main(["plan", str(path), "--stages", "7"]) == 2
+    assert "stages must be 1..6" in capsys.readouterr().err

@@ -12,7 +12,11 @@ Per chain: prefill tokens/s (a prompt in chunks, one session) and decode
 tokens/s (one-token runs on the same session, as a generator does). The
 ratios ``split/single`` say what splitting costs on one machine, where it can
 only cost: the layers' compute is the same and every hop adds a wire round
-trip. ``model_decode_wire_share`` is the share of a decode step's wall time
+trip. ``model_split{2,3}_pipelined_prefill_over_single`` sends the prompt with one
+chunk in flight per node (node k on chunk i+1 while chunk i is further down),
+against the single node's prefill — what chunked prefill is for; on one
+machine the nodes share its cores, across machines they do not.
+``model_decode_wire_share`` is the share of a decode step's wall time
 not spent inside the stages' layers (HTTP, codec, sequencing, thread hops)
 on the 2-node split — what the wire costs where it matters most.
 """
@@ -51,6 +55,7 @@ class _Plan:
 class _Measured:
     nodes: int
     prefill_tps: float
+    pipelined_prefill_tps: float
     decode_tps: float
     decode_wire_share: float
 
@@ -70,6 +75,7 @@ class _Chain:
     pool: DownstreamPool
     stages: list[ModelStage]
     prefill: float = 0.0  # seconds, all repeats
+    pipelined: float = 0.0  # prefill with one chunk in flight per node
     decode: float = 0.0
     decode_compute: float = 0.0  # seconds inside the layers during decode
 
@@ -127,10 +133,21 @@ async def _measure_all(
             finally:
                 for session in sessions.values():
                     await session.delete()
+            # Pipelined prefill: as many chunks in flight as the chain has nodes,
+            # so node k works on chunk i+1 while chunk i is further down.
+            for n, chain in chains.items():
+                session = ModelSession(chain.pool)
+                try:
+                    started = time.perf_counter()
+                    await session.run(ids, chunk_tokens=plan.chunk, inflight=n)
+                    chain.pipelined += time.perf_counter() - started
+                finally:
+                    await session.delete()
     measured = {
         n: _Measured(
             nodes=n,
             prefill_tps=plan.prompt * plan.repeats / c.prefill,
+            pipelined_prefill_tps=plan.prompt * plan.repeats / c.pipelined,
             decode_tps=plan.decode * plan.repeats / c.decode,
             decode_wire_share=max(0.0, 1.0 - c.decode_compute / c.decode),
         )
@@ -168,6 +185,9 @@ def run(options: BenchOptions) -> SectionResult:
             m.prefill_tps / single.prefill_tps, 3
         )
         keys[f"model_split{stages}_over_single_decode"] = round(m.decode_tps / single.decode_tps, 3)
+        keys[f"model_split{stages}_pipelined_prefill_over_single"] = round(
+            m.pipelined_prefill_tps / single.prefill_tps, 3
+        )
     keys["model_decode_wire_share"] = round(measured[2].decode_wire_share, 3)
     # float32 wire: every split must give the very logits of one node (docs/models.md).
     keys["model_splits_bit_identical"] = int(identical)
@@ -180,6 +200,7 @@ def run(options: BenchOptions) -> SectionResult:
                 "prefill tok/s": f"{m.prefill_tps:.1f}",
                 "decode tok/s": f"{m.decode_tps:.1f}",
                 "prefill vs 1 node": f"{m.prefill_tps / single.prefill_tps:.2f}",
+                "pipelined vs 1 node": f"{m.pipelined_prefill_tps / single.prefill_tps:.2f}",
                 "decode vs 1 node": f"{m.decode_tps / single.decode_tps:.2f}",
                 "decode time on the wire": f"{100 * m.decode_wire_share:.0f}%",
             }

@@ -140,7 +140,9 @@ class SafetensorsFile:
         if self._map is None:
             self._map = np.memmap(self.path, dtype=np.uint8, mode="r")
         raw = self._map[self._data_start + entry.begin : self._data_start + entry.end]
-        return raw.view(entry.dtype).reshape(entry.shape)
+        # A plain ndarray view (the mapping stays alive through .base): results
+        # computed from it are ndarrays, not np.memmap instances.
+        return np.asarray(raw).view(entry.dtype).reshape(entry.shape)
 
 
 class Checkpoint:

@@ -15,6 +15,7 @@ from collections.abc import AsyncIterator, Sequence
 from contextlib import AsyncExitStack, asynccontextmanager
 from pathlib import Path
 
+import anyio
 import numpy as np
 
 from meshnet_proto import ActivationResponse, WireHeaders, decode_tensor, encode_for_wire
@@ -75,18 +76,50 @@ class ModelSession:
         self.position = 0
         self.timeout = timeout
 
-    async def run(self, ids: np.ndarray, chunk_tokens: int | None = None) -> np.ndarray:
-        """Send ``ids`` ``[batch, tokens]`` as one run of chunks; the last chunk's logits."""
+    async def run(
+        self, ids: np.ndarray, chunk_tokens: int | None = None, *, inflight: int = 1
+    ) -> np.ndarray:
+        """Send ``ids`` ``[batch, tokens]`` as one run of chunks; the last chunk's logits.
+
+        ``inflight`` > 1 keeps that many chunks on the way at once (the entry
+        node's reorder window bounds it): node k computes chunk i+1 while chunk
+        i is further down the chain — pipelined prefill. The first error ends
+        the run (the chain's context is then unknown: delete the session).
+        """
         ids = np.ascontiguousarray(ids, dtype=np.int32)
         tokens = ids.shape[1]
         step = chunk_tokens or tokens
         bounds = list(range(0, tokens, step))
-        logits: np.ndarray | None = None
-        for index, lo in enumerate(bounds):
-            chunk = ids[:, lo : lo + step]
-            logits = await self.send(chunk, index, len(bounds))
-        assert logits is not None
-        return logits
+        start = self.position
+        if inflight <= 1:
+            logits: np.ndarray | None = None
+            for index, lo in enumerate(bounds):
+                logits = await self.send(ids[:, lo : lo + step], index, len(bounds))
+            assert logits is not None
+            return logits
+        answers: dict[int, np.ndarray] = {}
+        failures: list[ChainError] = []
+        slots = anyio.Semaphore(inflight)
+
+        async def one(index: int, lo: int, scope: anyio.CancelScope) -> None:
+            try:
+                answers[index] = await self._post(
+                    ids[:, lo : lo + step], index, len(bounds), start + lo
+                )
+            except ChainError as exc:
+                failures.append(exc)
+                scope.cancel()
+            finally:
+                slots.release()
+
+        async with anyio.create_task_group() as tg:
+            for index, lo in enumerate(bounds):
+                await slots.acquire()
+                tg.start_soon(one, index, lo, tg.cancel_scope)
+        if failures:
+            raise failures[0]
+        self.position = start + tokens
+        return answers[len(bounds) - 1]
 
     async def decode(self, token: int | Sequence[int]) -> np.ndarray:
         """One decode step: a new run of a single ``[batch, 1]`` chunk."""
@@ -95,16 +128,20 @@ class ModelSession:
 
     async def send(self, chunk: np.ndarray, index: int, total: int) -> np.ndarray:
         """One chunk of a run at the session's position; its answer, decoded."""
+        answer = await self._post(chunk, index, total, self.position)
+        self.position += chunk.shape[1]
+        return answer
+
+    async def _post(self, chunk: np.ndarray, index: int, total: int, position: int) -> np.ndarray:
         dtype, encoding, body = encode_for_wire(chunk)
         headers = WireHeaders(shape=chunk.shape, dtype=dtype, session=self.session,
                               chunk_index=index, chunk_total=total, encoding=encoding,
-                              position=self.position)  # fmt: skip
+                              position=position)  # fmt: skip
         response = await self.pool.forward(headers, body, Deadline.after(self.timeout))
         if not isinstance(response, ActivationResponse):
             error = response.error
             raise ChainError(response.status, str(error.get("code")),
                              str(error.get("message")), response.retry_after)  # fmt: skip
-        self.position += chunk.shape[1]
         return np.array(decode_tensor(response.headers, response.body))
 
     async def delete(self) -> int:
