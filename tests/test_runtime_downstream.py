@@ -151,3 +151,38 @@ async def test_spent_deadline_is_504_before_sending() -> None:
     with pytest.raises(DownstreamError) as exc:
         await pool.forward(HEADERS, BODY, Deadline(anyio.current_time() - 1))
     assert (exc.value.status, exc.value.code, exc.value.hop) == (504, "deadline_exceeded", None)
+
+
+@pytest.mark.anyio
+async def test_the_retry_after_a_stale_connection_does_not_take_another_stale_one() -> None:
+    """Several pooled connections that all outlived the node's idle limit: the
+    retry must open a fresh connection, not try the next dead one."""
+    import uuid
+
+    import numpy as np
+
+    from meshnet_node import serve_node
+    from meshnet_proto import encode_for_wire
+    from meshnet_runtime.config import load_config
+
+    x = np.zeros((1, 2, 4), np.float32)
+    dtype, encoding, body = encode_for_wire(x)
+
+    async with serve_node(
+        load_config("node", ["--port", "0", "--head-timeout", "0.3"], {})
+    ) as node:
+        pool = DownstreamPool(node.url)
+
+        async def forward() -> ActivationResponse | ErrorResponse:
+            headers = WireHeaders(shape=x.shape, dtype=dtype, session=str(uuid.uuid4()),
+                                  chunk_index=0, chunk_total=1, encoding=encoding,
+                                  position=0)  # fmt: skip
+            return await pool.forward(headers, body, Deadline.after(10))
+
+        async with anyio.create_task_group() as tg:
+            for _ in range(3):
+                tg.start_soon(forward)
+        assert len(pool._idle) == 3
+        await anyio.sleep(1.0)  # every pooled connection is closed by the node meanwhile
+        assert isinstance(await forward(), ActivationResponse)
+        await pool.aclose()

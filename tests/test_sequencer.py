@@ -830,3 +830,37 @@ class Interleavings(RuleBasedStateMachine):
 
 Interleavings.TestCase.settings = settings(max_examples=80, stateful_step_count=50, deadline=None)
 test_interleavings = Interleavings.TestCase
+
+
+def test_on_forget_is_told_every_way_a_session_goes() -> None:
+    """DELETE, TTL expiry and the expiry that makes room for a new session all
+    call on_forget once per known session (a model stage frees its KV cache there)."""
+    forgotten: list[str] = []
+    table = SessionTable(Limits(max_sessions=2, session_ttl=10.0), on_forget=forgotten.append)
+
+    class H:
+        shape = (1, 2)
+        dtype = "int32"
+        chunk_index = 0
+        chunk_total = 1
+        position = 0
+        tokens = 2
+
+        def __init__(self, session: str) -> None:
+            self.session = session
+
+    def start(sid: str, now: float) -> None:
+        decision = table.offer(H(sid), b"f" * 16, now)
+        assert isinstance(decision, Process)
+        table.stage_done(decision.ticket, None, now)
+        table.response_ready(decision.ticket, object(), now)
+
+    start("a", 0.0)
+    start("b", 0.0)
+    assert table.end_session("a") and forgotten == ["a"]
+    assert not table.end_session("a") and forgotten == ["a"]  # unknown: not told again
+    start("c", 5.0)
+    assert table.expire(12.0) == ["b"] and forgotten == ["a", "b"]
+    start("d", 13.0)  # table full with c, d
+    start("e", 30.0)  # makes room: c and d are idle past the TTL
+    assert sorted(forgotten) == ["a", "b", "c", "d"]

@@ -1,5 +1,6 @@
 """``meshnet``: ``demo`` (a chain in one process), ``send`` (one .npy through a gateway),
-``bench`` (wire 2 measured against its baselines)."""
+``generate`` (text from a gateway's OpenAI API), ``run`` (a model's nodes and gateway in
+one process), ``bench`` (wire 2 measured against its baselines)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,14 @@ import os
 import sys
 from collections.abc import Sequence
 
-from meshnet_runtime.config import ENCODINGS, WIRE_DTYPES, positive_int, positive_seconds
+from meshnet_runtime.config import (
+    ENCODINGS,
+    LOG_LEVELS,
+    MODEL_DTYPES,
+    WIRE_DTYPES,
+    positive_int,
+    positive_seconds,
+)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -90,7 +98,59 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument(
         "--async-backend", choices=("trio", "asyncio"), default="trio", help="[trio]"
     )
+
+    generate = commands.add_parser(
+        "generate",
+        help="stream text from a running gateway's OpenAI API",
+        description="POST the prompt to a gateway started with --model and print the "
+        "completion as it streams; a summary line goes to stderr.",
+    )
+    generate.add_argument("--prompt", required=True, help="the prompt text")
+    generate.add_argument(
+        "--gateway",
+        default=os.environ.get("MESHNET_GATEWAY", "http://127.0.0.1:8000"),
+        help="gateway URL [env MESHNET_GATEWAY, default http://127.0.0.1:8000]",
+    )
+    generate.add_argument("--chat", action="store_true", help="send as a user chat message")
+    generate.add_argument("--model", help="model id (default: the gateway's first)")
+    generate.add_argument("--max-tokens", type=_nonnegative, default=64, help="[64]")
+    generate.add_argument("--temperature", type=float, default=1.0, help="0 = greedy [1.0]")
+    generate.add_argument("--top-p", type=float, default=1.0, help="[1.0]")
+    generate.add_argument("--top-k", type=_nonnegative, default=None, help="[none]")
+    generate.add_argument("--seed", type=_nonnegative, default=None, help="reproducible sampling")
+    generate.add_argument("--stop", action="append", help="stop sequence (repeatable)")
+    generate.add_argument(
+        "--token", default=os.environ.get("MESHNET_TOKEN"), help="bearer token [env MESHNET_TOKEN]"
+    )
+    generate.add_argument("--tls-ca", default=None, help="CA bundle for an https gateway")
+    generate.add_argument("--timeout", type=positive_seconds, default=300.0, help="seconds [300]")
+
+    run = commands.add_parser(
+        "run",
+        help="serve a checkpoint split over N model nodes with a gateway, in this process",
+        description="Start N model nodes (an even split of the layers) and a gateway with "
+        "the OpenAI API on one machine, in one process; prints a ready line with the URL.",
+    )
+    run.add_argument("--model", required=True, help="checkpoint directory (HF layout)")
+    run.add_argument("--stages", type=positive_int, default=2, help="nodes [2]")
+    run.add_argument("--host", default="127.0.0.1", help="gateway address [127.0.0.1]")
+    run.add_argument("--port", type=_nonnegative, default=8000, help="gateway port, 0 = any [8000]")
+    run.add_argument("--chunk-tokens", type=positive_int, default=128, help="[128]")
+    run.add_argument("--inflight", type=positive_int, default=4, help="[4]")
+    run.add_argument("--max-tokens-default", type=positive_int, default=None, help="[256]")
+    run.add_argument("--model-name", default=None, help="model id (default: directory name)")
+    run.add_argument(
+        "--dtype", choices=MODEL_DTYPES, default=None, help="weights dtype in memory [the node's]"
+    )
+    run.add_argument("--log-level", choices=LOG_LEVELS, default="warning", help="[warning]")
+    run.add_argument("--async-backend", choices=("trio", "asyncio"), default="trio", help="[trio]")
     return parser
+
+
+def _nonnegative(text: str) -> int:
+    if not (text.isascii() and text.isdigit()):
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}")
+    return int(text)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -107,6 +167,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
     if args.command == "bench":
         return _bench(args)
+    if args.command == "run":
+        from .run import main as run_main
+
+        return run_main(args)
+    if args.command == "generate":
+        from .generate import run_generate
+
+        return run_generate(args)
     if args.gateway is None:
         build_parser().error("send needs --gateway URL (or MESHNET_GATEWAY)")
     from .send import run_send

@@ -15,6 +15,7 @@ from meshnet_runtime.lifecycle import run_process, serve_until_signalled
 from meshnet_runtime.transports import listen
 
 from .app import GatewayApp
+from .openai import ServedModel
 from .server import build_server, ready_line
 
 
@@ -33,7 +34,15 @@ async def serve(config: ServerConfig) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    return run_process("meshnet-gateway", serve, load_config("gateway", argv))
+    config = load_config("gateway", argv)
+    if config.model is not None:
+        # Checked before serving, so a bad model directory is one clear line and exit 2.
+        try:
+            ServedModel.load(config.model, name=config.model_name, context=config.max_context)
+        except (OSError, ValueError) as exc:
+            print(f"meshnet-gateway: cannot load --model {config.model}: {exc}", file=sys.stderr)
+            return 2
+    return run_process("meshnet-gateway", serve, config)
 
 
 if __name__ == "__main__":

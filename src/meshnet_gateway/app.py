@@ -43,10 +43,13 @@ from meshnet_runtime.codec_pool import CodecPool
 from meshnet_runtime.config import ServerConfig
 from meshnet_runtime.deadlines import Deadline
 from meshnet_runtime.downstream import DownstreamPool
-from meshnet_runtime.http_server import ActivationReply, Reply, RequestContext
+from meshnet_runtime.http_server import ActivationReply, Reply, RequestContext, StreamReply
 from meshnet_runtime.metrics import METRICS_CONTENT_TYPE, ServerMetrics
 
 from ._pipeline import run_chunks
+from .openai import OpenAIService, ServedModel
+from .openai.generation import ChainSettings
+from .openai.metrics import GenerationMetrics
 
 __all__ = ["GatewayApp"]
 
@@ -97,6 +100,10 @@ class GatewayApp:
         # Sessions with a request in progress: checked on the head, before
         # the body is read (SPEC §2 order: header-only sequencing first).
         self._active: set[str] = set()
+        # --model: the OpenAI API (/v1) over the same chain.
+        self.openai: OpenAIService | None = None
+        if config.model is not None:
+            self.openai = _openai_service(self)
 
     # ------------------------------------------------------------ lifecycle
 
@@ -225,6 +232,11 @@ class GatewayApp:
         self.metrics.chunks.labels("ok").inc(len(result.chunks))
         return ActivationReply(_response_headers(result.output, dtype, encoding, lease), body)
 
+    def cancel_on_disconnect(self, event: EndpointRequest) -> bool:
+        """The serving loop cancels these requests when their client leaves:
+        a generation nobody waits for would hold every node's KV to the end."""
+        return self.openai is not None and event.path.startswith("/v1/")
+
     def _busy(self, session: str) -> bool:
         return session in self._active
 
@@ -252,8 +264,12 @@ class GatewayApp:
 
     # ------------------------------------------------------------ endpoints
 
-    async def handle_endpoint(self, event: EndpointRequest, ctx: RequestContext) -> Reply:
+    async def handle_endpoint(
+        self, event: EndpointRequest, ctx: RequestContext
+    ) -> Reply | StreamReply:
         path = event.path
+        if path.startswith("/v1/") and self.openai is not None:
+            return await self.openai.handle(event)
         if path == "/health":
             return await self._health(event.query)
         if path == "/info":
@@ -318,6 +334,7 @@ class GatewayApp:
                 "max_connections": config.max_connections,
             },
             "auth": config.token is not None,
+            "model": self.openai.model.name if self.openai is not None else None,
         }
 
 
@@ -353,6 +370,34 @@ def _reorder_window(info: Any) -> int | None:
             if isinstance(value, int) and not isinstance(value, bool) and value >= 1:
                 return value
     return None
+
+
+def _openai_service(app: GatewayApp) -> OpenAIService:
+    config = app.config
+    assert config.model is not None
+    model = ServedModel.load(config.model, name=config.model_name, context=config.max_context)
+
+    def chain_settings() -> ChainSettings:
+        # Read per request: the inflight cap follows the entry's reorder window.
+        return ChainSettings(
+            chunk_tokens=config.chunk_tokens,
+            inflight=app.inflight,
+            encoding=config.encoding,
+            zstd_level=config.zstd_level,
+            timeout=config.timeout,
+        )
+
+    # Prompts the chain can take as one run: no more chunks than a run may have.
+    max_prompt = config.chunk_tokens * config.limits.max_chunk_total
+    return OpenAIService(
+        model,
+        app.pool,
+        app.codecs,
+        chain_settings,
+        max_tokens_default=config.max_tokens_default,
+        max_prompt_tokens=max_prompt,
+        metrics=GenerationMetrics(app.metrics.registry),
+    )
 
 
 def _client_ssl(config: ServerConfig) -> Any:

@@ -10,15 +10,19 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
+from typing import Any
 
 import anyio
 
 from meshnet_proto import ByteBudget, ServerConnection, WireHeaders, request_cost
+from meshnet_proto._server import DEFAULT_MAX_ENDPOINT_BODY, DEFAULT_ROUTES
 from meshnet_runtime.config import ServerConfig
 from meshnet_runtime.http_server import HttpServer
 from meshnet_runtime.lifecycle import server_settings, server_tls
 
 from .app import GatewayApp
+from .openai.api import MAX_REQUEST_BODY as OPENAI_MAX_REQUEST_BODY
+from .openai.api import OPENAI_ROUTES
 
 __all__ = ["RunningGateway", "build_server", "open_gateway", "ready_line"]
 
@@ -26,10 +30,22 @@ __all__ = ["RunningGateway", "build_server", "open_gateway", "ready_line"]
 def build_server(config: ServerConfig, app: GatewayApp) -> HttpServer:
     limits = config.limits
 
+    routes: dict[str, Any] = dict(DEFAULT_ROUTES)
+    max_endpoint_body = DEFAULT_MAX_ENDPOINT_BODY
+    if app.openai is not None:
+        routes.update(OPENAI_ROUTES)
+        max_endpoint_body = OPENAI_MAX_REQUEST_BODY
+
     def make_connection() -> ServerConnection:
         # The gateway's input is a whole sequence: session, index and total
         # are optional there (SPEC §2).
-        return ServerConnection(limits=limits, token=config.token, require_sequencing=False)
+        return ServerConnection(
+            limits=limits,
+            token=config.token,
+            require_sequencing=False,
+            routes=routes,
+            max_endpoint_body=max_endpoint_body,
+        )
 
     settings = server_settings(config)
     ssl_context = server_tls(config)
@@ -60,6 +76,7 @@ def ready_line(url: str, app: GatewayApp) -> str:
         f"meshnet-gateway listening on {url} (entry {app.pool.url}, "
         f"chunk-tokens {config.chunk_tokens}, inflight {app.inflight} "
         f"[asked {config.inflight}, entry window {window}])"
+        + (f"; OpenAI API at {url}/v1 for {app.openai.model.name}" if app.openai else "")
     )
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import sys
 from collections.abc import Sequence
 
@@ -13,23 +14,25 @@ from meshnet_runtime.lifecycle import run_process, serve_until_signalled
 from meshnet_runtime.transports import listen
 
 from .app import build_node
+from .backends import StageBackend
+from .model_stage import stage_from_config
 
 
-def ready_line(config: ServerConfig, url: str) -> str:
+def ready_line(config: ServerConfig, url: str, stage: StageBackend | None = None) -> str:
     downstream = config.next.url if config.next is not None else "none (last stage)"
+    name = stage.name if stage is not None else config.backend
     return (
-        f"meshnet-node listening on {url} "
-        f"(wire {WIRE_VERSION}, stage {config.backend}, next: {downstream})"
+        f"meshnet-node listening on {url} (wire {WIRE_VERSION}, stage {name}, next: {downstream})"
     )
 
 
-async def run(config: ServerConfig) -> None:
-    app, server = build_node(config)
+async def run(config: ServerConfig, stage: StageBackend | None = None) -> None:
+    app, server = build_node(config, stage=stage)
     bound = await listen(host=config.host, port=config.port, uds=config.uds, tls=config.tls)
 
     def ready(url: str) -> None:
         # The one line scripts wait for; flushed, since stdout may be a pipe.
-        print(ready_line(config, url), flush=True)
+        print(ready_line(config, url, app.stage), flush=True)
 
     try:
         async with anyio.create_task_group() as tg:
@@ -42,7 +45,16 @@ async def run(config: ServerConfig) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    return run_process("meshnet-node", run, load_config("node", argv))
+    config = load_config("node", argv)
+    stage = None
+    if config.model is not None:
+        # Loaded before serving, so a bad checkpoint is one clear line and exit 2.
+        try:
+            stage = stage_from_config(config)
+        except ValueError as exc:
+            print(f"meshnet-node: cannot load --model {config.model}: {exc}", file=sys.stderr)
+            return 2
+    return run_process("meshnet-node", functools.partial(run, stage=stage), config)
 
 
 if __name__ == "__main__":

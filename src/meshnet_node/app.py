@@ -65,7 +65,8 @@ from meshnet_runtime.lifecycle import server_settings, server_tls
 from meshnet_runtime.metrics import METRICS_CONTENT_TYPE, ServerMetrics
 from meshnet_runtime.transports import client_ssl_context, listen
 
-from .backends import Stage, make_stage
+from .backends import StageBackend, StageContext, make_stage
+from .model_stage import stage_from_config
 
 __all__ = ["NodeApp", "RunningNode", "build_node", "serve_node"]
 
@@ -96,15 +97,20 @@ class NodeApp:
         self,
         config: ServerConfig,
         *,
-        stage: Stage | None = None,
+        stage: StageBackend | None = None,
         metrics: ServerMetrics | None = None,
     ) -> None:
         self.config = config
         self.limits = config.limits
-        self.table = SessionTable(self.limits)
-        self.stage = stage or make_stage(config.backend, config.delay_ms)
+        self.stage: StageBackend = stage or make_stage(config.backend, config.delay_ms)
+        # Whenever the table forgets a session (DELETE, TTL, expiry to make
+        # room), the stage frees what it keeps for it (a model's KV cache).
+        self.table = SessionTable(self.limits, on_forget=self.stage.end_session)
         self.metrics = metrics or ServerMetrics("node")
         self.metrics.sessions.set_function(lambda: len(self.table))
+        bind_metrics = getattr(self.stage, "bind_metrics", None)
+        if bind_metrics is not None:  # a stage with gauges of its own (a model's KV cache)
+            bind_metrics(self.metrics.registry)
         self.codecs = CodecPool(limits=self.limits, metrics=self.metrics)
         self.downstream: DownstreamPool | None = None
         if config.next is not None:
@@ -126,6 +132,9 @@ class NodeApp:
     async def handle_activation_head(self, event: ActivationHead, ctx: RequestContext) -> None:
         if event.headers.deadline_ms == 0:
             Deadline(ctx.started).check()
+        stage_check = getattr(self.stage, "check_head", None)
+        if stage_check is not None:  # a stage that can refuse by shape and dtype alone
+            stage_check(event.headers.shape, event.headers.dtype)
         self.table.check_head(event.headers, anyio.current_time())
 
     async def handle_activation(
@@ -182,7 +191,7 @@ class NodeApp:
         outcome = self._outcomes[ticket.serial] = _Outcome()
         try:
             if event is not None:
-                stage_output = await self._stage(ticket, event)
+                stage_output = await self._stage(ticket, headers, event)
             reply = await self._deliver(ticket, headers, stage_output, deadline)
             outcome.finish(reply, None)
             return reply
@@ -194,13 +203,23 @@ class NodeApp:
                 outcome.finish(None, _gone())
             del self._outcomes[ticket.serial]
 
-    async def _stage(self, ticket: Ticket, event: ActivationReceived) -> Any:
+    async def _stage(self, ticket: Ticket, headers: WireHeaders, event: ActivationReceived) -> Any:
         started = time.perf_counter()
+        context = StageContext(
+            session=ticket.session,
+            position=ticket.position,
+            tokens=ticket.tokens,
+            index=ticket.index,
+            total=headers.chunk_total or 1,
+            run=ticket.run,
+        )
         try:
-            output = await self.stage(event.tensor)
+            output = await self.stage(event.tensor, context)
         except BaseException as exc:
             self.table.stage_failed(ticket, anyio.current_time())
             self._wake(ticket.session)
+            if isinstance(exc, MeshnetError):  # the stage's own 4xx/503: answered as is
+                raise
             if isinstance(exc, Exception):
                 log.exception("stage %s failed", self.stage.name)
                 raise MeshnetError(
@@ -378,8 +397,16 @@ def _gone() -> MeshnetError:
 # ------------------------------------------------------------------ running
 
 
-def build_node(config: ServerConfig, *, stage: Stage | None = None) -> tuple[NodeApp, HttpServer]:
-    """The application and its server, not yet listening."""
+def build_node(
+    config: ServerConfig, *, stage: StageBackend | None = None
+) -> tuple[NodeApp, HttpServer]:
+    """The application and its server, not yet listening.
+
+    Without ``stage``: the model of ``--model`` (loaded here; ``ValueError`` if
+    it cannot be), else the ``--backend`` stub.
+    """
+    if stage is None and config.model is not None:
+        stage = stage_from_config(config)
     metrics = ServerMetrics("node")
     app = NodeApp(config, stage=stage, metrics=metrics)
     settings = server_settings(config)
@@ -405,7 +432,7 @@ class RunningNode:
 
 @asynccontextmanager
 async def serve_node(
-    config: ServerConfig, *, stage: Stage | None = None
+    config: ServerConfig, *, stage: StageBackend | None = None
 ) -> AsyncIterator[RunningNode]:
     """Run a node in this process (tests, ``meshnet demo``); graceful shutdown on exit."""
     app, server = build_node(config, stage=stage)

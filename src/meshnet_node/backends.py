@@ -1,8 +1,11 @@
 """Stage backends: what a node computes on each chunk.
 
-A stage is a callable on a numpy array returning an array — sync or async.
-Today's stages are stubs (``echo``, ``zeros``); real model layers plug in
-here later without touching the wire or the sequencing.
+A stage is what ``NodeApp`` awaits on every chunk it admits: see
+``StageBackend``. It gets the chunk's tensor and a ``StageContext`` (the
+session, where the chunk starts in it, its index in the run), and is told
+when a session ends, so a stage with per-session state (a model's KV cache,
+``meshnet_node.model_stage``) can keep and free it. The stubs here (``echo``,
+``zeros``) are plain functions of the tensor, wrapped in ``Stage``.
 """
 
 from __future__ import annotations
@@ -10,12 +13,12 @@ from __future__ import annotations
 import inspect
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import anyio
 import numpy as np
 
-__all__ = ["BACKENDS", "Stage", "echo", "make_stage", "zeros"]
+__all__ = ["BACKENDS", "Stage", "StageBackend", "StageContext", "echo", "make_stage", "zeros"]
 
 StageFn = Callable[[np.ndarray], np.ndarray | Awaitable[np.ndarray]]
 
@@ -33,6 +36,50 @@ def zeros(tensor: np.ndarray) -> np.ndarray:
 BACKENDS: dict[str, StageFn] = {"echo": echo, "zeros": zeros}
 
 
+@dataclass(frozen=True, slots=True)
+class StageContext:
+    """Where a chunk sits: from the node's sequencer ticket (SPEC §3).
+
+    ``position`` is the session's count of tokens taken in before this chunk
+    (the node's own, also when the sender sent no ``X-Meshnet-Position``);
+    ``tokens`` the chunk's length along the token axis; ``run`` counts the
+    session's runs (a prefill, then one per decode step).
+    """
+
+    session: str
+    position: int
+    tokens: int
+    index: int
+    total: int
+    run: int = 0
+
+
+class StageBackend(Protocol):
+    """What ``NodeApp`` needs of a stage.
+
+    ``__call__`` runs the chunk (never twice for one admitted chunk: replays
+    and reforwards reuse its output); chunks of one session come one at a
+    time, in order. ``end_session`` is called when the node forgets a
+    session — DELETE, TTL expiry, expiry to make room — also while one of its
+    chunks is still computing. A stage raising ``MeshnetError`` has it
+    answered as is (a 4xx for a chunk it cannot take, 503 when full); any
+    other exception is a 500. A stage may also have
+    ``check_head(shape, dtype)``, raising ``MeshnetError`` to refuse a chunk
+    from its headers alone, before the body is read.
+    """
+
+    name: str
+    calls: int
+
+    async def __call__(
+        self, tensor: np.ndarray, context: StageContext | None = None
+    ) -> np.ndarray: ...
+
+    def end_session(self, session: str) -> None: ...
+
+    def describe(self) -> dict[str, Any]: ...
+
+
 @dataclass(slots=True)
 class Stage:
     """One stage: ``fn`` plus a simulated compute delay (``--delay-ms``).
@@ -48,7 +95,7 @@ class Stage:
     delay_ms: float = 0.0
     calls: int = 0
 
-    async def __call__(self, tensor: np.ndarray) -> np.ndarray:
+    async def __call__(self, tensor: np.ndarray, context: StageContext | None = None) -> np.ndarray:
         self.calls += 1
         if self.delay_ms:
             await anyio.sleep(self.delay_ms / 1000)
@@ -58,6 +105,9 @@ class Stage:
         if not isinstance(result, np.ndarray):
             raise TypeError(f"stage {self.name} returned {type(result).__name__}, not an ndarray")
         return result
+
+    def end_session(self, session: str) -> None:
+        """Stateless: nothing to free."""
 
     def describe(self) -> dict[str, Any]:
         return {"backend": self.name, "delay_ms": self.delay_ms}

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import itertools
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, Protocol, TypeAlias
@@ -256,15 +257,28 @@ class SessionTable:
     ``4 * reorder_window``, lets four sessions start out of order at once with
     a full window each, and refuses a flood of chunks for sessions that never
     start instead of holding their bodies.
+
+    ``on_forget(session)`` is called whenever a known session is forgotten —
+    ``end_session``, ``expire``, and the expiry that makes room for a new
+    session inside ``check_head``/``offer`` — so that state kept beside the
+    table (a model stage's KV cache) goes with it. It must not call back into
+    the table.
     """
 
-    def __init__(self, limits: Limits | None = None, *, max_pending_waiters: int | None = None):
+    def __init__(
+        self,
+        limits: Limits | None = None,
+        *,
+        max_pending_waiters: int | None = None,
+        on_forget: Callable[[str], None] | None = None,
+    ):
         self.limits = Limits() if limits is None else limits
         if max_pending_waiters is None:
             max_pending_waiters = 4 * self.limits.reorder_window
         if max_pending_waiters < 1:
             raise ValueError("max_pending_waiters must be positive")
         self.max_pending_waiters = max_pending_waiters
+        self._on_forget = on_forget
         self._sessions: dict[str, _Session] = {}
         # Waiters by session id, for known and not-yet-known sessions alike, so
         # that creating a session needs no move; ``_pending`` counts the latter.
@@ -702,6 +716,8 @@ class SessionTable:
         waiters = self._waiting.pop(sid, {})
         if self._sessions.pop(sid, None) is None:
             self._pending -= len(waiters)
+        elif self._on_forget is not None:
+            self._on_forget(sid)
 
     def _remove_waiter(self, waiter: Waiter) -> bool:
         group = self._waiting.get(waiter.session)

@@ -69,6 +69,7 @@ class _Phase(enum.Enum):
     ACTIVATION_BODY = "activation body"  # reading the tensor body
     ENDPOINT_BODY = "endpoint body"  # reading a small control body
     RESPONDING = "responding"  # request complete: the driver's turn to answer
+    STREAMING = "streaming"  # a streamed answer's head went out, its body follows
     ERROR = "error"  # ProtocolErrorReceived returned: answer, then close
     CLOSED = "closed"  # nothing more will be read; close the transport
 
@@ -80,6 +81,7 @@ class _Trigger(enum.Enum):
     REQUEST_COMPLETE = "request complete"
     PROTOCOL_ERROR = "protocol error"
     PEER_CLOSED = "peer closed"
+    STREAM_STARTED = "stream started"
     ANSWERED_KEEP_ALIVE = "answered, keep-alive"
     ANSWERED_CLOSE = "answered, close"
 
@@ -94,6 +96,8 @@ _TRANSITIONS: dict[tuple[_Phase, _Trigger], _Phase] = {
     (_P.ACTIVATION_BODY, _T.REQUEST_COMPLETE): _P.RESPONDING,
     (_P.ENDPOINT_BODY, _T.REQUEST_COMPLETE): _P.RESPONDING,
     (_P.RESPONDING, _T.ANSWERED_KEEP_ALIVE): _P.IDLE,
+    (_P.RESPONDING, _T.STREAM_STARTED): _P.STREAMING,
+    (_P.STREAMING, _T.ANSWERED_KEEP_ALIVE): _P.IDLE,
     **{
         (phase, _T.PROTOCOL_ERROR): _P.ERROR
         for phase in (_P.IDLE, _P.HEAD_DELIVERED, _P.ACTIVATION_BODY, _P.ENDPOINT_BODY)
@@ -111,6 +115,7 @@ _TRANSITIONS: dict[tuple[_Phase, _Trigger], _Phase] = {
             _P.ACTIVATION_BODY,
             _P.ENDPOINT_BODY,
             _P.RESPONDING,
+            _P.STREAMING,
             _P.ERROR,
         )
     },
@@ -636,6 +641,11 @@ class ServerConnection:
             out += self._send_pieces(h11.Data(data=data))
         # Content-Length framing: the end of the message writes nothing.
         self._send_pieces(h11.EndOfMessage())
+        self._finish(early=early)
+        return out
+
+    def _finish(self, *, early: bool) -> None:
+        """The answer is complete: keep the connection for the next request or close."""
         self._answering_head = False
         if early:
             # The request may still be streaming in; its bytes will never be
@@ -648,6 +658,52 @@ class ServerConnection:
         else:
             # The client said Connection: close, or spoke HTTP/1.0.
             self._move(_Trigger.ANSWERED_CLOSE)
+
+    # ------------------------------------------------------------- streamed answers
+
+    def send_stream_start(
+        self, status: int, headers: Iterable[tuple[bytes | str, bytes | str]] = ()
+    ) -> bytes:
+        """The head of an answer whose body is not known yet (server-sent events).
+
+        Only after a complete request (`PAUSED`). The body follows in
+        `send_stream_data` pieces and ends with `send_stream_end`; h11 frames
+        it with ``Transfer-Encoding: chunked`` (HTTP/1.1) or by closing the
+        connection (HTTP/1.0). Don't pass the framing headers yourself.
+        """
+        if self._phase is not _Phase.RESPONDING:
+            raise RuntimeError(f"no complete request to answer (phase {self._phase.value!r})")
+        if not isinstance(status, int) or not 200 <= status <= 599 or status in (204, 304):
+            raise ValueError(f"a streamed answer needs a status with a body, got {status!r}")
+        pairs: list[tuple[bytes | str, bytes | str]] = []
+        for name, value in headers:
+            lowered = (name.encode() if isinstance(name, str) else name).lower()
+            if lowered in (b"content-length", b"transfer-encoding", b"connection"):
+                raise ValueError(f"{lowered.decode()} is set by the connection")
+            pairs.append((name, value))
+        try:
+            response = h11.Response(status_code=status, headers=pairs, reason=_reason(status))
+        except h11.LocalProtocolError as exc:
+            raise ValueError(f"not a valid response: {exc}") from None
+        head = b"".join(self._send_pieces(response))
+        self._move(_Trigger.STREAM_STARTED)
+        return head
+
+    def send_stream_data(self, data: Body) -> Output:
+        """One piece of a streamed body (nothing for an empty piece or a HEAD)."""
+        if self._phase is not _Phase.STREAMING:
+            raise RuntimeError(f"no streamed answer in progress (phase {self._phase.value!r})")
+        data = _as_byte_buffer(data)
+        if not len(data) or self._answering_head:
+            return []
+        return self._send_pieces(h11.Data(data=data))
+
+    def send_stream_end(self) -> Output:
+        """End a streamed body: the closing chunk, then keep-alive or close."""
+        if self._phase is not _Phase.STREAMING:
+            raise RuntimeError(f"no streamed answer in progress (phase {self._phase.value!r})")
+        out = self._send_pieces(h11.EndOfMessage())
+        self._finish(early=False)
         return out
 
     def _send_pieces(self, event: h11.Response | h11.Data | h11.EndOfMessage) -> Output:

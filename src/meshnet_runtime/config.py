@@ -33,6 +33,7 @@ Role = Literal["node", "gateway"]
 WIRE_DTYPES = ("keep", "float32", "bfloat16", "float16", "auto-lossless")
 ENCODINGS = ("mirror", "identity", "zstd", "auto")
 BACKENDS = ("echo", "zeros")
+MODEL_DTYPES = ("keep", "float32", "bfloat16", "float16")
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 
 
@@ -68,10 +69,19 @@ class ServerConfig:
     next: Endpoint | None = None
     backend: str = "echo"
     delay_ms: float = 0.0
+    # node: a checkpoint directory whose layers to run instead of --backend;
+    # gateway: the checkpoint whose tokenizer it loads to serve the OpenAI API.
+    model: str | None = None
+    layers: str | None = None  # "A:B", checked against the model when it loads
+    dtype: str = "float32"  # weights as held in memory (compute is float32)
+    kv_budget_bytes: int = 1024 * 1024 * 1024
     # gateway
     entry: Endpoint | None = None
     chunk_tokens: int = 128
     inflight: int = 1
+    model_name: str | None = None  # the id /v1/models shows (default: the directory's name)
+    max_tokens_default: int = 256  # completion length when a request names none
+    max_context: int = 0  # 0: the checkpoint's max_position_embeddings
 
     @property
     def limits(self) -> Limits:
@@ -99,6 +109,12 @@ def env_name(flag: str) -> str:
 def positive_int(text: str) -> int:
     if not (text.isascii() and text.isdigit()) or int(text) < 1:
         raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return int(text)
+
+
+def _nonnegative_int(text: str) -> int:
+    if not (text.isascii() and text.isdigit()):
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}")
     return int(text)
 
 
@@ -149,6 +165,15 @@ def _endpoint(text: str) -> Endpoint:
 def _nonempty(text: str) -> str:
     if not text:
         raise argparse.ArgumentTypeError("must not be empty")
+    return text
+
+
+def _layers(text: str) -> str:
+    start, sep, end = text.partition(":")
+    if not (sep and start.isascii() and start.isdigit() and end.isascii() and end.isdigit()):
+        raise argparse.ArgumentTypeError(f"expected A:B (layers A..B-1), got {text!r}")
+    if int(start) >= int(end):
+        raise argparse.ArgumentTypeError(f"layers {text}: the start must be below the end")
     return text
 
 
@@ -205,11 +230,24 @@ _NODE: list[_Flag] = [
     ("--next", _endpoint, None, "downstream node URL (none = last stage)"),
     ("--backend", _choice(BACKENDS), "echo", "stage backend"),
     ("--delay-ms", _millis, 0.0, "simulated stage compute per chunk, ms"),
+    ("--model", _nonempty, None, "checkpoint directory (HF layout): run its layers, not --backend"),
+    ("--layers", _layers, None, "with --model: run layers A..B-1, as A:B (default: all)"),
+    ("--dtype", _choice(MODEL_DTYPES), "float32", "with --model: weights dtype in memory"),
+    (
+        "--kv-budget-bytes",
+        positive_int,
+        1024 * 1024 * 1024,
+        "with --model: KV cache memory, all sessions together (more get 503)",
+    ),
 ]
 _GATEWAY: list[_Flag] = [
     ("--entry", _endpoint, None, "URL of the first node (required)"),
     ("--chunk-tokens", positive_int, 128, "tokens per chunk"),
     ("--inflight", positive_int, 1, "chunks in flight per session"),
+    ("--model", _nonempty, None, "checkpoint directory: serve the OpenAI API (/v1) for it"),
+    ("--model-name", _nonempty, None, "model id in the OpenAI API (default: directory name)"),
+    ("--max-tokens-default", positive_int, 256, "completion tokens when a request names none"),
+    ("--max-context", _nonnegative_int, 0, "context length (0: the checkpoint's config.json)"),
 ]
 
 
@@ -257,6 +295,8 @@ def load_config(
             values[dest] = default
     if (values["tls_cert"] is None) != (values["tls_key"] is None):
         parser.error("--tls-cert and --tls-key go together")
+    if role == "node" and values["model"] is None and values["layers"] is not None:
+        parser.error("--layers needs --model")
     if role == "gateway" and values["entry"] is None:
         parser.error(f"--entry (or {env_name('--entry')}) is required")
     try:

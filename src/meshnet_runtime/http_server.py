@@ -19,7 +19,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import ssl
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -55,6 +55,7 @@ __all__ = [
     "Reply",
     "RequestContext",
     "ServerSettings",
+    "StreamReply",
 ]
 
 log = logging.getLogger("meshnet.server")
@@ -105,6 +106,27 @@ class Reply:
         return cls(status, [(b"content-type", b"application/json")], body)
 
 
+StreamSend = Callable[[bytes], Awaitable[None]]
+
+
+@dataclass(frozen=True, slots=True)
+class StreamReply:
+    """An answer whose body is produced while it is sent (server-sent events).
+
+    The driver writes the head, then awaits ``produce(send)``; each
+    ``await send(piece)`` writes one piece. When the client goes away
+    mid-stream (end of stream or a reset on its side, or a write that
+    fails), ``produce`` is *cancelled*: it must free what it holds in a
+    ``finally`` (shielded where that awaits). An exception out of
+    ``produce`` after the head went out can no longer become an error
+    answer: it is logged and the connection closed.
+    """
+
+    status: int
+    headers: Sequence[tuple[bytes | str, bytes | str]]
+    produce: Callable[[StreamSend], Awaitable[None]]
+
+
 @dataclass(slots=True)
 class RequestContext:
     """What the driver knows about a request beyond its event."""
@@ -124,7 +146,7 @@ class Application(Protocol):
 
     async def handle_endpoint(
         self, event: EndpointRequest, ctx: RequestContext
-    ) -> ActivationReply | Reply: ...
+    ) -> ActivationReply | Reply | StreamReply: ...
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -464,7 +486,9 @@ class _Connection:
             with reservation or contextlib.nullcontext():
                 return await self._activation(event, ctx)
         if isinstance(event, EndpointRequest):
-            return await self._handle(self.server.app.handle_endpoint, event, ctx)
+            wants = getattr(self.server.app, "cancel_on_disconnect", None)
+            watch = bool(wants is not None and wants(event))
+            return await self._handle(self.server.app.handle_endpoint, event, ctx, watch=watch)
         log.error("unexpected event from ServerConnection: %r", event)
         await self._error(ctx.path, _internal_error())
         return False
@@ -511,10 +535,22 @@ class _Connection:
             )
         return await self._handle(self.server.app.handle_activation, received, ctx)
 
-    async def _handle(self, handler: Any, event: Any, ctx: RequestContext) -> bool:
-        """Run the application on a complete request and write its answer."""
+    async def _handle(
+        self, handler: Any, event: Any, ctx: RequestContext, *, watch: bool = False
+    ) -> bool:
+        """Run the application on a complete request and write its answer.
+
+        ``watch``: cancel the handler if the client leaves while it works
+        (the application's ``cancel_on_disconnect`` asked for it); nobody
+        would read the answer, and the connection closes.
+        """
         try:
-            reply = await handler(event, ctx)  # type: ignore[arg-type]
+            if watch:
+                reply = await self._unless_client_leaves(handler, event, ctx)
+                if reply is None:
+                    return False
+            else:
+                reply = await handler(event, ctx)  # type: ignore[arg-type]
         except MeshnetError as err:
             await self._error(ctx.path, err)
             return not self.conn.should_close
@@ -527,7 +563,10 @@ class _Connection:
         # the connection itself ends here.
         return not self.conn.should_close and not self.server.draining
 
-    async def _answer(self, path: str, reply: ActivationReply | Reply) -> None:
+    async def _answer(self, path: str, reply: ActivationReply | Reply | StreamReply) -> None:
+        if isinstance(reply, StreamReply):
+            await self._stream(path, reply)
+            return
         if isinstance(reply, ActivationReply):
             parts = self.conn.send_activation(reply.headers, reply.body)
             status = 200
@@ -540,6 +579,72 @@ class _Connection:
             status = reply.status
         self.server._count(path, status)
         await self._send(parts)
+
+    async def _until_client_leaves(self, on_leave: Callable[[], None]) -> None:
+        """Call ``on_leave`` when the client closes its side (or resets).
+
+        Only while a complete request is being answered: the client has
+        nothing to send then but a pipelined next request, whose bytes are
+        kept for later (and the watch ends). Cancelling this loses no byte.
+        """
+        try:
+            data = await self.stream.receive(READ_SIZE)
+        except _DEAD_STREAM:
+            data = b""
+        if data:
+            self.conn.receive_data(data)  # parsed after this answer
+            return
+        on_leave()
+
+    async def _unless_client_leaves(
+        self, handler: Any, event: Any, ctx: RequestContext
+    ) -> ActivationReply | Reply | StreamReply | None:
+        """``handler(event, ctx)``, or None once it was cancelled because the client left."""
+        reply = None
+        client_gone = False
+        async with anyio.create_task_group() as tg:
+
+            def leave() -> None:
+                nonlocal client_gone
+                client_gone = True
+                tg.cancel_scope.cancel()
+
+            tg.start_soon(self._until_client_leaves, leave)
+            reply = await handler(event, ctx)
+            # Stop watching before answering: a streamed answer watches on its own.
+            tg.cancel_scope.cancel()
+        return None if client_gone else reply
+
+    async def _stream(self, path: str, reply: StreamReply) -> None:
+        """Write a streamed answer; cancel its producer when the client leaves."""
+        head = self.conn.send_stream_start(reply.status, list(reply.headers))
+        self.server._count(path, reply.status)
+        await self._send([head])
+
+        async def send(piece: bytes) -> None:
+            await self._send(self.conn.send_stream_data(piece))
+
+        client_gone = False
+        async with anyio.create_task_group() as tg:
+
+            def leave() -> None:
+                # Nobody will read what we produce: stop producing it.
+                nonlocal client_gone
+                client_gone = True
+                tg.cancel_scope.cancel()
+
+            tg.start_soon(self._until_client_leaves, leave)
+            try:
+                await reply.produce(send)
+            except _Closed:
+                client_gone = True  # a write failed: the same as leaving
+            except Exception:
+                log.exception("streamed answer on %s failed", path)
+                client_gone = True  # half an answer: closing is the only signal left
+            tg.cancel_scope.cancel()
+        if client_gone:
+            raise _Closed("client left mid-stream")
+        await self._send(self.conn.send_stream_end())
 
     async def _error(self, path: str, error: MeshnetError) -> None:
         """Answer ``error`` when the protocol state allows it; drain if closing."""

@@ -16,7 +16,10 @@ __all__ = ["METRICS_CONTENT_TYPE", "ServerMetrics", "endpoint_label"]
 METRICS_CONTENT_TYPE = CONTENT_TYPE_LATEST
 
 # Label values are bounded: an unknown path must not grow the series set.
-_KNOWN = ("/forward", "/health", "/info", "/metrics")
+_KNOWN = (
+    "/forward", "/health", "/info", "/metrics",
+    "/v1/models", "/v1/completions", "/v1/chat/completions",  # the gateway's OpenAI API
+)  # fmt: skip
 
 
 def endpoint_label(path: str) -> str:
@@ -25,6 +28,8 @@ def endpoint_label(path: str) -> str:
         return path
     if path.startswith("/sessions/"):
         return "/sessions"
+    if path.startswith("/v1/models/"):
+        return "/v1/models"
     return "other"
 
 

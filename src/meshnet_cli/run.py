@@ -1,0 +1,109 @@
+"""``meshnet run``: a checkpoint split over N model nodes plus a gateway, one process.
+
+The nodes listen on free loopback ports, each running an even share of the
+layers (``--layers A:B``) and pointing at the next; the gateway listens on
+``--host/--port`` with ``--model`` and serves the OpenAI API. One ready line
+on stdout names the URL; SIGINT/SIGTERM shut everything down gracefully.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import signal
+import sys
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import anyio
+
+from meshnet_gateway import open_gateway
+from meshnet_gateway.app import GatewayApp
+from meshnet_node.model_chain import even_splits, start_model_chain
+from meshnet_runtime.config import load_config
+from meshnet_runtime.lifecycle import configure_logging
+
+__all__ = ["LocalRun", "ready_line", "run_local", "serve_local"]
+
+
+@dataclass(frozen=True, slots=True)
+class LocalRun:
+    url: str  # the gateway; the OpenAI API is under /v1
+    node_urls: list[str]
+    splits: list[tuple[int, int]]
+    gateway: GatewayApp
+
+
+def _num_layers(model: str) -> int:
+    path = Path(model) / "config.json"
+    try:
+        layers = json.loads(path.read_text(encoding="utf-8"))["num_hidden_layers"]
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise ValueError(f"{path}: cannot read num_hidden_layers ({exc})") from None
+    if not isinstance(layers, int) or layers < 1:
+        raise ValueError(f"{path}: num_hidden_layers must be a positive integer")
+    return layers
+
+
+@asynccontextmanager
+async def serve_local(
+    model: str,
+    stages: int,
+    *,
+    gateway_flags: list[str] = (),  # type: ignore[assignment]
+    node_flags: list[str] = (),  # type: ignore[assignment]
+) -> AsyncIterator[LocalRun]:
+    """Nodes and gateway for the duration of the block."""
+    layers = _num_layers(model)
+    if not 1 <= stages <= layers:
+        raise ValueError(f"--stages must be 1..{layers} (the model has {layers} layers)")
+    splits = even_splits(layers, stages)
+    async with start_model_chain(model, splits, extra=list(node_flags)) as nodes:
+        argv = ["--entry", nodes[0].url, "--model", model, *gateway_flags]
+        async with open_gateway(load_config("gateway", argv)) as gateway:
+            yield LocalRun(gateway.url, [n.url for n in nodes], splits, gateway.app)
+
+
+def ready_line(run: LocalRun) -> str:
+    assert run.gateway.openai is not None
+    ranges = ", ".join(f"{a}:{b}" for a, b in run.splits)
+    return (
+        f"meshnet run listening on {run.url} (OpenAI API at {run.url}/v1, model "
+        f"{run.gateway.openai.model.name}, {len(run.splits)} nodes, layers {ranges})"
+    )
+
+
+async def run_local(
+    args: argparse.Namespace, on_ready: Callable[[LocalRun], None] | None = None
+) -> None:
+    gateway_flags = ["--host", args.host, "--port", str(args.port),
+                     "--chunk-tokens", str(args.chunk_tokens), "--inflight", str(args.inflight),
+                     "--log-level", args.log_level]  # fmt: skip
+    if args.max_tokens_default is not None:
+        gateway_flags += ["--max-tokens-default", str(args.max_tokens_default)]
+    if args.model_name is not None:
+        gateway_flags += ["--model-name", args.model_name]
+    node_flags = ["--log-level", args.log_level]
+    if args.dtype is not None:
+        node_flags += ["--dtype", args.dtype]
+    with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+        async with serve_local(
+            args.model, args.stages, gateway_flags=gateway_flags, node_flags=node_flags
+        ) as run:
+            print(ready_line(run), flush=True)
+            if on_ready is not None:
+                on_ready(run)
+            async for _ in signals:
+                break  # leaving the block shuts the gateway, then the nodes, down
+
+
+def main(args: argparse.Namespace) -> int:
+    configure_logging(args.log_level)
+    try:
+        anyio.run(run_local, args, backend=args.async_backend)
+    except (OSError, ValueError) as exc:
+        print(f"meshnet run: {exc}", file=sys.stderr)
+        return 1
+    return 0

@@ -1,0 +1,20 @@
+"""The gateway's OpenAI-compatible API over a chain of model stages.
+
+``tokenizer`` (tokenizer.json + chat template), ``sampling`` (seeded
+next-token choice), ``generation`` (prefill and decode through the chain),
+``requests``/``errors`` (validation, OpenAI error bodies), ``api`` (the /v1
+endpoints), ``testing`` (tiny tokenizers for tests).
+"""
+
+from .api import OPENAI_ROUTES, OpenAIService, ServedModel
+from .sampling import Sampler, SamplingParams
+from .tokenizer import ModelTokenizer
+
+__all__ = [
+    "OPENAI_ROUTES",
+    "ModelTokenizer",
+    "OpenAIService",
+    "Sampler",
+    "SamplingParams",
+    "ServedModel",
+]

@@ -1,0 +1,368 @@
+"""The OpenAI-compatible surface of the gateway: /v1/models, /v1/completions,
+/v1/chat/completions (plain JSON or server-sent events).
+
+``OpenAIService.handle`` takes a complete ``EndpointRequest`` and returns the
+answer: a JSON ``Reply`` or, for ``stream: true``, a ``StreamReply`` whose
+producer runs the generation while the events are written. Every request
+owns one chain session, deleted on every node when the request ends:
+finished, failed, or cancelled because the client disconnected.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from meshnet_proto import EndpointRequest, MeshnetError
+from meshnet_runtime.codec_pool import CodecPool
+from meshnet_runtime.downstream import DownstreamPool
+from meshnet_runtime.http_server import Reply, StreamReply, StreamSend
+
+from .errors import OpenAIError, from_meshnet, invalid
+from .generation import ChainSession, ChainSettings, GenerationResult, generate
+from .metrics import GenerationMetrics
+from .requests import (
+    ChatRequest,
+    CompletionRequest,
+    GenerationOptions,
+    parse_chat,
+    parse_completion,
+    parse_json_object,
+)
+from .sampling import Sampler
+from .tokenizer import ChatTemplateError, ModelTokenizer
+
+__all__ = ["OPENAI_ROUTES", "OpenAIService", "ServedModel"]
+
+log = logging.getLogger("meshnet.gateway.openai")
+
+OPENAI_ROUTES: dict[str, tuple[str, ...]] = {
+    "/v1/models": ("GET",),
+    "/v1/models/*": ("GET",),
+    "/v1/completions": ("POST",),
+    "/v1/chat/completions": ("POST",),
+}
+# A chat request carries the conversation: far more than a control body.
+MAX_REQUEST_BODY = 4 * 1024 * 1024
+DEFAULT_CONTEXT = 2048  # when config.json names no max_position_embeddings
+SSE_HEADERS = [
+    (b"content-type", b"text/event-stream; charset=utf-8"),
+    (b"cache-control", b"no-cache"),
+]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ServedModel:
+    """The checkpoint the gateway speaks for: name, tokenizer, context length."""
+
+    name: str
+    tokenizer: ModelTokenizer
+    context_length: int
+    created: int
+
+    @classmethod
+    def load(cls, directory: str, *, name: str | None = None, context: int = 0) -> ServedModel:
+        root = Path(directory)
+        tokenizer = ModelTokenizer.load(root)
+        if not context:
+            context = _context_from_config(root) or DEFAULT_CONTEXT
+        stat = os.stat(root / "tokenizer.json")
+        return cls(
+            name=name or root.resolve().name,
+            tokenizer=tokenizer,
+            context_length=context,
+            created=int(stat.st_mtime),
+        )
+
+
+def _context_from_config(root: Path) -> int | None:
+    path = root / "config.json"
+    if not path.is_file():
+        return None
+    try:
+        value = json.loads(path.read_text(encoding="utf-8")).get("max_position_embeddings")
+    except (ValueError, AttributeError):
+        return None
+    return value if isinstance(value, int) and value > 0 else None
+
+
+class OpenAIService:
+    """Answers the /v1 endpoints for one served model through one chain."""
+
+    def __init__(
+        self,
+        model: ServedModel,
+        pool: DownstreamPool,
+        codecs: CodecPool,
+        chain_settings: Callable[[], ChainSettings],
+        *,
+        max_tokens_default: int = 256,
+        max_prompt_tokens: int | None = None,
+        metrics: GenerationMetrics | None = None,
+    ) -> None:
+        self.model = model
+        self.pool = pool
+        self.codecs = codecs
+        self.chain_settings = chain_settings  # read per request: the inflight cap may change
+        self.max_tokens_default = max_tokens_default
+        self.max_prompt_tokens = max_prompt_tokens
+        self.active: set[str] = set()  # chain sessions of requests in progress
+        self.metrics = metrics
+        if metrics is not None:
+            metrics.active.set_function(lambda: len(self.active))
+
+    async def handle(self, event: EndpointRequest) -> Reply | StreamReply:
+        try:
+            if event.path == "/v1/models":
+                return Reply.json(200, {"object": "list", "data": [self._model_card()]})
+            if event.path.startswith("/v1/models/"):
+                self._check_model(event.path.removeprefix("/v1/models/"), param=None)
+                return Reply.json(200, self._model_card())
+            document = parse_json_object(event.body)
+            if event.path == "/v1/completions":
+                return await self._completion(parse_completion(document))
+            return await self._chat(parse_chat(document))
+        except OpenAIError as exc:
+            return exc.reply()
+
+    def _model_card(self) -> dict[str, Any]:
+        return {
+            "id": self.model.name,
+            "object": "model",
+            "created": self.model.created,
+            "owned_by": "meshnet",
+            "context_length": self.model.context_length,
+        }
+
+    def _check_model(self, name: str, param: str | None = "model") -> None:
+        if name != self.model.name:
+            raise OpenAIError(
+                f"The model '{name}' does not exist (this gateway serves '{self.model.name}')",
+                status=404,
+                param=param,
+                code="model_not_found",
+            )
+
+    # ------------------------------------------------------------ requests
+
+    async def _completion(self, request: CompletionRequest) -> Reply | StreamReply:
+        options = request.options
+        self._check_model(options.model)
+        tokenizer = self.model.tokenizer
+        if isinstance(request.prompt, str):
+            ids = tokenizer.encode(request.prompt)
+        else:
+            ids = request.prompt
+            vocab = tokenizer.vocab_size
+            if any(not 0 <= t < vocab for t in ids):
+                raise invalid("prompt", f"token ids must be in [0, {vocab})", "invalid_value")
+        return await self._serve(ids, options, _CompletionFormat(self.model.name))
+
+    async def _chat(self, request: ChatRequest) -> Reply | StreamReply:
+        options = request.options
+        self._check_model(options.model)
+        try:
+            prompt = self.model.tokenizer.render_chat(request.messages)
+        except ChatTemplateError as exc:
+            raise invalid("messages", str(exc), "invalid_messages") from None
+        ids = self.model.tokenizer.encode(prompt, chat=True)
+        return await self._serve(ids, options, _ChatFormat(self.model.name))
+
+    def _budget(self, ids: list[int], options: GenerationOptions) -> int:
+        """``max_tokens`` for this request, after checking the prompt fits."""
+        if not ids:
+            raise invalid("prompt", "the prompt has no tokens", "empty_prompt")
+        context = self.model.context_length
+        limit = context if self.max_prompt_tokens is None else min(context, self.max_prompt_tokens)
+        if len(ids) >= limit:
+            raise invalid(
+                "prompt",
+                f"This model's maximum context length is {context} tokens; the prompt has "
+                f"{len(ids)} tokens (at most {limit - 1} leave room to generate).",
+                "context_length_exceeded",
+            )
+        room = context - len(ids)
+        if options.max_tokens is None:
+            return min(self.max_tokens_default, room)
+        if options.max_tokens > room:
+            raise invalid(
+                "max_tokens",
+                f"This model's maximum context length is {context} tokens. However, you "
+                f"requested {len(ids) + options.max_tokens} tokens ({len(ids)} in the "
+                f"prompt, {options.max_tokens} for the completion).",
+                "context_length_exceeded",
+            )
+        return options.max_tokens
+
+    async def _serve(
+        self, ids: list[int], options: GenerationOptions, fmt: _Format
+    ) -> Reply | StreamReply:
+        max_tokens = self._budget(ids, options)
+        sampler = Sampler(options.sampling, options.seed)
+        chain = ChainSession(self.pool, self.codecs, self.chain_settings(), metrics=self.metrics)
+
+        async def run(on_text: Callable[[str], Any] | None) -> GenerationResult:
+            self.active.add(chain.session)
+            outcome = "cancelled"  # unless it ends any other way: the client left
+            try:
+                result = await generate(
+                    chain,
+                    self.model.tokenizer,
+                    ids,
+                    max_tokens=max_tokens,
+                    sampler=sampler,
+                    stop=options.stop,
+                    on_text=on_text,
+                )
+                outcome = result.finish_reason
+                if self.metrics is not None:
+                    self.metrics.completion_tokens.inc(result.completion_tokens)
+                return result
+            except Exception:
+                outcome = "error"
+                raise
+            finally:
+                # Every exit: done, failed, or cancelled by a client that left.
+                await chain.close()
+                self.active.discard(chain.session)
+                if self.metrics is not None:
+                    self.metrics.prompt_tokens.inc(len(ids))
+                    self.metrics.generations.labels(fmt.endpoint, outcome).inc()
+
+        if not options.stream:
+            try:
+                result = await run(None)
+            except MeshnetError as exc:
+                raise from_meshnet(exc) from None
+            return Reply.json(200, fmt.whole(result))
+
+        async def produce(send: StreamSend) -> None:
+            async def event(document: dict[str, Any]) -> None:
+                await send(b"data: " + json.dumps(document).encode() + b"\n\n")
+
+            first = fmt.first_chunk()
+            if first is not None:
+                await event(first)
+
+            async def on_text(piece: str) -> None:
+                await event(fmt.chunk(piece))
+
+            try:
+                result = await run(on_text)
+            except MeshnetError as exc:
+                # The 200 head is out: the failure travels as an error event.
+                await event(from_meshnet(exc).body())
+                return
+            await event(fmt.last_chunk(result))
+            if options.include_usage:
+                await event(fmt.usage_chunk(result))
+            await send(b"data: [DONE]\n\n")
+
+        return StreamReply(200, SSE_HEADERS, produce)
+
+
+# ---------------------------------------------------------------- formats
+
+
+def _usage(result: GenerationResult) -> dict[str, int]:
+    return {
+        "prompt_tokens": result.prompt_tokens,
+        "completion_tokens": result.completion_tokens,
+        "total_tokens": result.prompt_tokens + result.completion_tokens,
+    }
+
+
+class _Format:
+    """The JSON shapes of one endpoint: a whole answer and its stream chunks."""
+
+    endpoint = ""  # the metrics label
+    object_whole = ""
+    object_chunk = ""
+    prefix = ""
+
+    def __init__(self, model: str) -> None:
+        self.model = model
+        self.id = f"{self.prefix}-{uuid.uuid4().hex}"
+        self.created = int(time.time())
+
+    def _envelope(self, obj: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "object": obj,
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+        }
+
+    def whole(self, result: GenerationResult) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def first_chunk(self) -> dict[str, Any] | None:
+        return None
+
+    def chunk(self, piece: str) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def last_chunk(self, result: GenerationResult) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def usage_chunk(self, result: GenerationResult) -> dict[str, Any]:
+        return {**self._envelope(self.object_chunk, []), "usage": _usage(result)}
+
+
+class _CompletionFormat(_Format):
+    endpoint = "completions"
+    object_whole = object_chunk = "text_completion"
+    prefix = "cmpl"
+
+    def whole(self, result: GenerationResult) -> dict[str, Any]:
+        choice = {"text": result.text, "index": 0, "logprobs": None,
+                  "finish_reason": result.finish_reason}  # fmt: skip
+        return {**self._envelope(self.object_whole, [choice]), "usage": _usage(result)}
+
+    def chunk(self, piece: str) -> dict[str, Any]:
+        choice = {"text": piece, "index": 0, "logprobs": None, "finish_reason": None}
+        return self._envelope(self.object_chunk, [choice])
+
+    def last_chunk(self, result: GenerationResult) -> dict[str, Any]:
+        choice = {"text": "", "index": 0, "logprobs": None,
+                  "finish_reason": result.finish_reason}  # fmt: skip
+        return self._envelope(self.object_chunk, [choice])
+
+
+class _ChatFormat(_Format):
+    endpoint = "chat"
+    object_whole = "chat.completion"
+    object_chunk = "chat.completion.chunk"
+    prefix = "chatcmpl"
+
+    def whole(self, result: GenerationResult) -> dict[str, Any]:
+        choice = {
+            "index": 0,
+            "message": {"role": "assistant", "content": result.text},
+            "logprobs": None,
+            "finish_reason": result.finish_reason,
+        }
+        return {**self._envelope(self.object_whole, [choice]), "usage": _usage(result)}
+
+    def first_chunk(self) -> dict[str, Any]:
+        choice = {"index": 0, "delta": {"role": "assistant", "content": ""},
+                  "logprobs": None, "finish_reason": None}  # fmt: skip
+        return self._envelope(self.object_chunk, [choice])
+
+    def chunk(self, piece: str) -> dict[str, Any]:
+        choice = {"index": 0, "delta": {"content": piece}, "logprobs": None,
+                  "finish_reason": None}  # fmt: skip
+        return self._envelope(self.object_chunk, [choice])
+
+    def last_chunk(self, result: GenerationResult) -> dict[str, Any]:
+        choice = {"index": 0, "delta": {}, "logprobs": None,
+                  "finish_reason": result.finish_reason}  # fmt: skip
+        return self._envelope(self.object_chunk, [choice])

@@ -1,0 +1,280 @@
+"""Driving one generation through the chain: chunked prefill, then decode steps.
+
+A generation owns one session on the nodes. The prompt's ids (``int32``,
+``[1, tokens]``) go down as one run of chunks of ``chunk_tokens`` with up to
+``inflight`` on the wire, as any gateway run (``plan_chunks``, one encode
+ahead, first failure wins); the last stage answers every chunk with the
+logits of its last position (``[1, vocab]``), and only the last chunk's
+answer matters. Each generated token is then one new run of one chunk
+``[1, 1]`` at the session's position: the nodes' KV caches continue the
+context. When the generation ends — finished, failed or cancelled because
+the client left — the session is deleted at the entry node, which passes
+the DELETE down the chain.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+
+import anyio
+import numpy as np
+
+from meshnet_proto import ErrorResponse, MeshnetError, WireHeaders, plan_chunks
+from meshnet_runtime.codec_pool import CodecPool
+from meshnet_runtime.deadlines import Deadline
+from meshnet_runtime.downstream import DownstreamPool
+
+from .._pipeline import _check_response
+from .metrics import GenerationMetrics
+from .sampling import Sampler
+from .tokenizer import ModelTokenizer, TextStream
+
+__all__ = [
+    "ChainSession",
+    "ChainSettings",
+    "GenerationResult",
+    "StopFilter",
+    "generate",
+]
+
+log = logging.getLogger("meshnet.gateway.openai")
+
+# The DELETE that frees a finished generation's KV cache: bounded, so a hung
+# node costs the request at most this long (the nodes' TTL frees the rest).
+DELETE_TIMEOUT = 10.0
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ChainSettings:
+    chunk_tokens: int
+    inflight: int
+    encoding: str  # the gateway's --encoding policy
+    zstd_level: int
+    timeout: float  # one chain call (a prefill, or one decode step)
+
+
+class ChainSession:
+    """One session on the chain: its position advances with every token sent."""
+
+    def __init__(
+        self,
+        pool: DownstreamPool,
+        codecs: CodecPool,
+        settings: ChainSettings,
+        *,
+        metrics: GenerationMetrics | None = None,
+    ) -> None:
+        self.pool = pool
+        self.codecs = codecs
+        self.settings = settings
+        self.metrics = metrics
+        self.session = str(uuid.uuid4())
+        self.position = 0
+        self.runs = 0  # runs completed: prefill + decode steps
+        # Chunks handed to the wire, all runs together: counted before they
+        # go, so that a prefill cancelled halfway is still deleted.
+        self.chunks = 0
+
+    async def prefill(self, ids: Sequence[int]) -> np.ndarray:
+        """Send the prompt; the logits after its last token (``[vocab]``)."""
+        started = time.perf_counter()
+        logits = await self._run(np.asarray([ids], dtype=np.int32))
+        if self.metrics is not None:
+            self.metrics.prefill_seconds.observe(time.perf_counter() - started)
+        return logits
+
+    async def step(self, token_id: int) -> np.ndarray:
+        """One decode step: the logits after ``token_id``."""
+        started = time.perf_counter()
+        logits = await self._run(np.asarray([[token_id]], dtype=np.int32))
+        if self.metrics is not None:
+            self.metrics.step_seconds.observe(time.perf_counter() - started)
+        return logits
+
+    async def _run(self, ids: np.ndarray) -> np.ndarray:
+        """One run of chunks; the last stage's answer to the last chunk."""
+        settings = self.settings
+        deadline = Deadline.after(settings.timeout)
+        chunks = plan_chunks(ids, settings.chunk_tokens)
+        answers: dict[int, np.ndarray] = {}
+        failures: dict[int, MeshnetError] = {}
+        slots = anyio.Semaphore(max(1, settings.inflight))
+
+        async def send(headers: WireHeaders, body: bytes | memoryview) -> None:
+            index = headers.chunk_index
+            assert index is not None
+            try:
+                response = await self.pool.forward(headers, body, deadline)
+                if isinstance(response, ErrorResponse):
+                    raise response.to_error(hop=self.pool.url)
+                _check_response(self.pool, headers, response.headers)
+                if index == len(chunks) - 1:
+                    answers[index] = await self.codecs.decode(response.headers, response.body)
+            except MeshnetError as exc:
+                failures[index] = exc
+                tg.cancel_scope.cancel()
+            finally:
+                slots.release()
+
+        async with anyio.create_task_group() as tg:
+            for chunk in chunks:
+                # Encode before taking a slot: the next chunk is ready while
+                # the previous one is still downstream.
+                dtype, encoding, body = await self.codecs.encode(
+                    chunk.view,
+                    dtype_policy="keep",
+                    encoding_policy=settings.encoding,
+                    request_encoding="identity",
+                    level=settings.zstd_level,
+                )
+                headers = WireHeaders(
+                    shape=tuple(chunk.view.shape),
+                    dtype=dtype,
+                    session=self.session,
+                    chunk_index=chunk.index,
+                    chunk_total=chunk.total,
+                    encoding=encoding,
+                    position=self.position + chunk.position,
+                )
+                await slots.acquire()
+                self.chunks += 1
+                tg.start_soon(send, headers, body)
+        # Whatever reached the nodes is in their caches now: the position
+        # moves even on failure, though a failed session is only deleted.
+        self.position += ids.shape[1]
+        self.runs += 1
+        if failures:
+            raise failures[min(failures)]
+        logits = answers[len(chunks) - 1]
+        if logits.ndim != 2 or logits.shape[0] != 1:
+            raise MeshnetError(
+                f"{self.pool.url}: the last stage answered shape {logits.shape}, "
+                "not logits [1, vocab]",
+                code="downstream_bad_response",
+                status=502,
+                hop=self.pool.url,
+            )
+        return np.asarray(logits[0], dtype=np.float32)
+
+    async def close(self) -> None:
+        """Free the session on every node (the entry passes the DELETE down).
+
+        Shielded and bounded: it runs in ``finally`` blocks of cancelled
+        requests, and a node that cannot be reached is left to its TTL.
+        """
+        if self.chunks == 0:
+            return  # no chunk went out: no node holds this session
+        with anyio.CancelScope(shield=True):
+            try:
+                response = await self.pool.request(
+                    "DELETE", f"/sessions/{self.session}", Deadline.after(DELETE_TIMEOUT)
+                )
+            except MeshnetError as exc:
+                log.warning("DELETE /sessions/%s failed: %s", self.session, exc)
+                return
+            if isinstance(response, ErrorResponse) and response.status != 404:
+                log.warning("DELETE /sessions/%s: %d", self.session, response.status)
+
+
+class StopFilter:
+    """Cuts generated text at the first stop sequence.
+
+    Text that might be the start of a stop sequence is held back until the
+    next piece shows whether it is one, so a stop sequence split across
+    tokens never reaches the client.
+    """
+
+    def __init__(self, stops: Sequence[str]) -> None:
+        self.stops = [s for s in stops if s]
+        self._pending = ""
+
+    def feed(self, piece: str) -> tuple[str, bool]:
+        """(text safe to emit, whether a stop sequence was reached)."""
+        text = self._pending + piece
+        found = [i for i in (text.find(s) for s in self.stops) if i >= 0]
+        if found:
+            self._pending = ""
+            return text[: min(found)], True
+        hold = 0
+        for stop in self.stops:
+            for k in range(min(len(stop) - 1, len(text)), hold, -1):
+                if text.endswith(stop[:k]):
+                    hold = k
+                    break
+        self._pending = text[len(text) - hold :] if hold else ""
+        return text[: len(text) - hold], False
+
+    def flush(self) -> str:
+        rest, self._pending = self._pending, ""
+        return rest
+
+
+@dataclass(slots=True)
+class GenerationResult:
+    prompt_tokens: int
+    completion_tokens: int = 0
+    finish_reason: str = "length"  # "stop" (eos or a stop sequence) or "length"
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+
+
+async def generate(
+    chain: ChainSession,
+    tokenizer: ModelTokenizer,
+    prompt_ids: Sequence[int],
+    *,
+    max_tokens: int,
+    sampler: Sampler,
+    stop: Sequence[str] = (),
+    on_text: Callable[[str], Awaitable[None]] | None = None,
+) -> GenerationResult:
+    """Generate up to ``max_tokens`` after ``prompt_ids``; ``on_text`` gets each new piece.
+
+    Does not close ``chain``: the caller does, in a ``finally``.
+    """
+    result = GenerationResult(prompt_tokens=len(prompt_ids))
+    if max_tokens == 0:
+        return result
+    stream = TextStream(tokenizer)
+    stops = StopFilter(stop)
+    stop_ids = tokenizer.stop_ids
+
+    async def emit(piece: str) -> None:
+        if piece:
+            result.text += piece
+            if on_text is not None:
+                await on_text(piece)
+
+    logits = await chain.prefill(prompt_ids)
+    stopped = False
+    for produced in range(1, max_tokens + 1):
+        try:
+            token = sampler(logits)
+        except ValueError as exc:  # e.g. every logit NaN: the last stage is broken
+            raise MeshnetError(
+                f"{chain.pool.url}: the last stage's logits cannot be sampled: {exc}",
+                code="downstream_bad_response",
+                status=502,
+                hop=chain.pool.url,
+            ) from None
+        result.completion_tokens = produced
+        if token in stop_ids:
+            stopped = True
+            break
+        result.token_ids.append(token)
+        text, stopped = stops.feed(stream.push(token))
+        await emit(text)
+        if stopped or produced == max_tokens:
+            break  # the last token needs no decode step of its own
+        logits = await chain.step(token)
+    if not stopped:
+        text, stopped = stops.feed(stream.flush())
+        await emit(text)
+        if not stopped:
+            await emit(stops.flush())
+    result.finish_reason = "stop" if stopped else "length"
+    return result

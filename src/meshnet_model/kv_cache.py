@@ -1,0 +1,147 @@
+"""Per-session key/value caches under one memory budget for all sessions.
+
+A session's cache holds, for each of the stage's layers, the rotated keys and
+the values of every position it has taken in: ``[batch, kv_heads, capacity,
+head_dim]`` float32 (the compute dtype, so a decode step attends to exactly
+the numbers a full recompute would make). Capacity grows geometrically (x2)
+so a decode step is amortised O(1) copying; the budget counts allocated
+capacity, not just the filled part, because that is the memory really held.
+When doubling would break the budget the cache grows to exactly what the
+chunk needs; when even that does not fit, ``KVBudgetExceeded`` — the node
+answers 503 and nothing was allocated.
+
+Thread-safety: chunks of one session never run concurrently (the node's
+sequencer), but different sessions' chunks may, in worker threads, and a
+session may be ended while its chunk computes. The budget's counter and a
+cache's ``closed`` flag are guarded by one lock; a cache ended mid-compute
+gives its bytes back at once and refuses to grow afterwards.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+
+__all__ = ["KVBudget", "KVBudgetExceeded", "KVCache"]
+
+KV_DTYPE = np.dtype(np.float32)
+_MIN_CAPACITY = 16
+
+
+class KVBudgetExceeded(Exception):
+    """Growing a cache would pass the budget of all sessions together."""
+
+    def __init__(self, message: str, *, needed: int, in_use: int, limit: int) -> None:
+        super().__init__(message)
+        self.needed, self.in_use, self.limit = needed, in_use, limit
+
+
+class SessionEnded(Exception):
+    """The session's cache was released while one of its chunks computed."""
+
+
+class KVBudget:
+    """Bytes of KV cache allocated across every session, against ``limit``."""
+
+    def __init__(self, limit: int) -> None:
+        if limit < 1:
+            raise ValueError("the KV budget must be positive")
+        self.limit = limit
+        self.lock = threading.Lock()
+        self._in_use = 0
+        self.peak = 0
+
+    @property
+    def in_use(self) -> int:
+        return self._in_use
+
+    def _take(self, nbytes: int) -> bool:  # caller holds the lock
+        if self._in_use + nbytes > self.limit:
+            return False
+        self._in_use += nbytes
+        self.peak = max(self.peak, self._in_use)
+        return True
+
+    def _give(self, nbytes: int) -> None:  # caller holds the lock
+        self._in_use -= nbytes
+        assert self._in_use >= 0, "KV budget released more than it reserved"
+
+
+class KVCache:
+    """One session's keys and values for the layers of one stage."""
+
+    def __init__(self, budget: KVBudget, *, layers: int, batch: int, kv_heads: int,
+                 head_dim: int) -> None:  # fmt: skip
+        self.budget = budget
+        self.layers, self.batch, self.kv_heads, self.head_dim = layers, batch, kv_heads, head_dim
+        self.length = 0  # positions filled (the same in every layer)
+        self.capacity = 0
+        self.keys: list[np.ndarray] = []
+        self.values: list[np.ndarray] = []
+        self.closed = False
+
+    @property
+    def bytes_per_position(self) -> int:
+        return 2 * self.layers * self.batch * self.kv_heads * self.head_dim * KV_DTYPE.itemsize
+
+    @property
+    def nbytes(self) -> int:
+        return self.capacity * self.bytes_per_position
+
+    def truncate(self, length: int) -> None:
+        """Forget positions from ``length`` on (what a failed or cancelled chunk left)."""
+        if not 0 <= length <= self.length:
+            raise ValueError(f"cannot truncate a cache of {self.length} positions to {length}")
+        self.length = length
+
+    def reserve(self, needed: int) -> None:
+        """Make room for ``needed`` positions in all, within the budget."""
+        if needed <= self.capacity:
+            return
+        per = self.bytes_per_position
+        with self.budget.lock:
+            if self.closed:
+                raise SessionEnded("the session ended while its chunk was computing")
+            grown = max(needed, 2 * self.capacity, _MIN_CAPACITY)
+            for capacity in dict.fromkeys((grown, needed)):  # try doubling, then exact
+                if self.budget._take((capacity - self.capacity) * per):
+                    break
+            else:
+                extra = (needed - self.capacity) * per
+                raise KVBudgetExceeded(
+                    f"the KV cache needs {extra} more bytes; {self.budget.in_use} of "
+                    f"{self.budget.limit} are in use",
+                    needed=extra,
+                    in_use=self.budget.in_use,
+                    limit=self.budget.limit,
+                )
+            # Counted under the lock, so a close() racing with us gives back
+            # exactly what was taken.
+            self.capacity = capacity
+        shape = (self.batch, self.kv_heads, capacity, self.head_dim)
+        filled = self.length
+        keys, values = [], []
+        for layer in range(self.layers):
+            k = np.empty(shape, KV_DTYPE)
+            v = np.empty(shape, KV_DTYPE)
+            if filled:
+                k[:, :, :filled] = self.keys[layer][:, :, :filled]
+                v[:, :, :filled] = self.values[layer][:, :, :filled]
+            keys.append(k)
+            values.append(v)
+        self.keys, self.values = keys, values
+
+    def close(self) -> int:
+        """Give the bytes back to the budget (idempotent); returns how many.
+
+        The arrays themselves are dropped with the last reference to this
+        cache: a chunk still computing on it finishes on memory it holds.
+        """
+        with self.budget.lock:
+            if self.closed:
+                return 0
+            self.closed = True
+            released = self.nbytes
+            self.budget._give(released)
+        return released

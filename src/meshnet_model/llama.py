@@ -1,0 +1,199 @@
+"""The Llama decoder's forward pass for one pipeline stage, in numpy.
+
+Everything is computed in float32, whatever the weights are held in:
+numpy has no fast half-precision matmul (float16 goes through slow paths,
+bfloat16 through ml_dtypes' element loops), and float32 keeps the error of a
+long prefill small enough that "the same prompt through any split gives the
+same logits" can be checked bit for bit and "chunked equals whole" within a
+tight tolerance. A half-precision weight is widened to float32 just before its
+matmul. The KV cache is float32 for the same reason.
+
+Determinism: the same inputs through the same shapes run the same BLAS calls
+and give the same bits, so a split of the layers over nodes changes nothing
+(each layer sees the very same float32 hidden state). What does change the
+last bits is chunking: a matmul over 7 rows and one over 64 may sum in
+another order, and attention sums over another number of keys — hence the
+stated tolerance for chunked prefill and for decode against recompute
+(docs/models.md).
+
+Shapes: ``hidden`` is ``[batch, tokens, hidden_size]``; the first stage takes
+token ids ``[batch, tokens]`` (int32); the last returns the logits of the last
+position, ``[batch, vocab]`` float32.
+"""
+
+from __future__ import annotations
+
+import math
+
+import ml_dtypes
+import numpy as np
+
+from .config import LlamaConfig
+from .kv_cache import KVCache
+from .rope import Rope, apply_rope
+from .weights import LayerWeights, StageWeights
+
+__all__ = ["StageModel", "StageInvariantError", "linear", "rms_norm", "silu"]
+
+F32 = np.float32
+# Queries per attention block: bounds the score matrix to
+# heads x 128 x context floats whatever the chunk size.
+_QUERY_BLOCK = 128
+
+
+class StageInvariantError(RuntimeError):
+    """A stage broke a rule that must always hold (a bug, never the peer's doing)."""
+
+
+_BF16 = np.dtype(ml_dtypes.bfloat16)
+
+
+def _f32(w: np.ndarray) -> np.ndarray:
+    """``w`` as float32 (itself when it is). bfloat16 is the upper half of a
+    float32, so it widens exactly by a 16-bit shift — several times faster than
+    ml_dtypes' element-wise ``astype``, and this runs per matmul with ``keep``."""
+    if w.dtype == F32:
+        return w
+    if w.dtype == _BF16:
+        return (w.view(np.uint16).astype(np.uint32) << 16).view(F32)
+    return w.astype(F32)
+
+
+def linear(x: np.ndarray, weight: np.ndarray, bias: np.ndarray | None = None) -> np.ndarray:
+    """``x @ weight.T (+ bias)`` with ``weight`` ``[out, in]``, as one 2-D matmul."""
+    lead = x.shape[:-1]
+    out = x.reshape(-1, x.shape[-1]) @ _f32(weight).T
+    if bias is not None:
+        out += bias
+    return out.reshape(*lead, weight.shape[0])
+
+
+def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
+    variance = np.mean(np.square(x), axis=-1, keepdims=True)
+    return weight * (x * (F32(1.0) / np.sqrt(variance + F32(eps))))
+
+
+def silu(x: np.ndarray) -> np.ndarray:
+    # sigmoid through tanh: no overflow warning for large negative inputs.
+    return x * (F32(0.5) * (F32(1.0) + np.tanh(F32(0.5) * x)))
+
+
+def attention(
+    x: np.ndarray,
+    block: LayerWeights,
+    config: LlamaConfig,
+    cos: np.ndarray,
+    sin: np.ndarray,
+    keys: np.ndarray,
+    values: np.ndarray,
+    past: int,
+) -> np.ndarray:
+    """Grouped-query causal self-attention of ``x`` (positions ``past ..``),
+    writing this chunk's rotated keys and values into ``keys``/``values``
+    (``[batch, kv_heads, capacity, head_dim]``) at ``past``."""
+    b, t, _ = x.shape
+    heads, kv_heads, d = config.num_attention_heads, config.num_key_value_heads, config.head_dim
+    groups = heads // kv_heads
+    q = linear(x, block.q, block.q_bias).reshape(b, t, heads, d).transpose(0, 2, 1, 3)
+    k = linear(x, block.k, block.k_bias).reshape(b, t, kv_heads, d).transpose(0, 2, 1, 3)
+    v = linear(x, block.v, block.v_bias).reshape(b, t, kv_heads, d).transpose(0, 2, 1, 3)
+    q = apply_rope(q, cos, sin)
+    keys[:, :, past : past + t] = apply_rope(k, cos, sin)
+    values[:, :, past : past + t] = v
+    total = past + t
+    k_all = keys[:, :, None, :total]  # [b, kv, 1, total, d]: broadcast over the group
+    v_all = values[:, :, None, :total]
+    q = q.reshape(b, kv_heads, groups, t, d)
+    scale = F32(1.0 / math.sqrt(d))
+    out = np.empty((b, kv_heads, groups, t, d), F32)
+    key_pos = np.arange(total)
+    for lo in range(0, t, _QUERY_BLOCK):
+        hi = min(lo + _QUERY_BLOCK, t)
+        scores = (q[:, :, :, lo:hi] @ k_all.swapaxes(-1, -2)) * scale  # [b,kv,g,rows,total]
+        # Causal over the whole context: the query at position past+i sees keys 0..past+i.
+        future = key_pos[None, :] > (past + np.arange(lo, hi))[:, None]
+        scores[..., future] = -np.inf
+        scores -= scores.max(axis=-1, keepdims=True)
+        np.exp(scores, out=scores)
+        scores /= scores.sum(axis=-1, keepdims=True)
+        out[:, :, :, lo:hi] = scores @ v_all
+    out = out.reshape(b, heads, t, d).transpose(0, 2, 1, 3).reshape(b, t, heads * d)
+    return linear(out, block.o, block.o_bias)
+
+
+def mlp(x: np.ndarray, block: LayerWeights) -> np.ndarray:
+    gate = linear(x, block.gate, block.gate_bias)
+    up = linear(x, block.up, block.up_bias)
+    return linear(silu(gate) * up, block.down, block.down_bias)
+
+
+class StageModel:
+    """The forward pass of one stage's layers, over a session's ``KVCache``."""
+
+    def __init__(self, weights: StageWeights) -> None:
+        self.weights = weights
+        self.config = weights.config
+        self.rope = Rope(self.config)
+
+    @property
+    def first(self) -> bool:
+        return self.weights.first
+
+    @property
+    def last(self) -> bool:
+        return self.weights.last
+
+    def new_cache(self, budget, batch: int) -> KVCache:  # type: ignore[no-untyped-def]
+        c = self.config
+        return KVCache(budget, layers=len(self.weights.layers), batch=batch,
+                       kv_heads=c.num_key_value_heads, head_dim=c.head_dim)  # fmt: skip
+
+    def embed(self, ids: np.ndarray) -> np.ndarray:
+        assert self.weights.embed is not None
+        return _f32(self.weights.embed[ids])
+
+    def forward(self, inputs: np.ndarray, cache: KVCache, position: int) -> np.ndarray:
+        """Run this stage's layers on a chunk starting at session ``position``.
+
+        ``inputs``: token ids ``[batch, tokens]`` on the first stage, else hidden
+        ``[batch, tokens, hidden]`` float32 (checked by the caller). Returns
+        hidden ``[batch, tokens, hidden]``, or the last position's logits
+        ``[batch, vocab]`` on the last stage. The cache must hold exactly
+        ``position`` positions; it holds ``position + tokens`` after.
+        """
+        if cache.length != position:
+            raise StageInvariantError(
+                f"the KV cache holds {cache.length} positions, the chunk starts at {position}"
+            )
+        tokens = inputs.shape[1]
+        x = self.embed(inputs) if self.first else _f32(inputs)
+        cache.reserve(position + tokens)
+        x = self._layers(x, cache, position)
+        # The invariant of shared/seeds/003: a stage must compute every position
+        # it received, never a suffix — else the next stage would attend over a
+        # prefix it never got. The seed allows a short output on the stage that
+        # owns layer 0 (suffix-only prefill after a prefix-cache hit); this
+        # implementation has no prefix cache, so it holds every stage to it.
+        # Checked explicitly, not with ``assert``: it must hold under ``-O`` too.
+        if x.shape[:2] != inputs.shape[:2]:
+            raise StageInvariantError(
+                f"layers {self.weights.layers.start}..{self.weights.layers.stop - 1} computed "
+                f"{x.shape[1]} positions for {tokens} tokens received; non-first stages must "
+                "execute the full range"
+            )
+        cache.length = position + tokens
+        if not self.last:
+            return x
+        assert self.weights.norm is not None and self.weights.lm_head is not None
+        final = rms_norm(x[:, -1], self.weights.norm, self.config.rms_norm_eps)
+        return linear(final, self.weights.lm_head)
+
+    def _layers(self, x: np.ndarray, cache: KVCache, position: int) -> np.ndarray:
+        c = self.config
+        cos, sin = self.rope.cos_sin(position, x.shape[1])
+        for i, block in enumerate(self.weights.blocks):
+            h = rms_norm(x, block.input_norm, c.rms_norm_eps)
+            x = x + attention(h, block, c, cos, sin, cache.keys[i], cache.values[i], position)
+            h = rms_norm(x, block.post_norm, c.rms_norm_eps)
+            x = x + mlp(h, block)
+        return x

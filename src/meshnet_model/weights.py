@@ -1,0 +1,204 @@
+"""The tensors one pipeline stage runs, loaded from a checkpoint directory.
+
+A stage owning layers ``start .. end-1`` reads exactly:
+
+* ``model.embed_tokens.weight`` when it owns layer 0 (it embeds token ids);
+* ``model.layers.{i}.*`` for its own layers;
+* ``model.norm.weight`` and ``lm_head.weight`` when it owns the last layer —
+  or ``model.embed_tokens.weight`` in its place when the head is tied
+  (``tie_word_embeddings``, or a checkpoint that ships no ``lm_head``).
+
+``dtype`` is what the weights are held in. A checkpoint already in that dtype
+stays memory-mapped (no copy at all); otherwise it is converted once at load
+time. ``float32`` (the default) is the fastest: compute is float32, so held
+half-precision weights are widened before every matmul — about 3x slower
+decode on the SmolLM-135M shape here, measured. ``keep`` (the checkpoint's own
+dtype, mapped) halves the memory of a bfloat16 checkpoint at that price.
+bfloat16 → float32 is exact, so ``keep`` and ``float32`` give the same bits.
+Norm weights and biases, tiny, are always float32.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import ml_dtypes
+import numpy as np
+
+from .checkpoint import Checkpoint, CheckpointError
+from .config import LlamaConfig
+
+__all__ = ["WEIGHT_DTYPES", "LayerWeights", "StageWeights", "parse_layers"]
+
+WEIGHT_DTYPES: dict[str, np.dtype | None] = {
+    "keep": None,
+    "float32": np.dtype(np.float32),
+    "bfloat16": np.dtype(ml_dtypes.bfloat16),
+    "float16": np.dtype(np.float16),
+}
+
+
+_FLOAT_DTYPES = frozenset(
+    np.dtype(t) for t in (np.float32, np.float16, np.float64, ml_dtypes.bfloat16)
+)
+
+
+def parse_layers(text: str, num_layers: int | None = None) -> range:
+    """``"A:B"`` → ``range(A, B)``; checked against ``num_layers`` when given."""
+    start_text, sep, end_text = text.partition(":")
+    if not sep or not start_text.isdigit() or not end_text.isdigit():
+        raise ValueError(f"layers must look like A:B (e.g. 0:12), got {text!r}")
+    start, end = int(start_text), int(end_text)
+    if start >= end:
+        raise ValueError(f"layers {text}: the start must be below the end")
+    if num_layers is not None and end > num_layers:
+        raise ValueError(f"layers {text}: the model has {num_layers} layers (0:{num_layers})")
+    return range(start, end)
+
+
+@dataclass(slots=True)
+class LayerWeights:
+    """One decoder layer; projection matrices are ``[out, in]`` as in the checkpoint."""
+
+    input_norm: np.ndarray
+    q: np.ndarray
+    k: np.ndarray
+    v: np.ndarray
+    o: np.ndarray
+    post_norm: np.ndarray
+    gate: np.ndarray
+    up: np.ndarray
+    down: np.ndarray
+    q_bias: np.ndarray | None = None
+    k_bias: np.ndarray | None = None
+    v_bias: np.ndarray | None = None
+    o_bias: np.ndarray | None = None
+    gate_bias: np.ndarray | None = None
+    up_bias: np.ndarray | None = None
+    down_bias: np.ndarray | None = None
+
+
+@dataclass(slots=True)
+class StageWeights:
+    config: LlamaConfig
+    layers: range
+    blocks: list[LayerWeights]
+    embed: np.ndarray | None  # [vocab, hidden] on the first stage
+    norm: np.ndarray | None  # [hidden] on the last stage
+    lm_head: np.ndarray | None  # [vocab, hidden] on the last stage (maybe the embedding)
+    dtype: str  # what the matrices are held in
+    tied_head: bool
+    files: list[str]
+
+    @property
+    def first(self) -> bool:
+        return self.layers.start == 0
+
+    @property
+    def last(self) -> bool:
+        return self.layers.stop == self.config.num_hidden_layers
+
+    @property
+    def nbytes(self) -> int:
+        arrays = [self.embed, self.norm] + ([] if self.lm_head is self.embed else [self.lm_head])
+        total = sum(a.nbytes for a in arrays if a is not None)
+        for block in self.blocks:
+            total += sum(a.nbytes for a in vars_of(block) if a is not None)
+        return total
+
+    @classmethod
+    def load(
+        cls,
+        directory: str | Path,
+        layers: range | None = None,
+        *,
+        dtype: str = "float32",
+        config: LlamaConfig | None = None,
+        mmap: bool = True,
+    ) -> StageWeights:
+        config = config or LlamaConfig.from_dir(directory)
+        layers = range(config.num_hidden_layers) if layers is None else layers
+        if not (0 <= layers.start < layers.stop <= config.num_hidden_layers and layers.step == 1):
+            raise ValueError(
+                f"layers {layers.start}:{layers.stop} do not fit a model of "
+                f"{config.num_hidden_layers} layers"
+            )
+        if dtype not in WEIGHT_DTYPES:
+            raise ValueError(f"dtype must be one of {', '.join(WEIGHT_DTYPES)}, got {dtype!r}")
+        target = WEIGHT_DTYPES[dtype]
+        ckpt = Checkpoint(directory)
+        c = config
+        hidden, heads, kv_heads, head_dim = (
+            c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim
+        )  # fmt: skip
+
+        def read(name: str, shape: tuple[int, ...], matrix: bool = True) -> np.ndarray:
+            array = ckpt.tensor(name, mmap=mmap)
+            if array.shape != shape:
+                raise CheckpointError(
+                    f"{name}: shape {list(array.shape)} in the checkpoint, {list(shape)} "
+                    "from config.json"
+                )
+            if array.dtype not in _FLOAT_DTYPES:
+                raise CheckpointError(f"{name}: dtype {array.dtype} is not a float type")
+            if not matrix:
+                return np.ascontiguousarray(array, dtype=np.float32)
+            if target is None or array.dtype == target:
+                return array
+            return array.astype(target)
+
+        def optional(name: str, shape: tuple[int, ...]) -> np.ndarray | None:
+            return read(name, shape, matrix=False) if name in ckpt else None
+
+        blocks = []
+        for i in layers:
+            p = f"model.layers.{i}."
+            a, m = p + "self_attn.", p + "mlp."
+            blocks.append(
+                LayerWeights(
+                    input_norm=read(p + "input_layernorm.weight", (hidden,), matrix=False),
+                    q=read(a + "q_proj.weight", (heads * head_dim, hidden)),
+                    k=read(a + "k_proj.weight", (kv_heads * head_dim, hidden)),
+                    v=read(a + "v_proj.weight", (kv_heads * head_dim, hidden)),
+                    o=read(a + "o_proj.weight", (hidden, heads * head_dim)),
+                    post_norm=read(p + "post_attention_layernorm.weight", (hidden,), matrix=False),
+                    gate=read(m + "gate_proj.weight", (c.intermediate_size, hidden)),
+                    up=read(m + "up_proj.weight", (c.intermediate_size, hidden)),
+                    down=read(m + "down_proj.weight", (hidden, c.intermediate_size)),
+                    q_bias=optional(a + "q_proj.bias", (heads * head_dim,)),
+                    k_bias=optional(a + "k_proj.bias", (kv_heads * head_dim,)),
+                    v_bias=optional(a + "v_proj.bias", (kv_heads * head_dim,)),
+                    o_bias=optional(a + "o_proj.bias", (hidden,)),
+                    gate_bias=optional(m + "gate_proj.bias", (c.intermediate_size,)),
+                    up_bias=optional(m + "up_proj.bias", (c.intermediate_size,)),
+                    down_bias=optional(m + "down_proj.bias", (hidden,)),
+                )
+            )
+        first, last = layers.start == 0, layers.stop == c.num_hidden_layers
+        # A checkpoint without lm_head.weight is tied whatever its config says
+        # (transformers ties it then too); one with it and tie_word_embeddings
+        # set uses the embedding, as transformers' tie_weights() does.
+        tied = c.tie_word_embeddings or "lm_head.weight" not in ckpt
+        embed_shape = (c.vocab_size, hidden)
+        embed = read("model.embed_tokens.weight", embed_shape) if first or (last and tied) else None
+        norm = lm_head = None
+        if last:
+            norm = read("model.norm.weight", (hidden,), matrix=False)
+            lm_head = embed if tied else read("lm_head.weight", embed_shape)
+        held = {a.dtype.name for b in blocks for a in (b.q, b.k, b.v, b.o)}
+        return cls(
+            config=c,
+            layers=layers,
+            blocks=blocks,
+            embed=embed if first else None,
+            norm=norm,
+            lm_head=lm_head,
+            dtype=held.pop() if len(held) == 1 else ",".join(sorted(held)),
+            tied_head=last and tied,
+            files=ckpt.files_opened(),
+        )
+
+
+def vars_of(block: LayerWeights) -> list[np.ndarray | None]:
+    return [getattr(block, name) for name in block.__slots__]

@@ -1,0 +1,160 @@
+"""A node stage that runs a contiguous range of a Llama model's layers.
+
+``meshnet-node --model DIR --layers A:B [--dtype ...] [--kv-budget-bytes N]``
+builds one of these. The contract every node of a chain keeps (docs/models.md):
+
+* the stage owning layer 0 takes token ids, int32 ``[batch, tokens]``;
+* a middle stage maps hidden ``[batch, tokens, hidden]`` to hidden (sent in the
+  node's ``--wire-dtype``: ``keep`` sends the float32 it computes, exactly);
+* the stage owning the last layer returns the float32 logits of the chunk's
+  last position, ``[batch, vocab]``; one node with every layer maps ids to logits.
+
+Each session has a KV cache that grows chunk by chunk at the positions the
+node's sequencer hands out, so a run after a finished run continues the
+context (a decode step is a run of one ``[1, 1]`` chunk). The cache goes when
+the node forgets the session (``end_session``). The numpy work runs in a
+worker thread so the event loop keeps serving; one chunk computes at a time
+per node (``compute_threads``), since BLAS already spreads one matmul over
+the cores and two at once would only fight for them.
+
+Errors: a chunk the stage cannot take is 400 ``bad_stage_input``; a KV budget
+that cannot hold the chunk is 503 ``kv_memory_full`` with ``Retry-After``; a
+cache that lacks the context the chunk follows is 409 ``kv_cache_mismatch``;
+a session ended while its chunk computed is 409 ``session_unknown``.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import anyio
+import numpy as np
+from prometheus_client import CollectorRegistry, Gauge
+
+from meshnet_model import (
+    CacheMismatch,
+    KVBudgetExceeded,
+    SessionEnded,
+    StageInputError,
+    StageRunner,
+    StageWeights,
+    parse_layers,
+)
+from meshnet_model.config import LlamaConfig
+from meshnet_proto import CapacityError, ProtocolError, SequencingError
+from meshnet_runtime.config import ServerConfig
+
+from .backends import StageContext
+
+__all__ = ["KV_RETRY_AFTER", "ModelStage", "load_model_stage", "stage_from_config"]
+
+# Seconds a client is told to wait when the KV budget is full: sessions free
+# their caches when they end, typically within a generation's time.
+KV_RETRY_AFTER = 5
+
+
+class ModelStage:
+    """``StageBackend`` over a ``StageRunner`` (see the module docstring)."""
+
+    def __init__(self, runner: StageRunner, *, compute_threads: int = 1) -> None:
+        self.runner = runner
+        layers = runner.weights.layers
+        self.name = f"model[{layers.start}:{layers.stop}]"
+        self.calls = 0
+        self.compute_seconds = 0.0  # wall time inside the layers, for benchmarks
+        self.limiter = anyio.CapacityLimiter(compute_threads)
+
+    async def __call__(self, tensor: np.ndarray, context: StageContext | None = None) -> np.ndarray:
+        if context is None:
+            raise ValueError("a model stage needs the chunk's session context")
+        self.calls += 1
+        try:
+            self.runner.check_input(tensor)
+        except StageInputError as exc:
+            raise ProtocolError(str(exc), code="bad_stage_input") from None
+        try:
+            output = await anyio.to_thread.run_sync(
+                self._timed_run, context.session, context.position, tensor, limiter=self.limiter
+            )
+        except StageInputError as exc:
+            raise ProtocolError(str(exc), code="bad_stage_input") from None
+        except KVBudgetExceeded as exc:
+            raise CapacityError(
+                f"KV cache memory is full: {exc}", code="kv_memory_full", retry_after=KV_RETRY_AFTER
+            ) from None
+        except CacheMismatch as exc:
+            raise SequencingError(
+                str(exc), code="kv_cache_mismatch", header="x-meshnet-position"
+            ) from None
+        except SessionEnded:
+            raise SequencingError(
+                f"session {context.session} ended while its chunk was computing",
+                code="session_unknown",
+                header="x-meshnet-session",
+            ) from None
+        return output
+
+    def _timed_run(self, session: str, position: int, tensor: np.ndarray) -> np.ndarray:
+        # Timed inside the worker thread: the layers' time, not the wait for the limiter.
+        started = time.perf_counter()
+        try:
+            return self.runner.run(session, position, tensor)
+        finally:
+            self.compute_seconds += time.perf_counter() - started
+
+    def check_head(self, shape: tuple[int, ...], dtype: str) -> None:
+        """Refuse a chunk of the wrong dtype or shape before its body is read."""
+        try:
+            self.runner.check_shape(shape, dtype)
+        except StageInputError as exc:
+            raise ProtocolError(str(exc), code="bad_stage_input") from None
+
+    def end_session(self, session: str) -> None:
+        self.runner.end_session(session)
+
+    def bind_metrics(self, registry: CollectorRegistry) -> None:
+        """``meshnet_kv_cache_bytes`` and ``meshnet_kv_budget_bytes`` on ``/metrics``."""
+        used = Gauge("meshnet_kv_cache_bytes", "KV cache bytes allocated, all sessions",
+                     registry=registry)  # fmt: skip
+        used.set_function(lambda: self.runner.kv_bytes_in_use)
+        limit = Gauge("meshnet_kv_budget_bytes", "KV cache budget (--kv-budget-bytes)",
+                      registry=registry)  # fmt: skip
+        limit.set(self.runner.budget.limit)
+
+    @property
+    def kv_bytes_in_use(self) -> int:
+        return self.runner.kv_bytes_in_use
+
+    def describe(self) -> dict[str, Any]:
+        return {"backend": "model", **self.runner.describe()}
+
+
+def load_model_stage(
+    model: str | Path,
+    layers: str | None = None,
+    *,
+    dtype: str = "float32",
+    kv_budget_bytes: int,
+) -> ModelStage:
+    """Load the stage's tensors from a checkpoint directory (the node's flags).
+
+    Raises ``ValueError`` (``ConfigError``, ``CheckpointError`` among them)
+    with a message fit for the command line.
+    """
+    config = LlamaConfig.from_dir(model)
+    span = parse_layers(layers, config.num_hidden_layers) if layers else None
+    weights = StageWeights.load(model, span, dtype=dtype, config=config)
+    path = Path(model)
+    runner = StageRunner(weights, kv_budget_bytes=kv_budget_bytes,
+                         name=path.resolve().name, path=str(path))  # fmt: skip
+    return ModelStage(runner)
+
+
+def stage_from_config(config: ServerConfig) -> ModelStage:
+    """The stage of ``--model/--layers/--dtype/--kv-budget-bytes``."""
+    if config.model is None:
+        raise ValueError("no --model given")
+    return load_model_stage(config.model, config.layers, dtype=config.dtype,
+                            kv_budget_bytes=config.kv_budget_bytes)  # fmt: skip
