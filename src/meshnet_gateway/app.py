@@ -47,6 +47,7 @@ from meshnet_runtime.http_server import ActivationReply, Reply, RequestContext
 from meshnet_runtime.metrics import METRICS_CONTENT_TYPE, ServerMetrics
 
 from ._pipeline import run_chunks
+from ._retry import RetryPolicy
 
 __all__ = ["GatewayApp"]
 
@@ -90,6 +91,7 @@ class GatewayApp:
             metrics=self.metrics,
         )
         self.sessions = ClientSessionTable(config.max_sessions, config.session_ttl)
+        self.retry = RetryPolicy(config.retries, config.retry_backoff_ms / 1000)
         self.entry_window: int | None = None  # the entry node's reorder window, once known
         self.entry_info_read = False  # its /info answered (a window may still be absent)
         self._refreshing = False
@@ -204,6 +206,8 @@ class GatewayApp:
                 request_encoding=request.encoding,
                 level=self.config.zstd_level,
                 deadline=deadline,
+                retry=self.retry,
+                on_retry=self._count_retry,
             )
             dtype, encoding, body = await self.codecs.encode(
                 result.output,
@@ -224,6 +228,9 @@ class GatewayApp:
             self._active.discard(lease.session)
         self.metrics.chunks.labels("ok").inc(len(result.chunks))
         return ActivationReply(_response_headers(result.output, dtype, encoding, lease), body)
+
+    def _count_retry(self, index: int, error: MeshnetError) -> None:
+        self.metrics.chunks.labels("retried").inc()
 
     def _busy(self, session: str) -> bool:
         return session in self._active
@@ -308,6 +315,7 @@ class GatewayApp:
             "wire_dtype": config.wire_dtype,
             "zstd_level": config.zstd_level,
             "timeout_s": config.timeout,
+            "retries": {"max": config.retries, "backoff_ms": config.retry_backoff_ms},
             "sessions": {
                 "held": len(self.sessions),
                 "max": config.max_sessions,

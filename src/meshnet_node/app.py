@@ -65,7 +65,7 @@ from meshnet_runtime.lifecycle import server_settings, server_tls
 from meshnet_runtime.metrics import METRICS_CONTENT_TYPE, ServerMetrics
 from meshnet_runtime.transports import client_ssl_context, listen
 
-from .backends import Stage, make_stage
+from .backends import Stage, make_stage, running_chunk
 
 __all__ = ["NodeApp", "RunningNode", "build_node", "serve_node"]
 
@@ -196,7 +196,8 @@ class NodeApp:
     async def _stage(self, ticket: Ticket, event: ActivationReceived) -> Any:
         started = time.perf_counter()
         try:
-            output = await self.stage(event.tensor)
+            with running_chunk(ticket.session, ticket.index, ticket.position):
+                output = await self.stage(event.tensor)
         except BaseException as exc:
             self.table.stage_failed(ticket, anyio.current_time())
             self._wake(ticket.session)

@@ -32,7 +32,7 @@ Role = Literal["node", "gateway"]
 
 WIRE_DTYPES = ("keep", "float32", "bfloat16", "float16", "auto-lossless")
 ENCODINGS = ("mirror", "identity", "zstd", "auto")
-BACKENDS = ("echo", "zeros")
+BACKENDS = ("echo", "zeros", "count")
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 
 
@@ -72,6 +72,8 @@ class ServerConfig:
     entry: Endpoint | None = None
     chunk_tokens: int = 128
     inflight: int = 1
+    retries: int = 2
+    retry_backoff_ms: float = 50.0
 
     @property
     def limits(self) -> Limits:
@@ -99,6 +101,12 @@ def env_name(flag: str) -> str:
 def positive_int(text: str) -> int:
     if not (text.isascii() and text.isdigit()) or int(text) < 1:
         raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return int(text)
+
+
+def _count(text: str) -> int:
+    if not (text.isascii() and text.isdigit()):
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}")
     return int(text)
 
 
@@ -210,6 +218,8 @@ _GATEWAY: list[_Flag] = [
     ("--entry", _endpoint, None, "URL of the first node (required)"),
     ("--chunk-tokens", positive_int, 128, "tokens per chunk"),
     ("--inflight", positive_int, 1, "chunks in flight per session"),
+    ("--retries", _count, 2, "extra attempts of a chunk whose connection or hop failed"),
+    ("--retry-backoff-ms", _millis, 50.0, "first retry's backoff, ms (doubles per retry)"),
 ]
 
 
