@@ -139,11 +139,13 @@ async def fault_proxy(
     proxy = FaultProxy(host, int(port), drop)
     listener = await anyio.create_tcp_listener(local_host="127.0.0.1", local_port=0)
     proxy.url = f"http://127.0.0.1:{listener.extra(anyio.abc.SocketAttribute.local_port)}"
-    async with anyio.create_task_group() as tg:
-        tg.start_soon(listener.serve, proxy._handle)
-        try:
-            yield proxy
-        finally:
-            tg.cancel_scope.cancel()
-            with anyio.CancelScope(shield=True):
-                await listener.aclose()
+    try:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(listener.serve, proxy._handle)
+            try:
+                yield proxy
+            finally:
+                tg.cancel_scope.cancel()
+    finally:
+        with anyio.CancelScope(shield=True):
+            await listener.aclose()
