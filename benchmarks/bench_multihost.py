@@ -8,7 +8,10 @@ bridge (``meshnet_bench._netns``); the client is in the root namespace.
 Three gateways (``--encoding identity|zstd|auto``) share the same two nodes
 (``--encoding mirror``, so every hop follows the gateway's choice) and are
 measured in turns, round after round, so load drifts hit all three alike.
-Prints the median seconds per request and the ratio to identity.
+Prints the median seconds per request and the ratio to identity, and what
+the link-aware ``auto`` measured and chose for its chunks (``/info``). The
+"answer" column is the encoding of the gateway's answer to the client, which
+no link measurement steers (content-based ``auto``).
 """
 
 from __future__ import annotations
@@ -43,6 +46,8 @@ async def _measure(urls: dict[str, str], inputs: list, rounds: int) -> dict[str,
                 picked[e].add(result.headers.encoding)
                 if result.output.tobytes() != array.tobytes():
                     raise RuntimeError(f"{e}: wrong answer")
+        info = await clients["auto"].info()
+        print(f"  auto at the gateway: {info['auto_encoding']}")
     finally:
         for client in clients.values():
             await client.aclose()
@@ -75,7 +80,7 @@ def main() -> int:
         print(f"request {size / 2**20:.1f} MiB bfloat16 ({tokens}x{hidden}), chunks of 128 "
               f"tokens, --inflight 4, gateway {net.address['gw']} -> "
               f"{net.address['n1']} -> {net.address['n2']}; median of {args.rounds}")  # fmt: skip
-        print(f"{'link':>10} {'encoding':>9} {'picked':>8} {'s/request':>10} {'MiB/s':>8} "
+        print(f"{'link':>10} {'encoding':>9} {'answer':>8} {'s/request':>10} {'MiB/s':>8} "
               f"{'vs identity':>12}")  # fmt: skip
         for link in ("unlimited", args.rate):
             if link != "unlimited":

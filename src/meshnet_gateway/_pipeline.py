@@ -33,6 +33,7 @@ from meshnet_proto import (
 from meshnet_runtime.codec_pool import CodecPool
 from meshnet_runtime.deadlines import Deadline
 from meshnet_runtime.downstream import DownstreamPool
+from meshnet_runtime.link import LinkAwareAuto
 
 from ._retry import MIN_ATTEMPT_SECONDS, RetryPolicy
 
@@ -94,6 +95,7 @@ async def run_chunks(
     relay: Callable[[ErrorResponse, str], MeshnetError] | None = None,
     retry: RetryPolicy | None = None,
     on_retry: Callable[[int, MeshnetError], None] | None = None,
+    auto: LinkAwareAuto | None = None,
 ) -> RunResult:
     """Send ``array`` (already in its wire dtype) as one run; return the joined output.
 
@@ -110,6 +112,9 @@ async def run_chunks(
     ``retry``: a chunk whose failure ``retry.retryable`` accepts is sent
     again, identical, after ``retry.delay``, up to ``retry.retries`` times
     and never past the deadline; ``on_retry(index, error)`` is told of each.
+
+    ``auto``: with ``encoding_policy`` ``auto``, the link-aware choice
+    (``meshnet_runtime.link``) decides each chunk's encoding and learns from it.
     """
     if inflight < 1:
         raise ValueError(f"inflight must be >= 1, got {inflight}")
@@ -182,12 +187,16 @@ async def run_chunks(
             started = time.perf_counter()
             # Encode before taking a slot: chunk k+1 is compressed while
             # chunk k is still downstream, even with inflight 1.
+            linked = auto is not None and encoding_policy == "auto"
+            policy = auto.policy(chunk.view.nbytes) if linked else encoding_policy  # type: ignore[union-attr]
+            work_s: list[float] = []
             dtype, encoding, body = await codecs.encode(
                 chunk.view,
                 dtype_policy="keep",
-                encoding_policy=encoding_policy,
+                encoding_policy=policy,
                 request_encoding=request_encoding,
                 level=level,
+                timed=work_s.append if linked else None,
             )
             headers = WireHeaders(
                 shape=tuple(chunk.view.shape),
@@ -199,6 +208,9 @@ async def run_chunks(
                 position=base_position + chunk.position,
             )
             encode_s = time.perf_counter() - started
+            if linked:
+                wire = memoryview(body).nbytes
+                auto.observe_encoding(policy, chunk.view.nbytes, wire, encoding, sum(work_s))  # type: ignore[union-attr]
             await slots.acquire()
             tg.start_soon(send, chunk.index, headers, body, encode_s)
     if failures:

@@ -109,8 +109,14 @@ class CodecPool:
         encoding_policy: EncodingPolicy | str = EncodingPolicy.MIRROR,
         request_encoding: str = "identity",
         level: int = 1,
+        timed: Callable[[float], None] | None = None,
     ) -> tuple[str, str, bytes | memoryview]:
-        """``encode_for_wire``: (wire dtype, encoding, body), off-loop when large."""
+        """``encode_for_wire``: (wire dtype, encoding, body), off-loop when large.
+
+        ``timed(seconds)`` is told how long the encoding itself took (not the
+        wait for a worker thread or for the event loop): what a sender weighing
+        compression against its link needs (``meshnet_runtime.link``).
+        """
 
         def work() -> tuple[str, str, bytes | memoryview]:
             start = time.perf_counter()
@@ -125,6 +131,8 @@ class CodecPool:
                 )
             finally:
                 self._observe("encode", start)
+                if timed is not None:
+                    timed(time.perf_counter() - start)
 
         trivial = (
             WireDtypePolicy(dtype_policy) is WireDtypePolicy.KEEP

@@ -1,0 +1,125 @@
+"""``--encoding auto`` that knows its link: zstd only when the wire time it saves
+exceeds the codec time it costs (SPEC §5: "zstd only when it pays").
+
+The core's ``auto`` (``meshnet_proto.encode_for_wire``) judges the content
+alone: a frame that saves 10 % is sent. That is right on a slow link and
+wrong on a fast one, where compressing and decompressing take longer than
+sending the bytes saved (docs/multihost.md has both measured across network
+namespaces). The core has no clock, so the link half lives here:
+
+* ``LinkEstimate`` — each ``DownstreamPool`` measures the rate at which
+  response bytes arrive from its downstream (bytes after the first read ÷
+  the time they took: what was already buffered at the first read did not
+  wait for the link). Only responses with at least ``MEASURE_MIN_BYTES``
+  after the first read count; an exponentially weighted mean smooths them.
+  On a shared or concurrent link that is this sender's share, which is what
+  its next chunk will get.
+* ``LinkAwareAuto`` — per downstream, also tracks how fast this sender
+  compresses and how much zstd saves on its data, from the bodies it did
+  compress. It sends zstd when
+
+      saving / link_rate  >  (1 + 1 / DECODE_SPEEDUP) / compress_rate
+
+  i.e. when the seconds per raw byte saved on the wire exceed the seconds per
+  raw byte spent compressing here and decompressing at the receiver
+  (decompression is taken as ``DECODE_SPEEDUP`` times faster than level-1
+  compression, zstd's usual ratio, since the receiver's time cannot be
+  measured here). Until all three estimates exist, and for one body in every
+  ``PROBE_EVERY`` after, the decision is the core's content-based ``auto``,
+  which compresses and so refreshes the ratio and speed estimates (the link
+  estimate refreshes with every response).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = ["LinkAwareAuto", "LinkEstimate"]
+
+MEASURE_MIN_BYTES = 32 * 1024
+PROBE_EVERY = 16
+DECODE_SPEEDUP = 3.0
+_ALPHA = 0.3  # weight of the newest sample in each moving average
+
+
+@dataclass(slots=True)
+class _Mean:
+    value: float | None = None
+    samples: int = 0
+
+    def add(self, sample: float) -> None:
+        self.value = sample if self.value is None else (1 - _ALPHA) * self.value + _ALPHA * sample
+        self.samples += 1
+
+
+@dataclass(slots=True)
+class LinkEstimate:
+    """Bytes per second a downstream's answers arrive at (moving average)."""
+
+    rate: _Mean = field(default_factory=_Mean)
+
+    def observe(self, nbytes: int, seconds: float) -> None:
+        if nbytes >= MEASURE_MIN_BYTES and seconds > 0:
+            self.rate.add(nbytes / seconds)
+
+    @property
+    def bytes_per_second(self) -> float | None:
+        return self.rate.value
+
+
+@dataclass(slots=True)
+class LinkAwareAuto:
+    """Chooses identity or zstd per body for one downstream (see the module doc)."""
+
+    link: LinkEstimate
+    compress_rate: _Mean = field(default_factory=_Mean)  # raw bytes per second
+    saving: _Mean = field(default_factory=_Mean)  # fraction of raw bytes zstd saved
+    _until_probe: int = PROBE_EVERY
+    chosen: dict[str, int] = field(default_factory=lambda: {"identity": 0, "zstd": 0, "auto": 0})
+
+    def policy(self, nbytes: int) -> str:
+        """The encoding policy for a body of ``nbytes`` raw bytes: ``identity``,
+        ``zstd``, or ``auto`` (the core's content-based choice: a probe)."""
+        verdict = self.pays()
+        if verdict is None or nbytes < MEASURE_MIN_BYTES:
+            choice = "auto"
+        else:
+            self._until_probe -= 1
+            if self._until_probe <= 0:
+                self._until_probe = PROBE_EVERY
+                choice = "auto"
+            else:
+                choice = "zstd" if verdict else "identity"
+        self.chosen[choice] += 1
+        return choice
+
+    def pays(self) -> bool | None:
+        """Whether zstd pays on this link with this data; None while unknown."""
+        link, speed, saving = (self.link.bytes_per_second, self.compress_rate.value,
+                               self.saving.value)  # fmt: skip
+        if link is None or speed is None or saving is None:
+            return None
+        return saving / link > (1 + 1 / DECODE_SPEEDUP) / speed
+
+    def observe_encoding(
+        self, policy: str, raw: int, wire: int, encoding: str, seconds: float
+    ) -> None:
+        """What an encode under ``policy`` gave; learns only when it compressed."""
+        if policy == "identity" or raw < MEASURE_MIN_BYTES or seconds <= 0:
+            return
+        # Under "auto" the core compressed and kept identity only when the
+        # frame saved under 10 %: count that as no saving.
+        self.saving.add(1 - wire / raw if encoding == "zstd" else 0.0)
+        self.compress_rate.add(raw / seconds)
+
+    def describe(self) -> dict[str, Any]:
+        link, speed, saving = (self.link.bytes_per_second, self.compress_rate.value,
+                               self.saving.value)  # fmt: skip
+        return {
+            "link_mib_s": None if link is None else round(link / 2**20, 1),
+            "compress_mib_s": None if speed is None else round(speed / 2**20, 1),
+            "zstd_saving": None if saving is None else round(saving, 3),
+            "zstd_pays": self.pays(),
+            "chosen": dict(self.chosen),
+        }
