@@ -60,6 +60,8 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--mib", type=float, default=4.0, help="request size, MiB (bfloat16)")
     parser.add_argument("--rate", default="100mbit")
+    parser.add_argument("--only-unlimited", action="store_true")
+    parser.add_argument("--verbose", action="store_true", help="print every round's time")
     args = parser.parse_args()
     reason = unavailable()
     if reason:
@@ -82,13 +84,16 @@ def main() -> int:
               f"{net.address['n1']} -> {net.address['n2']}; median of {args.rounds}")  # fmt: skip
         print(f"{'link':>10} {'encoding':>9} {'answer':>8} {'s/request':>10} {'MiB/s':>8} "
               f"{'vs identity':>12}")  # fmt: skip
-        for link in ("unlimited", args.rate):
+        for link in ("unlimited",) if args.only_unlimited else ("unlimited", args.rate):
             if link != "unlimited":
                 for host in ("gw", "n1", "n2"):
                     net.shape(host, rate=link)
             times = anyio.run(_measure, urls, inputs, args.rounds, backend="trio")
             picked = times.pop("_picked")
             base = statistics.median(times["identity"])
+            if args.verbose:
+                for encoding in ENCODINGS:
+                    print(f"  {encoding}: " + " ".join(f"{t:.3f}" for t in times[encoding]))
             for encoding in ENCODINGS:
                 median = statistics.median(times[encoding])
                 print(f"{link:>10} {encoding:>9} {','.join(sorted(picked[encoding])):>8} "  # type: ignore[index]
