@@ -24,6 +24,9 @@ REASON = unavailable()
 pytestmark = pytest.mark.skipif(REASON is not None, reason=f"multi-host chain: {REASON}")
 
 TIMEOUT = 4  # the gateway's --timeout
+# 2 MiB requests in 4 chunks of 512 KiB: each chunk outlasts the token
+# bucket's 256 KiB burst, so its answer arrives at the shaped rate.
+TOKENS, HIDDEN = 1024, 1024
 
 
 def test_chain_across_three_hosts_rate_limited_then_cut_then_restored() -> None:
@@ -32,7 +35,7 @@ def test_chain_across_three_hosts_rate_limited_then_cut_then_restored() -> None:
         _, n1 = net.spawn("n1", "meshnet_node", "--port", "8000", "--next", n2)
         _, gateway = net.spawn("gw", "meshnet_gateway", "--port", "8000", "--entry", n1,
                                "--encoding", "auto", "--timeout", str(TIMEOUT),
-                               "--chunk-tokens", "128")  # fmt: skip
+                               "--chunk-tokens", "256")  # fmt: skip
         assert (gateway, n1, n2) == tuple(
             f"http://{net.address[h]}:8000" for h in ("gw", "n1", "n2")
         )
@@ -40,14 +43,14 @@ def test_chain_across_three_hosts_rate_limited_then_cut_then_restored() -> None:
         async def drive() -> None:
             async with Client(gateway) as client:
                 with anyio.fail_after(30):
-                    array = activation(512, 256, seed=1)
+                    array = activation(TOKENS, HIDDEN, seed=1)
                     first = await client.forward(array, encoding="identity")
                     assert same_bits(first.output, array)
 
                     for host in ("gw", "n1", "n2"):
                         net.shape(host, rate="100mbit")
                     for seed in range(2, 6):  # the estimates settle in a few chunks
-                        array = activation(512, 256, seed=seed)
+                        array = activation(TOKENS, HIDDEN, seed=seed)
                         shaped = await client.forward(
                             array, session=first.session, encoding="identity"
                         )
@@ -65,13 +68,15 @@ def test_chain_across_three_hosts_rate_limited_then_cut_then_restored() -> None:
                 net.cut("n2")
                 with anyio.fail_after(TIMEOUT + 10), pytest.raises(RemoteError) as caught:
                     await client.forward(
-                        activation(512, 256, seed=3), session=first.session, encoding="identity"
+                        activation(TOKENS, HIDDEN, seed=3),
+                        session=first.session,
+                        encoding="identity",
                     )
                 assert caught.value.status in (502, 504) and caught.value.hop == n2, caught.value
 
                 net.restore("n2")
                 with anyio.fail_after(30):
-                    array = activation(512, 256, seed=4)
+                    array = activation(TOKENS, HIDDEN, seed=4)
                     for _ in range(5):  # bounded: the bridge port may take a moment
                         try:
                             again = await client.forward(array, encoding="identity")
