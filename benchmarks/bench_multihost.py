@@ -35,7 +35,7 @@ async def _measure(urls: dict[str, str], inputs: list, rounds: int) -> dict[str,
     picked: dict[str, set[str]] = {e: set() for e in urls}
     clients = {e: Client(url) for e, url in urls.items()}
     try:
-        for e, client in clients.items():  # warm-up: connections, first session
+        for client in clients.values():  # warm-up: connections, first session
             await client.forward(inputs[0], encoding="identity")
         for r in range(rounds):
             for e, client in clients.items():
@@ -96,8 +96,10 @@ def main() -> int:
                     print(f"  {encoding}: " + " ".join(f"{t:.3f}" for t in times[encoding]))
             for encoding in ENCODINGS:
                 median = statistics.median(times[encoding])
-                print(f"{link:>10} {encoding:>9} {','.join(sorted(picked[encoding])):>8} "  # type: ignore[index]
-                      f"{median:>10.3f} {size / median / 2**20:>8.1f} {base / median:>11.2f}x")  # fmt: skip
+                answer = ",".join(sorted(picked[encoding]))  # type: ignore[index]
+                rate = size / median / 2**20
+                print(f"{link:>10} {encoding:>9} {answer:>8} {median:>10.3f} {rate:>8.1f} "
+                      f"{base / median:>11.2f}x")  # fmt: skip
     return 0
 
 
