@@ -185,7 +185,8 @@ class GatewayApp:
         if self.answer_auto is not None:
             # Head to decoded body: the upload, plus a decode that only errs
             # toward a slower link (zstd), never toward a faster one.
-            self.answer_auto.link.observe(event.body_nbytes, anyio.current_time() - ctx.started)
+            nbytes = event.body_nbytes
+            self.answer_auto.link.observe(nbytes, nbytes, anyio.current_time() - ctx.started)
         if not self.entry_info_read and self._background is not None and not self._refreshing:
             self._background.start_soon(self._refresh_in_background)
         now = anyio.current_time()

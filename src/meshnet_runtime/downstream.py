@@ -245,7 +245,7 @@ class DownstreamPool:
                 raise self._error(f"unexpected event {type(event).__name__}",
                                   "downstream_bad_response")  # fmt: skip
             if isinstance(event, ActivationResponse):
-                self.link.observe(after_first, time.perf_counter() - first_read_at)
+                self.link.observe(received, after_first, time.perf_counter() - first_read_at)
                 if self.metrics:
                     self.metrics.bytes_in.labels("downstream").inc(len(event.body))
             if conn.reusable and not self._closed:

@@ -10,10 +10,12 @@ namespaces). The core has no clock, so the link half lives here:
 * ``LinkEstimate`` — each ``DownstreamPool`` measures the rate at which
   response bytes arrive from its downstream (bytes after the first read ÷
   the time they took: what was already buffered at the first read did not
-  wait for the link). Only responses with at least ``MEASURE_MIN_BYTES``
-  after the first read count; an exponentially weighted mean smooths them.
-  On a shared or concurrent link that is this sender's share, which is what
-  its next chunk will get.
+  wait for the link). An answer of at least ``MEASURE_MIN_BYTES`` that was
+  (nearly) all there at the first read came faster than this sender reads:
+  it counts as ``INSTANT_RATE``. Smaller answers say nothing. An
+  exponentially weighted mean smooths the samples. On a shared or
+  concurrent link that is this sender's share, which is what its next chunk
+  will get.
 * ``LinkAwareAuto`` — per downstream, also tracks how fast this sender
   compresses and how much zstd saves on its data, from the bodies it did
   compress. It sends zstd when
@@ -38,6 +40,9 @@ from typing import Any
 __all__ = ["LinkAwareAuto", "LinkEstimate"]
 
 MEASURE_MIN_BYTES = 32 * 1024
+# An answer that arrived whole before we read it: the link is not what limits
+# us. Any rate far above what compression could beat does; this is one.
+INSTANT_RATE = 4 * 2**30
 PROBE_EVERY = 16
 DECODE_SPEEDUP = 3.0
 _ALPHA = 0.3  # weight of the newest sample in each moving average
@@ -59,9 +64,15 @@ class LinkEstimate:
 
     rate: _Mean = field(default_factory=_Mean)
 
-    def observe(self, nbytes: int, seconds: float) -> None:
-        if nbytes >= MEASURE_MIN_BYTES and seconds > 0:
-            self.rate.add(nbytes / seconds)
+    def observe(self, total: int, after_first: int, seconds: float) -> None:
+        """An answer of ``total`` bytes; ``after_first`` of them arrived in
+        ``seconds`` after the first read."""
+        if total < MEASURE_MIN_BYTES:
+            return
+        if after_first >= MEASURE_MIN_BYTES and seconds > 0:
+            self.rate.add(after_first / seconds)
+        else:
+            self.rate.add(INSTANT_RATE)
 
     @property
     def bytes_per_second(self) -> float | None:
