@@ -13,7 +13,8 @@ namespaces). The core has no clock, so the link half lives here:
   wait for the link). An answer of at least ``MEASURE_MIN_BYTES`` that was
   (nearly) all there at the first read came faster than this sender reads:
   it counts as ``INSTANT_RATE``. Smaller answers say nothing. An
-  exponentially weighted mean smooths the samples. On a shared or
+  exponentially weighted mean of the time per byte (so an instant answer
+  moves the estimate by its weight, not to infinity) smooths the samples. On a shared or
   concurrent link that is this sender's share, which is what its next chunk
   will get.
 * ``LinkAwareAuto`` — per downstream, also tracks how fast this sender
@@ -59,10 +60,33 @@ class _Mean:
 
 
 @dataclass(slots=True)
+class _Rate:
+    """A rate averaged as time per byte (a harmonic mean): times add up, and
+    one burst that arrived at once (a rate near infinity) moves it by its
+    weight, not to infinity."""
+
+    per_byte: _Mean = field(default_factory=_Mean)
+
+    def add(self, nbytes: float, seconds: float) -> None:
+        self.per_byte.add(seconds / nbytes)
+
+    @property
+    def value(self) -> float | None:
+        mean = self.per_byte.value
+        if mean is None:
+            return None
+        return 1 / mean if mean > 0 else float("inf")
+
+    @property
+    def samples(self) -> int:
+        return self.per_byte.samples
+
+
+@dataclass(slots=True)
 class LinkEstimate:
     """Bytes per second a downstream's answers arrive at (moving average)."""
 
-    rate: _Mean = field(default_factory=_Mean)
+    rate: _Rate = field(default_factory=_Rate)
 
     def observe(self, total: int, after_first: int, seconds: float) -> None:
         """An answer of ``total`` bytes; ``after_first`` of them arrived in
@@ -70,9 +94,9 @@ class LinkEstimate:
         if total < MEASURE_MIN_BYTES:
             return
         if after_first >= MEASURE_MIN_BYTES and seconds > 0:
-            self.rate.add(after_first / seconds)
+            self.rate.add(after_first, seconds)
         else:
-            self.rate.add(INSTANT_RATE)
+            self.rate.add(total, total / INSTANT_RATE)
 
     @property
     def bytes_per_second(self) -> float | None:
@@ -84,7 +108,7 @@ class LinkAwareAuto:
     """Chooses identity or zstd per body for one downstream (see the module doc)."""
 
     link: LinkEstimate
-    compress_rate: _Mean = field(default_factory=_Mean)  # raw bytes per second
+    compress_rate: _Rate = field(default_factory=_Rate)  # raw bytes per second
     saving: _Mean = field(default_factory=_Mean)  # fraction of raw bytes zstd saved
     _until_probe: int = PROBE_EVERY
     chosen: dict[str, int] = field(default_factory=lambda: {"identity": 0, "zstd": 0, "auto": 0})
@@ -122,7 +146,7 @@ class LinkAwareAuto:
         # Under "auto" the core compressed and kept identity only when the
         # frame saved under 10 %: count that as no saving.
         self.saving.add(1 - wire / raw if encoding == "zstd" else 0.0)
-        self.compress_rate.add(raw / seconds)
+        self.compress_rate.add(raw, seconds)
 
     def describe(self) -> dict[str, Any]:
         link, speed, saving = (self.link.bytes_per_second, self.compress_rate.value,
