@@ -141,12 +141,14 @@ async def drive(
     stats: LoadStats | None = None,
     encoding: str = "identity",
     delete: bool = True,
+    context_requests: int | None = None,
 ) -> LoadStats:
     """Keep ``sessions`` sessions busy at the gateway ``url``.
 
     Each session sends ``requests_per_session`` requests (or until the
     ``time.monotonic()`` point ``until``), continuing its own context, and
-    ends it with ``DELETE``. Request ``k`` of session ``s`` sends
+    ends it with ``DELETE`` — after every ``context_requests`` requests when
+    given, then starting a new one. Request ``k`` of session ``s`` sends
     ``inputs[(s + k) % len(inputs)]``: neighbours send different data at
     the same moment, so an answer given to the wrong session is caught.
     """
@@ -176,6 +178,10 @@ async def drive(
                     continue
                 session = result.session
                 stats.requests += 1
+                if context_requests is not None and k % context_requests == 0:
+                    with contextlib.suppress(MeshnetError):
+                        await client.delete_session(session)
+                    session = None
                 if _same_bits(result.output, array):
                     stats.bytes += array.nbytes
                 else:

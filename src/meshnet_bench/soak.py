@@ -2,8 +2,8 @@
 
     python -m meshnet_bench.soak --seconds 180 [--sessions 16] [--interval 5] [--json]
 
-Sessions come and go all the time (each continues its context for a few
-requests, then ends it with DELETE), so a leak per session, per request or
+Sessions come and go all the time (each continues its context for four
+requests, then ends it with DELETE and starts another), so a leak per session, per request or
 per connection shows as resident memory that keeps growing. Every
 ``--interval`` seconds the report prints the throughput of that interval and
 the RSS of each process. After a warm-up (the first ``--warmup`` fraction of
@@ -84,9 +84,8 @@ def soak(
         async def main() -> None:
             async with anyio.create_task_group() as tg:
                 tg.start_soon(sample_loop)
-                await drive(
-                    chain.gateway_url, sessions=sessions, inputs=inputs, until=end, stats=stats
-                )
+                await drive(chain.gateway_url, sessions=sessions, inputs=inputs, until=end,
+                            stats=stats, context_requests=4)  # fmt: skip
 
         anyio.run(main)
     settled = [s for s in samples if s["t"] >= seconds * warmup] or samples[-1:]
