@@ -7,7 +7,8 @@ Gateway, node 1 and node 2 each run in their own network namespace on a
 bridge (``meshnet_bench._netns``); the client is in the root namespace.
 Three gateways (``--encoding identity|zstd|auto``) share the same two nodes
 (``--encoding mirror``, so every hop follows the gateway's choice) and are
-measured in turns, round after round, so load drifts hit all three alike.
+measured in turns, round after round (the order rotating), so load drifts
+hit all three alike.
 Prints the median seconds per request and the ratio to identity, and what
 the link-aware ``auto`` measured and chose for its chunks (``/info``). The
 "answer" column is the encoding of the gateway's answer to the client, which
@@ -37,8 +38,11 @@ async def _measure(urls: dict[str, str], inputs: list, rounds: int) -> dict[str,
     try:
         for client in clients.values():  # warm-up: connections, first session
             await client.forward(inputs[0], encoding="identity")
+        names = list(clients)
         for r in range(rounds):
-            for e, client in clients.items():
+            # Rotate who goes first: each gateway follows each other equally often.
+            for e in names[r % len(names) :] + names[: r % len(names)]:
+                client = clients[e]
                 array = inputs[r % len(inputs)]
                 started = time.perf_counter()
                 result = await client.forward(array, encoding="identity")
