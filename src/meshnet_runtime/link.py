@@ -21,13 +21,19 @@ namespaces). The core has no clock, so the link half lives here:
   compresses and how much zstd saves on its data, from the bodies it did
   compress. It sends zstd when
 
-      saving / link_rate  >  (1 + 1 / DECODE_SPEEDUP) / compress_rate
+      saving / link_rate  >  PAYS_MARGIN * (1 + 1 / DECODE_SPEEDUP) / compress_rate
 
-  i.e. when the seconds per raw byte saved on the wire exceed the seconds per
-  raw byte spent compressing here and decompressing at the receiver
-  (decompression is taken as ``DECODE_SPEEDUP`` times faster than level-1
-  compression, zstd's usual ratio, since the receiver's time cannot be
-  measured here). Until all three estimates exist, and for one body in every
+  i.e. when the seconds per raw byte saved on the wire exceed, by a margin,
+  the seconds per raw byte spent compressing here and decompressing at the
+  receiver (decompression is taken as ``DECODE_SPEEDUP`` times faster than
+  level-1 compression, zstd's usual ratio, since the receiver's time cannot
+  be measured here). The margin is there because the two sides are not
+  measured alike: compression by CPU time, the link by wall time — and on a
+  fast link that is CPU-bound, answers arrive only as fast as the receiving
+  processes get the CPU, so the link reads slower exactly when the machine
+  is busiest, which is when compressing would hurt most (measured: without
+  the margin a loaded unlimited link flipped to zstd now and then).
+  Until all three estimates exist, and for one body in every
   ``PROBE_EVERY`` after, the decision is the core's content-based ``auto``,
   which compresses and so refreshes the ratio and speed estimates (the link
   estimate refreshes with every response).
@@ -46,6 +52,7 @@ MEASURE_MIN_BYTES = 32 * 1024
 INSTANT_RATE = 4 * 2**30
 PROBE_EVERY = 16
 DECODE_SPEEDUP = 3.0
+PAYS_MARGIN = 2.0
 _ALPHA = 0.3  # weight of the newest sample in each moving average
 
 
@@ -135,7 +142,7 @@ class LinkAwareAuto:
                                self.saving.value)  # fmt: skip
         if link is None or speed is None or saving is None:
             return None
-        return saving / link > (1 + 1 / DECODE_SPEEDUP) / speed
+        return saving / link > PAYS_MARGIN * (1 + 1 / DECODE_SPEEDUP) / speed
 
     def observe_encoding(
         self, policy: str, raw: int, wire: int, encoding: str, seconds: float
