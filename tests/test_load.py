@@ -26,7 +26,11 @@ CHUNK_TOKENS = 4
 HIDDEN = 32
 
 
-@pytest.mark.parametrize("inflight", [1, 4])
+# Each --inflight on one event loop, the pair covering both (the suite's time
+# budget: 512 chunks through three servers on one core take seconds).
+@pytest.mark.parametrize(
+    ("anyio_backend", "inflight"), [("trio", 1), ("asyncio", 4)], ids=["trio-1", "asyncio-4"]
+)
 async def test_64_sessions_of_8_chunks_bit_exact_none_lost_or_doubled(inflight: int) -> None:
     inputs = [activation(CHUNKS * CHUNK_TOKENS, HIDDEN, seed=10_000 + i) for i in range(SESSIONS)]
     # Distinct data per session, or a mix-up could go unseen.

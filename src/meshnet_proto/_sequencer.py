@@ -425,6 +425,11 @@ class SessionTable:
         self._hold(ticket, nbytes)
 
     def _hold(self, ticket: Ticket, nbytes: int) -> None:
+        # A reforwarded chunk comes back here with the same serial: its old
+        # entry (the kept output) is replaced, not counted twice.
+        replaced = self._stored.pop(ticket.serial, None)
+        if replaced is not None:
+            self._stored_bytes -= replaced[1]
         if nbytes > 0:
             self._stored[ticket.serial] = (ticket, nbytes)
             self._stored_bytes += nbytes
