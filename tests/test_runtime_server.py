@@ -276,14 +276,23 @@ async def test_graceful_shutdown_finishes_in_flight_and_refuses_new() -> None:
         await app.entered.wait()
         server.request_shutdown()
         assert await at_eof(idle)  # idle keep-alive connections close at once
-        with pytest.raises(OSError):
-            for _ in range(100):  # bounded: the listener closes right away
-                await (await connect(parse_endpoint(url))).aclose()
-                await anyio.sleep(0.01)
+        # While the request in flight drains, a new connection is answered
+        # 503 shutting_down with Retry-After (not refused: a sender can tell
+        # "back off" from "crashed").
+        late = await connect(parse_endpoint(url))
+        await late.send(activation())
+        status, headers, body = await read_response(late)
+        assert status == 503 and json.loads(body)["error"]["code"] == "shutting_down"
+        assert headers["retry-after"] == "1"
+        await late.aclose()
         app.release.set()
         status, _, body = await read_response(busy)  # the request in flight completes
         assert status == 200 and len(body) == 16
         assert await at_eof(busy)
+        with pytest.raises(OSError):
+            for _ in range(100):  # bounded: the listener closes once the drain is done
+                await (await connect(parse_endpoint(url))).aclose()
+                await anyio.sleep(0.05)
 
 
 @pytest.mark.anyio

@@ -6,14 +6,18 @@ total and position = base + offset, and join the last node's answers with
 ``ChunkAssembler``. What is valid on the wire is decided by ``meshnet_proto``;
 this module only owns the concurrency: encode the next chunk while earlier
 ones are downstream, keep at most ``inflight`` chunks on the wire, and turn
-the first failure into one error after cancelling the rest.
+the first failure into one error after cancelling the rest — after
+retrying a chunk whose failure ``RetryPolicy`` calls safe to retry (SPEC §3
+replay makes the identical retransmission harmless).
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import anyio
 import numpy as np
@@ -29,8 +33,13 @@ from meshnet_proto import (
 from meshnet_runtime.codec_pool import CodecPool
 from meshnet_runtime.deadlines import Deadline
 from meshnet_runtime.downstream import DownstreamPool
+from meshnet_runtime.link import LinkAwareAuto
+
+from ._retry import MIN_ATTEMPT_SECONDS, RetryPolicy
 
 __all__ = ["ChunkResult", "RunResult", "run_chunks"]
+
+log = logging.getLogger("meshnet.gateway")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -84,6 +93,9 @@ async def run_chunks(
     level: int,
     deadline: Deadline,
     relay: Callable[[ErrorResponse, str], MeshnetError] | None = None,
+    retry: RetryPolicy | None = None,
+    on_retry: Callable[[int, MeshnetError], None] | None = None,
+    auto: LinkAwareAuto | None = None,
 ) -> RunResult:
     """Send ``array`` (already in its wire dtype) as one run; return the joined output.
 
@@ -96,6 +108,13 @@ async def run_chunks(
     hop); chunks still in flight are cancelled first. ``relay(response, url)``
     turns a downstream's error answer into the error raised (default:
     ``response.to_error(hop=url)``, SPEC §4's relay rule).
+
+    ``retry``: a chunk whose failure ``retry.retryable`` accepts is sent
+    again, identical, after ``retry.delay``, up to ``retry.retries`` times
+    and never past the deadline; ``on_retry(index, error)`` is told of each.
+
+    ``auto``: with ``encoding_policy`` ``auto``, the link-aware choice
+    (``meshnet_runtime.link``) decides each chunk's encoding and learns from it.
     """
     if inflight < 1:
         raise ValueError(f"inflight must be >= 1, got {inflight}")
@@ -108,11 +127,7 @@ async def run_chunks(
     async def send(index: int, headers: WireHeaders, body: object, encode_s: float) -> None:
         started = time.perf_counter()
         try:
-            response = await pool.forward(headers, body, deadline)  # type: ignore[arg-type]
-            if isinstance(response, ErrorResponse):
-                if relay is None:
-                    raise response.to_error(hop=pool.url)
-                raise relay(response, pool.url)
+            response = await forward_with_retries(index, headers, body)
             _check_response(pool, headers, response.headers)
             tensor = await codecs.decode(response.headers, response.body)
             assembler.add(index, tensor)
@@ -130,17 +145,58 @@ async def run_chunks(
         finally:
             slots.release()
 
+    def as_error(response: ErrorResponse) -> MeshnetError:
+        return response.to_error(hop=pool.url) if relay is None else relay(response, pool.url)
+
+    async def forward_with_retries(index: int, headers: WireHeaders, body: object) -> Any:
+        attempt = 0
+        first: MeshnetError | None = None  # what made us retry, if we did
+        while True:
+            try:
+                response = await pool.forward(headers, body, deadline)  # type: ignore[arg-type]
+            except MeshnetError as exc:
+                if retry is None or not retry.retryable(exc):
+                    raise
+                error, retry_after = exc, None
+            else:
+                if not isinstance(response, ErrorResponse):
+                    return response
+                if retry is None or not retry.retryable(response):
+                    raise as_error(response)
+                error, retry_after = as_error(response), response.retry_after
+            if first is not None and error.status == 504:
+                # A retry cut short by what was left of the deadline must not
+                # hide the failure that caused it (which names the hop).
+                raise first
+            attempt += 1
+            if retry is None or attempt > retry.retries:
+                raise error
+            wait = retry.delay(attempt, retry_after)
+            if wait + MIN_ATTEMPT_SECONDS >= deadline.remaining():
+                raise error  # no time left for a useful attempt: the failure as it is
+            first = first or error
+            log.info("session %s chunk %d: %s %s (hop %s); retry %d of %d in %.0f ms",
+                     session, index, error.status, error.code, error.hop, attempt,
+                     retry.retries, wait * 1000)  # fmt: skip
+            if on_retry is not None:
+                on_retry(index, error)
+            await anyio.sleep(wait)
+
     async with anyio.create_task_group() as tg:
         for chunk in chunks:
             started = time.perf_counter()
             # Encode before taking a slot: chunk k+1 is compressed while
             # chunk k is still downstream, even with inflight 1.
+            linked = auto is not None and encoding_policy == "auto"
+            policy = auto.policy(chunk.view.nbytes) if linked else encoding_policy  # type: ignore[union-attr]
+            work_s: list[float] = []
             dtype, encoding, body = await codecs.encode(
                 chunk.view,
                 dtype_policy="keep",
-                encoding_policy=encoding_policy,
+                encoding_policy=policy,
                 request_encoding=request_encoding,
                 level=level,
+                timed=work_s.append if linked else None,
             )
             headers = WireHeaders(
                 shape=tuple(chunk.view.shape),
@@ -152,6 +208,9 @@ async def run_chunks(
                 position=base_position + chunk.position,
             )
             encode_s = time.perf_counter() - started
+            if linked:
+                wire = memoryview(body).nbytes
+                auto.observe_encoding(policy, chunk.view.nbytes, wire, encoding, sum(work_s))  # type: ignore[union-attr]
             await slots.acquire()
             tg.start_soon(send, chunk.index, headers, body, encode_s)
     if failures:

@@ -62,6 +62,7 @@ from meshnet_runtime.http_server import (
     RequestContext,
 )
 from meshnet_runtime.lifecycle import server_settings, server_tls
+from meshnet_runtime.link import LinkAwareAuto
 from meshnet_runtime.metrics import METRICS_CONTENT_TYPE, ServerMetrics
 from meshnet_runtime.transports import client_ssl_context, listen
 
@@ -121,6 +122,10 @@ class NodeApp:
                 ssl_context=client_ssl_context(config.tls_ca) if config.next.tls else None,
                 metrics=self.metrics,
             )
+        # --encoding auto toward --next also weighs the link's speed.
+        self.auto: LinkAwareAuto | None = None
+        if self.downstream is not None and config.encoding == "auto":
+            self.auto = LinkAwareAuto(self.downstream.link)
         self._wakeups: dict[str, anyio.Event] = {}
         self._outcomes: dict[int, _Outcome] = {}
 
@@ -236,13 +241,21 @@ class NodeApp:
     async def _deliver(
         self, ticket: Ticket, headers: WireHeaders, output: Any, deadline: Deadline
     ) -> ActivationReply:
+        policy = self.config.encoding
+        work_s: list[float] = []
+        if self.auto is not None:
+            policy = self.auto.policy(output.nbytes)
         dtype, encoding, body = await self.codecs.encode(
             output,
             dtype_policy=self.config.wire_dtype,
-            encoding_policy=self.config.encoding,
+            encoding_policy=policy,
             request_encoding=headers.encoding,
             level=self.config.zstd_level,
+            timed=work_s.append if self.auto is not None else None,
         )
+        if self.auto is not None:
+            wire = memoryview(body).nbytes
+            self.auto.observe_encoding(policy, output.nbytes, wire, encoding, sum(work_s))
         out = headers.replace(
             shape=tuple(output.shape),
             dtype=dtype,
@@ -324,6 +337,7 @@ class NodeApp:
             },
             "wire_dtype": self.config.wire_dtype,
             "encoding": self.config.encoding,
+            "auto_encoding": self.auto.describe() if self.auto is not None else None,
             "sessions": len(self.table),
         }
 

@@ -5,20 +5,32 @@ A stage is what ``NodeApp`` awaits on every chunk it admits: see
 session, where the chunk starts in it, its index in the run), and is told
 when a session ends, so a stage with per-session state (a model's KV cache,
 ``meshnet_node.model_stage``) can keep and free it. The stubs here (``echo``,
-``zeros``) are plain functions of the tensor, wrapped in ``Stage``.
+``zeros``, and ``count``: echo that counts its runs per chunk, for fault and
+load tests) are plain functions of the tensor, wrapped in ``Stage``.
 """
 
 from __future__ import annotations
 
 import inspect
+from collections import Counter
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import anyio
 import numpy as np
 
-__all__ = ["BACKENDS", "Stage", "StageBackend", "StageContext", "echo", "make_stage", "zeros"]
+__all__ = [
+    "BACKENDS",
+    "ChunkKey",
+    "CountingStage",
+    "Stage",
+    "StageBackend",
+    "StageContext",
+    "echo",
+    "make_stage",
+    "zeros",
+]
 
 StageFn = Callable[[np.ndarray], np.ndarray | Awaitable[np.ndarray]]
 
@@ -33,7 +45,10 @@ def zeros(tensor: np.ndarray) -> np.ndarray:
     return np.zeros_like(tensor)
 
 
-BACKENDS: dict[str, StageFn] = {"echo": echo, "zeros": zeros}
+BACKENDS: dict[str, StageFn] = {"echo": echo, "zeros": zeros, "count": echo}
+
+# (session, chunk index, position): which chunk a stage run is for.
+ChunkKey = tuple[str, int, int]
 
 
 @dataclass(frozen=True, slots=True)
@@ -113,7 +128,35 @@ class Stage:
         return {"backend": self.name, "delay_ms": self.delay_ms}
 
 
+@dataclass(slots=True)
+class CountingStage(Stage):
+    """``echo`` that counts how often it ran each chunk (``--backend count``).
+
+    The proof behind "no stage runs a chunk twice" under retries and replays:
+    ``runs[(session, index, position)]`` must never exceed 1. For tests and
+    diagnostics only: it keeps one counter entry per chunk ever run.
+    """
+
+    runs: Counter[ChunkKey | None] = field(default_factory=Counter)
+
+    async def __call__(self, tensor: np.ndarray, context: StageContext | None = None) -> np.ndarray:
+        key = None if context is None else (context.session, context.index, context.position)
+        self.runs[key] += 1
+        return await Stage.__call__(self, tensor, context)
+
+    def describe(self) -> dict[str, Any]:
+        # Bounded summary (not the table itself) for /info.
+        return {
+            **Stage.describe(self),
+            "runs": sum(self.runs.values()),
+            "chunks": len(self.runs),
+            "max_runs_per_chunk": max(self.runs.values(), default=0),
+        }
+
+
 def make_stage(name: str, delay_ms: float = 0.0) -> Stage:
+    if name == "count":
+        return CountingStage(name, echo, delay_ms)
     try:
         return Stage(name, BACKENDS[name], delay_ms)
     except KeyError:

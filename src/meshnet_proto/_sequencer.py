@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, Protocol, TypeAlias
@@ -249,6 +249,11 @@ def _unknown(message: str) -> SequencingError:
     return SequencingError(message, code="session_unknown", header=_SESSION)
 
 
+# The stored-bytes ledger is purged of stale entries when it reaches this
+# size, then each time it doubles.
+_PURGE_MIN = 1024
+
+
 class SessionTable:
     """The sessions of one node and the order of their chunks (SPEC §3).
 
@@ -290,6 +295,7 @@ class SessionTable:
         # purged lazily (they hold no response, only a count).
         self._stored: dict[int, tuple[Ticket, int]] = {}
         self._stored_bytes = 0
+        self._purge_at = _PURGE_MIN
 
     # -- queries ---------------------------------------------------------------
 
@@ -435,10 +441,20 @@ class SessionTable:
         self._hold(ticket, nbytes)
 
     def _hold(self, ticket: Ticket, nbytes: int) -> None:
+        # A reforwarded chunk comes back here with the same serial: its old
+        # entry (the kept output) is replaced, not counted twice.
+        replaced = self._stored.pop(ticket.serial, None)
+        if replaced is not None:
+            self._stored_bytes -= replaced[1]
         if nbytes > 0:
             self._stored[ticket.serial] = (ticket, nbytes)
             self._stored_bytes += nbytes
             self._keep_budget()
+            # Backstop for entries no _release saw (a record replaced in
+            # place): purge when the ledger doubles, amortised O(1) per entry.
+            if len(self._stored) >= self._purge_at:
+                self._purge_stored()
+                self._purge_at = max(_PURGE_MIN, 2 * len(self._stored))
 
     @property
     def stored_bytes(self) -> int:
@@ -643,6 +659,7 @@ class SessionTable:
     def _process(self, s: _Session, h: _Headers, fp: bytes) -> Process:
         if s.shape is None:  # chunk 0 opens a run; the last run's records go (SPEC §3)
             s.shape = _run_shape(h)
+            self._release(s.last_records.values())
             s.last_records = {}
         assert h.chunk_index is not None
         ticket = Ticket(
@@ -714,10 +731,26 @@ class SessionTable:
 
     def _drop(self, sid: str) -> None:
         waiters = self._waiting.pop(sid, {})
-        if self._sessions.pop(sid, None) is None:
+        s = self._sessions.pop(sid, None)
+        if s is None:
             self._pending -= len(waiters)
-        elif self._on_forget is not None:
-            self._on_forget(sid)
+        else:
+            self._release(itertools.chain(s.records.values(), s.last_records.values()))
+            if self._on_forget is not None:
+                self._on_forget(sid)
+
+    def _release(self, records: Iterable[_Record]) -> None:
+        """Records that go: their entries in the stored-bytes ledger go with them.
+
+        Without this the ledger would keep one entry (a ticket) per answer
+        ever stored until the next lazy purge, which with the default budget
+        may be hundreds of thousands of entries away: a slow leak under
+        sessions that come and go (found by the soak, ``meshnet_bench.soak``).
+        """
+        for record in records:
+            held = self._stored.pop(record.ticket.serial, None)
+            if held is not None:
+                self._stored_bytes -= held[1]
 
     def _remove_waiter(self, waiter: Waiter) -> bool:
         group = self._waiting.get(waiter.session)
@@ -788,4 +821,4 @@ class SessionTable:
             for index in [
                 i for i, r in records.items() if 0 < i < floor and r.phase not in _IN_FLIGHT
             ]:
-                del records[index]
+                self._release((records.pop(index),))

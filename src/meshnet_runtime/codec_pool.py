@@ -109,11 +109,19 @@ class CodecPool:
         encoding_policy: EncodingPolicy | str = EncodingPolicy.MIRROR,
         request_encoding: str = "identity",
         level: int = 1,
+        timed: Callable[[float], None] | None = None,
     ) -> tuple[str, str, bytes | memoryview]:
-        """``encode_for_wire``: (wire dtype, encoding, body), off-loop when large."""
+        """``encode_for_wire``: (wire dtype, encoding, body), off-loop when large.
+
+        ``timed(seconds)`` is told the CPU time the encoding itself took (not
+        the wait for a worker thread, the event loop or the GIL, which under
+        load dwarf it): what a sender weighing compression against its link
+        needs (``meshnet_runtime.link``).
+        """
 
         def work() -> tuple[str, str, bytes | memoryview]:
             start = time.perf_counter()
+            cpu_start = time.thread_time()
             try:
                 return encode_for_wire(
                     array,
@@ -125,6 +133,8 @@ class CodecPool:
                 )
             finally:
                 self._observe("encode", start)
+                if timed is not None:
+                    timed(time.thread_time() - cpu_start)
 
         trivial = (
             WireDtypePolicy(dtype_policy) is WireDtypePolicy.KEEP

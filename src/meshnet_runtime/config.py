@@ -32,7 +32,7 @@ Role = Literal["node", "gateway"]
 
 WIRE_DTYPES = ("keep", "float32", "bfloat16", "float16", "auto-lossless")
 ENCODINGS = ("mirror", "identity", "zstd", "auto")
-BACKENDS = ("echo", "zeros")
+BACKENDS = ("echo", "zeros", "count")
 MODEL_DTYPES = ("keep", "float32", "bfloat16", "float16")
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 
@@ -82,6 +82,8 @@ class ServerConfig:
     model_name: str | None = None  # the id /v1/models shows (default: the directory's name)
     max_tokens_default: int = 256  # completion length when a request names none
     max_context: int = 0  # 0: the checkpoint's max_position_embeddings
+    retries: int = 2
+    retry_backoff_ms: float = 50.0
 
     @property
     def limits(self) -> Limits:
@@ -248,6 +250,8 @@ _GATEWAY: list[_Flag] = [
     ("--model-name", _nonempty, None, "model id in the OpenAI API (default: directory name)"),
     ("--max-tokens-default", positive_int, 256, "completion tokens when a request names none"),
     ("--max-context", _nonnegative_int, 0, "context length (0: the checkpoint's config.json)"),
+    ("--retries", _nonnegative_int, 2, "extra attempts of a chunk whose connection or hop failed"),
+    ("--retry-backoff-ms", _millis, 50.0, "first retry's backoff, ms (doubles per retry)"),
 ]
 
 

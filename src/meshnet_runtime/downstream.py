@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import ssl
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -34,6 +35,7 @@ from meshnet_proto import (
 
 from .deadlines import DEFAULT_MARGIN, Deadline
 from .endpoints import Endpoint, parse_endpoint
+from .link import LinkEstimate
 from .metrics import ServerMetrics
 from .transports import coalesce, connect
 
@@ -90,6 +92,8 @@ class DownstreamPool:
         self._slots = anyio.Semaphore(max_connections)
         self._idle: list[tuple[ByteStream, ClientConnection]] = []
         self._closed = False
+        # How fast answers arrive from this downstream (for --encoding auto).
+        self.link = LinkEstimate()
 
     @property
     def url(self) -> str:
@@ -197,6 +201,8 @@ class DownstreamPool:
         read_size = min(BODY_READ_SIZE, max(READ_SIZE, body_nbytes))
         try:
             received = 0
+            first_read_at = 0.0  # bytes after the first read waited for the link
+            after_first = 0
             try:
                 for part in coalesce(build(conn)):
                     if len(part):
@@ -221,6 +227,10 @@ class DownstreamPool:
                             data = await stream.receive(read_size)
                         except anyio.EndOfStream:
                             data = b""
+                        if received:
+                            after_first += len(data)
+                        elif data:
+                            first_read_at = time.perf_counter()
                         received += len(data)
                         conn.receive_data(data)
                         continue
@@ -236,8 +246,10 @@ class DownstreamPool:
             if not isinstance(event, (ActivationResponse, ErrorResponse, Response)):
                 raise self._error(f"unexpected event {type(event).__name__}",
                                   "downstream_bad_response")  # fmt: skip
-            if self.metrics and isinstance(event, ActivationResponse):
-                self.metrics.labelled(self.metrics.bytes_in, "downstream").inc(len(event.body))
+            if isinstance(event, ActivationResponse):
+                self.link.observe(received, after_first, time.perf_counter() - first_read_at)
+                if self.metrics:
+                    self.metrics.labelled(self.metrics.bytes_in, "downstream").inc(len(event.body))
             if conn.reusable and not self._closed:
                 conn.start_next_cycle()
                 keep = True

@@ -211,9 +211,13 @@ class HttpServer:
     ) -> None:
         """Accept until :meth:`request_shutdown`, then drain and return.
 
-        Shutdown: stop accepting; idle keep-alive connections close; requests
-        already in flight get ``shutdown_timeout`` to finish, new ones on open
-        connections get 503 ``shutting_down``; whatever is left is cancelled.
+        Shutdown: idle keep-alive connections close; requests already in
+        flight get ``shutdown_timeout`` to finish. Until they have, the
+        listener stays open and every new request — on a new connection or an
+        open one — is answered 503 ``shutting_down`` with ``Retry-After``, so
+        a sender learns to back off instead of meeting a refused connection
+        it cannot tell from a crash. Then the listener closes; whatever is
+        left is cancelled.
         """
         self.url = bound.url
         async with anyio.create_task_group() as connections:
@@ -223,14 +227,20 @@ class HttpServer:
             task_status.started(bound.url)
             await self._shutdown.wait()
             self.draining = True
+            for connection in list(self._connections):
+                connection.close_if_idle()
+            with anyio.move_on_after(self.settings.shutdown_timeout) as drain:
+                # Only requests in flight hold the drain open: a stream of new
+                # connections (each rejected at once) must not prolong it.
+                while self._connections:
+                    self._all_closed = anyio.Event()
+                    await self._all_closed.wait()
             accepting.cancel()
             with anyio.CancelScope(shield=True):
                 await accepted.wait()  # closing a listener under accept() is an error
                 await bound.aclose()
-            for connection in list(self._connections):
-                connection.close_if_idle()
-            with anyio.move_on_after(self.settings.shutdown_timeout):
-                while self._connections or self._rejecting:
+            with anyio.move_on_after(max(drain.deadline - anyio.current_time(), 0)):
+                while self._rejecting:
                     self._all_closed = anyio.Event()
                     await self._all_closed.wait()
             connections.cancel_scope.cancel()

@@ -1,0 +1,77 @@
+"""When and how soon the gateway sends a chunk again (``--retries``, ``--retry-backoff-ms``).
+
+A retransmission is safe because of SPEC §3's replay rule: every chunk
+carries its session, index and position, so a node that already ran the
+stage on it replays its stored answer (or forwards its stored output again,
+or joins the original still in flight) instead of running the stage twice.
+What is *not* safe to retry is anything the chain refused on purpose: a 4xx
+says the chunk itself is wrong, and sending it again cannot change that.
+
+Retried, while the request's deadline leaves room for the wait:
+
+* the connection to the entry node failed — refused, reset, or closed before
+  the whole answer came back (502 ``downstream_unreachable`` raised by the
+  pool): the request may or may not have arrived, and either is fine;
+* an answer of 502, 503 or 504 from the chain: a node below could not reach
+  its own downstream, was full or shutting down, or ran out of time on a hop
+  that may answer now. A 503's ``Retry-After`` is honoured when it fits.
+
+Not retried: 4xx answers, a garbled answer (``downstream_bad_response`` of
+our own pool: the peer is not speaking wire 2), a spent deadline.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+from meshnet_proto import ErrorResponse, MeshnetError
+
+__all__ = ["MIN_ATTEMPT_SECONDS", "RETRYABLE_STATUSES", "RetryPolicy"]
+
+RETRYABLE_STATUSES = frozenset({502, 503, 504})
+# A downstream's Retry-After may ask for a long pause; a chunk never waits
+# longer than this for one retry (the deadline bounds it further).
+MAX_SINGLE_WAIT = 5.0
+# A retry is worth sending only with this much of the deadline left after the
+# wait: each hop keeps a margin (0.1 s) for its own answer, so less than this
+# could only end in a 504 that says less than the failure we already have.
+MIN_ATTEMPT_SECONDS = 0.25
+
+
+@dataclass(frozen=True, slots=True)
+class RetryPolicy:
+    """``retries`` extra attempts after the first; exponential backoff with jitter.
+
+    The wait before retry ``n`` (1-based) is drawn from
+    ``[b·2^(n-1)/2, b·2^(n-1)]`` with ``b = backoff`` seconds ("equal jitter":
+    many sessions failing at once do not come back in lockstep), raised to a
+    503's ``Retry-After`` when one was sent, and capped at ``MAX_SINGLE_WAIT``.
+    """
+
+    retries: int = 2
+    backoff: float = 0.05
+
+    def __post_init__(self) -> None:
+        if self.retries < 0:
+            raise ValueError(f"retries must be >= 0, got {self.retries}")
+        if self.backoff < 0:
+            raise ValueError(f"backoff must be >= 0, got {self.backoff}")
+
+    def delay(self, attempt: int, retry_after: int | None = None) -> float:
+        """Seconds to wait before retry number ``attempt`` (1 = the first retry)."""
+        base = self.backoff * 2 ** (attempt - 1)
+        wait = random.uniform(base / 2, base) if base > 0 else 0.0
+        if retry_after is not None:
+            wait = max(wait, float(retry_after))
+        return min(wait, MAX_SINGLE_WAIT)
+
+    @staticmethod
+    def retryable(failure: MeshnetError | ErrorResponse) -> bool:
+        """Whether sending the identical chunk again is both safe and useful."""
+        if isinstance(failure, ErrorResponse):
+            return failure.status in RETRYABLE_STATUSES
+        # Raised by our own pool: only a lost connection. A 504 of the pool
+        # means the deadline is spent; bad_response means a peer that does
+        # not speak wire 2, which a second try will not fix.
+        return failure.code == "downstream_unreachable"
