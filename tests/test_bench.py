@@ -37,6 +37,10 @@ KEYS = {
     "identity_decode_us_64mib": float,
     "zstd_ratio_bf16": float,
     "relay_rss_over_payload": float,
+    "concurrency_scaling_64": float,
+    "model_split2_over_single_decode": float,
+    "model_split2_over_single_prefill": float,
+    "model_decode_wire_share": float,
 }
 
 

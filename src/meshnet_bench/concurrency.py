@@ -18,6 +18,7 @@ from ._result import BenchOptions, SectionResult
 __all__ = ["run"]
 
 LEVELS = (1, 8, 64)
+KEYS = ("concurrency_scaling_64", *(f"concurrency_mib_s_{n}" for n in LEVELS))
 
 
 def _sizes(options: BenchOptions) -> tuple[int, int, int, int]:

@@ -40,6 +40,20 @@ from meshnet_runtime.downstream import DownstreamPool
 
 __all__ = ["run"]
 
+KEYS = (
+    "model_split2_over_single_prefill",
+    "model_split2_over_single_decode",
+    "model_split3_over_single_prefill",
+    "model_split3_over_single_decode",
+    "model_split2_pipelined_prefill_over_single",
+    "model_split3_pipelined_prefill_over_single",
+    "model_decode_wire_share",
+    "model_split3_decode_wire_share",
+    "model_single_prefill_tokens_per_s",
+    "model_single_decode_tokens_per_s",
+    "model_splits_bit_identical",
+)
+
 
 @dataclass(frozen=True, slots=True)
 class _Plan:

@@ -27,7 +27,16 @@ __all__ = ["SECTIONS", "TARGETS", "main", "run_sections"]
 
 # Module names under meshnet_bench, in running order. Sections are
 # independent: each starts and stops its own servers.
-SECTIONS: tuple[str, ...] = ("wire", "hop", "decode", "pipeline", "codec", "memory")
+SECTIONS: tuple[str, ...] = (
+    "wire",
+    "hop",
+    "decode",
+    "pipeline",
+    "codec",
+    "memory",
+    "concurrency",
+    "model",
+)
 
 # key -> (comparison, bound): the floors. Printed next to the figures.
 TARGETS: dict[str, tuple[str, float]] = {
