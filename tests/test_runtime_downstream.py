@@ -146,6 +146,30 @@ async def test_stale_pooled_connection_is_retried_once() -> None:
 
 
 @pytest.mark.anyio
+async def test_the_retry_uses_a_new_connection_not_another_stale_one() -> None:
+    # A server closes every idle keep-alive connection at its head timeout, so
+    # when one pooled connection is stale its idle siblings usually are too:
+    # retrying on the next pooled one was a 502 for a healthy downstream.
+    async with anyio.create_task_group() as tg:
+        url = await fake_downstream(tg, OK, close_after=True)
+        pool = DownstreamPool(url)
+        answers: list[object] = []
+
+        async def one() -> None:
+            answers.append(await pool.forward(HEADERS, BODY, Deadline.after(10)))
+
+        async with anyio.create_task_group() as burst:
+            for _ in range(3):
+                burst.start_soon(one)
+        assert len(pool._idle) == 3  # three pooled, all about to go stale
+        await anyio.sleep(0.05)  # let the closes arrive
+        response = await pool.forward(HEADERS, BODY, Deadline.after(10))
+        assert isinstance(response, ActivationResponse)
+        assert all(isinstance(a, ActivationResponse) for a in answers)
+        tg.cancel_scope.cancel()
+
+
+@pytest.mark.anyio
 async def test_spent_deadline_is_504_before_sending() -> None:
     pool = DownstreamPool("http://127.0.0.1:9")
     with pytest.raises(DownstreamError) as exc:

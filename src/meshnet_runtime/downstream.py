@@ -161,7 +161,10 @@ class DownstreamPool:
             with anyio.fail_after(max(deadline.remaining(), 0)):
                 async with self._slots:
                     for attempt in (1, 2):
-                        pooled = bool(self._idle)
+                        # The retry opens a new connection: a server closes
+                        # idle connections at its head timeout, so the stale
+                        # one's idle siblings are likely stale too.
+                        pooled = attempt == 1 and bool(self._idle)
                         try:
                             return await self._once(build, body_nbytes, pooled)
                         except _Stale as exc:
