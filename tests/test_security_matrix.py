@@ -149,7 +149,7 @@ def node_rows(target: str) -> list[Row]:
             "bad_integer",
             "x-meshnet-chunk-index",
         )
-    for name, value in integer[:6]:
+    for name, value in integer:
         row(
             f"total_{name}",
             lambda s, v=value: replacing(wire(s), b"X-Meshnet-Chunk-Total", v),
@@ -157,7 +157,7 @@ def node_rows(target: str) -> list[Row]:
             "bad_integer",
             "x-meshnet-chunk-total",
         )
-    for name, value in integer[:3]:
+    for name, value in integer:
         row(
             f"position_{name}",
             lambda s, v=value: [*wire(s), (b"X-Meshnet-Position", v)],
@@ -172,6 +172,55 @@ def node_rows(target: str) -> list[Row]:
             "bad_integer",
             "x-meshnet-deadline-ms",
         )
+    # The other headers of SPEC §2: empty, repeated, conflicting, odd values.
+    for name, pairs_of, status, code, header in [
+        ("wire_empty", lambda s: replacing(wire(s), b"X-Meshnet-Wire", b""), 400,
+         "wire_version_mismatch", "x-meshnet-wire"),
+        ("wire_leading_zero", lambda s: replacing(wire(s), b"X-Meshnet-Wire", b"02"), 400,
+         "wire_version_mismatch", "x-meshnet-wire"),
+        ("wire_sign", lambda s: replacing(wire(s), b"X-Meshnet-Wire", b"+2"), 400,
+         "wire_version_mismatch", "x-meshnet-wire"),
+        ("wire_30_digits", lambda s: replacing(wire(s), b"X-Meshnet-Wire", b"2" * 30), 400,
+         "wire_version_mismatch", "x-meshnet-wire"),
+        ("wire_non_ascii", lambda s: replacing(wire(s), b"X-Meshnet-Wire", "\u0662".encode()),
+         400, "wire_version_mismatch", "x-meshnet-wire"),
+        ("wire_conflicting", lambda s: [*wire(s), (b"X-Meshnet-Wire", b"1")], 400,
+         "duplicate_header", "x-meshnet-wire"),
+        ("encoding_empty", lambda s: wire(s, encoding=b""), 400, "bad_encoding",
+         "x-meshnet-encoding"),
+        ("encoding_repeated", lambda s: [*wire(s, encoding=b"identity"),
+                                         (b"X-Meshnet-Encoding", b"identity")],
+         400, "duplicate_header", "x-meshnet-encoding"),
+        ("encoding_non_ascii", lambda s: wire(s, encoding="zst\u0434".encode()), 400,
+         "bad_encoding", "x-meshnet-encoding"),
+        ("dtype_conflicting", lambda s: [*wire(s), (b"X-Meshnet-Dtype", b"int32")], 400,
+         "duplicate_header", "x-meshnet-dtype"),
+        ("position_repeated", lambda s: [*wire(s, position=0), (b"X-Meshnet-Position", b"0")],
+         400, "duplicate_header", "x-meshnet-position"),
+        ("deadline_conflicting", lambda s: [*wire(s), (b"X-Meshnet-Deadline-Ms", b"5"),
+                                            (b"X-Meshnet-Deadline-Ms", b"6")],
+         400, "duplicate_header", "x-meshnet-deadline-ms"),
+        ("content_type_empty", lambda s: replacing(wire(s), b"Content-Type", b""), 415,
+         "unsupported_media_type", "content-type"),
+        ("content_type_repeated", lambda s: [*wire(s), (b"Content-Type",
+                                                        b"application/octet-stream")],
+         400, "duplicate_header", "content-type"),
+        ("content_type_conflicting", lambda s: [*wire(s), (b"Content-Type", b"text/plain")],
+         400, "duplicate_header", "content-type"),
+        ("content_type_non_ascii", lambda s: replacing(wire(s), b"Content-Type",
+                                                       "application/\u00f6ctet-stream".encode()),
+         415, "unsupported_media_type", "content-type"),
+    ]:  # fmt: skip
+        row(name, pairs_of, status, code, header)
+    for name, value, status, code in [
+        ("content_length_empty", b"", 400, "bad_framing"),
+        ("content_length_sign_minus", b"-64", 400, "bad_framing"),
+        ("content_length_inner_space", b"6 4", 400, "bad_framing"),
+        ("content_length_non_ascii", "\u0666\u0664".encode(), 400, "bad_framing"),
+        ("content_length_hex", b"0x40", 400, "bad_framing"),
+        ("content_length_leading_zeros", b"00064", 200, None),
+    ]:
+        rows.append(Row(f"{target}:{name}", target, one(wire, length=value), status, code))
     for header, code in [
         (b"X-Meshnet-Shape", "missing_header"),
         (b"X-Meshnet-Dtype", "missing_header"),
