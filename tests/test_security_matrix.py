@@ -928,6 +928,28 @@ def test_ten_thousand_sessions_at_once_are_bounded(procs: Procs) -> None:
     valid_chunk_round_trip(procs.urls["gateway"])
 
 
+def test_a_session_flood_at_the_gateway_is_bounded_too(procs: Procs) -> None:
+    url = procs.urls["gateway"]
+
+    def open_one(session: str) -> tuple[str, int, str | None, bytes | None]:
+        pairs = [*wire(None, index=None, total=None), (b"X-Meshnet-Session", session.encode())]
+        answer = send(url, request(pairs))
+        return session, answer.status, answer.code, answer.headers.get(b"retry-after")
+
+    with concurrent.futures.ThreadPoolExecutor(16) as pool:
+        results = list(pool.map(open_one, [new_session() for _ in range(3 * MAX_SESSIONS)]))
+    admitted = [s for s, status, _, _ in results if status == 200]
+    assert 0 < len(admitted) <= MAX_SESSIONS
+    for _, status, code, retry in results:
+        if status != 200:
+            assert (status, code) == (503, "sessions_full") and retry is not None
+    # The client's DELETE frees its sessions at the gateway and down the chain.
+    for session in admitted:
+        delete = f"DELETE /sessions/{session} HTTP/1.1\r\nHost: n\r\nConnection: close\r\n\r\n"
+        assert send(url, delete.encode()).status == 204
+    valid_chunk_round_trip(url)
+
+
 # ------------------------------------------------------------- slow clients
 
 
@@ -978,7 +1000,7 @@ def test_headers_one_byte_a_second_get_408_and_leave_no_task(procs: Procs) -> No
 
 def fill_until_blocked(sock: socket.socket, make: Callable[[], bytes], limit: int) -> int:
     """Pipeline requests from ``make()`` without reading any answer, until a
-    send has been blocked for a second (the peer stopped reading) or ``limit``
+    send has been blocked for half a second (the peer stopped reading) or ``limit``
     bytes went out; the bytes sent."""
     sock.setblocking(False)
     sent = 0
@@ -988,7 +1010,7 @@ def fill_until_blocked(sock: socket.socket, make: Callable[[], bytes], limit: in
         try:
             count = sock.send(pending)
         except BlockingIOError:
-            _, writable, _ = select.select([], [sock], [], 1.0)
+            _, writable, _ = select.select([], [sock], [], 0.5)
             if not writable:
                 return sent
             continue
