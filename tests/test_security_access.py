@@ -6,6 +6,7 @@ throwaway CA; and a client or node with the wrong CA refused.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import hmac
 import signal
 import ssl
@@ -23,6 +24,7 @@ from gateway_support import spawn
 from meshnet_cli.__main__ import main as meshnet_main
 from meshnet_proto import NEED_DATA, ProtocolErrorReceived, ServerConnection
 from security_support import (
+    connect,
     exchange,
     get,
     new_session,
@@ -212,6 +214,7 @@ def client_context(ca: str) -> ssl.SSLContext:
 
 def test_tls_chain_gateway_node_node_end_to_end(pki: dict[str, str], tmp_path: Path) -> None:
     serve = ["--tls-cert", pki["cert"], "--tls-key", pki["key"], "--token", TOKEN]
+    serve += ["--head-timeout", "2"]
     trusted = client_context(pki["ca"])
     with processes() as procs:
         (last_url,) = spawn_together(procs, ("meshnet_node", serve, None))
@@ -259,6 +262,13 @@ def test_tls_chain_gateway_node_node_end_to_end(pki: dict[str, str], tmp_path: P
         # Plain HTTP to a TLS port gets no HTTP answer.
         raw = exchange(relay_url.replace("https://", "http://"), request(wire(new_session())))
         assert not raw.startswith(b"HTTP/1.1 200")
+        # A handshake that never finishes is bounded by the head timeout.
+        sock = connect(relay_url.replace("https://", "http://"))
+        with sock:
+            sock.sendall(b"\x16\x03\x01\x02\x00\x01\x00\x01\xfc\x03\x03")  # a ClientHello's start
+            sock.settimeout(20)  # 10 x the head timeout
+            with contextlib.suppress(ConnectionResetError):  # a reset is a close too
+                assert sock.recv(65536) == b""
         # The node with the wrong CA does not talk to the downstream it cannot verify.
         answer = send(wary_url, request(wire(new_session()), token=TOKEN), ssl_context=trusted)
         assert (answer.status, answer.code) == (502, "downstream_unreachable")
