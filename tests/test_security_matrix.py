@@ -1123,6 +1123,29 @@ GARBAGE = {
         "downstream_bad_response",
     ),
     "closes_at_once": (b"", "downstream_unreachable"),
+    "header_bomb": (b"HTTP/1.1 200 OK\r\nX-A: " + b"a" * (8 * MiB), "downstream_bad_response"),
+    "many_headers": (b"HTTP/1.1 200 OK\r\n" + b"X-A: a\r\n" * 100_000, "downstream_bad_response"),
+    "chunked_huge_chunk": (
+        b"HTTP/1.1 200 OK\r\nContent-Type: application/octet-stream\r\n"
+        b"X-Meshnet-Shape: 1,4,4\r\nX-Meshnet-Dtype: float32\r\n"
+        b"Transfer-Encoding: chunked\r\n\r\nffffffffff\r\n" + b"a" * MiB,
+        "downstream_bad_response",
+    ),
+    "json_error_of_a_gigabyte": (
+        b"HTTP/1.1 409 Conflict\r\nContent-Type: application/json\r\n"
+        b"Content-Length: 999999999\r\n\r\n" + b"{" * MiB,
+        "downstream_bad_response",
+    ),
+    "101_switching": (
+        b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: h2c\r\nConnection: Upgrade\r\n\r\n",
+        "downstream_bad_response",
+    ),
+    "200_shape_bomb": (
+        b"HTTP/1.1 200 OK\r\nContent-Type: application/octet-stream\r\n"
+        b"X-Meshnet-Shape: 65536,65536,65536\r\nX-Meshnet-Dtype: float32\r\n"
+        b"Content-Length: 64\r\n\r\n" + b"a" * 64,
+        "downstream_bad_response",
+    ),
 }
 
 
