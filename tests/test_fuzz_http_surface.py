@@ -35,7 +35,7 @@ def load_harness() -> ModuleType:
 harness = load_harness()
 REGRESSIONS = sorted((FUZZ / "regressions").glob("http-*.bin"))
 # A few seconds on the 2-core CI box; the long run is in fuzz/README.md.
-CI_RUNS = 600
+CI_RUNS = 400
 
 pytestmark = pytest.mark.anyio
 
