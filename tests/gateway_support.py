@@ -91,14 +91,19 @@ def clean_env() -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if not k.startswith("MESHNET_")}
 
 
-def spawn(module: str, *args: str, timeout: float = 30.0) -> tuple[subprocess.Popen[str], str]:
-    """Start ``python -m module`` as a user would; return it and its URL from the ready line."""
+def spawn(
+    module: str, *args: str, timeout: float = 30.0, env: dict[str, str] | None = None
+) -> tuple[subprocess.Popen[str], str]:
+    """Start ``python -m module`` as a user would; return it and its URL from the ready line.
+
+    ``env``: ``MESHNET_*`` variables to set (the test's own are never inherited).
+    """
     proc = subprocess.Popen(
         [sys.executable, "-m", module, "--port", "0", "--log-level", "warning", *args],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
-        env=clean_env(),
+        env={**clean_env(), **(env or {})},
     )
     assert proc.stdout is not None
     ready, _, _ = select.select([proc.stdout], [], [], timeout)

@@ -143,6 +143,10 @@ CASES: list[tuple[str, bytes, int, str, dict]] = [
         "malformed_request",
         {},
     ),
+    # h11 reads any "HTTP/d.d"; only 1.1 (and its subset 1.0) is served.
+    ("http_2_0_request_line", build(version=b"HTTP/2.0"), 400, "malformed_request", {}),
+    ("http_0_9_request_line", build(version=b"HTTP/0.9"), 400, "malformed_request", {}),
+    ("http_1_2_request_line", build(version=b"HTTP/1.2"), 400, "malformed_request", {}),
     # --- credentials, path, method (SPEC §2 order, §7)
     ("no_token", build(), 401, "unauthorized", {"token": TOKEN}),
     (

@@ -313,6 +313,32 @@ def test_non_spec_error_bodies_get_a_synthesised_error(body: bytes) -> None:
     )
 
 
+@pytest.mark.parametrize(
+    ("status", "relayed"),
+    [(b"500 Oops", 502), (b"404 Not Found", 404), (b"503 Busy", 503), (b"501 No", 501)],
+)
+def test_a_500_without_a_spec_body_is_garbage_502(status: bytes, relayed: int) -> None:
+    # A relaying node must not answer 500 (its own bug) for a downstream's garbage.
+    client = ClientConnection()
+    client.send_request("GET", "/health")
+    response = answer(client, response_bytes(status, [], b"<html>oops</html>"))
+    assert isinstance(response, ErrorResponse)
+    assert response.status == response.error["status"] == relayed
+    assert response.error["code"] == "downstream_bad_response"
+    assert response.to_error(hop="http://n:1").status == relayed
+
+
+def test_a_500_with_a_spec_body_is_relayed_as_500() -> None:
+    client = ClientConnection()
+    client.send_request("GET", "/health")
+    body = (
+        b'{"error":{"status":500,"code":"internal_error","message":"m","header":null,"hop":null}}'
+    )
+    response = answer(client, response_bytes(b"500 Internal Server Error", [], body))
+    assert isinstance(response, ErrorResponse)
+    assert (response.status, response.error["code"]) == (500, "internal_error")
+
+
 # ------------------------------------------------------------------ garbage and cut-offs
 
 

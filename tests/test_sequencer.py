@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -464,6 +465,55 @@ def test_capacity_retry_after_is_at_least_one_second() -> None:
     with pytest.raises(CapacityError) as err:
         node.offer(0, session=S2)
     assert err.value.retry_after == 1
+
+
+def test_a_full_table_does_not_rescan_every_session_per_refused_request(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Issue 5: 10,000 new sessions at once against a full table each cost a
+    # scan of max_sessions sessions; the verdict is reused until it can change.
+    sessions = 64
+    node = Node(Limits(max_sessions=sessions, session_ttl=100.0))
+    for i in range(sessions):
+        node.run(1, session=f"00000000-0000-4000-8000-{i:012d}")
+    scans = 0
+    busy = SessionTable._busy
+
+    def counting(self: SessionTable, s: object, now: float) -> bool:
+        nonlocal scans
+        scans += 1
+        return busy(self, s, now)
+
+    monkeypatch.setattr(SessionTable, "_busy", counting)
+    for attempt in range(1000):
+        node.now = 10.0 + attempt / 10_000  # all within the reuse window
+        with pytest.raises(CapacityError) as err:
+            node.head(0, session=S2)
+        assert err.value.retry_after == math.ceil(100.0 - node.now)
+    assert 0 < scans <= 2 * sessions  # one expire() and one min() scan, not 1000
+    # Past the window the table is looked at again (and still full).
+    before = scans
+    node.now = 12.0
+    with pytest.raises(CapacityError):
+        node.head(0, session=S2)
+    assert scans > before
+
+
+def test_a_busy_session_turning_idle_frees_its_slot_within_the_reuse_window() -> None:
+    node = Node(Limits(max_sessions=1, session_ttl=5.0, reorder_timeout=10.0))
+    t0 = node.process(0, position=0)
+    node.table.stage_done(t0, "out0", 0.0)
+    node.table.response_ready(t0, "resp0", 0.0)
+    node.offer(2, position=8)  # a waiter until 10.0: busy
+    node.now = 9.5
+    with pytest.raises(CapacityError):
+        node.offer(0, session=S2)  # verdict cached until at most 10.5
+    node.now = 10.2  # the waiter is overdue, the session idle 10.2 s > ttl
+    with pytest.raises(CapacityError):
+        node.offer(0, session=S2)  # still within the 1 s reuse window
+    node.now = 10.6
+    assert isinstance(node.offer(0, session=S2), Process)
+    assert S1 not in node.table
 
 
 def test_stale_tickets_after_end_session_are_ignored() -> None:

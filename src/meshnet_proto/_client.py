@@ -392,9 +392,10 @@ class ClientConnection:
             result = ActivationResponse(status=200, headers=wire, body=body, tensor=tensor)
         elif pending.kind is _Kind.ERROR:
             raw = bytes(body)
+            error = _error_object(pending.status, raw)
             result = ErrorResponse(
-                status=pending.status,
-                error=_error_object(pending.status, raw),
+                status=error["status"],
+                error=error,
                 raw=raw,
                 retry_after=_retry_after(pending.headers),
             )
@@ -434,7 +435,11 @@ def _error_object(status: int, raw: bytes) -> dict[str, Any]:
         }
     snippet = raw[:_SNIPPET].decode("utf-8", "replace")
     return {
-        "status": status,
+        # A 500 is a node's own bug (SPEC §4); one without a SPEC body is a
+        # downstream answering garbage, which is 502, so a relaying node never
+        # answers 500 for what is not its fault. Other statuses carry meaning
+        # for the sender (4xx, 503 + Retry-After) and are relayed as they are.
+        "status": 502 if status == 500 else status,
         "code": "downstream_bad_response",
         "message": f"downstream answered {status} without a SPEC §4 error body: {snippet!r}",
         "header": None,

@@ -28,6 +28,9 @@ import xxhash
 from ._errors import CapacityError, ProtocolError, SequencingError
 from ._limits import Limits
 
+# How long a full table's "no room" verdict is reused (SessionTable._make_room).
+_RESCAN_SECONDS = 1.0
+
 __all__ = [
     "SessionTable",
     "Ticket",
@@ -296,6 +299,9 @@ class SessionTable:
         self._stored: dict[int, tuple[Ticket, int]] = {}
         self._stored_bytes = 0
         self._purge_at = _PURGE_MIN
+        # _make_room's last verdict on a full table (see there).
+        self._full_rescan_at = -math.inf
+        self._full_soonest_at = -math.inf
 
     # -- queries ---------------------------------------------------------------
 
@@ -765,6 +771,14 @@ class SessionTable:
     def _make_room(self, now: float) -> None:
         if len(self._sessions) < self.limits.max_sessions:
             return
+        # A full table's scan visits every session: done for each refused
+        # request, a flood of new sessions would buy O(max_sessions) work per
+        # request (issue 5). Until the soonest expiry the last scan found, no
+        # idle session can expire (touching only moves expiry later); only a
+        # busy session turning idle can, so the verdict is reused for at most
+        # _RESCAN_SECONDS, less than the Retry-After (>= 1 s) a client gets.
+        if now < self._full_rescan_at:
+            raise self._full(self._full_soonest_at - now)
         self.expire(now)
         if len(self._sessions) < self.limits.max_sessions:
             return
@@ -773,7 +787,12 @@ class SessionTable:
         soonest = min(
             ttl if self._busy(s, now) else s.touched + ttl - now for s in self._sessions.values()
         )
-        raise CapacityError(
+        self._full_soonest_at = now + soonest
+        self._full_rescan_at = now + min(soonest, _RESCAN_SECONDS)
+        raise self._full(soonest)
+
+    def _full(self, soonest: float) -> CapacityError:
+        return CapacityError(
             f"this node holds {len(self._sessions)} sessions, its maximum",
             code="sessions_full",
             retry_after=max(1, math.ceil(soonest)),

@@ -172,6 +172,9 @@ class _BodyReader:
         return memoryview(self.buffer)[: self.filled]
 
 
+_HTTP_VERSIONS = frozenset({b"1.0", b"1.1"})
+
+
 def _unauthorized() -> ProtocolError:
     # A fixed message: never a hint of the token, nor of what was sent.
     return ProtocolError(
@@ -397,6 +400,14 @@ class ServerConnection:
                 f"request head over {self._limits.max_header_bytes} bytes",
                 code="header_block_too_large",
                 status=431,
+            )
+        # h11 reads any "HTTP/d.d" and would serve "HTTP/2.0" or "HTTP/0.9" as
+        # if it were 1.1; wire 2 is HTTP/1.1 (1.0 is its subset, RFC 9112).
+        if request.http_version not in _HTTP_VERSIONS:
+            raise ProtocolError(
+                f"HTTP/{request.http_version.decode('ascii')} is not spoken here; "
+                "wire 2 is HTTP/1.1",
+                code="malformed_request",
             )
         # h11 has validated both as visible ASCII.
         method = request.method.decode("ascii")

@@ -165,8 +165,9 @@ class DownstreamPool:
             with anyio.fail_after(max(deadline.remaining(), 0)):
                 async with self._slots:
                     for attempt in (1, 2):
-                        # The retry opens a fresh connection: the other pooled
-                        # ones have idled as long and are likely stale too.
+                        # The retry opens a new connection: a server closes
+                        # idle connections at its head timeout, so the stale
+                        # one's idle siblings are likely stale too.
                         pooled = attempt == 1 and bool(self._idle)
                         try:
                             return await self._once(build, body_nbytes, pooled)
