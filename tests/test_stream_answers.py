@@ -85,6 +85,8 @@ def test_stream_misuse_is_refused() -> None:
         conn.send_stream_start(204)
     with pytest.raises(ValueError):
         conn.send_stream_start(200, [(b"Content-Length", b"3")])
+    with pytest.raises(ValueError, match="not a valid response"):
+        conn.send_stream_start(200, [(b"Bad Name", b"x")])  # h11 refuses the header
     conn.send_stream_start(200)
     with pytest.raises(RuntimeError):
         conn.send_stream_start(200)  # answering twice
