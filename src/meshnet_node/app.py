@@ -453,12 +453,20 @@ async def serve_node(
     bound = await listen(host=config.host, port=config.port, uds=config.uds, tls=config.tls)
     try:
         async with anyio.create_task_group() as tg:
+            # Its own scope: a server that stops early (a test shutting one
+            # node of a chain down) must end the expiry loop, not cancel the
+            # caller's body, which runs inside this task group.
+            maintenance = anyio.CancelScope()
+
+            async def maintain() -> None:
+                with maintenance:
+                    await app.maintain()
 
             async def run(*, task_status: anyio.abc.TaskStatus[str]) -> None:
                 await server.serve(bound, task_status=task_status)
-                tg.cancel_scope.cancel()  # stops the expiry loop
+                maintenance.cancel()
 
-            tg.start_soon(app.maintain)
+            tg.start_soon(maintain)
             url = await tg.start(run)
             try:
                 yield RunningNode(url, app, server)
