@@ -26,13 +26,11 @@ from gateway_support import QUIET, activation, same_bits, spawn, stop
 from meshnet_gateway import Client, RemoteError, open_gateway
 from meshnet_gateway._retry import RetryPolicy
 from meshnet_node import RunningNode, serve_node
-from meshnet_node.app import build_node
 from meshnet_node.backends import CountingStage
 from meshnet_proto import DownstreamError, ErrorResponse, WireHeaders
 from meshnet_runtime.config import load_config
 from meshnet_runtime.deadlines import Deadline
 from meshnet_runtime.downstream import DownstreamPool
-from meshnet_runtime.transports import listen
 
 LIMIT = 30  # every wait is bounded: a hang fails the test, never the run
 
@@ -181,32 +179,6 @@ async def test_a_4xx_is_never_retried() -> None:
 # ------------------------------------------------------------------ graceful shutdown
 
 
-@contextlib.asynccontextmanager
-async def drainable_node(config) -> AsyncIterator[RunningNode]:  # type: ignore[no-untyped-def]
-    """A node whose shutdown does not cancel the block it runs in (``serve_node``
-    cancels its task group, and so the caller's code, when the server stops)."""
-    app, server = build_node(config)
-    bound = await listen(host="127.0.0.1", port=0)
-    upkeep = anyio.CancelScope()
-
-    async def maintain() -> None:
-        with upkeep:
-            await app.maintain()
-
-    try:
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(maintain)
-            url = await tg.start(server.serve, bound)
-            try:
-                yield RunningNode(url, app, server)
-            finally:
-                server.request_shutdown()
-                upkeep.cancel()
-    finally:
-        with anyio.CancelScope(shield=True):
-            await app.aclose()
-
-
 @pytest.mark.anyio
 async def test_draining_middle_node_finishes_in_flight_chunks_and_503s_new_ones() -> None:
     """Node 1 of gateway → node 1 → node 2 is asked to shut down while three
@@ -220,7 +192,7 @@ async def test_draining_middle_node_finishes_in_flight_chunks_and_503s_new_ones(
         async with contextlib.AsyncExitStack() as stack:
             enter = stack.enter_async_context
             last = await enter(serve_node(node_config("--delay-ms", "600")))
-            middle = await enter(drainable_node(node_config("--next", last.url)))
+            middle = await enter(serve_node(node_config("--next", last.url)))
             gateway = await enter(
                 open_gateway(
                     gateway_config(middle.url, "--retries", "1", "--retry-backoff-ms", "1")
