@@ -175,3 +175,27 @@ async def test_spent_deadline_is_504_before_sending() -> None:
     with pytest.raises(DownstreamError) as exc:
         await pool.forward(HEADERS, BODY, Deadline(anyio.current_time() - 1))
     assert (exc.value.status, exc.value.code, exc.value.hop) == (504, "deadline_exceeded", None)
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("expiry, reused", [(0.05, False), (60.0, True)])
+async def test_a_connection_idle_past_the_expiry_is_not_reused(expiry: float, reused: bool) -> None:
+    # A chunk without session and position may not be retried (it is not a
+    # replay), so a pooled connection the server closed at its idle timeout
+    # would fail it: the pool lets connections go before servers do.
+    unsafe = HEADERS.replace(session=None, position=None)
+    async with anyio.create_task_group() as tg:
+        url = await fake_downstream(tg, OK, close_after=True)
+        pool = DownstreamPool(url, keepalive_expiry=expiry)
+        assert isinstance(await pool.forward(unsafe, BODY, Deadline.after(10)), ActivationResponse)
+        assert len(pool._idle) == 1
+        await anyio.sleep(0.2)  # past the short expiry; the server has closed its side
+        if reused:
+            with pytest.raises(DownstreamError) as exc:
+                await pool.forward(unsafe, BODY, Deadline.after(10))
+            assert exc.value.code == "downstream_unreachable"
+        else:
+            answer = await pool.forward(unsafe, BODY, Deadline.after(10))
+            assert isinstance(answer, ActivationResponse)
+        await pool.aclose()
+        tg.cancel_scope.cancel()

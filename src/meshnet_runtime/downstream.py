@@ -49,6 +49,12 @@ READ_SIZE = 65536
 # h11 event each; meshnet bench, section hop). Transient: the response buffer
 # still commits memory as bytes arrive and is held to the headers' bound.
 BODY_READ_SIZE = 1024 * 1024
+# A pooled connection idle longer than this is closed, not reused. Servers
+# close idle keep-alive connections at their head timeout (10 s by default):
+# reusing one past that fails a request that may not be retried safely (a
+# chunk without session and position), so the client lets go first, as
+# httpx does with its keep-alive expiry.
+KEEPALIVE_EXPIRY = 5.0
 _STREAM_ERRORS = (
     anyio.EndOfStream,
     anyio.BrokenResourceError,
@@ -80,6 +86,7 @@ class DownstreamPool:
         margin: float = DEFAULT_MARGIN,
         metrics: ServerMetrics | None = None,
         connection_factory: Callable[[Endpoint], Any] | None = None,
+        keepalive_expiry: float = KEEPALIVE_EXPIRY,
     ) -> None:
         self.endpoint = parse_endpoint(endpoint) if isinstance(endpoint, str) else endpoint
         self.limits = limits or Limits()
@@ -90,7 +97,9 @@ class DownstreamPool:
         # Tests inject memory streams here; default: the real transports.
         self._open = connection_factory or self._connect
         self._slots = anyio.Semaphore(max_connections)
-        self._idle: list[tuple[ByteStream, ClientConnection]] = []
+        self.keepalive_expiry = keepalive_expiry
+        # Oldest first; each with the loop time it went idle.
+        self._idle: list[tuple[ByteStream, ClientConnection, float]] = []
         self._closed = False
         # How fast answers arrive from this downstream (for --encoding auto).
         self.link = LinkEstimate()
@@ -148,7 +157,7 @@ class DownstreamPool:
     async def aclose(self) -> None:
         self._closed = True
         idle, self._idle = self._idle, []
-        for stream, _ in idle:
+        for stream, _, _ in idle:
             await _aclose(stream)
 
     # ---------------------------------------------------------- internals
@@ -168,7 +177,7 @@ class DownstreamPool:
                         # The retry opens a new connection: a server closes
                         # idle connections at its head timeout, so the stale
                         # one's idle siblings are likely stale too.
-                        pooled = attempt == 1 and bool(self._idle)
+                        pooled = attempt == 1 and await self._has_fresh_idle()
                         try:
                             return await self._once(build, body_nbytes, pooled)
                         except _Stale as exc:
@@ -181,11 +190,20 @@ class DownstreamPool:
             raise self._error("no answer before the deadline", "downstream_timeout", 504) from None
         raise AssertionError("unreachable")
 
+    async def _has_fresh_idle(self) -> bool:
+        """Close the pooled connections idle past the expiry; any left?"""
+        expired_before = anyio.current_time() - self.keepalive_expiry
+        while self._idle and self._idle[0][2] < expired_before:
+            stream, _, _ = self._idle.pop(0)
+            with anyio.CancelScope(shield=True):
+                await _aclose(stream)
+        return bool(self._idle)
+
     async def _once(
         self, build: Callable[[ClientConnection], list[Any]], body_nbytes: int, pooled: bool
     ) -> ActivationResponse | ErrorResponse | Response:
         if pooled:
-            stream, conn = self._idle.pop()
+            stream, conn, _ = self._idle.pop()
         else:
             try:
                 stream = await self._open(self.endpoint)
@@ -257,7 +275,7 @@ class DownstreamPool:
             return event
         finally:
             if keep:
-                self._idle.append((stream, conn))
+                self._idle.append((stream, conn, anyio.current_time()))
             else:
                 with anyio.CancelScope(shield=True):
                     await _aclose(stream)
