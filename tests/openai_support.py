@@ -15,13 +15,14 @@ the last id (a random bigram table).
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
+from fault_support import Drop, fault_proxy
 from meshnet_gateway import open_gateway
 from meshnet_gateway.app import GatewayApp
 from meshnet_gateway.openai.testing import write_tokenizer
@@ -118,11 +119,13 @@ async def serve_openai(
     stages: int | list[Stage] = 2,
     gateway_flags: list[str] = (),  # type: ignore[assignment]
     node_flags: list[str] = (),  # type: ignore[assignment]
+    entry_drop: Callable[[bytes], Drop] | None = None,
 ) -> AsyncIterator[Served]:
     """Nodes (last first, each pointing at the next) and a gateway with --model.
 
     ``stages``: how many real model nodes to split the checkpoint over (an
-    even split of its layers), or fake stages to run instead.
+    even split of its layers), or fake stages to run instead. ``entry_drop``:
+    put a ``fault_proxy`` losing what it decides between gateway and entry.
     """
     async with AsyncExitStack() as stack:
         urls: list[str] = []
@@ -147,8 +150,11 @@ async def serve_openai(
                 apps.insert(0, node.app)
                 urls.insert(0, node.url)
                 next_url = node.url
+        entry = urls[0]
+        if entry_drop is not None:
+            entry = (await stack.enter_async_context(fault_proxy(entry, entry_drop))).url
         flags = [
-            "--port", "0", "--log-level", "warning", "--entry", urls[0],
+            "--port", "0", "--log-level", "warning", "--entry", entry,
             "--model", str(model_dir), *gateway_flags,
         ]  # fmt: skip
         gateway = await stack.enter_async_context(open_gateway(load_config("gateway", flags)))

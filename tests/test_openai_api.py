@@ -21,6 +21,7 @@ import numpy as np
 import openai
 import pytest
 
+from fault_support import drop_first_attempts
 from meshnet_gateway.openai.tokenizer import ModelTokenizer
 from meshnet_node.backends import Stage
 from meshnet_proto import CapacityError
@@ -127,6 +128,29 @@ async def test_greedy_completion_is_the_chains_output_chunked_and_freed(model_di
     for stage in stages:  # every stage computed each chunk and each step once
         assert stage.calls == prefill_chunks + 11
     assert served.gateway.inflight == 3
+
+
+async def test_lost_answers_are_retried_without_recomputing_a_token(model_dir: Path) -> None:
+    """The first answer to every chunk and decode step is lost between the
+    gateway and the entry node: the gateway sends it again (--retries), the
+    nodes replay (SPEC §3), the text is still the exact greedy walk, and no
+    stage ran any chunk twice (which would also have doubled its KV)."""
+    tokenizer = ModelTokenizer.load(model_dir)
+    prompt = "the quick brown fox"
+    prompt_ids = tokenizer.encode(prompt)
+    flags = ["--chunk-tokens", "4", "--inflight", "2", "--retries", "2",
+             "--retry-backoff-ms", "1"]  # fmt: skip
+    async with serve_openai(
+        model_dir, gateway_flags=flags, entry_drop=drop_first_attempts(1)
+    ) as served:
+        result = await in_thread(
+            client_for(served).completions.create, model="tiny-model", prompt=prompt,
+            max_tokens=6, temperature=0,
+        )  # fmt: skip
+        await sessions_freed(served)
+        calls = [node.stage.calls for node in served.nodes]
+    assert result.choices[0].text == tokenizer.decode(reference_greedy(model_dir, prompt_ids, 6))
+    assert calls == [math.ceil(len(prompt_ids) / 4) + 5] * 2
 
 
 async def test_streaming_matches_non_streaming_for_the_same_seed(model_dir: Path) -> None:

@@ -17,7 +17,6 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 import anyio
 import numpy as np
@@ -35,7 +34,7 @@ from meshnet_runtime.deadlines import Deadline
 from meshnet_runtime.downstream import DownstreamPool
 from meshnet_runtime.link import LinkAwareAuto
 
-from ._retry import MIN_ATTEMPT_SECONDS, RetryPolicy
+from ._retry import RetryPolicy, send_with_retries
 
 __all__ = ["ChunkResult", "RunResult", "run_chunks"]
 
@@ -127,7 +126,9 @@ async def run_chunks(
     async def send(index: int, headers: WireHeaders, body: object, encode_s: float) -> None:
         started = time.perf_counter()
         try:
-            response = await forward_with_retries(index, headers, body)
+            response = await send_with_retries(
+                pool, headers, body, deadline, retry, as_error=as_error, on_retry=on_retry
+            )
             _check_response(pool, headers, response.headers)
             tensor = await codecs.decode(response.headers, response.body)
             assembler.add(index, tensor)
@@ -147,40 +148,6 @@ async def run_chunks(
 
     def as_error(response: ErrorResponse) -> MeshnetError:
         return response.to_error(hop=pool.url) if relay is None else relay(response, pool.url)
-
-    async def forward_with_retries(index: int, headers: WireHeaders, body: object) -> Any:
-        attempt = 0
-        first: MeshnetError | None = None  # what made us retry, if we did
-        while True:
-            try:
-                response = await pool.forward(headers, body, deadline)  # type: ignore[arg-type]
-            except MeshnetError as exc:
-                if retry is None or not retry.retryable(exc):
-                    raise
-                error, retry_after = exc, None
-            else:
-                if not isinstance(response, ErrorResponse):
-                    return response
-                if retry is None or not retry.retryable(response):
-                    raise as_error(response)
-                error, retry_after = as_error(response), response.retry_after
-            if first is not None and error.status == 504:
-                # A retry cut short by what was left of the deadline must not
-                # hide the failure that caused it (which names the hop).
-                raise first
-            attempt += 1
-            if retry is None or attempt > retry.retries:
-                raise error
-            wait = retry.delay(attempt, retry_after)
-            if wait + MIN_ATTEMPT_SECONDS >= deadline.remaining():
-                raise error  # no time left for a useful attempt: the failure as it is
-            first = first or error
-            log.info("session %s chunk %d: %s %s (hop %s); retry %d of %d in %.0f ms",
-                     session, index, error.status, error.code, error.hop, attempt,
-                     retry.retries, wait * 1000)  # fmt: skip
-            if on_retry is not None:
-                on_retry(index, error)
-            await anyio.sleep(wait)
 
     async with anyio.create_task_group() as tg:
         for chunk in chunks:

@@ -22,12 +22,20 @@ our own pool: the peer is not speaking wire 2), a spent deadline.
 
 from __future__ import annotations
 
+import logging
 import random
+from collections.abc import Callable
 from dataclasses import dataclass
 
-from meshnet_proto import ErrorResponse, MeshnetError
+import anyio
 
-__all__ = ["MIN_ATTEMPT_SECONDS", "RETRYABLE_STATUSES", "RetryPolicy"]
+from meshnet_proto import ActivationResponse, ErrorResponse, MeshnetError, WireHeaders
+from meshnet_runtime.deadlines import Deadline
+from meshnet_runtime.downstream import DownstreamPool
+
+__all__ = ["MIN_ATTEMPT_SECONDS", "RETRYABLE_STATUSES", "RetryPolicy", "send_with_retries"]
+
+log = logging.getLogger("meshnet.gateway")
 
 RETRYABLE_STATUSES = frozenset({502, 503, 504})
 # A downstream's Retry-After may ask for a long pause; a chunk never waits
@@ -75,3 +83,61 @@ class RetryPolicy:
         # means the deadline is spent; bad_response means a peer that does
         # not speak wire 2, which a second try will not fix.
         return failure.code == "downstream_unreachable"
+
+
+async def send_with_retries(
+    pool: DownstreamPool,
+    headers: WireHeaders,
+    body: bytes | bytearray | memoryview,
+    deadline: Deadline,
+    retry: RetryPolicy | None,
+    *,
+    as_error: Callable[[ErrorResponse], MeshnetError] | None = None,
+    on_retry: Callable[[int, MeshnetError], None] | None = None,
+) -> ActivationResponse:
+    """Forward one chunk; send it again, identical, while ``retry`` allows.
+
+    Returns the chain's activation answer; raises the failure as
+    ``MeshnetError`` (``as_error`` turns an error answer into it; default:
+    SPEC §4's relay, ``response.to_error(hop=pool.url)``). A retry never
+    outlives ``deadline``; ``on_retry(chunk index, error)`` is told of each.
+    Both the wire-2 pipeline and the OpenAI generation loop send through here.
+    """
+    if as_error is None:
+
+        def as_error(response: ErrorResponse) -> MeshnetError:
+            return response.to_error(hop=pool.url)
+
+    index = headers.chunk_index if headers.chunk_index is not None else 0
+    attempt = 0
+    first: MeshnetError | None = None  # what made us retry, if we did
+    while True:
+        try:
+            response = await pool.forward(headers, body, deadline)
+        except MeshnetError as exc:
+            if retry is None or not retry.retryable(exc):
+                raise
+            error, retry_after = exc, None
+        else:
+            if not isinstance(response, ErrorResponse):
+                return response
+            if retry is None or not retry.retryable(response):
+                raise as_error(response)
+            error, retry_after = as_error(response), response.retry_after
+        if first is not None and error.status == 504:
+            # A retry cut short by what was left of the deadline must not
+            # hide the failure that caused it (which names the hop).
+            raise first
+        attempt += 1
+        if retry is None or attempt > retry.retries:
+            raise error
+        wait = retry.delay(attempt, retry_after)
+        if wait + MIN_ATTEMPT_SECONDS >= deadline.remaining():
+            raise error  # no time left for a useful attempt: the failure as it is
+        first = first or error
+        log.info("session %s chunk %d: %s %s (hop %s); retry %d of %d in %.0f ms",
+                 headers.session, index, error.status, error.code, error.hop, attempt,
+                 retry.retries, wait * 1000)  # fmt: skip
+        if on_retry is not None:
+            on_retry(index, error)
+        await anyio.sleep(wait)

@@ -425,6 +425,7 @@ def _openai_service(app: GatewayApp) -> OpenAIService:
             encoding=config.encoding,
             zstd_level=config.zstd_level,
             timeout=config.timeout,
+            retry=app.retry,
         )
 
     # Prompts the chain can take as one run: no more chunks than a run may have.

@@ -29,6 +29,7 @@ from meshnet_runtime.deadlines import Deadline
 from meshnet_runtime.downstream import DownstreamPool
 
 from .._pipeline import _check_response
+from .._retry import RetryPolicy, send_with_retries
 from .metrics import GenerationMetrics
 from .sampling import Sampler
 from .tokenizer import ModelTokenizer, TextStream
@@ -55,6 +56,10 @@ class ChainSettings:
     encoding: str  # the gateway's --encoding policy
     zstd_level: int
     timeout: float  # one chain call (a prefill, or one decode step)
+    # Lost connections and 502/503/504 are retried as on the wire-2 path
+    # (--retries): every chunk carries session and position, so a node that
+    # already ran it replays its answer (SPEC §3) and no KV entry is doubled.
+    retry: RetryPolicy | None = None
 
 
 class ChainSession:
@@ -108,9 +113,9 @@ class ChainSession:
             index = headers.chunk_index
             assert index is not None
             try:
-                response = await self.pool.forward(headers, body, deadline)
-                if isinstance(response, ErrorResponse):
-                    raise response.to_error(hop=self.pool.url)
+                response = await send_with_retries(
+                    self.pool, headers, body, deadline, settings.retry
+                )
                 _check_response(self.pool, headers, response.headers)
                 if index == len(chunks) - 1:
                     answers[index] = await self.codecs.decode(response.headers, response.body)
