@@ -26,6 +26,8 @@ and returns 0 (the ordinary path through h11) otherwise.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import h11
 
 try:  # the reader h11 uses for a Content-Length body
@@ -33,7 +35,7 @@ try:  # the reader h11 uses for a Content-Length body
 except ImportError:  # pragma: no cover - a future h11 without it: never bypass
     _ContentLengthReader = None
 
-__all__ = ["count_off", "pending_body_bytes"]
+__all__ = ["count_off", "pending_body_bytes", "take_body_bytes"]
 
 
 def pending_body_bytes(conn: h11.Connection) -> int:
@@ -53,3 +55,19 @@ def count_off(conn: h11.Connection, nbytes: int) -> None:
     (``nbytes`` <= :func:`pending_body_bytes`)."""
     reader = conn._reader  # type: ignore[attr-defined]
     reader._remaining -= nbytes
+
+
+def take_body_bytes(
+    conn: h11.Connection, data: bytes | bytearray | memoryview, sink: Callable[[memoryview], None]
+) -> bytes | bytearray | memoryview:
+    """Give ``sink`` the leading bytes of ``data`` that belong to the body h11
+    is reading and count them off h11's reader; return what is left for h11
+    (empty when the body took it all). Call only while h11 holds no unread
+    bytes: otherwise those come first, and ``data`` is not the body's next."""
+    take = min(pending_body_bytes(conn), len(data))
+    if not take:
+        return data
+    view = memoryview(data)
+    sink(view[:take])
+    count_off(conn, take)
+    return view[take:]

@@ -27,7 +27,7 @@ from typing import Any
 import h11
 import numpy as np
 
-from ._body_bypass import count_off, pending_body_bytes
+from ._body_bypass import take_body_bytes
 from ._codec import body_bound, decode_tensor
 from ._errors import DownstreamError, MeshnetError
 from ._events import (
@@ -243,14 +243,9 @@ class ClientConnection:
         if not data:
             self._eof = True
         elif self._h11_drained and self._pending is not None:
-            take = min(pending_body_bytes(self._h11), len(data))
-            if take:
-                view = memoryview(data)
-                self._on_data(view[:take])
-                count_off(self._h11, take)
-                if take == len(view):
-                    return
-                data = view[take:]
+            data = take_body_bytes(self._h11, data, self._on_data)
+            if not data:
+                return
         self._h11_drained = False
         self._h11.receive_data(data)  # type: ignore[arg-type]  # any bytes-like
 

@@ -26,7 +26,7 @@ from http import HTTPStatus
 import h11
 import numpy as np
 
-from ._body_bypass import count_off, pending_body_bytes
+from ._body_bypass import take_body_bytes
 from ._codec import body_bound, decode_tensor
 from ._errors import MeshnetError, ProtocolError, error_body
 from ._events import (
@@ -322,14 +322,9 @@ class ServerConnection:
             and body is not None
             and self._phase is _Phase.ACTIVATION_BODY
         ):
-            take = min(pending_body_bytes(self._h11), len(data))
-            if take:
-                view = memoryview(data)
-                body.add(view[:take])
-                count_off(self._h11, take)
-                if take == len(view):
-                    return
-                data = view[take:]
+            data = take_body_bytes(self._h11, data, body.add)
+            if not data:
+                return
         self._h11_drained = False
         self._h11.receive_data(data)  # type: ignore[arg-type]  # any bytes-like
 
@@ -591,12 +586,7 @@ class ServerConnection:
         if not isinstance(status, int) or not 200 <= status <= 599:
             raise ValueError(f"status must be a final status 200..599, got {status!r}")
         data = _as_byte_buffer(body)
-        pairs: list[tuple[bytes | str, bytes | str]] = []
-        for name, value in headers:
-            lowered = (name.encode() if isinstance(name, str) else name).lower()
-            if lowered in (b"content-length", b"transfer-encoding", b"connection"):
-                raise ValueError(f"{lowered.decode()} is set by the connection")
-            pairs.append((name, value))
+        pairs = _caller_headers(headers)
         if status in (204, 304):
             if len(data):
                 raise ValueError(f"a {status} answer has no body")
@@ -686,12 +676,7 @@ class ServerConnection:
             raise RuntimeError(f"no complete request to answer (phase {self._phase.value!r})")
         if not isinstance(status, int) or not 200 <= status <= 599 or status in (204, 304):
             raise ValueError(f"a streamed answer needs a status with a body, got {status!r}")
-        pairs: list[tuple[bytes | str, bytes | str]] = []
-        for name, value in headers:
-            lowered = (name.encode() if isinstance(name, str) else name).lower()
-            if lowered in (b"content-length", b"transfer-encoding", b"connection"):
-                raise ValueError(f"{lowered.decode()} is set by the connection")
-            pairs.append((name, value))
+        pairs = _caller_headers(headers)
         try:
             response = h11.Response(status_code=status, headers=pairs, reason=_reason(status))
         except h11.LocalProtocolError as exc:
@@ -729,6 +714,22 @@ class ServerConnection:
 
     def _send(self, event: h11.InformationalResponse) -> bytes:
         return b"".join(self._send_pieces(event))  # a head only: small
+
+
+_FRAMING_HEADERS = (b"content-length", b"transfer-encoding", b"connection")
+
+
+def _caller_headers(
+    headers: Iterable[tuple[bytes | str, bytes | str]],
+) -> list[tuple[bytes | str, bytes | str]]:
+    """An answer's own headers, as a list; the framing ones are the
+    connection's to set, so passing one is a ``ValueError``."""
+    pairs = list(headers)
+    for name, _ in pairs:
+        lowered = (name.encode() if isinstance(name, str) else name).lower()
+        if lowered in _FRAMING_HEADERS:
+            raise ValueError(f"{lowered.decode()} is set by the connection")
+    return pairs
 
 
 @functools.cache  # a handful of statuses; HTTPStatus(...) is an enum lookup per answer
