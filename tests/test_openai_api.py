@@ -394,7 +394,9 @@ def failing_head(after: int) -> Stage:
 
 async def test_chain_failure_is_an_openai_error_and_frees_the_session(model_dir: Path) -> None:
     stages = [fake_stages(2)[0], failing_head(after=4)]
-    async with serve_openai(model_dir, stages=stages) as served:
+    # No retries: this is about how a failure is answered (a 503 would
+    # otherwise be sent again after its Retry-After; see the lost-answer test).
+    async with serve_openai(model_dir, stages=stages, gateway_flags=["--retries", "0"]) as served:
         client = client_for(served)
         args = {"model": "tiny-model", "prompt": "hello", "max_tokens": 10, "temperature": 0}
         with pytest.raises(openai.APIStatusError) as caught:

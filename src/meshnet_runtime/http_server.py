@@ -21,7 +21,7 @@ import logging
 import ssl
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 import anyio
 from anyio.abc import ByteStream, TaskStatus
@@ -58,6 +58,7 @@ __all__ = [
     "StreamReply",
 ]
 
+_T = TypeVar("_T")
 log = logging.getLogger("meshnet.server")
 
 READ_SIZE = 65536
@@ -610,19 +611,7 @@ class _Connection:
         self, handler: Any, event: Any, ctx: RequestContext
     ) -> ActivationReply | Reply | StreamReply | None:
         """``handler(event, ctx)``, or None once it was cancelled because the client left."""
-        reply = None
-        client_gone = False
-        async with anyio.create_task_group() as tg:
-
-            def leave() -> None:
-                nonlocal client_gone
-                client_gone = True
-                tg.cancel_scope.cancel()
-
-            tg.start_soon(self._until_client_leaves, leave)
-            reply = await handler(event, ctx)
-            # Stop watching before answering: a streamed answer watches on its own.
-            tg.cancel_scope.cancel()
+        reply, client_gone = await self._watching_client(lambda: handler(event, ctx))
         return None if client_gone else reply
 
     async def _stream(self, path: str, reply: StreamReply) -> None:
@@ -634,27 +623,39 @@ class _Connection:
         async def send(piece: bytes) -> None:
             await self._send(self.conn.send_stream_data(piece))
 
+        async def produce() -> bool:
+            try:
+                await reply.produce(send)
+            except _Closed:
+                return False  # a write failed: the same as leaving
+            except Exception:
+                log.exception("streamed answer on %s failed", path)
+                return False  # half an answer: closing is the only signal left
+            return True
+
+        whole, client_gone = await self._watching_client(produce)
+        if client_gone or not whole:
+            raise _Closed("client left mid-stream")
+        await self._send(self.conn.send_stream_end())
+
+    async def _watching_client(self, work: Callable[[], Awaitable[_T]]) -> tuple[_T | None, bool]:
+        """``work()`` while the connection is watched for the client leaving:
+        ``(its result, False)``, or ``(None, True)`` once the client left and
+        ``work`` was cancelled — nobody would read what it produces."""
+        result: _T | None = None
         client_gone = False
         async with anyio.create_task_group() as tg:
 
             def leave() -> None:
-                # Nobody will read what we produce: stop producing it.
                 nonlocal client_gone
                 client_gone = True
                 tg.cancel_scope.cancel()
 
             tg.start_soon(self._until_client_leaves, leave)
-            try:
-                await reply.produce(send)
-            except _Closed:
-                client_gone = True  # a write failed: the same as leaving
-            except Exception:
-                log.exception("streamed answer on %s failed", path)
-                client_gone = True  # half an answer: closing is the only signal left
+            result = await work()
+            # Stop watching before answering: a streamed answer watches on its own.
             tg.cancel_scope.cancel()
-        if client_gone:
-            raise _Closed("client left mid-stream")
-        await self._send(self.conn.send_stream_end())
+        return (None, True) if client_gone else (result, False)
 
     async def _error(self, path: str, error: MeshnetError) -> None:
         """Answer ``error`` when the protocol state allows it; drain if closing."""
