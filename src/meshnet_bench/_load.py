@@ -11,10 +11,7 @@ counted, never hidden.
 from __future__ import annotations
 
 import contextlib
-import os
-import select
 import subprocess
-import sys
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -26,9 +23,9 @@ import numpy as np
 from meshnet_gateway import Client
 from meshnet_proto import MeshnetError
 
-__all__ = ["LoadStats", "ProcessChain", "drive", "process_chain", "rss_bytes"]
+from ._support import current_rss_bytes, server_process
 
-READY_TIMEOUT = 30.0
+__all__ = ["LoadStats", "ProcessChain", "drive", "process_chain", "rss_bytes"]
 
 
 @dataclass(slots=True)
@@ -38,26 +35,6 @@ class ProcessChain:
     procs: dict[str, subprocess.Popen[str]]  # "gateway", "node1", "node2", ...
 
 
-def _spawn(
-    module: str, args: Sequence[str], env: dict[str, str]
-) -> tuple[subprocess.Popen[str], str]:
-    proc = subprocess.Popen(
-        [sys.executable, "-m", module, "--port", "0", "--log-level", "warning", *args],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL,
-        text=True,
-        env=env,
-    )
-    assert proc.stdout is not None
-    ready, _, _ = select.select([proc.stdout], [], [], READY_TIMEOUT)
-    line = proc.stdout.readline() if ready else ""
-    if " listening on " not in line:
-        proc.kill()
-        proc.wait()
-        raise RuntimeError(f"{module} did not start (ready line {line!r})")
-    return proc, line.split(" listening on ", 1)[1].split()[0]
-
-
 @contextlib.contextmanager
 def process_chain(
     nodes: int = 2,
@@ -65,42 +42,32 @@ def process_chain(
     node_flags: Sequence[str] = (),
     gateway_flags: Sequence[str] = (),
 ) -> Iterator[ProcessChain]:
-    """``nodes`` node processes and a gateway on loopback; all killed on exit."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("MESHNET_")}
-    procs: dict[str, subprocess.Popen[str]] = {}
-    urls: list[str] = []
-    try:
+    """``nodes`` node processes and a gateway on loopback; all stopped on exit."""
+    quiet = ("--port", "0", "--log-level", "warning")
+    with contextlib.ExitStack() as stack:
+        procs: dict[str, subprocess.Popen[str]] = {}
+        urls: list[str] = []
         downstream: list[str] = []
         for i in range(nodes, 0, -1):  # the last stage first
-            proc, url = _spawn("meshnet_node", [*node_flags, *downstream], env)
+            proc, url = stack.enter_context(
+                server_process("meshnet_node", *quiet, *node_flags, *downstream)
+            )
             procs[f"node{i}"] = proc
             urls.insert(0, url)
             downstream = ["--next", url]
-        proc, gateway_url = _spawn("meshnet_gateway", ["--entry", urls[0], *gateway_flags], env)
+        proc, gateway_url = stack.enter_context(
+            server_process("meshnet_gateway", *quiet, "--entry", urls[0], *gateway_flags)
+        )
         procs["gateway"] = proc
         yield ProcessChain(gateway_url, urls, procs)
-    finally:
-        for proc in procs.values():
-            if proc.poll() is None:
-                proc.terminate()
-        for proc in procs.values():
-            try:
-                proc.wait(10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
 
 
 def rss_bytes(pid: int) -> int:
     """Resident set size of ``pid`` (Linux ``/proc``), 0 when unknown."""
     try:
-        with open(f"/proc/{pid}/status") as status:
-            for line in status:
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 0
+        return current_rss_bytes(pid)
+    except (OSError, RuntimeError):
+        return 0
 
 
 def make_inputs(count: int, tokens: int, hidden: int, seed: int) -> list[np.ndarray]:
