@@ -149,13 +149,18 @@ def server_process(
                     proc.wait()
 
 
-def peak_rss_bytes(pid: int) -> int:
-    """The process's peak resident set (``VmHWM``), Linux only."""
+def _status_bytes(pid: int, field: str) -> int:
+    """A ``kB`` field of ``/proc/<pid>/status`` (Linux only), in bytes."""
     with open(f"/proc/{pid}/status") as status:
         for line in status:
-            if line.startswith("VmHWM:"):
+            if line.startswith(field + ":"):
                 return int(line.split()[1]) * 1024
-    raise RuntimeError(f"no VmHWM for pid {pid}")
+    raise RuntimeError(f"no {field} for pid {pid}")
+
+
+def peak_rss_bytes(pid: int) -> int:
+    """The process's peak resident set (``VmHWM``)."""
+    return _status_bytes(pid, "VmHWM")
 
 
 def reset_peak_rss(pid: int) -> bool:
@@ -173,11 +178,8 @@ def reset_peak_rss(pid: int) -> bool:
 
 
 def current_rss_bytes(pid: int) -> int:
-    with open(f"/proc/{pid}/status") as status:
-        for line in status:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError(f"no VmRSS for pid {pid}")
+    """The process's resident set now (``VmRSS``)."""
+    return _status_bytes(pid, "VmRSS")
 
 
 # ------------------------------------------------------------ cells
