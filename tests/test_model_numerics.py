@@ -284,7 +284,7 @@ def test_a_bf16_checkpoint_loads_mmapped_and_matches_safe_open(tmp_path: Path) -
 def test_bad_checkpoints_and_configs_are_named(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="does not exist"):
         LlamaConfig.from_dir(tmp_path)
-    with pytest.raises(ConfigError, match="model_type 'gpt2'"):
+    with pytest.raises(ConfigError, match='model_type="gpt2" is not supported'):
         LlamaConfig.from_dict({**small_config().to_dict(), "model_type": "gpt2"})
     with pytest.raises(ConfigError, match="multiple of num_key_value_heads"):
         small_config(num_key_value_heads=3)

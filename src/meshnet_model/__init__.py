@@ -1,6 +1,8 @@
-"""meshnet_model: the Llama family in numpy, one pipeline stage at a time.
+"""meshnet_model: Llama-shaped decoders in numpy, one pipeline stage at a time
+(llama, mistral, qwen2, qwen3, smollm3).
 
-* ``LlamaConfig`` — config.json; ``Checkpoint`` — safetensors, memory-mapped;
+* ``ModelConfig`` (alias ``LlamaConfig``) — config.json, fail-closed;
+* ``Checkpoint`` / ``open_checkpoint`` — safetensors, memory-mapped;
 * ``StageWeights.load(dir, range(a, b), dtype=...)`` — one stage's tensors;
 * ``StageModel`` — the forward pass over a ``KVCache``;
 * ``StageRunner`` — a stage with its sessions' caches under a ``KVBudget``:
@@ -10,8 +12,15 @@
 numpy, safetensors and ml_dtypes only. docs/models.md has the details.
 """
 
-from .checkpoint import Checkpoint, CheckpointError, SafetensorsFile
-from .config import SUPPORTED_MODEL_TYPES, ConfigError, LlamaConfig, RopeScaling
+from .checkpoint import Checkpoint, CheckpointError, SafetensorsFile, open_checkpoint
+from .config import (
+    FAMILIES,
+    SUPPORTED_MODEL_TYPES,
+    ConfigError,
+    LlamaConfig,
+    ModelConfig,
+    RopeScaling,
+)
 from .kv_cache import KVBudget, KVBudgetExceeded, KVCache, SessionEnded
 from .llama import StageInvariantError, StageModel
 from .rope import Rope
@@ -19,6 +28,7 @@ from .runner import CacheMismatch, StageInputError, StageRunner
 from .weights import WEIGHT_DTYPES, StageWeights, parse_layers
 
 __all__ = [
+    "FAMILIES",
     "SUPPORTED_MODEL_TYPES",
     "WEIGHT_DTYPES",
     "CacheMismatch",
@@ -29,6 +39,7 @@ __all__ = [
     "KVBudgetExceeded",
     "KVCache",
     "LlamaConfig",
+    "ModelConfig",
     "Rope",
     "RopeScaling",
     "SafetensorsFile",
@@ -38,5 +49,6 @@ __all__ = [
     "StageModel",
     "StageRunner",
     "StageWeights",
+    "open_checkpoint",
     "parse_layers",
 ]

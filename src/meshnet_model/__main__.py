@@ -18,8 +18,8 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from .checkpoint import Checkpoint, CheckpointError
-from .config import ConfigError, LlamaConfig
+from .checkpoint import Checkpoint, CheckpointError, open_checkpoint
+from .config import ConfigError, ModelConfig
 
 __all__ = ["main", "plan_stages"]
 
@@ -31,10 +31,10 @@ def _tensor_bytes(ckpt: Checkpoint, name: str) -> int:
 
 def plan_stages(directory: str | Path, stages: int) -> list[dict[str, object]]:
     """``stages`` layer ranges balancing checkpoint bytes, with what each holds."""
-    config = LlamaConfig.from_dir(directory)
+    config = ModelConfig.from_dir(directory)
     if not 1 <= stages <= config.num_hidden_layers:
         raise ValueError(f"stages must be 1..{config.num_hidden_layers}, got {stages}")
-    ckpt = Checkpoint(directory)
+    ckpt = open_checkpoint(directory)
     layer_bytes = []
     for i in range(config.num_hidden_layers):
         prefix = f"model.layers.{i}."

@@ -27,7 +27,7 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 
-__all__ = ["Checkpoint", "CheckpointError", "SafetensorsFile"]
+__all__ = ["Checkpoint", "CheckpointError", "SafetensorsFile", "open_checkpoint"]
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -202,3 +202,10 @@ class Checkpoint:
 
     def dtypes(self, names: Iterable[str]) -> set[str]:
         return {self.file_for(n).dtype(n).name for n in names}
+
+
+def open_checkpoint(path: str | Path) -> Checkpoint:
+    """The tensors of a model path, by Hugging Face name: the one place that decides
+    how a path is read (a directory of safetensors today; other formats add a
+    branch here), so every loader opens checkpoints the same way."""
+    return Checkpoint(path)

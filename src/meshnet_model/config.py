@@ -1,10 +1,26 @@
-"""The Llama family's hyper-parameters, read from a Hugging Face ``config.json``.
+"""A decoder's hyper-parameters, read from a Hugging Face ``config.json`` — fail-closed.
 
-Only what the forward pass needs is kept, validated once here so that the
-numeric code never meets a surprise (a head count that does not divide the
-hidden size, a rope scaling it cannot honour). Unknown keys are ignored, as
-transformers does; an architecture this package does not implement is
-refused by name rather than run wrongly.
+One numpy code path (``llama.py``) runs several Llama-shaped families with
+small per-family switches (``FAMILIES``). Every key that changes the forward
+pass in transformers' own modeling code for that family is read and honoured
+exactly, or the config is refused with one line naming the key and its value;
+keys that cannot change the math are listed in ``IGNORED_KEYS`` (and
+docs/models.md says why). Keys nobody here knows are ignored, as transformers
+ignores them for these families (its modeling code never reads them), except
+the ones in ``FOREIGN_KEYS``: settings of *other* architectures whose presence
+means the checkpoint's math is not the one its ``model_type`` names.
+
+Both config layouts are read:
+
+* classic (transformers 4.x): top-level ``rope_theta`` and ``rope_scaling``
+  (``type`` or ``rope_type``);
+* transformers 5: ``rope_parameters`` (``rope_type``, ``rope_theta``, the
+  scaling fields), possibly nested per layer type (``{"full_attention": {...},
+  "sliding_attention": {...}}``).
+
+``ModelConfig.from_dict(raw, source=...)`` is the single entry point; the GGUF
+reader builds a config.json-shaped dict and passes it here too, so the
+validation is shared. ``LlamaConfig`` is the same class under its old name.
 """
 
 from __future__ import annotations
@@ -15,11 +31,27 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-__all__ = ["SUPPORTED_MODEL_TYPES", "ConfigError", "LlamaConfig", "RopeScaling"]
+__all__ = [
+    "FAMILIES",
+    "FOREIGN_KEYS",
+    "IGNORED_KEYS",
+    "SUPPORTED_MODEL_TYPES",
+    "ConfigError",
+    "Family",
+    "LlamaConfig",
+    "ModelConfig",
+    "RopeScaling",
+]
 
-# model_type values whose forward pass is exactly the one in ``llama.py``.
-SUPPORTED_MODEL_TYPES = ("llama",)
 ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
+# Fields a rope dict may carry for the types above (longrope's short/long
+# factors, mrope sections and the like are refused with their key).
+_ROPE_KEYS = frozenset({
+    "rope_type", "type", "rope_theta", "factor", "partial_rotary_factor",
+    "original_max_position_embeddings", "attention_factor", "beta_fast", "beta_slow",
+    "low_freq_factor", "high_freq_factor", "mscale", "mscale_all_dim", "truncate",
+})  # fmt: skip
+LAYER_TYPES = ("full_attention", "sliding_attention")
 
 
 class ConfigError(ValueError):
@@ -27,8 +59,91 @@ class ConfigError(ValueError):
 
 
 @dataclass(frozen=True, slots=True)
+class Family:
+    """What differs between the supported families, as transformers builds them.
+
+    Defaults are the transformers 5 config class's own, used when a key is
+    absent (a missing key means the class default there, not "off").
+    """
+
+    model_type: str
+    architecture: str  # the *ForCausalLM class name
+    # Whether config.json's attention_bias / mlp_bias are honoured; where not,
+    # the modeling code hard-codes no bias and the key is ignored by transformers.
+    honours_attention_bias: bool = True
+    honours_mlp_bias: bool = True
+    qkv_bias: bool = False  # q/k/v always biased, o never (qwen2)
+    qk_norm: bool = False  # per-head RMSNorm of q and k before rope (qwen3)
+    # "none": no sliding window; "global": ``sliding_window`` on every layer
+    # (mistral); "layer_types": per layer, from ``layer_types`` (qwen2/3, smollm3).
+    sliding: str = "none"
+    default_sliding_window: int | None = None
+    no_rope_layers: bool = False  # smollm3: some layers skip rope
+    default_theta: float = 10000.0
+    default_kv_heads: int | None = None  # None: num_attention_heads
+    default_head_dim: int | None = None  # None: hidden_size // num_attention_heads
+    default_tie: bool = False
+
+
+FAMILIES: dict[str, Family] = {
+    f.model_type: f
+    for f in (
+        Family("llama", "LlamaForCausalLM"),
+        Family("mistral", "MistralForCausalLM", honours_attention_bias=False,
+               honours_mlp_bias=False, sliding="global", default_sliding_window=4096,
+               default_kv_heads=8),
+        Family("qwen2", "Qwen2ForCausalLM", honours_attention_bias=False,
+               honours_mlp_bias=False, qkv_bias=True, sliding="layer_types",
+               default_sliding_window=4096, default_kv_heads=32),
+        Family("qwen3", "Qwen3ForCausalLM", honours_mlp_bias=False, qk_norm=True,
+               sliding="layer_types", default_sliding_window=4096, default_kv_heads=32,
+               default_head_dim=128),
+        Family("smollm3", "SmolLM3ForCausalLM", sliding="layer_types", no_rope_layers=True,
+               default_theta=2000000.0, default_kv_heads=4, default_tie=True),
+    )
+}  # fmt: skip
+SUPPORTED_MODEL_TYPES = tuple(FAMILIES)
+
+# Keys that cannot change the forward pass of these families (why: docs/models.md).
+IGNORED_KEYS = frozenset({
+    "architectures",  # checked: must be the family's *ForCausalLM when given
+    "attention_dropout",  # dropout is off at inference
+    "initializer_range", "use_cache", "pad_token_id", "bos_token_id", "eos_token_id",
+    "unk_token_id", "sep_token_id", "decoder_start_token_id",
+    "torch_dtype", "dtype",  # the safetensors say what is stored; compute is float32
+    "transformers_version", "_name_or_path", "_model_name_or_path", "name_or_path",
+    "pretraining_tp",  # transformers 5's Llama never reads it (4.x only split the same matmuls)
+    "output_attentions", "output_hidden_states", "return_dict", "use_return_dict",
+    "tokenizer_class", "id2label", "label2id", "problem_type", "task_specific_params",
+    "finetuning_task", "prefix", "is_encoder_decoder", "is_decoder", "add_cross_attention",
+    "tie_encoder_decoder", "chunk_size_feed_forward", "_attn_implementation",
+    "attn_implementation", "_from_model_config", "model_max_length", "max_length",
+    "bad_words_ids", "num_beams", "temperature", "top_k", "top_p", "do_sample",
+    "max_window_layers", "no_rope_layer_interval",  # read where the family uses them
+    "use_sliding_window",  # read where the family uses it
+})  # fmt: skip
+
+# Settings of other architectures: where present, the checkpoint's math is not
+# the named family's, and transformers would run it wrongly without a word.
+FOREIGN_KEYS = frozenset({
+    "quantization_config",  # weights in a quantized layout this reader does not decode
+    "auto_map",  # the model's math is in custom code shipped with it
+    "embedding_multiplier", "residual_multiplier", "attention_multiplier",
+    "logits_scaling", "logit_scale", "final_logit_softcapping", "attn_logit_softcapping",
+    "query_pre_attn_scalar", "use_qk_norm", "qk_layernorm", "clip_qkv",
+    "rope_interleaved", "rotary_interleaved", "parallel_attn", "parallel_residual",
+    "use_parallel_residual", "num_experts", "num_local_experts", "moe_intermediate_size",
+    "attention_chunk_size", "no_rope_layer_indices", "sandwich_norm", "use_post_norm",
+})  # fmt: skip
+
+
+def _refuse(source: str, key: str, value: Any, why: str) -> ConfigError:
+    return ConfigError(f"{source}: {key}={json.dumps(value, default=str)} is not supported: {why}")
+
+
+@dataclass(frozen=True, slots=True)
 class RopeScaling:
-    """``rope_scaling`` of config.json; ``rope_type`` "default" means none.
+    """The rope variant and its fields; ``rope_type`` "default" means none.
 
     Fields not used by a type keep their defaults. ``original_max_position_embeddings``
     is None when the config does not give it (the model's
@@ -50,41 +165,52 @@ class RopeScaling:
     truncate: bool = True
 
     @classmethod
-    def from_dict(cls, raw: dict[str, Any] | None) -> RopeScaling:
+    def from_dict(cls, raw: dict[str, Any] | None, *, source: str = "config.json") -> RopeScaling:
         if raw is None:
             return cls()
         if not isinstance(raw, dict):
-            raise ConfigError(f"rope_scaling must be an object or null, got {raw!r}")
+            raise ConfigError(f"{source}: rope_scaling must be an object or null, got {raw!r}")
         # Older configs say "type", newer "rope_type"; "su"/"longrope" etc. are refused.
         kind = raw.get("rope_type", raw.get("type", "default"))
         if kind not in ROPE_TYPES:
-            raise ConfigError(
-                f"rope_scaling type {kind!r} is not supported (supported: {', '.join(ROPE_TYPES)})"
+            raise _refuse(source, "rope_type", kind, f"supported: {', '.join(ROPE_TYPES)}")
+        unknown = sorted(set(raw) - _ROPE_KEYS)
+        if unknown:
+            raise _refuse(source, f"rope {unknown[0]}", raw[unknown[0]],
+                          "not a field of the supported rope types")  # fmt: skip
+        partial = raw.get("partial_rotary_factor")
+        if partial is not None and partial != 1.0:
+            raise _refuse(source, "partial_rotary_factor", partial,
+                          "these families rotate the whole head")  # fmt: skip
+        try:
+            factor = float(raw.get("factor", 1.0))
+            original = raw.get("original_max_position_embeddings")
+
+            def opt_float(key: str) -> float | None:
+                value = raw.get(key)
+                return None if value is None else float(value)
+
+            scaling = cls(
+                rope_type=kind,
+                factor=factor,
+                low_freq_factor=float(raw.get("low_freq_factor", 1.0)),
+                high_freq_factor=float(raw.get("high_freq_factor", 4.0)),
+                original_max_position_embeddings=None if original is None else int(original),
+                attention_factor=opt_float("attention_factor"),
+                beta_fast=float(raw.get("beta_fast") or 32.0),
+                beta_slow=float(raw.get("beta_slow") or 1.0),
+                mscale=opt_float("mscale"),
+                mscale_all_dim=opt_float("mscale_all_dim"),
+                truncate=bool(raw.get("truncate", True)),
             )
-        factor = float(raw.get("factor", 1.0))
+        except (TypeError, ValueError) as exc:
+            raise ConfigError(f"{source}: rope parameters: {exc}") from None
         if kind != "default" and not (math.isfinite(factor) and factor >= 1.0):
-            raise ConfigError(f"rope_scaling factor must be >= 1, got {factor}")
-        original = raw.get("original_max_position_embeddings")
-
-        def opt_float(key: str) -> float | None:
-            value = raw.get(key)
-            return None if value is None else float(value)
-
-        scaling = cls(
-            rope_type=kind,
-            factor=factor,
-            low_freq_factor=float(raw.get("low_freq_factor", 1.0)),
-            high_freq_factor=float(raw.get("high_freq_factor", 4.0)),
-            original_max_position_embeddings=None if original is None else int(original),
-            attention_factor=opt_float("attention_factor"),
-            beta_fast=float(raw.get("beta_fast") or 32.0),
-            beta_slow=float(raw.get("beta_slow") or 1.0),
-            mscale=opt_float("mscale"),
-            mscale_all_dim=opt_float("mscale_all_dim"),
-            truncate=bool(raw.get("truncate", True)),
-        )
+            raise _refuse(source, "rope factor", factor, "it must be >= 1")
         if kind == "llama3" and not scaling.high_freq_factor > scaling.low_freq_factor:
-            raise ConfigError("rope_scaling llama3: high_freq_factor must exceed low_freq_factor")
+            raise ConfigError(
+                f"{source}: rope llama3: high_freq_factor must exceed low_freq_factor"
+            )
         return scaling
 
     def to_dict(self) -> dict[str, Any] | None:
@@ -95,8 +221,13 @@ class RopeScaling:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class LlamaConfig:
-    """What ``LlamaForCausalLM`` is built from (names as in config.json)."""
+class ModelConfig:
+    """What a ``*ForCausalLM`` of a supported family is built from (config.json names).
+
+    ``layer_types``: per layer, "full_attention" or "sliding_attention" (None:
+    all full); ``sliding_window`` applies to the sliding ones. ``no_rope_layers``:
+    per layer 1 (rotate) or 0 (no rope), smollm3's convention (None: all rotate).
+    """
 
     hidden_size: int
     intermediate_size: int
@@ -114,6 +245,9 @@ class LlamaConfig:
     mlp_bias: bool = False
     model_type: str = "llama"
     torch_dtype: str | None = None
+    sliding_window: int | None = None
+    layer_types: tuple[str, ...] | None = None
+    no_rope_layers: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         for name in (
@@ -129,6 +263,11 @@ class LlamaConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ConfigError(f"{name} must be a positive integer, got {value!r}")
+        if self.model_type not in FAMILIES:
+            raise ConfigError(
+                f"model_type {self.model_type!r} is not supported "
+                f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)})"
+            )
         if self.num_attention_heads % self.num_key_value_heads:
             raise ConfigError(
                 f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
@@ -140,24 +279,90 @@ class LlamaConfig:
             raise ConfigError(f"rms_norm_eps must be positive, got {self.rms_norm_eps}")
         if not (math.isfinite(self.rope_theta) and self.rope_theta > 1):
             raise ConfigError(f"rope_theta must be > 1, got {self.rope_theta}")
+        window = self.sliding_window
+        if window is not None and (
+            not isinstance(window, int) or isinstance(window, bool) or window < 1
+        ):
+            raise ConfigError(f"sliding_window must be a positive integer or null, got {window!r}")
+        for name, allowed in (("layer_types", LAYER_TYPES), ("no_rope_layers", (0, 1))):
+            values = getattr(self, name)
+            if values is None:
+                continue
+            if len(values) != self.num_hidden_layers:
+                raise ConfigError(
+                    f"{name} has {len(values)} entries for {self.num_hidden_layers} layers"
+                )
+            bad = [v for v in values if v not in allowed or isinstance(v, bool)]
+            if bad:
+                raise ConfigError(f"{name}: {bad[0]!r} is not one of {list(allowed)}")
+        if self.layer_types and "sliding_attention" in self.layer_types and window is None:
+            raise ConfigError("layer_types names sliding_attention layers but no sliding_window")
+        sliding = self.family.sliding
+        if (sliding == "none" and window is not None) or (
+            sliding != "layer_types" and self.layer_types is not None
+        ):
+            raise ConfigError(f"model_type {self.model_type} has no per-layer sliding window")
+        if self.no_rope_layers is not None and not self.family.no_rope_layers:
+            raise ConfigError(f"model_type {self.model_type} rotates every layer (no_rope_layers)")
+
+    # -- per-family and per-layer switches the forward pass reads ---------------------
+
+    @property
+    def family(self) -> Family:
+        return FAMILIES[self.model_type]
 
     @property
     def kv_groups(self) -> int:
         """Query heads sharing one key/value head (grouped-query attention)."""
         return self.num_attention_heads // self.num_key_value_heads
 
+    @property
+    def qkv_bias(self) -> bool:
+        return self.attention_bias or self.family.qkv_bias
+
+    @property
+    def o_bias(self) -> bool:
+        return self.attention_bias
+
+    @property
+    def qk_norm(self) -> bool:
+        return self.family.qk_norm
+
+    def layer_window(self, layer: int) -> int | None:
+        """The sliding window of ``layer`` (keys ``p - window < k <= p``), or None."""
+        if self.family.sliding == "global":
+            return self.sliding_window
+        if self.layer_types is None:
+            return None
+        return self.sliding_window if self.layer_types[layer] == "sliding_attention" else None
+
+    def layer_rotates(self, layer: int) -> bool:
+        return self.no_rope_layers is None or bool(self.no_rope_layers[layer])
+
+    # -- reading --------------------------------------------------------------------
+
     @classmethod
-    def from_dict(cls, raw: dict[str, Any]) -> LlamaConfig:
+    def from_dict(cls, raw: dict[str, Any], *, source: str = "config.json") -> ModelConfig:
+        """Validate a config.json-shaped dict; ``source`` names it in every error."""
         if not isinstance(raw, dict):
-            raise ConfigError("config.json must hold a JSON object")
+            raise ConfigError(f"{source} must hold a JSON object")
         model_type = raw.get("model_type", "llama")
-        if model_type not in SUPPORTED_MODEL_TYPES:
-            raise ConfigError(
-                f"model_type {model_type!r} is not supported "
-                f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)})"
-            )
-        if raw.get("hidden_act", "silu") != "silu":
-            raise ConfigError(f"hidden_act {raw['hidden_act']!r} is not supported (only silu)")
+        if model_type not in FAMILIES:
+            raise _refuse(source, "model_type", model_type,
+                          f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}")  # fmt: skip
+        family = FAMILIES[model_type]
+        foreign = sorted(k for k in FOREIGN_KEYS if raw.get(k) not in (None, False))
+        if foreign:
+            key = foreign[0]
+            raise _refuse(source, key, raw[key], f"a setting {model_type} does not have "
+                          "(the checkpoint's math is not plain " + model_type + ")")  # fmt: skip
+        architectures = raw.get("architectures")
+        if architectures is not None and architectures != [family.architecture]:
+            raise _refuse(source, "architectures", architectures,
+                          f"model_type {model_type} runs [{family.architecture!r}]")  # fmt: skip
+        act = raw.get("hidden_act", "silu")
+        if act not in ("silu", "swish"):  # transformers maps both to SiLU
+            raise _refuse(source, "hidden_act", act, "only silu")
         missing = [
             key
             for key in ("hidden_size", "intermediate_size", "num_hidden_layers",
@@ -165,56 +370,73 @@ class LlamaConfig:
             if key not in raw
         ]  # fmt: skip
         if missing:
-            raise ConfigError(f"config.json lacks {', '.join(missing)}")
+            raise ConfigError(f"{source} lacks {', '.join(missing)}")
         heads = raw["num_attention_heads"]
         hidden = raw["hidden_size"]
-        head_dim = raw.get("head_dim")
+        layers = raw["num_hidden_layers"]
+        head_dim = raw.get("head_dim") or family.default_head_dim
         if head_dim is None:
-            if not isinstance(heads, int) or heads < 1 or hidden % heads:
+            if (
+                not isinstance(heads, int)
+                or heads < 1
+                or not isinstance(hidden, int)
+                or (hidden % heads)
+            ):
                 raise ConfigError(
-                    f"hidden_size ({hidden}) must be a multiple of num_attention_heads ({heads}) "
-                    "when head_dim is not given"
+                    f"{source}: hidden_size ({hidden}) must be a multiple of "
+                    f"num_attention_heads ({heads}) when head_dim is not given"
                 )
             head_dim = hidden // heads
         try:
+            theta, scaling = _rope(raw, family, source)
+            window, layer_types = _sliding(raw, family, layers, source)
             return cls(
                 hidden_size=hidden,
                 intermediate_size=raw["intermediate_size"],
-                num_hidden_layers=raw["num_hidden_layers"],
+                num_hidden_layers=layers,
                 num_attention_heads=heads,
-                num_key_value_heads=raw.get("num_key_value_heads") or heads,
+                num_key_value_heads=raw.get("num_key_value_heads")
+                or family.default_kv_heads
+                or heads,
                 vocab_size=raw["vocab_size"],
                 head_dim=head_dim,
                 max_position_embeddings=raw.get("max_position_embeddings", 2048),
                 rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
-                rope_theta=float(raw.get("rope_theta", 10000.0)),
-                rope_scaling=RopeScaling.from_dict(raw.get("rope_scaling")),
-                tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-                attention_bias=bool(raw.get("attention_bias", False)),
-                mlp_bias=bool(raw.get("mlp_bias", False)),
+                rope_theta=theta,
+                rope_scaling=scaling,
+                tie_word_embeddings=bool(raw.get("tie_word_embeddings", family.default_tie)),
+                attention_bias=family.honours_attention_bias
+                and bool(raw.get("attention_bias", False)),
+                mlp_bias=family.honours_mlp_bias and bool(raw.get("mlp_bias", False)),
                 model_type=model_type,
-                torch_dtype=raw.get("torch_dtype"),
+                torch_dtype=raw.get("torch_dtype", raw.get("dtype")),
+                sliding_window=window,
+                layer_types=layer_types,
+                no_rope_layers=_no_rope_layers(raw, family, layers, source),
             )
+        except ConfigError as exc:
+            message = str(exc)
+            raise ConfigError(
+                message if message.startswith(source) else f"{source}: {message}"
+            ) from None
         except (TypeError, ValueError) as exc:
-            if isinstance(exc, ConfigError):
-                raise
-            raise ConfigError(f"config.json: {exc}") from None
+            raise ConfigError(f"{source}: {exc}") from None
 
     @classmethod
-    def from_dir(cls, directory: str | Path) -> LlamaConfig:
+    def from_dir(cls, directory: str | Path) -> ModelConfig:
         path = Path(directory) / "config.json"
         try:
             raw = json.loads(path.read_text(encoding="utf-8"))
         except FileNotFoundError:
             raise ConfigError(f"{path} does not exist") from None
-        except ValueError as exc:
+        except (OSError, ValueError) as exc:
             raise ConfigError(f"{path} is not valid JSON: {exc}") from None
-        return cls.from_dict(raw)
+        return cls.from_dict(raw, source=str(path))
 
     def to_dict(self) -> dict[str, Any]:
-        """A config.json that ``from_dict`` reads back to an equal config."""
-        return {
-            "architectures": ["LlamaForCausalLM"],
+        """A classic-layout config.json that ``from_dict`` reads back to an equal config."""
+        out: dict[str, Any] = {
+            "architectures": [self.family.architecture],
             "model_type": self.model_type,
             "hidden_act": "silu",
             "hidden_size": self.hidden_size,
@@ -233,3 +455,97 @@ class LlamaConfig:
             "mlp_bias": self.mlp_bias,
             "torch_dtype": self.torch_dtype,
         }
+        sliding = self.family.sliding
+        if sliding == "global":
+            out["sliding_window"] = self.sliding_window
+        elif sliding == "layer_types":
+            out["use_sliding_window"] = self.sliding_window is not None
+            out["sliding_window"] = self.sliding_window
+            if self.layer_types is not None:
+                out["layer_types"] = list(self.layer_types)
+        if self.no_rope_layers is not None:
+            out["no_rope_layers"] = list(self.no_rope_layers)
+        return out
+
+
+# The name the rest of the code base (and users) know it by.
+LlamaConfig = ModelConfig
+
+
+def _rope(raw: dict[str, Any], family: Family, source: str) -> tuple[float, RopeScaling]:
+    """(theta, scaling) from either layout, with transformers' precedence:
+    ``rope_scaling`` when set, else ``rope_parameters``; theta from that dict,
+    else the top-level ``rope_theta``, else the family's default."""
+    params = raw.get("rope_scaling") or raw.get("rope_parameters")
+    if params is not None and not isinstance(params, dict):
+        raise ConfigError(f"{source}: rope_parameters must be an object or null, got {params!r}")
+    params = dict(params or {})
+    layer_types = raw.get("layer_types") or ()
+    nested = [k for k in params if k in layer_types]
+    if nested:
+        # Per-layer-type rope (transformers 5). These families' rotary module
+        # reads one dict, so only identical entries can run as transformers does.
+        entries = [params[k] for k in nested]
+        if any(e != entries[0] for e in entries) or set(params) != set(nested):
+            why = "different rope per layer type is not a feature of these families"
+            raise _refuse(source, "rope_parameters", params, why)
+        params = dict(entries[0] or {})
+    top_partial = raw.get("partial_rotary_factor")
+    if top_partial is not None:
+        params.setdefault("partial_rotary_factor", top_partial)
+    theta = params.pop("rope_theta", None)
+    if theta is None:
+        theta = raw.get("rope_theta", family.default_theta)
+    try:
+        theta = float(theta)
+    except (TypeError, ValueError):
+        raise _refuse(source, "rope_theta", theta, "it must be a number") from None
+    return theta, RopeScaling.from_dict(params, source=source)
+
+
+def _sliding(
+    raw: dict[str, Any], family: Family, layers: Any, source: str
+) -> tuple[int | None, tuple[str, ...] | None]:
+    """(window, layer_types) as the family's transformers config derives them."""
+    if family.sliding == "none":
+        # LlamaForCausalLM has no sliding window: transformers ignores the keys.
+        return None, None
+    if not isinstance(layers, int) or isinstance(layers, bool) or layers < 1:
+        raise ConfigError(f"num_hidden_layers must be a positive integer, got {layers!r}")
+    window = raw.get("sliding_window", family.default_sliding_window)
+    if family.sliding == "global":
+        # Mistral: one window for every layer; layer_types is not read (transformers
+        # warns and ignores it, so do we).
+        return window, None
+    if not raw.get("use_sliding_window", False):
+        window = None
+    given = raw.get("layer_types")
+    if given is not None:
+        if not isinstance(given, list):
+            raise _refuse(source, "layer_types", given, "it must be a list")
+        return window, tuple(given)
+    if window is None:
+        return None, None
+    if family.no_rope_layers:  # smollm3: sliding exactly on the layers without rope
+        rotates = _no_rope_layers(raw, family, layers, source) or (1,) * layers
+        return window, tuple("full_attention" if r else "sliding_attention" for r in rotates)
+    first = raw.get("max_window_layers", 28)
+    return window, tuple(
+        "sliding_attention" if i >= first else "full_attention" for i in range(layers)
+    )
+
+
+def _no_rope_layers(
+    raw: dict[str, Any], family: Family, layers: int, source: str
+) -> tuple[int, ...] | None:
+    if not family.no_rope_layers:
+        return None
+    given = raw.get("no_rope_layers")
+    if given is not None:
+        if not isinstance(given, list):
+            raise _refuse(source, "no_rope_layers", given, "it must be a list")
+        return tuple(given)
+    interval = raw.get("no_rope_layer_interval", 4)
+    if not isinstance(interval, int) or isinstance(interval, bool) or interval < 1:
+        raise _refuse(source, "no_rope_layer_interval", interval, "a positive integer")
+    return tuple(int((i + 1) % interval != 0) for i in range(layers))

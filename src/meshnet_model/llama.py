@@ -28,7 +28,7 @@ import math
 import ml_dtypes
 import numpy as np
 
-from .config import LlamaConfig
+from .config import ModelConfig
 from .kv_cache import KVCache
 from .rope import Rope, apply_rope
 from .weights import LayerWeights, StageWeights
@@ -81,24 +81,36 @@ def silu(x: np.ndarray) -> np.ndarray:
 def attention(
     x: np.ndarray,
     block: LayerWeights,
-    config: LlamaConfig,
-    cos: np.ndarray,
-    sin: np.ndarray,
+    config: ModelConfig,
+    rope: tuple[np.ndarray, np.ndarray] | None,
     keys: np.ndarray,
     values: np.ndarray,
     past: int,
+    window: int | None = None,
 ) -> np.ndarray:
     """Grouped-query causal self-attention of ``x`` (positions ``past ..``),
     writing this chunk's rotated keys and values into ``keys``/``values``
-    (``[batch, kv_heads, capacity, head_dim]``) at ``past``."""
+    (``[batch, kv_heads, capacity, head_dim]``) at ``past``.
+
+    ``rope``: this chunk's (cos, sin), or None on a layer without rope
+    (smollm3). ``window``: a sliding window — the query at position ``p``
+    sees keys ``p - window < k <= p``, transformers' sliding mask; the cache
+    keeps every key, so chunking and decode see exactly those keys.
+    """
     b, t, _ = x.shape
     heads, kv_heads, d = config.num_attention_heads, config.num_key_value_heads, config.head_dim
     groups = heads // kv_heads
-    q = linear(x, block.q, block.q_bias).reshape(b, t, heads, d).transpose(0, 2, 1, 3)
-    k = linear(x, block.k, block.k_bias).reshape(b, t, kv_heads, d).transpose(0, 2, 1, 3)
+    q = linear(x, block.q, block.q_bias).reshape(b, t, heads, d)
+    k = linear(x, block.k, block.k_bias).reshape(b, t, kv_heads, d)
+    if block.q_norm is not None and block.k_norm is not None:
+        # qwen3: RMSNorm over each head's vector, before rope.
+        q = rms_norm(q, block.q_norm, config.rms_norm_eps)
+        k = rms_norm(k, block.k_norm, config.rms_norm_eps)
+    q, k = q.transpose(0, 2, 1, 3), k.transpose(0, 2, 1, 3)
     v = linear(x, block.v, block.v_bias).reshape(b, t, kv_heads, d).transpose(0, 2, 1, 3)
-    q = apply_rope(q, cos, sin)
-    keys[:, :, past : past + t] = apply_rope(k, cos, sin)
+    if rope is not None:
+        q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+    keys[:, :, past : past + t] = k
     values[:, :, past : past + t] = v
     total = past + t
     k_all = keys[:, :, None, :total]  # [b, kv, 1, total, d]: broadcast over the group
@@ -111,8 +123,11 @@ def attention(
         hi = min(lo + _QUERY_BLOCK, t)
         scores = (q[:, :, :, lo:hi] @ k_all.swapaxes(-1, -2)) * scale  # [b,kv,g,rows,total]
         # Causal over the whole context: the query at position past+i sees keys 0..past+i.
-        future = key_pos[None, :] > (past + np.arange(lo, hi))[:, None]
-        scores[..., future] = -np.inf
+        query_pos = (past + np.arange(lo, hi))[:, None]
+        hidden = key_pos[None, :] > query_pos
+        if window is not None:
+            hidden |= key_pos[None, :] <= query_pos - window
+        scores[..., hidden] = -np.inf
         scores -= scores.max(axis=-1, keepdims=True)
         np.exp(scores, out=scores)
         scores /= scores.sum(axis=-1, keepdims=True)
@@ -190,10 +205,14 @@ class StageModel:
 
     def _layers(self, x: np.ndarray, cache: KVCache, position: int) -> np.ndarray:
         c = self.config
-        cos, sin = self.rope.cos_sin(position, x.shape[1])
+        rope = self.rope.cos_sin(position, x.shape[1])
         for i, block in enumerate(self.weights.blocks):
+            layer = self.weights.layers.start + i
             h = rms_norm(x, block.input_norm, c.rms_norm_eps)
-            x = x + attention(h, block, c, cos, sin, cache.keys[i], cache.values[i], position)
+            x = x + attention(
+                h, block, c, rope if c.layer_rotates(layer) else None,
+                cache.keys[i], cache.values[i], position, c.layer_window(layer),
+            )  # fmt: skip
             h = rms_norm(x, block.post_norm, c.rms_norm_eps)
             x = x + mlp(h, block)
         return x

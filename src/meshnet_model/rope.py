@@ -37,7 +37,7 @@ import math
 
 import numpy as np
 
-from .config import LlamaConfig, RopeScaling
+from .config import ModelConfig, RopeScaling
 
 __all__ = ["Rope", "apply_rope", "rotate_half"]
 
@@ -93,7 +93,7 @@ def _yarn(base: float, dim: int, s: RopeScaling, max_positions: int) -> tuple[np
 class Rope:
     """cos/sin tables for absolute positions, per a model's rope settings."""
 
-    def __init__(self, config: LlamaConfig) -> None:
+    def __init__(self, config: ModelConfig) -> None:
         self.dim = config.head_dim
         self.base = config.rope_theta
         self.scaling = config.rope_scaling

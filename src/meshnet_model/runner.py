@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from .config import LlamaConfig
+from .config import ModelConfig
 from .kv_cache import KVBudget, KVCache
 from .llama import StageModel
 from .weights import StageWeights
@@ -54,7 +54,7 @@ class StageRunner:
     ) -> None:
         self.weights = weights
         self.model = StageModel(weights)
-        self.config: LlamaConfig = weights.config
+        self.config: ModelConfig = weights.config
         self.budget = KVBudget(kv_budget_bytes)
         self.name = name
         self.path = path

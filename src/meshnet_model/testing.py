@@ -23,13 +23,13 @@ from typing import Any
 import numpy as np
 
 from .checkpoint import INDEX_FILE, SINGLE_FILE
-from .config import LlamaConfig, RopeScaling
+from .config import ModelConfig, RopeScaling
 from .weights import WEIGHT_DTYPES
 
 __all__ = ["random_weights", "small_config", "smollm_135m_config", "write_checkpoint"]
 
 
-def small_config(**overrides: Any) -> LlamaConfig:
+def small_config(**overrides: Any) -> ModelConfig:
     """A tiny Llama: hidden 64, 4 layers, 4 heads / 2 KV heads, vocab 256."""
     values: dict[str, Any] = dict(
         hidden_size=64,
@@ -47,10 +47,10 @@ def small_config(**overrides: Any) -> LlamaConfig:
     values.update(overrides)
     if isinstance(values.get("rope_scaling"), dict):
         values["rope_scaling"] = RopeScaling.from_dict(values["rope_scaling"])
-    return LlamaConfig(**values)
+    return ModelConfig(**values)
 
 
-def smollm_135m_config(**overrides: Any) -> LlamaConfig:
+def smollm_135m_config(**overrides: Any) -> ModelConfig:
     """The shape of HuggingFaceTB/SmolLM-135M (random weights, of course)."""
     values: dict[str, Any] = dict(
         hidden_size=576,
@@ -66,10 +66,10 @@ def smollm_135m_config(**overrides: Any) -> LlamaConfig:
         tie_word_embeddings=True,
     )
     values.update(overrides)
-    return LlamaConfig(**values)
+    return ModelConfig(**values)
 
 
-def random_weights(config: LlamaConfig, seed: int = 0) -> dict[str, np.ndarray]:
+def random_weights(config: ModelConfig, seed: int = 0) -> dict[str, np.ndarray]:
     """Every tensor of ``LlamaForCausalLM``, float32, by its transformers name."""
     rng = np.random.default_rng(seed)
     c = config
@@ -101,9 +101,16 @@ def random_weights(config: LlamaConfig, seed: int = 0) -> dict[str, np.ndarray]:
         out[p + "mlp.gate_proj.weight"] = matrix(inter, hidden)
         out[p + "mlp.up_proj.weight"] = matrix(inter, hidden)
         out[p + "mlp.down_proj.weight"] = matrix(hidden, inter)
-        if c.attention_bias:
-            for proj, n in (("q", q_out), ("k", kv_out), ("v", kv_out), ("o", hidden)):
+        if c.qkv_bias:
+            for proj, n in (("q", q_out), ("k", kv_out), ("v", kv_out)):
                 out[p + f"self_attn.{proj}_proj.bias"] = bias(n)
+        if c.o_bias:
+            out[p + "self_attn.o_proj.bias"] = bias(hidden)
+        if c.qk_norm:
+            for proj in ("q", "k"):
+                out[p + f"self_attn.{proj}_norm.weight"] = (
+                    1.0 + 0.1 * rng.standard_normal(d, dtype=np.float32)
+                ).astype(np.float32)
         if c.mlp_bias:
             for proj, n in (("gate", inter), ("up", inter), ("down", hidden)):
                 out[p + f"mlp.{proj}_proj.bias"] = bias(n)
@@ -119,7 +126,7 @@ def _shard_names(shards: int) -> list[str]:
 
 def write_checkpoint(
     directory: str | Path,
-    config: LlamaConfig,
+    config: ModelConfig,
     *,
     seed: int = 0,
     shards: int = 1,

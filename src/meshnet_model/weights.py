@@ -26,8 +26,8 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 
-from .checkpoint import Checkpoint, CheckpointError
-from .config import LlamaConfig
+from .checkpoint import CheckpointError, open_checkpoint
+from .config import ModelConfig
 
 __all__ = ["WEIGHT_DTYPES", "LayerWeights", "StageWeights", "parse_layers"]
 
@@ -77,11 +77,13 @@ class LayerWeights:
     gate_bias: np.ndarray | None = None
     up_bias: np.ndarray | None = None
     down_bias: np.ndarray | None = None
+    q_norm: np.ndarray | None = None  # [head_dim], qwen3's per-head RMSNorm of q
+    k_norm: np.ndarray | None = None
 
 
 @dataclass(slots=True)
 class StageWeights:
-    config: LlamaConfig
+    config: ModelConfig
     layers: range
     blocks: list[LayerWeights]
     embed: np.ndarray | None  # [vocab, hidden] on the first stage
@@ -114,10 +116,10 @@ class StageWeights:
         layers: range | None = None,
         *,
         dtype: str = "float32",
-        config: LlamaConfig | None = None,
+        config: ModelConfig | None = None,
         mmap: bool = True,
     ) -> StageWeights:
-        config = config or LlamaConfig.from_dir(directory)
+        config = config or ModelConfig.from_dir(directory)
         layers = range(config.num_hidden_layers) if layers is None else layers
         if not (0 <= layers.start < layers.stop <= config.num_hidden_layers and layers.step == 1):
             raise ValueError(
@@ -127,7 +129,7 @@ class StageWeights:
         if dtype not in WEIGHT_DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(WEIGHT_DTYPES)}, got {dtype!r}")
         target = WEIGHT_DTYPES[dtype]
-        ckpt = Checkpoint(directory)
+        ckpt = open_checkpoint(directory)
         c = config
         hidden, heads, kv_heads, head_dim = (
             c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim
@@ -148,8 +150,11 @@ class StageWeights:
                 return array
             return array.astype(target)
 
-        def optional(name: str, shape: tuple[int, ...]) -> np.ndarray | None:
-            return read(name, shape, matrix=False) if name in ckpt else None
+        def vector(name: str, shape: tuple[int, ...], wanted: bool) -> np.ndarray | None:
+            # Exactly the tensors the family's modeling code has: a bias the
+            # config does not ask for is ignored (transformers drops it as an
+            # unexpected key), one it asks for must be there.
+            return read(name, shape, matrix=False) if wanted else None
 
         blocks = []
         for i in layers:
@@ -166,13 +171,15 @@ class StageWeights:
                     gate=read(m + "gate_proj.weight", (c.intermediate_size, hidden)),
                     up=read(m + "up_proj.weight", (c.intermediate_size, hidden)),
                     down=read(m + "down_proj.weight", (hidden, c.intermediate_size)),
-                    q_bias=optional(a + "q_proj.bias", (heads * head_dim,)),
-                    k_bias=optional(a + "k_proj.bias", (kv_heads * head_dim,)),
-                    v_bias=optional(a + "v_proj.bias", (kv_heads * head_dim,)),
-                    o_bias=optional(a + "o_proj.bias", (hidden,)),
-                    gate_bias=optional(m + "gate_proj.bias", (c.intermediate_size,)),
-                    up_bias=optional(m + "up_proj.bias", (c.intermediate_size,)),
-                    down_bias=optional(m + "down_proj.bias", (hidden,)),
+                    q_bias=vector(a + "q_proj.bias", (heads * head_dim,), c.qkv_bias),
+                    k_bias=vector(a + "k_proj.bias", (kv_heads * head_dim,), c.qkv_bias),
+                    v_bias=vector(a + "v_proj.bias", (kv_heads * head_dim,), c.qkv_bias),
+                    o_bias=vector(a + "o_proj.bias", (hidden,), c.o_bias),
+                    gate_bias=vector(m + "gate_proj.bias", (c.intermediate_size,), c.mlp_bias),
+                    up_bias=vector(m + "up_proj.bias", (c.intermediate_size,), c.mlp_bias),
+                    down_bias=vector(m + "down_proj.bias", (hidden,), c.mlp_bias),
+                    q_norm=vector(a + "q_norm.weight", (head_dim,), c.qk_norm),
+                    k_norm=vector(a + "k_norm.weight", (head_dim,), c.qk_norm),
                 )
             )
         first, last = layers.start == 0, layers.stop == c.num_hidden_layers

@@ -42,7 +42,7 @@ from meshnet_model import (
     StageWeights,
     parse_layers,
 )
-from meshnet_model.config import LlamaConfig
+from meshnet_model.config import ModelConfig
 from meshnet_proto import CapacityError, ProtocolError, SequencingError
 from meshnet_runtime.config import ServerConfig
 
@@ -143,7 +143,7 @@ def load_model_stage(
     Raises ``ValueError`` (``ConfigError``, ``CheckpointError`` among them)
     with a message fit for the command line.
     """
-    config = LlamaConfig.from_dir(model)
+    config = ModelConfig.from_dir(model)
     span = parse_layers(layers, config.num_hidden_layers) if layers else None
     weights = StageWeights.load(model, span, dtype=dtype, config=config)
     path = Path(model)
