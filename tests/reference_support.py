@@ -149,9 +149,7 @@ def chain_generate(
 ) -> tuple[list[int], np.ndarray]:
     """Greedy decode through stages ``splits`` (in process, each its own runner):
     the prompt in chunks of ``chunk`` (chunked prefill), then one id per run."""
-    runners = [
-        StageRunner(StageWeights.load(directory, range(a, b))) for a, b in splits
-    ]
+    runners = [StageRunner(StageWeights.load(directory, range(a, b))) for a, b in splits]
 
     def forward(ids: list[int], position: int) -> np.ndarray:
         x: np.ndarray = np.asarray([ids], dtype=np.int32)

@@ -15,6 +15,8 @@ import json
 from pathlib import Path
 
 import pytest
+
+from meshnet_model import ConfigError, ModelConfig
 from reference_support import (
     HIDDEN,
     LAYERS,
@@ -27,8 +29,6 @@ from reference_support import (
     reference_generate,
     save,
 )
-
-from meshnet_model import ConfigError, ModelConfig
 
 STEPS = 40
 SPLITS = {

@@ -16,15 +16,17 @@ import os
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from meshnet_model.config import ModelConfig
 from meshnet_proto import EndpointRequest, MeshnetError
 from meshnet_runtime.codec_pool import CodecPool
 from meshnet_runtime.downstream import DownstreamPool
 from meshnet_runtime.http_server import Reply, StreamReply, StreamSend
 
+from .defaults import GenerationDefaults
 from .errors import OpenAIError, from_meshnet, invalid
 from .generation import ChainSession, ChainSettings, GenerationResult, generate
 from .metrics import GenerationMetrics
@@ -66,31 +68,25 @@ class ServedModel:
     tokenizer: ModelTokenizer
     context_length: int
     created: int
+    defaults: GenerationDefaults = field(default_factory=GenerationDefaults)
 
     @classmethod
     def load(cls, directory: str, *, name: str | None = None, context: int = 0) -> ServedModel:
         root = Path(directory)
         tokenizer = ModelTokenizer.load(root)
+        # The same fail-closed reading as the nodes': a config the chain cannot
+        # run exactly is refused here too, before serving (ConfigError).
+        config = ModelConfig.from_dir(root) if (root / "config.json").is_file() else None
         if not context:
-            context = _context_from_config(root) or DEFAULT_CONTEXT
+            context = config.max_position_embeddings if config else DEFAULT_CONTEXT
         stat = os.stat(root / "tokenizer.json")
         return cls(
             name=name or root.resolve().name,
             tokenizer=tokenizer,
             context_length=context,
             created=int(stat.st_mtime),
+            defaults=GenerationDefaults.load(root),
         )
-
-
-def _context_from_config(root: Path) -> int | None:
-    path = root / "config.json"
-    if not path.is_file():
-        return None
-    try:
-        value = json.loads(path.read_text(encoding="utf-8")).get("max_position_embeddings")
-    except (ValueError, AttributeError):
-        return None
-    return value if isinstance(value, int) and value > 0 else None
 
 
 class OpenAIService:
@@ -190,7 +186,8 @@ class OpenAIService:
             )
         room = context - len(ids)
         if options.max_tokens is None:
-            return min(self.max_tokens_default, room)
+            default = self.model.defaults.max_new_tokens or self.max_tokens_default
+            return min(default, room)
         if options.max_tokens > room:
             raise invalid(
                 "max_tokens",
@@ -205,7 +202,8 @@ class OpenAIService:
         self, ids: list[int], options: GenerationOptions, fmt: _Format
     ) -> Reply | StreamReply:
         max_tokens = self._budget(ids, options)
-        sampler = Sampler(options.sampling, options.seed)
+        sampling = self.model.defaults.sampling(options.sampling, options.explicit)
+        sampler = Sampler(sampling, options.seed)
         chain = ChainSession(self.pool, self.codecs, self.chain_settings(), metrics=self.metrics)
 
         async def run(on_text: Callable[[str], Any] | None) -> GenerationResult:

@@ -30,6 +30,9 @@ class GenerationOptions:
     stop: tuple[str, ...]
     stream: bool
     include_usage: bool  # stream_options.include_usage
+    # The sampling parameters the request named; the others may come from the
+    # checkpoint's generation_config.json (defaults.py).
+    explicit: frozenset[str] = frozenset()
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -147,6 +150,9 @@ def _options(document: dict[str, Any], *, max_tokens_names: tuple[str, ...]) -> 
         stop=stops,
         stream=stream,
         include_usage=include_usage,
+        explicit=frozenset(
+            n for n in ("temperature", "top_p", "top_k") if document.get(n) is not None
+        ),
     )
 
 

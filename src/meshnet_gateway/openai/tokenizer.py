@@ -1,10 +1,12 @@
 """A checkpoint's tokenizer and chat template, as Hugging Face lays them out.
 
-``tokenizer.json`` is read by the ``tokenizers`` library; the chat template
-and the special tokens come from ``tokenizer_config.json`` and the template
-is rendered by jinja2 in an immutable sandbox, the way ``transformers``
-renders it (templates ship inside downloaded checkpoints: they are data,
-not trusted code).
+``tokenizer.json`` is read by the ``tokenizers`` library; the special tokens
+come from ``tokenizer_config.json``; the chat template from ``chat_template.jinja``
+(where transformers 5 saves it; it wins, as in transformers) or else
+``tokenizer_config.json``'s ``chat_template`` (a string, or a list of named
+templates of which "default" is used). The template is rendered by jinja2
+in an immutable sandbox, the way ``transformers`` renders it (templates ship
+inside downloaded checkpoints: they are data, not trusted code).
 """
 
 from __future__ import annotations
@@ -60,6 +62,18 @@ def _eos_ids(path: Path) -> list[int]:
     return [v for v in values if isinstance(v, int) and not isinstance(v, bool) and v >= 0]
 
 
+def _chat_template(root: Path, config: Mapping[str, Any]) -> str:
+    """The checkpoint's chat template, where transformers would find it."""
+    path = root / "chat_template.jinja"
+    if path.is_file():
+        return path.read_text(encoding="utf-8")
+    template = config.get("chat_template")
+    if isinstance(template, list):  # named templates: [{"name": ..., "template": ...}]
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        template = named.get("default")
+    return template if isinstance(template, str) else FALLBACK_TEMPLATE
+
+
 def _token_text(value: Any) -> str | None:
     """``bos_token`` may be a plain string or an AddedToken dict."""
     if isinstance(value, str):
@@ -103,12 +117,7 @@ class ModelTokenizer:
             if not isinstance(loaded, dict):
                 raise ValueError(f"{config_path} is not a JSON object")
             config = loaded
-        template = config.get("chat_template")
-        if isinstance(template, list):  # named templates: [{"name": ..., "template": ...}]
-            named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
-            template = named.get("default")
-        if not isinstance(template, str):
-            template = FALLBACK_TEMPLATE
+        template = _chat_template(root, config)
         eos_token = _token_text(config.get("eos_token"))
         stop_ids = set(_eos_ids(root / "generation_config.json") + _eos_ids(root / "config.json"))
         if eos_token is not None and tokenizer.token_to_id(eos_token) is not None:
