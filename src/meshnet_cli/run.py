@@ -9,18 +9,17 @@ on stdout names the URL; SIGINT/SIGTERM shut everything down gracefully.
 from __future__ import annotations
 
 import argparse
-import json
 import signal
 import sys
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from pathlib import Path
 
 import anyio
 
 from meshnet_gateway import open_gateway
 from meshnet_gateway.app import GatewayApp
+from meshnet_model.config import ConfigError, ModelConfig
 from meshnet_node.model_chain import even_splits, start_model_chain
 from meshnet_runtime.config import load_config
 from meshnet_runtime.lifecycle import configure_logging
@@ -37,14 +36,7 @@ class LocalRun:
 
 
 def _num_layers(model: str) -> int:
-    path = Path(model) / "config.json"
-    try:
-        layers = json.loads(path.read_text(encoding="utf-8"))["num_hidden_layers"]
-    except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise ValueError(f"{path}: cannot read num_hidden_layers ({exc})") from None
-    if not isinstance(layers, int) or layers < 1:
-        raise ValueError(f"{path}: num_hidden_layers must be a positive integer")
-    return layers
+    return ModelConfig.from_dir(model).num_hidden_layers
 
 
 @asynccontextmanager
@@ -101,6 +93,13 @@ async def run_local(
 
 def main(args: argparse.Namespace) -> int:
     configure_logging(args.log_level)
+    try:
+        # Fail-closed before anything listens: a config the nodes would refuse
+        # is one line and exit 2, as meshnet-node and meshnet-gateway give it.
+        ModelConfig.from_dir(args.model)
+    except ConfigError as exc:
+        print(f"meshnet run: cannot load --model {args.model}: {exc}", file=sys.stderr)
+        return 2
     try:
         anyio.run(run_local, args, backend=args.async_backend)
     except (OSError, ValueError) as exc:
