@@ -1,6 +1,7 @@
 """``meshnet``: ``demo`` (a chain in one process), ``send`` (one .npy through a gateway),
 ``generate`` (text from a gateway's OpenAI API), ``run`` (a model's nodes and gateway in
-one process), ``bench`` (wire 2 measured against its baselines)."""
+one process), ``bench`` (wire 2 measured against its baselines), ``conformance`` (a
+wire-2 server checked against the spec)."""
 
 from __future__ import annotations
 
@@ -125,6 +126,30 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--tls-ca", default=None, help="CA bundle for an https gateway")
     generate.add_argument("--timeout", type=positive_seconds, default=300.0, help="seconds [300]")
 
+    conformance = commands.add_parser(
+        "conformance",
+        help="check a wire-2 server (node or gateway, any implementation) against the spec",
+        description="Run wire-2's conformance cases (docs/wire-2.md) against a live server "
+        "over real sockets and print pass/fail by spec section; exit 0 only when every "
+        "case passes. Point it at a server with default codec policies whose stage takes "
+        "float32 [1, tokens, 4] (an echo stage).",
+    )
+    conformance.add_argument("url", metavar="URL", help="http://host:port, https://… or unix:/path")
+    conformance.add_argument(
+        "--token", default=None, help="the server's bearer token: also runs the §7 cases"
+    )
+    conformance.add_argument(
+        "--role", choices=("node", "gateway"), default=None, help="[from GET /info]"
+    )
+    conformance.add_argument("--tls-ca", default=None, help="CA bundle for an https server")
+    conformance.add_argument("--json", action="store_true", help="one JSON document")
+    conformance.add_argument(
+        "--only", action="append", default=[], metavar="PREFIX", help="cases whose id starts so"
+    )
+    conformance.add_argument(
+        "--timeout", type=positive_seconds, default=30.0, help="seconds per read [30]"
+    )
+
     run = commands.add_parser(
         "run",
         help="serve a checkpoint split over N model nodes with a gateway, in this process",
@@ -171,6 +196,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         from .run import main as run_main
 
         return run_main(args)
+    if args.command == "conformance":
+        from meshnet_conformance import main as conformance_main
+
+        return conformance_main(
+            args.url, as_json=args.json, out=sys.stdout, token=args.token, role=args.role,
+            tls_ca=args.tls_ca, timeout=args.timeout, only=args.only,
+        )  # fmt: skip
     if args.command == "generate":
         from .generate import run_generate
 
