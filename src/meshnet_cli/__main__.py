@@ -61,6 +61,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     send.add_argument("--wire-dtype", choices=WIRE_DTYPES, default="keep", help="[keep]")
     send.add_argument(
+        "--out-dtype",
+        choices=("float32", "wire"),
+        default="float32",
+        help="OUT.npy: float32 widens a bfloat16 answer (exactly) so np.load reads numbers; "
+        "wire keeps it as sent (bfloat16 saved as 2-byte void) [float32]",
+    )
+    send.add_argument(
         "--token",
         default=os.environ.get("MESHNET_TOKEN"),
         help="bearer token [env MESHNET_TOKEN]",
@@ -74,20 +81,23 @@ def build_parser() -> argparse.ArgumentParser:
         description="Run every comparison (wire 1 vs wire 2 end to end, one hop vs the raw "
         "socket, decode-step latency, pipelining, codec, relay memory) side by side in one "
         "run and print a table of ratios; progress goes to stderr. The full run takes a few "
-        "minutes; --quick under a minute.",
+        "minutes; --quick under a minute on an idle machine. Exit status 3 when a figure "
+        "misses its target (the summary's MISS), 1 when a section failed.",
     )
-    bench.add_argument("--quick", action="store_true", help="smaller repeats: under 60 s")
+    bench.add_argument(
+        "--quick", action="store_true", help="smaller repeats: under 60 s on an idle machine"
+    )
     # The smallest sizes that run every code path (the test suite's smoke run).
     bench.add_argument("--tiny", action="store_true", help=argparse.SUPPRESS)
     bench.add_argument("--json", action="store_true", help="print one flat JSON object of keys")
     bench.add_argument(
         "--plot",
         nargs="?",
-        const="docs/bench-throughput.png",
+        const="bench-throughput.png",
         default=None,
         metavar="PNG",
         help="also chart end-to-end throughput vs payload size, wire 1 and wire 2 "
-        "(needs matplotlib: the [bench] extra) [docs/bench-throughput.png]",
+        "(needs matplotlib: the [bench] extra) [./bench-throughput.png]",
     )
     bench.add_argument(
         "--only",
