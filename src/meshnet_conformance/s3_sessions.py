@@ -57,10 +57,21 @@ def _expect_at(response: Response, position: int, tokens: int = 2) -> Response:
     return response
 
 
+def _expect_names(response: Response, session: str, index: int, total: int) -> None:
+    """A node's 200 names the chunk it answers (the gateway checks it, §3.7)."""
+    wanted = {"x-meshnet-session": session, "x-meshnet-chunk-index": str(index),
+              "x-meshnet-chunk-total": str(total)}  # fmt: skip
+    for name, value in wanted.items():
+        if response.all(name) != [value]:
+            raise CheckFailed(f"response {name}: expected {value!r}, got {response.all(name)}")
+
+
 def _runs(ctx: Context) -> None:
     session = new_session()
-    _expect_at(ctx.send(_chunk(ctx, session, 0, 2, position=0)), 0)
-    _expect_at(ctx.send(_chunk(ctx, session, 1, 2, position=2, seed=1)), 2)
+    first = _expect_at(ctx.send(_chunk(ctx, session, 0, 2, position=0)), 0)
+    _expect_names(first, session, 0, 2)
+    second = _expect_at(ctx.send(_chunk(ctx, session, 1, 2, position=2, seed=1)), 2)
+    _expect_names(second, session, 1, 2)
     # A finished run may be followed by a new run with another total.
     _expect_at(ctx.send(_chunk(ctx, session, 0, 1, position=4, seed=2)), 4)
 
@@ -192,8 +203,9 @@ def _check_two(conn: Connection, ctx: Context) -> None:
 
 
 CASES: list[Case] = [
-    Case("3.runs", SECTION, "chunks of a run in order advance the position; a finished run "
-         "is followed by a new run with another total", _runs, NODE),
+    Case("3.runs", SECTION, "chunks of a run in order are answered with their session, index, "
+         "total and position; a finished run is followed by a new run with another total",
+         _runs, NODE),
     Case("3.position-omitted", SECTION, "without X-Meshnet-Position the node uses its own "
          "count and answers it", _position_omitted, NODE),
     Case("3.keep-alive", SECTION, "two messages of one session on one keep-alive connection",
