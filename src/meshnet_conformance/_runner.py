@@ -139,10 +139,22 @@ def print_json(ctx: Context, outcomes: list[Outcome], out: TextIO, seconds: floa
     out.write("\n")
 
 
-def main(url: str, *, as_json: bool, out: TextIO, **options: object) -> int:
+def main(
+    url: str,
+    *,
+    as_json: bool,
+    out: TextIO,
+    token: str | None = None,
+    role: str | None = None,
+    tls_ca: str | None = None,
+    timeout: float = 30.0,
+    only: Sequence[str] = (),
+) -> int:
     """What ``meshnet conformance`` does: 0 only when no case failed."""
     start = time.monotonic()
-    ctx, outcomes = check_server(url, **options)  # type: ignore[arg-type]
+    ctx, outcomes = check_server(
+        url, token=token, role=role, tls_ca=tls_ca, timeout=timeout, only=only
+    )
     seconds = time.monotonic() - start
     (print_json if as_json else print_table)(ctx, outcomes, out, seconds)
     return 1 if any(outcome.result == "fail" for outcome in outcomes) else 0
