@@ -56,7 +56,7 @@ def test_send_round_trip_with_npy_files(tmp_path: Path) -> None:
         assert line.startswith("sent 1x300x64 bfloat16 zstd") and "position 0" in line
         again = meshnet(
             "send", "--gateway", gateway, "--session", session, "--encoding", "identity",
-            str(source), str(tmp_path / "again.npy"),
+            "--out-dtype", "wire", str(source), str(tmp_path / "again.npy"),
         )  # fmt: skip
         assert again.returncode == 0, again.stderr
         assert "position 300" in again.stdout and "identity" in again.stdout
@@ -64,10 +64,14 @@ def test_send_round_trip_with_npy_files(tmp_path: Path) -> None:
         assert bad.returncode == 1 and "canonical lowercase" in bad.stderr
         for proc in reversed(procs):
             assert stop(proc) == 0
-    output = np.load(target).view(ml_dtypes.bfloat16)
-    assert output.shape == array.shape and bytes(output.view(np.uint8)) == bytes(
-        array.view(np.uint8)
-    )
+    # By default a bfloat16 answer is saved widened to float32 (exact), so
+    # np.load gives numbers, not |V2 bytes; --out-dtype wire keeps the bits.
+    output = np.load(target)
+    assert output.dtype == np.float32 and "(float32)" in line
+    assert np.array_equal(output, array.astype(np.float32))
+    raw = np.load(tmp_path / "again.npy")
+    assert raw.dtype == np.dtype("V2") and raw.shape == array.shape
+    assert bytes(raw.view(ml_dtypes.bfloat16).view(np.uint8)) == bytes(array.view(np.uint8))
 
 
 def test_send_refuses_a_non_wire_dtype(tmp_path: Path) -> None:

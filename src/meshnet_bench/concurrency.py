@@ -26,7 +26,7 @@ def _sizes(options: BenchOptions) -> tuple[int, int, int, int]:
     if options.tiny:
         return 16, 32, 8, 16
     if options.quick:
-        return 256, 512, 64, 128  # 256 KiB requests, 32 MiB a level
+        return 256, 512, 64, 64  # 256 KiB requests, 16 MiB a level
     return 512, 1024, 128, 256  # 1 MiB requests, 256 MiB a level
 
 

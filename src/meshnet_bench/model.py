@@ -78,7 +78,7 @@ def _plan(options: BenchOptions) -> _Plan:
     if options.tiny:
         return _Plan(layers=4, prompt=16, chunk=8, decode=3, repeats=1, label="toy 4-layer model")
     if options.quick:
-        return _Plan(layers=4, prompt=32, chunk=16, decode=6, repeats=2,
+        return _Plan(layers=4, prompt=32, chunk=16, decode=6, repeats=1,
                      label="SmolLM-135M shape, 4 layers")  # fmt: skip
     return _Plan(layers=30, prompt=128, chunk=32, decode=16, repeats=2,
                  label="SmolLM-135M shape, 30 layers")  # fmt: skip

@@ -1,6 +1,7 @@
 """``meshnet``: ``demo`` (a chain in one process), ``send`` (one .npy through a gateway),
 ``generate`` (text from a gateway's OpenAI API), ``run`` (a model's nodes and gateway in
-one process), ``bench`` (wire 2 measured against its baselines)."""
+one process), ``bench`` (wire 2 measured against its baselines), ``conformance`` (a
+wire-2 server checked against the spec)."""
 
 from __future__ import annotations
 
@@ -60,6 +61,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     send.add_argument("--wire-dtype", choices=WIRE_DTYPES, default="keep", help="[keep]")
     send.add_argument(
+        "--out-dtype",
+        choices=("float32", "wire"),
+        default="float32",
+        help="OUT.npy: float32 widens a bfloat16 answer (exactly) so np.load reads numbers; "
+        "wire keeps it as sent (bfloat16 saved as 2-byte void) [float32]",
+    )
+    send.add_argument(
         "--token",
         default=os.environ.get("MESHNET_TOKEN"),
         help="bearer token [env MESHNET_TOKEN]",
@@ -73,20 +81,23 @@ def build_parser() -> argparse.ArgumentParser:
         description="Run every comparison (wire 1 vs wire 2 end to end, one hop vs the raw "
         "socket, decode-step latency, pipelining, codec, relay memory) side by side in one "
         "run and print a table of ratios; progress goes to stderr. The full run takes a few "
-        "minutes; --quick under a minute.",
+        "minutes; --quick under a minute on an idle machine. Exit status 3 when a figure "
+        "misses its target (the summary's MISS), 1 when a section failed.",
     )
-    bench.add_argument("--quick", action="store_true", help="smaller repeats: under 60 s")
+    bench.add_argument(
+        "--quick", action="store_true", help="smaller repeats: under 60 s on an idle machine"
+    )
     # The smallest sizes that run every code path (the test suite's smoke run).
     bench.add_argument("--tiny", action="store_true", help=argparse.SUPPRESS)
     bench.add_argument("--json", action="store_true", help="print one flat JSON object of keys")
     bench.add_argument(
         "--plot",
         nargs="?",
-        const="docs/bench-throughput.png",
+        const="bench-throughput.png",
         default=None,
         metavar="PNG",
         help="also chart end-to-end throughput vs payload size, wire 1 and wire 2 "
-        "(needs matplotlib: the [bench] extra) [docs/bench-throughput.png]",
+        "(needs matplotlib: the [bench] extra) [./bench-throughput.png]",
     )
     bench.add_argument(
         "--only",
@@ -124,6 +135,30 @@ def build_parser() -> argparse.ArgumentParser:
     )
     generate.add_argument("--tls-ca", default=None, help="CA bundle for an https gateway")
     generate.add_argument("--timeout", type=positive_seconds, default=300.0, help="seconds [300]")
+
+    conformance = commands.add_parser(
+        "conformance",
+        help="check a wire-2 server (node or gateway, any implementation) against the spec",
+        description="Run wire-2's conformance cases (docs/wire-2.md) against a live server "
+        "over real sockets and print pass/fail by spec section; exit 0 only when every "
+        "case passes. Point it at a server with default codec policies whose stage takes "
+        "float32 [1, tokens, 4] (an echo stage).",
+    )
+    conformance.add_argument("url", metavar="URL", help="http://host:port, https://… or unix:/path")
+    conformance.add_argument(
+        "--token", default=None, help="the server's bearer token: also runs the §7 cases"
+    )
+    conformance.add_argument(
+        "--role", choices=("node", "gateway"), default=None, help="[from GET /info]"
+    )
+    conformance.add_argument("--tls-ca", default=None, help="CA bundle for an https server")
+    conformance.add_argument("--json", action="store_true", help="one JSON document")
+    conformance.add_argument(
+        "--only", action="append", default=[], metavar="PREFIX", help="cases whose id starts so"
+    )
+    conformance.add_argument(
+        "--timeout", type=positive_seconds, default=30.0, help="seconds per read [30]"
+    )
 
     run = commands.add_parser(
         "run",
@@ -171,6 +206,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         from .run import main as run_main
 
         return run_main(args)
+    if args.command == "conformance":
+        from meshnet_conformance import main as conformance_main
+
+        return conformance_main(
+            args.url, as_json=args.json, out=sys.stdout, token=args.token, role=args.role,
+            tls_ca=args.tls_ca, timeout=args.timeout, only=args.only,
+        )  # fmt: skip
     if args.command == "generate":
         from .generate import run_generate
 

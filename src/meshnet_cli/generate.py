@@ -51,12 +51,31 @@ def _error_message(status: int, body: bytes) -> str:
         return f"{status}: {body[:200].decode('utf-8', 'replace')}"
 
 
+def _code(body: bytes) -> object:
+    try:
+        return json.loads(body)["error"].get("code")
+    except (ValueError, KeyError, TypeError, AttributeError):
+        return None
+
+
+def _refused(path: str, status: int, body: bytes) -> GenerateError:
+    if status == 404 and _code(body) == "not_found":
+        # A gateway started without --model has no /v1 routes at all (the
+        # core's "no such path"), which a bare 404 would not explain. An
+        # unknown model is a 404 too, but with OpenAI's model_not_found.
+        return GenerateError(
+            f"404 on {path}: this gateway serves no OpenAI API; start it with "
+            "--model DIR (or run `meshnet run --model DIR`)"
+        )
+    return GenerateError(_error_message(status, body))
+
+
 def first_model(conn: http.client.HTTPConnection, token: str | None) -> str:
     conn.request("GET", "/v1/models", headers=_headers(token))
     response = conn.getresponse()
     body = response.read()
     if response.status != 200:
-        raise GenerateError(_error_message(response.status, body))
+        raise _refused("/v1/models", response.status, body)
     data = json.loads(body).get("data") or []
     if not data:
         raise GenerateError("the gateway serves no model (start it with --model DIR)")
@@ -70,7 +89,7 @@ def stream_events(
     conn.request("POST", path, body=json.dumps(payload).encode(), headers=_headers(token))
     response = conn.getresponse()
     if response.status != 200:
-        raise GenerateError(_error_message(response.status, response.read()))
+        raise _refused(path, response.status, response.read())
     data: list[str] = []
     while True:
         line = response.readline()
@@ -127,7 +146,7 @@ def run_generate(args: argparse.Namespace, out: TextIO = sys.stdout) -> int:
         finally:
             conn.close()
     except GenerateError as exc:
-        print(f"meshnet generate: {exc}", file=sys.stderr)
+        print(f"meshnet generate: {args.gateway}: {exc}", file=sys.stderr)
         return 1
     except (OSError, ValueError, KeyError, http.client.HTTPException) as exc:
         print(f"meshnet generate: {args.gateway}: {exc}", file=sys.stderr)

@@ -10,9 +10,12 @@ import ml_dtypes
 import numpy as np
 
 from meshnet_gateway import forward_via_gateway
-from meshnet_proto import WIRE_DTYPES, MeshnetError
+from meshnet_proto import WIRE_DTYPES, DownstreamError, MeshnetError
 
-__all__ = ["load_wire_array", "run_send"]
+__all__ = ["load_wire_array", "run_send", "saveable"]
+
+# How `meshnet send` writes OUT.npy (--out-dtype).
+OUT_DTYPES = ("float32", "wire")
 
 
 def load_wire_array(path: str) -> np.ndarray:
@@ -30,6 +33,22 @@ def load_wire_array(path: str) -> np.ndarray:
         raise ValueError(f"{path}: dtype {array.dtype} is not a wire dtype ({wanted})")
     if array.ndim == 0 or array.size == 0:
         raise ValueError(f"{path}: shape {array.shape} has no tokens to send")
+    return array
+
+
+def saveable(output: np.ndarray, out_dtype: str) -> np.ndarray:
+    """The array to write as OUT.npy.
+
+    A .npy header cannot name bfloat16: numpy writes it as 2-byte void and
+    ``np.load`` gives back ``|V2`` bytes nobody can compute with. So by
+    default (``float32``) a bfloat16 output is widened to float32 — exact:
+    every bfloat16 is a float32 with the low 16 bits zero. ``wire`` writes
+    what came over the wire (bfloat16 as ``|V2``; ``meshnet send`` reads such
+    a file back as bfloat16). Other dtypes are written as they are.
+    """
+    array = np.asarray(output)
+    if out_dtype == "float32" and array.dtype == ml_dtypes.bfloat16:
+        return array.astype(np.float32)
     return array
 
 
@@ -53,14 +72,20 @@ def run_send(args: argparse.Namespace) -> int:
             ),
             backend="trio",
         )
-    except MeshnetError as exc:
-        hop = f" (hop {exc.hop})" if exc.hop else ""
-        print(f"meshnet send: {exc.status} {exc.code}{hop}: {exc.message}", file=sys.stderr)
+    except DownstreamError as exc:
+        # Our own connection to the gateway failed: no server answered, so
+        # there is no status to report (a "502" would name a server that may
+        # not exist).
+        hint = "; is a gateway running there?" if exc.code == "downstream_unreachable" else ""
+        print(f"meshnet send: {exc.message}{hint}", file=sys.stderr)
         return 1
+    except MeshnetError as exc:
+        return _answered(exc)
     except (OSError, ValueError) as exc:
         print(f"meshnet send: {exc}", file=sys.stderr)
         return 1
-    np.save(args.output, np.asarray(result.output))
+    written = saveable(result.output, args.out_dtype)
+    np.save(args.output, written)
     chunk = result.chunks[0]
     shape = "x".join(map(str, result.output.shape))
     print(
@@ -68,6 +93,13 @@ def run_send(args: argparse.Namespace) -> int:
         f"({chunk.raw_bytes:,} B raw, {chunk.sent_bytes:,} B on the wire) -> "
         f"{result.headers.dtype} {result.headers.encoding} ({chunk.received_bytes:,} B) "
         f"in {result.seconds * 1000:.1f} ms; session {result.session} "
-        f"position {result.position}; wrote {args.output}"
+        f"position {result.position}; wrote {args.output} ({written.dtype})"
     )
     return 0
+
+
+def _answered(exc: MeshnetError) -> int:
+    """The gateway (or a node behind it) answered an error: say who and what."""
+    hop = f" (hop {exc.hop})" if exc.hop else ""
+    print(f"meshnet send: {exc.status} {exc.code}{hop}: {exc.message}", file=sys.stderr)
+    return 1

@@ -61,6 +61,11 @@ log = logging.getLogger("meshnet.gateway")
 # never a request: until it answers, one chunk at a time (every window is
 # >= 1) and the question is asked again, in the background, on each request.
 INFO_TIMEOUT = 2.0
+# Started together with its chain (one shell, `&`), the gateway may come up
+# before the entry node listens: it asks again this often, this many times,
+# quietly, and warns only if the entry still has not answered.
+STARTUP_INFO_RETRY_S = 0.5
+STARTUP_INFO_ATTEMPTS = 20
 DEFAULT_REORDER_WINDOW = 16
 # Background DELETEs down the chain after a failed chunk: bounded, so a hung
 # node costs one waiting task for at most this long.
@@ -123,7 +128,8 @@ class GatewayApp:
         async with anyio.create_task_group() as tg:
             self._background = tg
             try:
-                await self.refresh_entry_window()
+                if await self.refresh_entry_window(quiet=True) is None and not self.entry_info_read:
+                    tg.start_soon(self._read_entry_window_at_start)
                 yield self
             finally:
                 self._background = None
@@ -139,15 +145,19 @@ class GatewayApp:
             return 1  # safe under any window until the entry tells us its own
         return min(self.config.inflight, self.entry_window or DEFAULT_REORDER_WINDOW)
 
-    async def refresh_entry_window(self) -> int | None:
-        """Read the entry node's reorder window from its ``GET /info``."""
+    async def refresh_entry_window(self, *, quiet: bool = False) -> int | None:
+        """Read the entry node's reorder window from its ``GET /info``.
+
+        ``quiet``: a failure is logged at debug level (the startup attempts).
+        """
         try:
             response = await self.pool.request("GET", "/info", Deadline.after(INFO_TIMEOUT))
             if isinstance(response, ErrorResponse):
                 raise response.to_error(hop=self.pool.url)
             self.entry_window = _reorder_window(json.loads(response.body))
         except (MeshnetError, ValueError) as exc:
-            log.warning("cannot read the reorder window of %s: %s", self.pool.url, exc)
+            level = logging.DEBUG if quiet else logging.WARNING
+            log.log(level, "cannot read the reorder window of %s: %s", self.pool.url, exc)
             return None
         self.entry_info_read = True
         if self.entry_window is None:
@@ -157,6 +167,14 @@ class GatewayApp:
             log.info("--inflight %d capped at the entry node's reorder window %d",
                      self.config.inflight, self.entry_window)  # fmt: skip
         return self.entry_window
+
+    async def _read_entry_window_at_start(self) -> None:
+        for attempt in range(1, STARTUP_INFO_ATTEMPTS + 1):
+            await anyio.sleep(STARTUP_INFO_RETRY_S)
+            if not self.entry_info_read:  # a request's own refresh may have got there
+                await self.refresh_entry_window(quiet=attempt < STARTUP_INFO_ATTEMPTS)
+            if self.entry_info_read:
+                return
 
     async def _refresh_in_background(self) -> None:
         self._refreshing = True
