@@ -106,7 +106,6 @@ SUPPORTED_MODEL_TYPES = tuple(FAMILIES)
 
 # Keys that cannot change the forward pass of these families (why: docs/models.md).
 IGNORED_KEYS = frozenset({
-    "architectures",  # checked: must be the family's *ForCausalLM when given
     "attention_dropout",  # dropout is off at inference
     "initializer_range", "use_cache", "pad_token_id", "bos_token_id", "eos_token_id",
     "unk_token_id", "sep_token_id", "decoder_start_token_id",
@@ -119,8 +118,6 @@ IGNORED_KEYS = frozenset({
     "tie_encoder_decoder", "chunk_size_feed_forward", "_attn_implementation",
     "attn_implementation", "_from_model_config", "model_max_length", "max_length",
     "bad_words_ids", "num_beams", "temperature", "top_k", "top_p", "do_sample",
-    "max_window_layers", "no_rope_layer_interval",  # read where the family uses them
-    "use_sliding_window",  # read where the family uses it
 })  # fmt: skip
 
 # Settings of other architectures: where present, the checkpoint's math is not
