@@ -15,11 +15,14 @@ import json
 from dataclasses import replace
 from pathlib import Path
 
+import numpy as np
 import pytest
 import transformers
 
 from meshnet_model import ConfigError, ModelConfig
 from meshnet_model.config import FOREIGN_KEYS, IGNORED_KEYS
+from meshnet_node.model_chain import ModelSession, start_model_chain
+from meshnet_runtime.downstream import DownstreamPool
 from reference_support import (
     HIDDEN,
     LAYERS,
@@ -182,3 +185,31 @@ def test_nested_identical_rope_parameters_run_as_one(tmp_path: Path) -> None:
         {**raw, "rope_parameters": {"full_attention": entry, "sliding_attention": entry}}
     )
     assert nested == flat
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("variant", ["qwen3", "mistral-window"])
+async def test_over_loopback_nodes_the_tokens_are_transformers(
+    tmp_path: Path, variant: str
+) -> None:
+    """The same check through 3 real nodes over sockets (wire 2, the session's
+    KV cache on each node), the prompt in chunks of 4."""
+    model = build_model(variant)
+    directory = save(model, tmp_path / variant, classic=False)
+    prompt = [(5 * i + 1) % VOCAB for i in range(13)]
+    want_ids, want_logits = reference_generate(model, prompt, STEPS)
+    async with start_model_chain(directory, SPLITS[3], extra=["--log-level", "warning"]) as nodes:
+        pool = DownstreamPool(nodes[0].url)
+        try:
+            session = ModelSession(pool)
+            logits = await session.run(np.asarray([prompt], np.int32), chunk_tokens=4)
+            ids, rows = [], []
+            for _ in range(STEPS):
+                rows.append(logits[0])
+                ids.append(int(np.argmax(logits[0])))
+                logits = await session.decode(ids[-1])
+            await session.delete()
+        finally:
+            await pool.aclose()
+    assert ids == want_ids
+    assert logit_error(np.stack(rows), want_logits) <= LOGIT_TOLERANCE
