@@ -160,6 +160,10 @@ def test_family_defaults_are_transformers_defaults() -> None:
         assert ours.num_key_value_heads == theirs.num_key_value_heads, model_type
         assert ours.head_dim == (getattr(theirs, "head_dim", None) or 2), model_type
         assert ours.tie_word_embeddings == theirs.tie_word_embeddings, model_type
+        assert ours.max_position_embeddings == theirs.max_position_embeddings, model_type
+        nulls = ModelConfig.from_dict({**base, "model_type": model_type,
+                                       "num_key_value_heads": None})  # fmt: skip
+        assert nulls.num_key_value_heads == 32, model_type  # null: all heads, as __post_init__
         assert ours.rope_theta == theirs.rope_parameters["rope_theta"], model_type
         window = getattr(theirs, "sliding_window", None)
         types = getattr(theirs, "layer_types", None) or ["full_attention"] * 2
