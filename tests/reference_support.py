@@ -125,15 +125,18 @@ def reference_generate(
     model: transformers.PreTrainedModel, prompt: list[int], steps: int
 ) -> tuple[list[int], np.ndarray]:
     """transformers' greedy ``generate``: the new ids and each step's logits."""
+    # No eos (an empty list: None falls back to the model's): plain argmax at
+    # every step, where min_new_tokens would instead mask the eos logit.
     out = model.generate(
         torch.tensor([prompt]),
+        eos_token_id=[],
         max_new_tokens=steps,
-        min_new_tokens=steps,
         do_sample=False,
         output_logits=True,
         return_dict_in_generate=True,
         pad_token_id=0,
     )
+    assert out.sequences.shape[1] == len(prompt) + steps
     ids = out.sequences[0, len(prompt) :].tolist()
     logits = torch.stack(out.logits, dim=1)[0].numpy()
     return ids, logits

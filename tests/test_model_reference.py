@@ -12,11 +12,17 @@ window done wrongly in the cache or the chunking shows.
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
+import numpy as np
 import pytest
+import transformers
 
 from meshnet_model import ConfigError, ModelConfig
+from meshnet_model.config import FOREIGN_KEYS, IGNORED_KEYS
+from meshnet_node.model_chain import ModelSession, start_model_chain
+from meshnet_runtime.downstream import DownstreamPool
 from reference_support import (
     HIDDEN,
     LAYERS,
@@ -130,6 +136,50 @@ def test_ignored_keys_do_not_change_the_config(tmp_path: Path) -> None:
     )
 
 
+def test_every_ignored_key_leaves_the_config_alone_and_every_foreign_key_is_refused(
+    tmp_path: Path,
+) -> None:
+    raw = json.loads((save(build_model("qwen3"), tmp_path / "m", classic=False)
+                      / "config.json").read_text())  # fmt: skip
+    plain = ModelConfig.from_dict(raw)
+    for key in sorted(IGNORED_KEYS):
+        changed = ModelConfig.from_dict({**raw, key: 0.25})
+        assert replace(changed, torch_dtype=None) == replace(plain, torch_dtype=None), key
+    for key in sorted(FOREIGN_KEYS):
+        with pytest.raises(ConfigError, match=f"{key}=0.25 is not supported"):
+            ModelConfig.from_dict({**raw, key: 0.25})
+
+
+def test_family_defaults_are_transformers_defaults() -> None:
+    # 32 heads: every family's default KV head count divides it.
+    base = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+            "num_attention_heads": 32, "vocab_size": 96}  # fmt: skip
+    for model_type in ("llama", "mistral", "qwen2", "qwen3", "smollm3"):
+        ours = ModelConfig.from_dict({**base, "model_type": model_type})
+        theirs = transformers.AutoConfig.for_model(model_type, **base)
+        assert ours.num_key_value_heads == theirs.num_key_value_heads, model_type
+        assert ours.head_dim == (getattr(theirs, "head_dim", None) or 2), model_type
+        assert ours.tie_word_embeddings == theirs.tie_word_embeddings, model_type
+        assert ours.max_position_embeddings == theirs.max_position_embeddings, model_type
+        nulls = ModelConfig.from_dict({**base, "model_type": model_type,
+                                       "num_key_value_heads": None})  # fmt: skip
+        assert nulls.num_key_value_heads == 32, model_type  # null: all heads, as __post_init__
+        assert ours.rope_theta == theirs.rope_parameters["rope_theta"], model_type
+        window = getattr(theirs, "sliding_window", None)
+        types = getattr(theirs, "layer_types", None) or ["full_attention"] * 2
+        want = [window if model_type == "mistral" or t == "sliding_attention" else None
+                for t in types]  # fmt: skip
+        assert [ours.layer_window(i) for i in range(2)] == want, model_type
+    # Mistral without the key: transformers' 4096, not "no window".
+    assert ModelConfig.from_dict({**base, "model_type": "mistral"}).layer_window(0) == 4096
+    assert ModelConfig.from_dict({**base, "model_type": "qwen3"}).head_dim == 128
+    # rope_scaling wins over rope_parameters, as in transformers' reader.
+    both = ModelConfig.from_dict({**base, "rope_scaling": {"type": "linear", "factor": 2.0},
+                                  "rope_parameters": {"rope_type": "default",
+                                                      "rope_theta": 7e4}})  # fmt: skip
+    assert both.rope_scaling.rope_type == "linear" and both.rope_theta == 1e4
+
+
 def test_nested_identical_rope_parameters_run_as_one(tmp_path: Path) -> None:
     model = build_model("qwen2-window")
     raw = json.loads((save(model, tmp_path / "m", classic=False) / "config.json").read_text())
@@ -139,3 +189,31 @@ def test_nested_identical_rope_parameters_run_as_one(tmp_path: Path) -> None:
         {**raw, "rope_parameters": {"full_attention": entry, "sliding_attention": entry}}
     )
     assert nested == flat
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("variant", ["qwen3", "mistral-window"])
+async def test_over_loopback_nodes_the_tokens_are_transformers(
+    tmp_path: Path, variant: str
+) -> None:
+    """The same check through 3 real nodes over sockets (wire 2, the session's
+    KV cache on each node), the prompt in chunks of 4."""
+    model = build_model(variant)
+    directory = save(model, tmp_path / variant, classic=False)
+    prompt = [(5 * i + 1) % VOCAB for i in range(13)]
+    want_ids, want_logits = reference_generate(model, prompt, STEPS)
+    async with start_model_chain(directory, SPLITS[3], extra=["--log-level", "warning"]) as nodes:
+        pool = DownstreamPool(nodes[0].url)
+        try:
+            session = ModelSession(pool)
+            logits = await session.run(np.asarray([prompt], np.int32), chunk_tokens=4)
+            ids, rows = [], []
+            for _ in range(STEPS):
+                rows.append(logits[0])
+                ids.append(int(np.argmax(logits[0])))
+                logits = await session.decode(ids[-1])
+            await session.delete()
+        finally:
+            await pool.aclose()
+    assert ids == want_ids
+    assert logit_error(np.stack(rows), want_logits) <= LOGIT_TOLERANCE

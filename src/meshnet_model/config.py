@@ -83,6 +83,7 @@ class Family:
     default_kv_heads: int | None = None  # None: num_attention_heads
     default_head_dim: int | None = None  # None: hidden_size // num_attention_heads
     default_tie: bool = False
+    default_max_positions: int = 2048
 
 
 FAMILIES: dict[str, Family] = {
@@ -91,22 +92,22 @@ FAMILIES: dict[str, Family] = {
         Family("llama", "LlamaForCausalLM"),
         Family("mistral", "MistralForCausalLM", honours_attention_bias=False,
                honours_mlp_bias=False, sliding="global", default_sliding_window=4096,
-               default_kv_heads=8),
+               default_kv_heads=8, default_max_positions=4096 * 32),
         Family("qwen2", "Qwen2ForCausalLM", honours_attention_bias=False,
                honours_mlp_bias=False, qkv_bias=True, sliding="layer_types",
-               default_sliding_window=4096, default_kv_heads=32),
+               default_sliding_window=4096, default_kv_heads=32, default_max_positions=32768),
         Family("qwen3", "Qwen3ForCausalLM", honours_mlp_bias=False, qk_norm=True,
                sliding="layer_types", default_sliding_window=4096, default_kv_heads=32,
-               default_head_dim=128),
+               default_head_dim=128, default_max_positions=32768),
         Family("smollm3", "SmolLM3ForCausalLM", sliding="layer_types", no_rope_layers=True,
-               default_theta=2000000.0, default_kv_heads=4, default_tie=True),
+               default_theta=2000000.0, default_kv_heads=4, default_tie=True,
+               default_max_positions=32768),
     )
 }  # fmt: skip
 SUPPORTED_MODEL_TYPES = tuple(FAMILIES)
 
 # Keys that cannot change the forward pass of these families (why: docs/models.md).
 IGNORED_KEYS = frozenset({
-    "architectures",  # checked: must be the family's *ForCausalLM when given
     "attention_dropout",  # dropout is off at inference
     "initializer_range", "use_cache", "pad_token_id", "bos_token_id", "eos_token_id",
     "unk_token_id", "sep_token_id", "decoder_start_token_id",
@@ -119,8 +120,6 @@ IGNORED_KEYS = frozenset({
     "tie_encoder_decoder", "chunk_size_feed_forward", "_attn_implementation",
     "attn_implementation", "_from_model_config", "model_max_length", "max_length",
     "bad_words_ids", "num_beams", "temperature", "top_k", "top_p", "do_sample",
-    "max_window_layers", "no_rope_layer_interval",  # read where the family uses them
-    "use_sliding_window",  # read where the family uses it
 })  # fmt: skip
 
 # Settings of other architectures: where present, the checkpoint's math is not
@@ -374,7 +373,9 @@ class ModelConfig:
         heads = raw["num_attention_heads"]
         hidden = raw["hidden_size"]
         layers = raw["num_hidden_layers"]
-        head_dim = raw.get("head_dim") or family.default_head_dim
+        # Absent: the config class's default; null: derived (transformers'
+        # __post_init__ for head_dim and num_key_value_heads alike).
+        head_dim = raw.get("head_dim", family.default_head_dim)
         if head_dim is None:
             if (
                 not isinstance(heads, int)
@@ -395,12 +396,13 @@ class ModelConfig:
                 intermediate_size=raw["intermediate_size"],
                 num_hidden_layers=layers,
                 num_attention_heads=heads,
-                num_key_value_heads=raw.get("num_key_value_heads")
-                or family.default_kv_heads
+                num_key_value_heads=raw.get("num_key_value_heads", family.default_kv_heads)
                 or heads,
                 vocab_size=raw["vocab_size"],
                 head_dim=head_dim,
-                max_position_embeddings=raw.get("max_position_embeddings", 2048),
+                max_position_embeddings=raw.get(
+                    "max_position_embeddings", family.default_max_positions
+                ),
                 rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
                 rope_theta=theta,
                 rope_scaling=scaling,
