@@ -200,6 +200,22 @@ def test_no_continue_without_expect() -> None:
     assert conn.send_continue() == b""
 
 
+def test_interim_probe_only_between_a_whole_request_and_its_answer() -> None:
+    """``send_interim`` is the driver's probe of a client that half-closed:
+    legal once the request is whole and no answer has begun, never else."""
+    conn = ServerConnection()
+    request = activation_request()
+    head_end = request.index(b"\r\n\r\n") + 4
+    feed(conn, request[:head_end])
+    assert conn.send_interim() == b""  # the body is still to come
+    events = feed(conn, request[head_end:])
+    assert isinstance(events[-1], ActivationReceived)
+    assert conn.send_interim() == b"HTTP/1.1 100 Continue\r\n\r\n"
+    assert conn.send_interim() == b"HTTP/1.1 100 Continue\r\n\r\n"  # as often as needed
+    conn.send_stream_start(200, [])
+    assert conn.send_interim() == b""  # the answer has begun
+
+
 def test_chunked_body_arriving_in_many_pieces() -> None:
     array = tensor(16, 8)
     body = bytes(encode_tensor(array))

@@ -44,8 +44,9 @@ from meshnet_runtime.config import ServerConfig
 from meshnet_runtime.deadlines import Deadline
 from meshnet_runtime.downstream import DownstreamPool
 from meshnet_runtime.http_server import ActivationReply, Reply, RequestContext, StreamReply
-from meshnet_runtime.link import LinkAwareAuto, LinkEstimate
+from meshnet_runtime.link import LinkEstimate
 from meshnet_runtime.metrics import METRICS_CONTENT_TYPE, ServerMetrics
+from meshnet_runtime.wire_encoder import WireEncoder
 
 from ._pipeline import run_chunks
 from ._retry import RetryPolicy
@@ -98,12 +99,19 @@ class GatewayApp:
         self.retry = RetryPolicy(config.retries, config.retry_backoff_ms / 1000)
         # --encoding auto also weighs the link's speed: toward the entry node
         # (measured on its answers) and toward clients (measured on the
-        # request bodies they upload; one estimate for all clients).
-        self.auto: LinkAwareAuto | None = None
-        self.answer_auto: LinkAwareAuto | None = None
-        if config.encoding == "auto":
-            self.auto = LinkAwareAuto(self.pool.link)
-            self.answer_auto = LinkAwareAuto(LinkEstimate())
+        # request bodies they upload; one estimate for all clients). Chunks
+        # keep the run's dtype (chosen once per request); answers get --wire-dtype.
+        level = config.zstd_level
+        self.to_entry = WireEncoder(
+            self.codecs, encoding=config.encoding, level=level, link=self.pool.link
+        )
+        self.to_clients = WireEncoder(
+            self.codecs,
+            dtype_policy=config.wire_dtype,
+            encoding=config.encoding,
+            level=level,
+            link=LinkEstimate(),
+        )
         self.entry_window: int | None = None  # the entry node's reorder window, once known
         self.entry_info_read = False  # its /info answered (a window may still be absent)
         self._refreshing = False
@@ -189,11 +197,11 @@ class GatewayApp:
         request = event.headers
         deadline = Deadline.start(ctx.started, self.config.timeout, request.deadline_ms)
         deadline.check()
-        if self.answer_auto is not None:
+        if self.to_clients.auto is not None:
             # Head to decoded body: the upload, plus a decode that only errs
             # toward a slower link (zstd), never toward a faster one.
             nbytes = event.body_nbytes
-            self.answer_auto.link.observe(nbytes, nbytes, anyio.current_time() - ctx.started)
+            self.to_clients.auto.link.observe(nbytes, nbytes, anyio.current_time() - ctx.started)
         if not self.entry_info_read and self._background is not None and not self._refreshing:
             self._background.start_soon(self._refresh_in_background)
         now = anyio.current_time()
@@ -217,21 +225,18 @@ class GatewayApp:
             sent = True
             result = await run_chunks(
                 self.pool,
-                self.codecs,
+                self.to_entry,
                 tensor,
                 session=lease.session,
                 base_position=lease.position,
                 chunk_tokens=self.config.chunk_tokens,
                 inflight=self.inflight,
-                encoding_policy=self.config.encoding,
                 request_encoding=request.encoding,
-                level=self.config.zstd_level,
                 deadline=deadline,
                 retry=self.retry,
                 on_retry=self._count_retry,
-                auto=self.auto,
             )
-            dtype, encoding, body = await self._encode_answer(result.output, request.encoding)
+            dtype, encoding, body = await self.to_clients.encode(result.output, request.encoding)
         except BaseException as exc:
             if sent:
                 self._fail(lease, exc)
@@ -249,26 +254,6 @@ class GatewayApp:
         """The serving loop cancels these requests when their client leaves:
         a generation nobody waits for would hold every node's KV to the end."""
         return self.openai is not None and event.path.startswith("/v1/")
-
-    async def _encode_answer(
-        self, output: np.ndarray, request_encoding: str
-    ) -> tuple[str, str, bytes | memoryview]:
-        policy, work_s = self.config.encoding, []
-        if self.answer_auto is not None:
-            policy = self.answer_auto.policy(output.nbytes)
-        encoded = await self.codecs.encode(
-            output,
-            dtype_policy=self.config.wire_dtype,
-            encoding_policy=policy,
-            request_encoding=request_encoding,
-            level=self.config.zstd_level,
-            timed=work_s.append if self.answer_auto is not None else None,
-        )
-        if self.answer_auto is not None:
-            _, encoding, body = encoded
-            wire = memoryview(body).nbytes
-            self.answer_auto.observe_encoding(policy, output.nbytes, wire, encoding, sum(work_s))
-        return encoded
 
     def _count_retry(self, index: int, error: MeshnetError) -> None:
         self.metrics.chunks.labels("retried").inc()
@@ -358,8 +343,8 @@ class GatewayApp:
             },
             "encoding": config.encoding,
             "auto_encoding": None
-            if self.auto is None or self.answer_auto is None
-            else {"to_entry": self.auto.describe(), "to_clients": self.answer_auto.describe()},
+            if self.to_entry.auto is None
+            else {"to_entry": self.to_entry.describe(), "to_clients": self.to_clients.describe()},
             "wire_dtype": config.wire_dtype,
             "zstd_level": config.zstd_level,
             "timeout_s": config.timeout,

@@ -25,6 +25,7 @@ import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 from urllib.parse import parse_qs
 
@@ -49,6 +50,7 @@ from meshnet_proto import (
     Ticket,
     Wait,
     WireHeaders,
+    request_cost,
     tensor_fingerprint,
 )
 from meshnet_runtime.codec_pool import CodecPool
@@ -62,9 +64,9 @@ from meshnet_runtime.http_server import (
     RequestContext,
 )
 from meshnet_runtime.lifecycle import server_settings, server_tls
-from meshnet_runtime.link import LinkAwareAuto
 from meshnet_runtime.metrics import METRICS_CONTENT_TYPE, ServerMetrics
 from meshnet_runtime.transports import client_ssl_context, listen
+from meshnet_runtime.wire_encoder import WireEncoder
 
 from .backends import StageBackend, StageContext, make_stage
 from .model_stage import stage_from_config
@@ -123,9 +125,13 @@ class NodeApp:
                 metrics=self.metrics,
             )
         # --encoding auto toward --next also weighs the link's speed.
-        self.auto: LinkAwareAuto | None = None
-        if self.downstream is not None and config.encoding == "auto":
-            self.auto = LinkAwareAuto(self.downstream.link)
+        self.encoder = WireEncoder(
+            self.codecs,
+            dtype_policy=config.wire_dtype,
+            encoding=config.encoding,
+            level=config.zstd_level,
+            link=self.downstream.link if self.downstream is not None else None,
+        )
         self._wakeups: dict[str, anyio.Event] = {}
         self._outcomes: dict[int, _Outcome] = {}
 
@@ -158,8 +164,14 @@ class NodeApp:
                 waiter = decision.waiter
                 assert headers.session is not None
                 wake = self._wakeups.setdefault(headers.session, anyio.Event())
-                with anyio.move_on_after(decision.until - now) as timer:
-                    await wake.wait()
+                try:
+                    with anyio.move_on_after(decision.until - now) as timer:
+                        await wake.wait()
+                except anyio.get_cancelled_exc_class():
+                    # Cancelled from outside (shutdown, a caller's scope): the
+                    # table must not keep a place for a chunk nobody will offer.
+                    self.table.give_up(waiter, anyio.current_time())
+                    raise
                 if timer.cancelled_caught:
                     self._count("wait_timeout")
                     # Wake the session's other waiters (they re-offer and wait
@@ -241,21 +253,7 @@ class NodeApp:
     async def _deliver(
         self, ticket: Ticket, headers: WireHeaders, output: Any, deadline: Deadline
     ) -> ActivationReply:
-        policy = self.config.encoding
-        work_s: list[float] = []
-        if self.auto is not None:
-            policy = self.auto.policy(output.nbytes)
-        dtype, encoding, body = await self.codecs.encode(
-            output,
-            dtype_policy=self.config.wire_dtype,
-            encoding_policy=policy,
-            request_encoding=headers.encoding,
-            level=self.config.zstd_level,
-            timed=work_s.append if self.auto is not None else None,
-        )
-        if self.auto is not None:
-            wire = memoryview(body).nbytes
-            self.auto.observe_encoding(policy, output.nbytes, wire, encoding, sum(work_s))
+        dtype, encoding, body = await self.encoder.encode(output, headers.encoding)
         out = headers.replace(
             shape=tuple(output.shape),
             dtype=dtype,
@@ -337,7 +335,7 @@ class NodeApp:
             },
             "wire_dtype": self.config.wire_dtype,
             "encoding": self.config.encoding,
-            "auto_encoding": self.auto.describe() if self.auto is not None else None,
+            "auto_encoding": self.encoder.describe(),
             "sessions": len(self.table),
         }
 
@@ -433,6 +431,7 @@ def build_node(
         ssl_context=ssl_context,
         codecs=app.codecs,
         budget=ByteBudget(app.limits.max_inflight_bytes, retry_after=settings.retry_after),
+        cost=partial(request_cost, relaying=app.downstream is not None),
     )
     return app, server
 

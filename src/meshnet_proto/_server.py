@@ -552,6 +552,21 @@ class ServerConnection:
             h11.InformationalResponse(status_code=100, headers=[], reason=b"Continue")
         )
 
+    def send_interim(self) -> bytes:
+        """An unsolicited ``100 Continue`` while a complete request awaits its
+        answer, else ``b""`` (an answer has begun, or no request is complete).
+
+        RFC 9110 §15.2 lets a server send interim answers before the final
+        one and obliges every client to skip them. A driver uses one as a
+        probe: after a client half-closed, only a write tells a client that
+        still reads from one whose socket is gone (it answers with a reset).
+        """
+        if self._h11.our_state is not h11.SEND_RESPONSE or self._h11.their_state is not h11.DONE:
+            return b""
+        return self._send(
+            h11.InformationalResponse(status_code=100, headers=[], reason=b"Continue")
+        )
+
     def send_activation(self, headers: WireHeaders, body: Body) -> Output:
         """``200`` with ``headers.to_pairs()`` and ``Content-Length``.
 
