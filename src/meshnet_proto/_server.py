@@ -43,7 +43,7 @@ from ._events import (
 from ._headers import WireHeaders, parse_wire_headers
 from ._limits import KiB, Limits
 
-__all__ = ["DEFAULT_ROUTES", "ServerConnection"]
+__all__ = ["DEFAULT_MAX_ENDPOINT_BODY", "DEFAULT_ROUTES", "ServerConnection"]
 
 # SPEC §6. A key ending in "/*" matches exactly one non-empty path segment in
 # its place, which is all `DELETE /sessions/{id}` needs.
