@@ -172,7 +172,12 @@ def test_keep_alive_across_many_requests() -> None:
         events = feed(conn, b"GET /health HTTP/1.1\r\nHost: n\r\n\r\n")
         assert events == [
             EndpointRequest(
-                method="GET", path="/health", query="", headers=((b"host", b"n"),), body=b""
+                method="GET",
+                path="/health",
+                query="",
+                headers=((b"host", b"n"),),
+                body=b"",
+                route="/health",
             )
         ]
         conn.send_response(200, [(b"Content-Type", b"text/plain")], b"ok")
@@ -501,12 +506,18 @@ def test_endpoint_requests() -> None:
     events = feed(conn, b"GET /health?deep=1 HTTP/1.1\r\nHost: n\r\n\r\n")
     assert events == [
         EndpointRequest(
-            method="GET", path="/health", query="deep=1", headers=((b"host", b"n"),), body=b""
+            method="GET",
+            path="/health",
+            query="deep=1",
+            headers=((b"host", b"n"),),
+            body=b"",
+            route="/health",
         )
     ]
     conn.send_response(200)
     events = feed(conn, b"DELETE /sessions/" + SESSION.encode() + b" HTTP/1.1\r\nHost: n\r\n\r\n")
     assert events[0].path == "/sessions/" + SESSION
+    assert events[0].route == "/sessions/*"  # the one routing decision, for the app
     conn.send_response(204)
     events = feed(conn, b"DELETE /sessions/x HTTP/1.1\r\nHost: n\r\nContent-Length: 2\r\n\r\nhi")
     assert events[0].body == b"hi"
@@ -635,6 +646,7 @@ def test_events_validate_their_fields() -> None:
         ("headers", [(b"a", b"b")]),
         ("headers", ((b"a", "b"),)),
         ("body", "x"),
+        ("route", None),
     ]:
         with pytest.raises((TypeError, ValueError)):
             EndpointRequest(**{**good, field: bad})

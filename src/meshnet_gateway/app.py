@@ -41,16 +41,18 @@ from meshnet_proto import (
 )
 from meshnet_runtime.codec_pool import CodecPool
 from meshnet_runtime.config import ServerConfig
+from meshnet_runtime.control import ControlEndpoints
 from meshnet_runtime.deadlines import Deadline
 from meshnet_runtime.downstream import DownstreamPool
 from meshnet_runtime.http_server import ActivationReply, Reply, RequestContext, StreamReply
 from meshnet_runtime.link import LinkEstimate
-from meshnet_runtime.metrics import METRICS_CONTENT_TYPE, ServerMetrics
+from meshnet_runtime.metrics import ServerMetrics
 from meshnet_runtime.wire_encoder import WireEncoder
 
 from ._pipeline import run_chunks
 from ._retry import RetryPolicy
 from .openai import OpenAIService, ServedModel
+from .openai.api import OPENAI_ROUTES
 from .openai.generation import ChainSettings
 from .openai.metrics import GenerationMetrics
 
@@ -123,6 +125,15 @@ class GatewayApp:
         self.openai: OpenAIService | None = None
         if config.model is not None:
             self.openai = _openai_service(self)
+        self.metrics.sessions.set_function(lambda: len(self.sessions))
+        self.control = ControlEndpoints(
+            role="gateway",
+            metrics=self.metrics,
+            downstream=self.pool,
+            timeout=config.timeout,
+            info=self.info,
+            end_here=self._end_here,
+        )
 
     # ------------------------------------------------------------ lifecycle
 
@@ -208,7 +219,6 @@ class GatewayApp:
         self.sessions.expire(now)
         lease = self.sessions.begin(request.session, now, entropy=os.urandom(16))
         self._active.add(lease.session)
-        self.metrics.sessions.set(len(self.sessions))
         sent = False  # once a chunk may have gone down, a failure ends the session
         try:
             if request.position is not None and request.position != lease.position:
@@ -264,7 +274,6 @@ class GatewayApp:
     def _fail(self, lease: Lease, exc: BaseException) -> None:
         """A chunk failed for good (or the request was cancelled mid-run)."""
         lease.abort()
-        self.metrics.sessions.set(len(self.sessions))
         self.metrics.chunks.labels("failed").inc()
         if isinstance(exc, MeshnetError):
             log.info("session %s: %s %s (hop %s); deleting it down the chain",
@@ -288,46 +297,15 @@ class GatewayApp:
     async def handle_endpoint(
         self, event: EndpointRequest, ctx: RequestContext
     ) -> Reply | StreamReply:
-        path = event.path
-        if path.startswith("/v1/") and self.openai is not None:
+        if self.openai is not None and event.route in OPENAI_ROUTES:
             return await self.openai.handle(event)
-        if path == "/health":
-            return await self._health(event.query)
-        if path == "/info":
-            return Reply.json(200, self.info())
-        if path == "/metrics":
-            self.metrics.sessions.set(len(self.sessions))
-            return Reply(200, [(b"content-type", METRICS_CONTENT_TYPE.encode())],
-                         self.metrics.render())  # fmt: skip
-        if path.startswith("/sessions/") and event.method == "DELETE":
-            return await self._delete(path.removeprefix("/sessions/"), ctx)
-        raise ProtocolError(f"no such endpoint {path}", code="not_found", status=404)
+        return await self.control.handle(event, ctx)
 
-    async def _health(self, query: str) -> Reply:
-        if "deep=1" not in query.split("&"):
-            return Reply.json(200, {"status": "ok", "role": "gateway"})
-        response = await self.pool.request(
-            "GET", "/health?deep=1", Deadline.after(min(self.config.timeout, INFO_TIMEOUT * 5))
-        )
-        if isinstance(response, ErrorResponse):
-            raise response.to_error(hop=self.pool.url)
-        try:
-            downstream: Any = json.loads(response.body)
-        except ValueError:
-            downstream = response.body.decode("utf-8", "replace")
-        return Reply.json(200, {"status": "ok", "role": "gateway", "downstream": downstream})
-
-    async def _delete(self, session: str, ctx: RequestContext) -> Reply:
-        """End a client session here and down the chain (204; 404 if nobody knew it)."""
+    def _end_here(self, session: str) -> bool:
+        """A client's DELETE: forget the session here (409 while a request runs on it)."""
         if self._busy(session):
             raise _session_busy(session)
-        known_here = self.sessions.end(session)
-        self.metrics.sessions.set(len(self.sessions))
-        deadline = Deadline.start(ctx.started, self.config.timeout, None)
-        response = await self.pool.request("DELETE", f"/sessions/{session}", deadline)
-        if isinstance(response, ErrorResponse) and not (response.status == 404 and known_here):
-            raise response.to_error(hop=self.pool.url)
-        return Reply(204)
+        return self.sessions.end(session)
 
     def info(self) -> dict[str, Any]:
         config = self.config

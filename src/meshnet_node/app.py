@@ -19,7 +19,6 @@ forwards and answers. Per request:
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -27,7 +26,6 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
-from urllib.parse import parse_qs
 
 import anyio
 
@@ -36,13 +34,11 @@ from meshnet_proto import (
     ActivationHead,
     ActivationReceived,
     ByteBudget,
-    DownstreamError,
     EndpointRequest,
     ErrorResponse,
     Join,
     MeshnetError,
     Process,
-    ProtocolError,
     Reforward,
     Replay,
     ServerConnection,
@@ -55,6 +51,7 @@ from meshnet_proto import (
 )
 from meshnet_runtime.codec_pool import CodecPool
 from meshnet_runtime.config import ServerConfig
+from meshnet_runtime.control import ControlEndpoints
 from meshnet_runtime.deadlines import Deadline
 from meshnet_runtime.downstream import DownstreamPool
 from meshnet_runtime.http_server import (
@@ -64,7 +61,7 @@ from meshnet_runtime.http_server import (
     RequestContext,
 )
 from meshnet_runtime.lifecycle import server_settings, server_tls
-from meshnet_runtime.metrics import METRICS_CONTENT_TYPE, ServerMetrics
+from meshnet_runtime.metrics import ServerMetrics
 from meshnet_runtime.transports import client_ssl_context, listen
 from meshnet_runtime.wire_encoder import WireEncoder
 
@@ -134,6 +131,14 @@ class NodeApp:
         )
         self._wakeups: dict[str, anyio.Event] = {}
         self._outcomes: dict[int, _Outcome] = {}
+        self.control = ControlEndpoints(
+            role="node",
+            metrics=self.metrics,
+            downstream=self.downstream,
+            timeout=config.timeout,
+            info=self.info,
+            end_here=self._end_here,
+        )
 
     def make_connection(self) -> ServerConnection:
         return ServerConnection(limits=self.limits, token=self.config.token)
@@ -309,16 +314,7 @@ class NodeApp:
     # ------------------------------------------------------------ endpoints
 
     async def handle_endpoint(self, event: EndpointRequest, ctx: RequestContext) -> Reply:
-        if event.path == "/health":
-            return await self._health(event, ctx)
-        if event.path == "/info":
-            return Reply.json(200, self.info())
-        if event.path == "/metrics":
-            return Reply(200, [(b"content-type", METRICS_CONTENT_TYPE.encode())],
-                         self.metrics.render())  # fmt: skip
-        if event.path.startswith("/sessions/") and event.method == "DELETE":
-            return await self._delete(event.path.removeprefix("/sessions/"), ctx)
-        raise ProtocolError(f"no such endpoint {event.path}", code="not_found", status=404)
+        return await self.control.handle(event, ctx)
 
     def info(self) -> dict[str, Any]:
         limits = self.limits
@@ -339,49 +335,10 @@ class NodeApp:
             "sessions": len(self.table),
         }
 
-    async def _health(self, event: EndpointRequest, ctx: RequestContext) -> Reply:
-        document: dict[str, Any] = {"status": "ok", "role": "node"}
-        deep = parse_qs(event.query).get("deep", ["0"])[-1] in ("1", "true")
-        if deep and self.downstream is not None:
-            deadline = Deadline.start(ctx.started, self.config.timeout, None)
-            response = await self.downstream.request("GET", "/health?deep=1", deadline)
-            if isinstance(response, ErrorResponse):
-                raise response.to_error(hop=self.downstream.url)
-            try:
-                document["downstream"] = json.loads(response.body)
-            except ValueError:
-                raise DownstreamError(
-                    f"{self.downstream.url}: /health is not JSON",
-                    code="downstream_bad_response",
-                    hop=self.downstream.url,
-                ) from None
-        return Reply.json(200, document)
-
-    async def _delete(self, session: str, ctx: RequestContext) -> Reply:
-        """End the session here and down the chain (SPEC §3).
-
-        204 when this node or any node below knew it, 404 when none did. A
-        downstream failure is reported only when this node did not know the
-        session (else the chain's state is already what the caller wanted here).
-        """
+    def _end_here(self, session: str) -> bool:
         known = self.table.end_session(session)
-        self._wake(session)
-        if self.downstream is not None:
-            deadline = Deadline.start(ctx.started, self.config.timeout, None)
-            try:
-                response = await self.downstream.request("DELETE", f"/sessions/{session}", deadline)
-            except MeshnetError:
-                if not known:
-                    raise
-                log.warning("could not pass DELETE /sessions/%s down", session, exc_info=True)
-            else:
-                if response.status == 204:
-                    known = True
-                elif isinstance(response, ErrorResponse) and response.status != 404 and not known:
-                    raise response.to_error(hop=self.downstream.url)
-        if not known:
-            raise ProtocolError(f"session {session} is unknown", code="not_found", status=404)
-        return Reply(204)
+        self._wake(session)  # its waiters find it gone
+        return known
 
     # ------------------------------------------------------------ upkeep
 
