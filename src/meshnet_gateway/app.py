@@ -33,6 +33,7 @@ from meshnet_proto import (
     EndpointRequest,
     ErrorResponse,
     Lease,
+    Limits,
     MeshnetError,
     ProtocolError,
     SequencingError,
@@ -64,7 +65,8 @@ log = logging.getLogger("meshnet.gateway")
 # never a request: until it answers, one chunk at a time (every window is
 # >= 1) and the question is asked again, in the background, on each request.
 INFO_TIMEOUT = 2.0
-DEFAULT_REORDER_WINDOW = 16
+# What a node whose /info names none has: the core's (SPEC §3) default.
+SPEC_REORDER_WINDOW = Limits().reorder_window
 # Background DELETEs down the chain after a failed chunk: bounded, so a hung
 # node costs one waiting task for at most this long.
 DELETE_TIMEOUT = 10.0
@@ -156,7 +158,7 @@ class GatewayApp:
         """``--inflight`` capped at the entry node's reorder window (SPEC §1)."""
         if not self.entry_info_read:
             return 1  # safe under any window until the entry tells us its own
-        return min(self.config.inflight, self.entry_window or DEFAULT_REORDER_WINDOW)
+        return min(self.config.inflight, self.entry_window or SPEC_REORDER_WINDOW)
 
     async def refresh_entry_window(self) -> int | None:
         """Read the entry node's reorder window from its ``GET /info``."""
@@ -171,7 +173,7 @@ class GatewayApp:
         self.entry_info_read = True
         if self.entry_window is None:
             log.warning("%s /info shows no reorder window; assuming %d",
-                        self.pool.url, DEFAULT_REORDER_WINDOW)  # fmt: skip
+                        self.pool.url, SPEC_REORDER_WINDOW)  # fmt: skip
         elif self.config.inflight > self.entry_window:
             log.info("--inflight %d capped at the entry node's reorder window %d",
                      self.config.inflight, self.entry_window)  # fmt: skip
@@ -332,10 +334,7 @@ class GatewayApp:
                 "max": config.max_sessions,
                 "ttl_s": config.session_ttl,
             },
-            "limits": {
-                **config.limits.to_dict(),
-                "max_connections": config.max_connections,
-            },
+            "limits": config.limits_info(),
             "auth": config.token is not None,
             "model": self.openai.model.name if self.openai is not None else None,
         }

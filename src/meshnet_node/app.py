@@ -324,11 +324,7 @@ class NodeApp:
             "stage": self.stage.describe(),
             "downstream": self.downstream.url if self.downstream else None,
             "reorder_window": limits.reorder_window,
-            "limits": {
-                **limits.to_dict(),
-                "timeout": self.config.timeout,
-                "max_connections": self.config.max_connections,
-            },
+            "limits": self.config.limits_info(),
             "wire_dtype": self.config.wire_dtype,
             "encoding": self.config.encoding,
             "auto_encoding": self.encoder.describe(),
