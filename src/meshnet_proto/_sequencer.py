@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, Protocol, TypeAlias
@@ -25,8 +25,11 @@ from typing import Any, Protocol, TypeAlias
 import numpy as np
 import xxhash
 
+from ._chunk_record import IN_FLIGHT, ChunkPhase, ChunkRecord, move
 from ._errors import CapacityError, ProtocolError, SequencingError
 from ._limits import Limits
+from ._replay_store import ReplayStore
+from ._waiters import Waiter, WaiterRegistry
 
 # How long a full table's "no room" verdict is reused (SessionTable._make_room).
 _RESCAN_SECONDS = 1.0
@@ -117,17 +120,6 @@ class Ticket:
     serial: int
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
-class Waiter:
-    """A chunk waiting for its predecessor; pass it back to ``offer``/``give_up``."""
-
-    session: str
-    index: int
-    since: float
-    until: float
-    serial: int
-
-
 @dataclass(frozen=True, slots=True)
 class Process:
     """Run the stage on this chunk now, then report through the ticket."""
@@ -170,28 +162,6 @@ class Join:
 Decision: TypeAlias = Process | Wait | Replay | Reforward | Join
 
 
-class _Phase(Enum):
-    RUNNING = "running"  # the stage is running on the chunk
-    FORWARDING = "forwarding"  # stage done; its output is downstream (or being answered)
-    FORWARD_FAILED = "forward_failed"  # stage output kept for a reforward
-    ANSWERED = "answered"  # success response kept for a replay
-    EVICTED = "evicted"  # its response or kept output went to keep the byte budget
-
-
-# Every legal move of a chunk record: (phase, event) -> next phase, None = forgotten.
-# A move not listed is a driver bug (ValueError), never a peer's doing.
-_TRANSITIONS: dict[tuple[_Phase, str], _Phase | None] = {
-    (_Phase.RUNNING, "stage_done"): _Phase.FORWARDING,
-    (_Phase.RUNNING, "stage_failed"): None,  # a retransmission may run it again
-    (_Phase.FORWARDING, "response_ready"): _Phase.ANSWERED,
-    (_Phase.FORWARDING, "forward_failed"): _Phase.FORWARD_FAILED,
-    (_Phase.FORWARD_FAILED, "reforward"): _Phase.FORWARDING,
-}
-_IN_FLIGHT = frozenset({_Phase.RUNNING, _Phase.FORWARDING})
-# What a record holds between requests, counted against max_stored_bytes.
-_HELD = frozenset({_Phase.ANSWERED, _Phase.FORWARD_FAILED})
-
-
 class _Route(Enum):
     TURN = "turn"  # the chunk's turn: run its stage
     AHEAD = "ahead"  # a predecessor has not run yet: wait
@@ -207,14 +177,6 @@ class _RunShape:
 
 
 @dataclass(slots=True)
-class _Record:
-    ticket: Ticket
-    phase: _Phase
-    stage_output: Any = None
-    response: Any = None
-
-
-@dataclass(slots=True)
 class _Session:
     id: str
     touched: float
@@ -222,8 +184,8 @@ class _Session:
     run: int = 0  # number of the run in progress, or of the next one between runs
     shape: _RunShape | None = None  # None between runs
     next_index: int = 0
-    records: dict[int, _Record] = field(default_factory=dict)
-    last_records: dict[int, _Record] = field(default_factory=dict)
+    records: dict[int, ChunkRecord] = field(default_factory=dict)
+    last_records: dict[int, ChunkRecord] = field(default_factory=dict)
     last_total: int = 0
 
 
@@ -250,11 +212,6 @@ def _require(h: _Headers) -> tuple[str, int, int]:
 
 def _unknown(message: str) -> SequencingError:
     return SequencingError(message, code="session_unknown", header=_SESSION)
-
-
-# The stored-bytes ledger is purged of stale entries when it reaches this
-# size, then each time it doubles.
-_PURGE_MIN = 1024
 
 
 class SessionTable:
@@ -288,17 +245,12 @@ class SessionTable:
         self.max_pending_waiters = max_pending_waiters
         self._on_forget = on_forget
         self._sessions: dict[str, _Session] = {}
-        # Waiters by session id, for known and not-yet-known sessions alike, so
-        # that creating a session needs no move; ``_pending`` counts the latter.
-        self._waiting: dict[str, dict[int, Waiter]] = {}
-        self._pending = 0
+        # Waiters of known and not-yet-known sessions alike, so that creating
+        # a session needs no move.
+        self._waiters = WaiterRegistry()
         self._serials = itertools.count(1)
-        # Stored responses, oldest first: serial -> (ticket, bytes), for the
-        # ``limits.max_stored_bytes`` budget. Entries whose record is gone are
-        # purged lazily (they hold no response, only a count).
-        self._stored: dict[int, tuple[Ticket, int]] = {}
-        self._stored_bytes = 0
-        self._purge_at = _PURGE_MIN
+        # Answers and outputs kept for retransmissions, held to max_stored_bytes.
+        self._store = ReplayStore(self.limits.max_stored_bytes)
         # _make_room's last verdict on a full table (see there).
         self._full_rescan_at = -math.inf
         self._full_soonest_at = -math.inf
@@ -354,10 +306,10 @@ class SessionTable:
         if waiter is not None:
             if (waiter.session, waiter.index) != (sid, index):
                 raise ValueError("offer(): waiter belongs to another chunk")
-            if not self._remove_waiter(waiter):
+            if not self._waiters.remove(waiter, known=sid in self._sessions):
                 raise _unknown(f"session {sid}: ended or expired while chunk {index} waited")
         s = self._sessions.get(sid)
-        record: _Record | None = None
+        record: ChunkRecord | None = None
         if s is None:
             route = self._route_unknown(sid, index, headers.position, now)
         else:
@@ -374,7 +326,7 @@ class SessionTable:
 
     def give_up(self, waiter: Waiter, now: float) -> SequencingError:
         """The waiter's time is up: forget it and return the error to answer."""
-        registered = self._remove_waiter(waiter)
+        registered = self._waiters.remove(waiter, known=waiter.session in self._sessions)
         s = self._sessions.get(waiter.session)
         waited = f"{now - waiter.since:.3g} s"
         if not registered:
@@ -405,7 +357,7 @@ class SessionTable:
         if found is None:
             return  # the session ended meanwhile; nothing to advance
         s, record = found
-        self._move(record, "stage_done")
+        move(record, "stage_done")
         record.stage_output = stage_output
         s.touched = now
         s.position += ticket.tokens
@@ -423,7 +375,7 @@ class SessionTable:
         if found is None:
             return
         s, record = found
-        self._move(record, "stage_failed")
+        move(record, "stage_failed")
         del s.records[ticket.index]
         if ticket.index == 0:  # the run never started after all
             s.shape = None
@@ -440,56 +392,15 @@ class SessionTable:
         if found is None:
             return
         s, record = found
-        self._move(record, "response_ready")
-        record.response, record.stage_output = response, None
+        self._store.answered(record, response, nbytes)
         s.touched = now
         self._trim(s)
-        self._hold(ticket, nbytes)
-
-    def _hold(self, ticket: Ticket, nbytes: int) -> None:
-        # A reforwarded chunk comes back here with the same serial: its old
-        # entry (the kept output) is replaced, not counted twice.
-        replaced = self._stored.pop(ticket.serial, None)
-        if replaced is not None:
-            self._stored_bytes -= replaced[1]
-        if nbytes > 0:
-            self._stored[ticket.serial] = (ticket, nbytes)
-            self._stored_bytes += nbytes
-            self._keep_budget()
-            # Backstop for entries no _release saw (a record replaced in
-            # place): purge when the ledger doubles, amortised O(1) per entry.
-            if len(self._stored) >= self._purge_at:
-                self._purge_stored()
-                self._purge_at = max(_PURGE_MIN, 2 * len(self._stored))
 
     @property
     def stored_bytes(self) -> int:
         """Bytes still held between requests: stored responses and stage outputs
         kept for a reforward (as ``response_ready``/``forward_failed`` were told)."""
-        self._purge_stored()
-        return self._stored_bytes
-
-    def _purge_stored(self) -> None:
-        for serial, (ticket, nbytes) in list(self._stored.items()):
-            found = self._lookup(ticket)
-            if found is None or found[1].phase not in _HELD:
-                del self._stored[serial]
-                self._stored_bytes -= nbytes
-
-    def _keep_budget(self) -> None:
-        if self._stored_bytes <= self.limits.max_stored_bytes:
-            return
-        self._purge_stored()
-        while self._stored_bytes > self.limits.max_stored_bytes and self._stored:
-            serial = next(iter(self._stored))
-            ticket, nbytes = self._stored.pop(serial)
-            self._stored_bytes -= nbytes
-            found = self._lookup(ticket)
-            # _purge_stored just dropped every entry that holds nothing any
-            # more, so each one left is found and holds its bytes.
-            assert found is not None and found[1].phase in _HELD
-            record = found[1]
-            record.phase, record.response, record.stage_output = _Phase.EVICTED, None, None
+        return self._store.stored_bytes
 
     def forward_failed(self, ticket: Ticket, now: float, *, nbytes: int = 0) -> None:
         """The forward failed: keep the stage output so a retransmission reforwards it.
@@ -502,10 +413,9 @@ class SessionTable:
         if found is None:
             return
         s, record = found
-        self._move(record, "forward_failed")
+        self._store.forward_failed(record, nbytes)
         s.touched = now
         self._trim(s)
-        self._hold(ticket, nbytes)
 
     # -- ending ----------------------------------------------------------------------
 
@@ -551,7 +461,9 @@ class SessionTable:
         self._make_room(now)
         return _Route.AHEAD
 
-    def _route(self, s: _Session, h: _Headers, fp: bytes | None) -> tuple[_Route, _Record | None]:
+    def _route(
+        self, s: _Session, h: _Headers, fp: bytes | None
+    ) -> tuple[_Route, ChunkRecord | None]:
         index, position = h.chunk_index, h.position
         assert index is not None
         if s.shape is not None:  # a run is open
@@ -603,8 +515,8 @@ class SessionTable:
         return _Route.AHEAD
 
     def _match(
-        self, s: _Session, index: int, position: int | None, fp: bytes | None, record: _Record
-    ) -> tuple[_Route, _Record | None]:
+        self, s: _Session, index: int, position: int | None, fp: bytes | None, record: ChunkRecord
+    ) -> tuple[_Route, ChunkRecord | None]:
         if position is not None and position != record.ticket.position:
             raise SequencingError(
                 f"session {s.id}: chunk {index} says position {position}, but it ran "
@@ -665,7 +577,7 @@ class SessionTable:
     def _process(self, s: _Session, h: _Headers, fp: bytes) -> Process:
         if s.shape is None:  # chunk 0 opens a run; the last run's records go (SPEC §3)
             s.shape = _run_shape(h)
-            self._release(s.last_records.values())
+            self._store.forget(s.last_records.values())
             s.last_records = {}
         assert h.chunk_index is not None
         ticket = Ticket(
@@ -677,23 +589,22 @@ class SessionTable:
             fingerprint=fp,
             serial=next(self._serials),
         )
-        s.records[ticket.index] = _Record(ticket, _Phase.RUNNING)
+        s.records[ticket.index] = ChunkRecord(ticket)
         return Process(ticket)
 
-    def _again(self, record: _Record) -> Decision:
-        if record.phase in _IN_FLIGHT:
+    def _again(self, record: ChunkRecord) -> Decision:
+        if record.phase in IN_FLIGHT:
             return Join(record.ticket)
-        if record.phase is _Phase.ANSWERED:
+        if record.phase is ChunkPhase.ANSWERED:
             return Replay(record.response)
-        if record.phase is _Phase.EVICTED:
+        if record.phase is ChunkPhase.EVICTED:
             raise SequencingError(
                 f"session {record.ticket.session}: chunk {record.ticket.index} already ran, "
                 "but its answer or output is no longer kept (the node's stored-bytes budget)",
                 code="chunk_conflict",
                 header=_INDEX,
             )
-        self._move(record, "reforward")
-        return Reforward(record.ticket, record.stage_output)
+        return Reforward(record.ticket, self._store.reforward(record))
 
     def _wait(
         self, sid: str, index: int, now: float, waiter: Waiter | None, deadline: float | None
@@ -706,24 +617,23 @@ class SessionTable:
             waiter = Waiter(
                 session=sid, index=index, since=now, until=until, serial=next(self._serials)
             )
-        self._waiting.setdefault(sid, {})[waiter.serial] = waiter
-        if sid not in self._sessions:
-            self._pending += 1
+        self._waiters.add(waiter, known=sid in self._sessions)
         return Wait(waiter, waiter.until)
 
     def _check_room_to_wait(self, sid: str, index: int) -> None:
         window = self.limits.reorder_window
-        if len(self._waiting.get(sid, ())) >= window:
+        if self._waiters.count(sid) >= window:
             raise SequencingError(
                 f"session {sid}: chunk {index} cannot wait, {window} chunks already wait "
                 f"(the reorder window)",
                 code="chunk_out_of_window",
                 header=_INDEX,
             )
-        if sid not in self._sessions and self._pending >= self.max_pending_waiters:
+        pending = self._waiters.pending
+        if sid not in self._sessions and pending >= self.max_pending_waiters:
             # Load, not a sequencing fault: such waits end within the reorder timeout.
             raise CapacityError(
-                f"{self._pending} chunks already wait for sessions that have not started",
+                f"{pending} chunks already wait for sessions that have not started",
                 code="sessions_full",
                 retry_after=math.ceil(self.limits.reorder_timeout),
             )
@@ -732,41 +642,16 @@ class SessionTable:
 
     def _create(self, sid: str, now: float) -> _Session:
         s = self._sessions[sid] = _Session(sid, touched=now)
-        self._pending -= len(self._waiting.get(sid, ()))
+        self._waiters.session_started(sid)
         return s
 
     def _drop(self, sid: str) -> None:
-        waiters = self._waiting.pop(sid, {})
         s = self._sessions.pop(sid, None)
-        if s is None:
-            self._pending -= len(waiters)
-        else:
-            self._release(itertools.chain(s.records.values(), s.last_records.values()))
+        self._waiters.drop(sid, known=s is not None)
+        if s is not None:
+            self._store.forget(itertools.chain(s.records.values(), s.last_records.values()))
             if self._on_forget is not None:
                 self._on_forget(sid)
-
-    def _release(self, records: Iterable[_Record]) -> None:
-        """Records that go: their entries in the stored-bytes ledger go with them.
-
-        Without this the ledger would keep one entry (a ticket) per answer
-        ever stored until the next lazy purge, which with the default budget
-        may be hundreds of thousands of entries away: a slow leak under
-        sessions that come and go (found by the soak, ``meshnet_bench.soak``).
-        """
-        for record in records:
-            held = self._stored.pop(record.ticket.serial, None)
-            if held is not None:
-                self._stored_bytes -= held[1]
-
-    def _remove_waiter(self, waiter: Waiter) -> bool:
-        group = self._waiting.get(waiter.session)
-        if group is None or group.pop(waiter.serial, None) is None:
-            return False
-        if not group:
-            del self._waiting[waiter.session]
-        if waiter.session not in self._sessions:
-            self._pending -= 1
-        return True
 
     def _make_room(self, now: float) -> None:
         if len(self._sessions) < self.limits.max_sessions:
@@ -799,14 +684,14 @@ class SessionTable:
         )
 
     def _busy(self, s: _Session, now: float) -> bool:
-        if any(w.until > now for w in self._waiting.get(s.id, {}).values()):
+        if self._waiters.waiting_at(s.id, now):
             return True
         return any(
-            r.phase in _IN_FLIGHT
+            r.phase in IN_FLIGHT
             for r in itertools.chain(s.records.values(), s.last_records.values())
         )
 
-    def _lookup(self, ticket: Ticket) -> tuple[_Session, _Record] | None:
+    def _lookup(self, ticket: Ticket) -> tuple[_Session, ChunkRecord] | None:
         s = self._sessions.get(ticket.session)
         if s is None:
             return None
@@ -815,15 +700,6 @@ class SessionTable:
         if record is None or record.ticket.serial != ticket.serial:
             return None  # a stale ticket: its run's records were dropped
         return s, record
-
-    @staticmethod
-    def _move(record: _Record, event: str) -> None:
-        key = (record.phase, event)
-        if key not in _TRANSITIONS:
-            raise ValueError(f"{event}() on a chunk that is {record.phase.value}")
-        phase = _TRANSITIONS[key]
-        if phase is not None:
-            record.phase = phase
 
     def _trim(self, s: _Session) -> None:
         """Keep O(window) records per run (the memory bound of docs/sessions.md).
@@ -838,6 +714,6 @@ class SessionTable:
             (s.last_records, s.last_total - window),
         ):
             for index in [
-                i for i, r in records.items() if 0 < i < floor and r.phase not in _IN_FLIGHT
+                i for i, r in records.items() if 0 < i < floor and r.phase not in IN_FLIGHT
             ]:
-                self._release((records.pop(index),))
+                self._store.forget((records.pop(index),))
