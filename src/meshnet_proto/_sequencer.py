@@ -18,9 +18,8 @@ from __future__ import annotations
 import itertools
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from enum import Enum
-from typing import Any, Protocol, TypeAlias
+from dataclasses import dataclass
+from typing import Any, TypeAlias
 
 import numpy as np
 import xxhash
@@ -29,6 +28,8 @@ from ._chunk_record import IN_FLIGHT, ChunkPhase, ChunkRecord, move
 from ._errors import CapacityError, ProtocolError, SequencingError
 from ._limits import Limits
 from ._replay_store import ReplayStore
+from ._routing import Headers, Route, Session, check_window, run_shape
+from ._routing import route as route_chunk
 from ._waiters import Waiter, WaiterRegistry
 
 # How long a full table's "no room" verdict is reused (SessionTable._make_room).
@@ -50,7 +51,6 @@ __all__ = [
 _SESSION = "x-meshnet-session"
 _INDEX = "x-meshnet-chunk-index"
 _TOTAL = "x-meshnet-chunk-total"
-_POSITION = "x-meshnet-position"
 
 
 def tensor_fingerprint(array: np.ndarray) -> bytes:
@@ -81,25 +81,6 @@ def tensor_fingerprint(array: np.ndarray) -> bytes:
     )
     digest.update(arr.reshape(-1).view(np.uint8))
     return digest.digest()
-
-
-class _Headers(Protocol):
-    """The attributes of ``WireHeaders`` the sequencer reads (duck typing)."""
-
-    @property
-    def shape(self) -> tuple[int, ...]: ...
-    @property
-    def dtype(self) -> str: ...
-    @property
-    def session(self) -> str | None: ...
-    @property
-    def chunk_index(self) -> int | None: ...
-    @property
-    def chunk_total(self) -> int | None: ...
-    @property
-    def position(self) -> int | None: ...
-    @property
-    def tokens(self) -> int: ...
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -162,40 +143,7 @@ class Join:
 Decision: TypeAlias = Process | Wait | Replay | Reforward | Join
 
 
-class _Route(Enum):
-    TURN = "turn"  # the chunk's turn: run its stage
-    AHEAD = "ahead"  # a predecessor has not run yet: wait
-    AGAIN = "again"  # identical to a chunk that ran: replay, reforward or join
-    UNDECIDED = "undecided"  # needs the tensor's fingerprint (head-only check)
-
-
-@dataclass(frozen=True, slots=True)
-class _RunShape:
-    total: int
-    dtype: str
-    trailing: tuple[int, ...]  # the shape without the token axis (rank included)
-
-
-@dataclass(slots=True)
-class _Session:
-    id: str
-    touched: float
-    position: int = 0
-    run: int = 0  # number of the run in progress, or of the next one between runs
-    shape: _RunShape | None = None  # None between runs
-    next_index: int = 0
-    records: dict[int, ChunkRecord] = field(default_factory=dict)
-    last_records: dict[int, ChunkRecord] = field(default_factory=dict)
-    last_total: int = 0
-
-
-def _run_shape(h: _Headers) -> _RunShape:
-    axis = 1 if len(h.shape) >= 2 else 0  # SPEC §2 token axis
-    assert h.chunk_total is not None
-    return _RunShape(h.chunk_total, h.dtype, h.shape[:axis] + h.shape[axis + 1 :])
-
-
-def _require(h: _Headers) -> tuple[str, int, int]:
+def _require(h: Headers) -> tuple[str, int, int]:
     """A node needs the sequencing headers (the gateway's input may lack them)."""
     for value, header in ((h.session, _SESSION), (h.chunk_index, _INDEX), (h.chunk_total, _TOTAL)):
         if value is None:
@@ -244,7 +192,7 @@ class SessionTable:
             raise ValueError("max_pending_waiters must be positive")
         self.max_pending_waiters = max_pending_waiters
         self._on_forget = on_forget
-        self._sessions: dict[str, _Session] = {}
+        self._sessions: dict[str, Session] = {}
         # Waiters of known and not-yet-known sessions alike, so that creating
         # a session needs no move.
         self._waiters = WaiterRegistry()
@@ -270,7 +218,7 @@ class SessionTable:
 
     # -- a request's chunk -------------------------------------------------------
 
-    def check_head(self, headers: _Headers, now: float) -> None:
+    def check_head(self, headers: Headers, now: float) -> None:
         """The checks that need only the headers (SPEC §2 order: before the body).
 
         Raises what ``offer`` would raise for these headers whatever the
@@ -282,13 +230,13 @@ class SessionTable:
         if s is None:
             route = self._route_unknown(sid, index, headers.position, now)
         else:
-            route, _ = self._route(s, headers, None)
-        if route is _Route.AHEAD:
+            route, _ = route_chunk(self.limits.reorder_window, s, headers, None)
+        if route is Route.AHEAD:
             self._check_room_to_wait(sid, index)
 
     def offer(
         self,
-        headers: _Headers,
+        headers: Headers,
         fingerprint: bytes,
         now: float,
         *,
@@ -314,10 +262,10 @@ class SessionTable:
             route = self._route_unknown(sid, index, headers.position, now)
         else:
             s.touched = now
-            route, record = self._route(s, headers, fingerprint)
-        if route is _Route.AHEAD:
+            route, record = route_chunk(self.limits.reorder_window, s, headers, fingerprint)
+        if route is Route.AHEAD:
             return self._wait(sid, index, now, waiter, deadline)
-        if route is _Route.AGAIN:
+        if route is Route.AGAIN:
             assert record is not None
             return self._again(record)
         if s is None:
@@ -447,7 +395,7 @@ class SessionTable:
 
     # -- routing -----------------------------------------------------------------------
 
-    def _route_unknown(self, sid: str, index: int, position: int | None, now: float) -> _Route:
+    def _route_unknown(self, sid: str, index: int, position: int | None, now: float) -> Route:
         if index == 0:
             if position:  # SPEC §3: never silently start a context anywhere but at 0
                 raise _unknown(
@@ -455,128 +403,17 @@ class SessionTable:
                     f"{position} (expired, deleted, or this node restarted)"
                 )
             self._make_room(now)
-            return _Route.TURN
-        self._check_window(sid, index, 0)
+            return Route.TURN
+        check_window(self.limits.reorder_window, sid, index, 0)
         # Its chunk 0 would be refused: say so now rather than after a wait.
         self._make_room(now)
-        return _Route.AHEAD
-
-    def _route(
-        self, s: _Session, h: _Headers, fp: bytes | None
-    ) -> tuple[_Route, ChunkRecord | None]:
-        index, position = h.chunk_index, h.position
-        assert index is not None
-        if s.shape is not None:  # a run is open
-            self._check_run(s, h)
-            if index > s.next_index:
-                return self._ahead(s, index, position), None
-            record = s.records.get(index)
-            if record is not None:  # passed, or the one running now
-                return self._match(s, index, position, fp, record)
-            if index < s.next_index:
-                raise SequencingError(
-                    f"session {s.id}: chunk {index} already passed and nothing of it is "
-                    f"kept any more (next is {s.next_index})",
-                    code="chunk_conflict",
-                    header=_INDEX,
-                )
-            self._check_turn_position(s, position)
-            return _Route.TURN, None
-        # Between runs: a retransmission of the last run, or the next run.
-        record = s.last_records.get(index)
-        if record is not None and position in (None, record.ticket.position):
-            # The stored answer names the last run's total: a "retransmission"
-            # with another total is not the same chunk, and replaying would
-            # hand the sender an answer for a run it did not send.
-            same_total = h.chunk_total == s.last_total
-            if same_total and fp is None:
-                return _Route.UNDECIDED, None
-            if same_total and fp == record.ticket.fingerprint:
-                return _Route.AGAIN, record
-            if position is not None:  # unmistakably the last run's chunk, changed
-                raise self._conflict(s, index)
-        if index == 0:
-            self._check_turn_position(s, position)
-            return _Route.TURN, None
-        return self._ahead(s, index, position), None
-
-    def _ahead(self, s: _Session, index: int, position: int | None) -> _Route:
-        self._check_window(s.id, index, s.next_index)
-        ahead = index - s.next_index
-        # Every chunk has at least one token, so a position below this can never
-        # match when the chunk's turn comes: refuse now instead of after a wait.
-        if position is not None and position < s.position + ahead:
-            raise SequencingError(
-                f"session {s.id}: chunk {index} says position {position}, but it cannot "
-                f"start before {s.position + ahead}",
-                code="position_mismatch",
-                header=_POSITION,
-            )
-        return _Route.AHEAD
-
-    def _match(
-        self, s: _Session, index: int, position: int | None, fp: bytes | None, record: ChunkRecord
-    ) -> tuple[_Route, ChunkRecord | None]:
-        if position is not None and position != record.ticket.position:
-            raise SequencingError(
-                f"session {s.id}: chunk {index} says position {position}, but it ran "
-                f"at {record.ticket.position}",
-                code="position_mismatch",
-                header=_POSITION,
-            )
-        if fp is None:
-            return _Route.UNDECIDED, None
-        if fp != record.ticket.fingerprint:
-            raise self._conflict(s, index)
-        return _Route.AGAIN, record
-
-    def _check_turn_position(self, s: _Session, position: int | None) -> None:
-        if position is not None and position != s.position:
-            raise SequencingError(
-                f"session {s.id}: position is {s.position}, the chunk says {position}",
-                code="position_mismatch",
-                header=_POSITION,
-            )
-
-    def _check_window(self, sid: str, index: int, next_index: int) -> None:
-        window = self.limits.reorder_window
-        if index - next_index >= window:
-            raise SequencingError(
-                f"session {sid}: chunk {index} is beyond the reorder window "
-                f"(next is {next_index}, window {window})",
-                code="chunk_out_of_window",
-                header=_INDEX,
-            )
-
-    def _check_run(self, s: _Session, h: _Headers) -> None:
-        assert s.shape is not None
-        this = _run_shape(h)
-        for was, says, header, what in (
-            (s.shape.total, this.total, _TOTAL, "chunk total"),
-            (s.shape.dtype, this.dtype, "x-meshnet-dtype", "dtype"),
-            (s.shape.trailing, this.trailing, "x-meshnet-shape", "shape apart from tokens"),
-        ):
-            if was != says:
-                raise SequencingError(
-                    f"session {s.id}: the run started with {what} {was}, this chunk has {says}",
-                    code="run_mismatch",
-                    header=header,
-                )
-
-    @staticmethod
-    def _conflict(s: _Session, index: int) -> SequencingError:
-        return SequencingError(
-            f"session {s.id}: chunk {index} was already sent with a different tensor "
-            "or chunk total",
-            code="chunk_conflict",
-            header=_INDEX,
-        )
+        return Route.AHEAD
 
     # -- decisions -------------------------------------------------------------------------
 
-    def _process(self, s: _Session, h: _Headers, fp: bytes) -> Process:
+    def _process(self, s: Session, h: Headers, fp: bytes) -> Process:
         if s.shape is None:  # chunk 0 opens a run; the last run's records go (SPEC §3)
-            s.shape = _run_shape(h)
+            s.shape = run_shape(h)
             self._store.forget(s.last_records.values())
             s.last_records = {}
         assert h.chunk_index is not None
@@ -640,8 +477,8 @@ class SessionTable:
 
     # -- bookkeeping ---------------------------------------------------------------------------
 
-    def _create(self, sid: str, now: float) -> _Session:
-        s = self._sessions[sid] = _Session(sid, touched=now)
+    def _create(self, sid: str, now: float) -> Session:
+        s = self._sessions[sid] = Session(sid, touched=now)
         self._waiters.session_started(sid)
         return s
 
@@ -683,7 +520,7 @@ class SessionTable:
             retry_after=max(1, math.ceil(soonest)),
         )
 
-    def _busy(self, s: _Session, now: float) -> bool:
+    def _busy(self, s: Session, now: float) -> bool:
         if self._waiters.waiting_at(s.id, now):
             return True
         return any(
@@ -691,7 +528,7 @@ class SessionTable:
             for r in itertools.chain(s.records.values(), s.last_records.values())
         )
 
-    def _lookup(self, ticket: Ticket) -> tuple[_Session, ChunkRecord] | None:
+    def _lookup(self, ticket: Ticket) -> tuple[Session, ChunkRecord] | None:
         s = self._sessions.get(ticket.session)
         if s is None:
             return None
@@ -701,7 +538,7 @@ class SessionTable:
             return None  # a stale ticket: its run's records were dropped
         return s, record
 
-    def _trim(self, s: _Session) -> None:
+    def _trim(self, s: Session) -> None:
         """Keep O(window) records per run (the memory bound of docs/sessions.md).
 
         A sender keeps at most a window of chunks unanswered, so only those can
