@@ -204,7 +204,7 @@ async def test_wait_beyond_reorder_timeout_is_409() -> None:
         await pool.aclose()
         # A timed-out wait leaves nothing behind: a stream of chunks for
         # sessions that never start must not grow the node's memory.
-        assert node.app._wakeups == {}
+        assert node.app.sessions_with_waiters == 0
 
 
 async def test_retransmission_replays_without_rerunning_the_stage() -> None:

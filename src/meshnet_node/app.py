@@ -303,6 +303,11 @@ class NodeApp:
         assert outcome.reply is not None
         return outcome.reply
 
+    @property
+    def sessions_with_waiters(self) -> int:
+        """Sessions whose chunks sleep until woken (each holds one wake-up event)."""
+        return len(self._wakeups)
+
     def _wake(self, session: str) -> None:
         event = self._wakeups.pop(session, None)
         if event is not None:

@@ -142,6 +142,11 @@ class DownstreamPool:
             raise self._error("answered a request with an activation", "downstream_bad_response")
         return event
 
+    @property
+    def idle_connections(self) -> int:
+        """Connections kept open for reuse (a fresh request takes one)."""
+        return len(self._idle)
+
     async def aclose(self) -> None:
         self._closed = True
         idle, self._idle = self._idle, []
