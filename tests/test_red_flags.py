@@ -42,7 +42,7 @@ from meshnet_runtime.http_server import (
 )
 from meshnet_runtime.transports import connect, listen
 from meshnet_runtime.wire_encoder import WireEncoder
-from wire_support import exchange, http_request, read_answer
+from wire_support import exchange, forward_request, http_request, read_answer
 
 pytestmark = pytest.mark.anyio
 
@@ -53,9 +53,8 @@ def floats(shape: tuple[int, ...]) -> np.ndarray:
     return np.random.default_rng(3).standard_normal(shape).astype(np.float32)
 
 
-def forward_fields(shape: tuple[int, ...], session: str, **extra: str) -> dict[str, str]:
+def wire_fields(shape: tuple[int, ...], session: str, **extra: str) -> dict[str, str]:
     return {
-        "Content-Type": "application/octet-stream",
         "X-Meshnet-Shape": ",".join(map(str, shape)),
         "X-Meshnet-Dtype": "float32",
         "X-Meshnet-Session": session,
@@ -171,8 +170,7 @@ async def test_a_relaying_nodes_budget_reserves_three_tensors() -> None:
     array = floats((1, 64, 256))
     async with gateway_chain(2) as c:
         first, last = c.nodes
-        fields = forward_fields(array.shape, str(uuid.uuid4()))
-        request = http_request("POST", "/forward", fields, array.tobytes())
+        request = forward_request(wire_fields(array.shape, str(uuid.uuid4())), array.tobytes())
         answer = await exchange(first.url, request)
         assert answer.status == 200, answer.body
         assert first.server.budget is not None and last.server.budget is not None
@@ -288,8 +286,8 @@ async def test_a_body_slower_than_the_requests_deadline_is_504_at_the_deadline()
     """The body read is bounded by X-Meshnet-Deadline-Ms too, not only by
     the server's own (here: an hour-long) body timeout."""
     async with serve_node(load_config("node", [*QUIET, "--timeout", "3600"])) as node:
-        fields = forward_fields((1, 1024), str(uuid.uuid4()), **{"X-Meshnet-Deadline-Ms": "200"})
-        head = http_request("POST", "/forward", fields, bytes(4096))[:-4000]  # most body missing
+        fields = wire_fields((1, 1024), str(uuid.uuid4()), **{"X-Meshnet-Deadline-Ms": "200"})
+        head = forward_request(fields, bytes(4096))[:-4000]  # most of the body missing
         stream = await connect(parse_endpoint(node.url))
         try:
             await stream.send(head)

@@ -8,8 +8,9 @@ answers (``100 Continue``) the way every HTTP client must.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import anyio
 from anyio.abc import ByteStream
@@ -30,12 +31,32 @@ def http_request(method: str, target: str, fields: Fields = (), body: bytes = b"
     return f"{method} {target} HTTP/1.1\r\nHost: t\r\n{head}\r\n".encode() + body
 
 
+def forward_request(fields: Fields, body: bytes, *, token: str | None = None) -> bytes:
+    """``POST /forward`` of ``body`` with the wire-2 ``fields`` given (and a bearer token)."""
+    given = list(fields.items()) if isinstance(fields, Mapping) else list(fields)
+    pairs = [("Content-Type", "application/octet-stream")]  # unless the fields say otherwise
+    if any(name.lower() == "content-type" for name, _ in given):
+        pairs = []
+    pairs += given
+    if token:
+        pairs.append(("Authorization", f"Bearer {token}"))
+    return http_request("POST", "/forward", pairs, body)
+
+
 @dataclass(frozen=True)
 class Answer:
+    """A final answer; unpacks as ``status, headers, body``."""
+
     status: int
     headers: dict[str, str]  # lowercase names
     body: bytes
     interim: int = 0  # how many 1xx answers came before this one
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter((self.status, self.headers, self.body))
+
+    def __getitem__(self, item: int) -> Any:
+        return (self.status, self.headers, self.body)[item]
 
 
 async def read_answer(stream: ByteStream, *, limit: float = 20.0) -> Answer:
