@@ -12,6 +12,7 @@ import sys
 from collections.abc import AsyncIterator, Iterator, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
+from typing import Any
 
 import ml_dtypes
 import numpy as np
@@ -74,6 +75,11 @@ async def chain(
             open_gateway(load_config("gateway", [*QUIET, "--entry", next_url, *gateway_flags]))
         )
         yield Chain(nodes, gateway)
+
+
+def chunks_counted(app: Any, outcome: str) -> float | None:
+    """A server's ``meshnet_chunks_total{outcome=...}``, read as Prometheus would."""
+    return app.metrics.registry.get_sample_value("meshnet_chunks_total", {"outcome": outcome})
 
 
 def closed_port_url() -> str:

@@ -15,7 +15,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from gateway_support import QUIET, activation, chain, closed_port_url, same_bits
+from gateway_support import QUIET, activation, chain, chunks_counted, closed_port_url, same_bits
 from meshnet_gateway import (
     Client,
     RemoteError,
@@ -67,7 +67,7 @@ async def test_gateway_echo_is_bit_exact_and_makes_a_session() -> None:
     async with chain(2) as c:
         with anyio.fail_after(LIMIT):
             result = await forward_via_gateway(c.gateway.url, array)
-        assert c.nodes[0].app.metrics.chunks.labels("processed")._value.get() == 3
+        assert chunks_counted(c.nodes[0].app, "processed") == 3
     assert same_bits(result.output, array)
     assert uuid.UUID(result.session).version == 4
     headers = result.headers
@@ -92,7 +92,7 @@ async def test_three_node_chain_rank_1_and_rank_3_int32() -> None:
         with anyio.fail_after(LIMIT):
             first = await forward_via_gateway(c.gateway.url, tokens)
             second = await forward_via_gateway(c.gateway.url, batch)
-        assert all(n.app.metrics.chunks.labels("processed")._value.get() == 13 for n in c.nodes)
+        assert all(chunks_counted(n.app, "processed") == 13 for n in c.nodes)
     assert np.array_equal(first.output, tokens) and first.output.dtype == np.int32
     assert np.array_equal(second.output, batch)
 

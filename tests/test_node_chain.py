@@ -19,7 +19,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 import trustme
-from anyio.abc import ByteStream, SocketAttribute
+from anyio.abc import SocketAttribute
 from prometheus_client.parser import text_string_to_metric_families
 
 from meshnet_node import RunningNode, Stage, serve_node
@@ -36,8 +36,7 @@ from meshnet_proto import (
 from meshnet_runtime.config import load_config
 from meshnet_runtime.deadlines import Deadline
 from meshnet_runtime.downstream import DownstreamPool
-from meshnet_runtime.endpoints import parse_endpoint
-from meshnet_runtime.transports import connect
+from wire_support import exchange, forward_request, http_request, read_answer
 
 pytestmark = pytest.mark.anyio
 
@@ -79,39 +78,6 @@ async def send(
 
 def activation(shape: tuple[int, ...] = (1, 8, 4), seed: int = 0) -> np.ndarray:
     return np.random.default_rng(seed).standard_normal(shape).astype("<f4")
-
-
-async def raw(url: str, request: bytes) -> tuple[int, dict[str, str], bytes]:
-    stream = await connect(parse_endpoint(url))
-    try:
-        await stream.send(request)
-        return await read_response(stream)
-    finally:
-        await stream.aclose()
-
-
-async def read_response(stream: ByteStream) -> tuple[int, dict[str, str], bytes]:
-    with anyio.fail_after(20):
-        buf = b""
-        while b"\r\n\r\n" not in buf:
-            buf += await stream.receive()
-        head, _, buf = buf.partition(b"\r\n\r\n")
-        lines = head.decode("latin-1").split("\r\n")
-        headers = {
-            k.strip().lower(): v.strip() for k, _, v in (x.partition(":") for x in lines[1:])
-        }
-        while len(buf) < int(headers.get("content-length", "0")):
-            buf += await stream.receive()
-        return int(lines[0].split()[1]), headers, buf
-
-
-def forward_request(headers: dict[str, str], body: bytes, auth: str | None = None) -> bytes:
-    fields = {"Content-Type": "application/octet-stream", **headers}
-    if auth:
-        fields["Authorization"] = f"Bearer {auth}"
-    head = "".join(f"{k}: {v}\r\n" for k, v in fields.items())
-    return (f"POST /forward HTTP/1.1\r\nHost: t\r\n{head}Content-Length: {len(body)}\r\n\r\n"
-            ).encode() + body  # fmt: skip
 
 
 def wire(session: str, **overrides: str) -> dict[str, str]:
@@ -204,7 +170,7 @@ async def test_wait_beyond_reorder_timeout_is_409() -> None:
         await pool.aclose()
         # A timed-out wait leaves nothing behind: a stream of chunks for
         # sessions that never start must not grow the node's memory.
-        assert node.app._wakeups == {}
+        assert node.app.sessions_with_waiters == 0
 
 
 async def test_retransmission_replays_without_rerunning_the_stage() -> None:
@@ -248,7 +214,9 @@ async def test_bad_input_is_4xx_json_and_the_node_keeps_serving() -> None:
     ]
     async with chain([]) as (node,):
         for headers, payload, status, code in cases:
-            got, response_headers, document = await raw(node.url, forward_request(headers, payload))
+            got, response_headers, document = await exchange(
+                node.url, forward_request(headers, payload)
+            )
             assert (got, json.loads(document)["error"]["code"]) == (status, code), headers
             assert response_headers["content-type"] == "application/json"
         pool = DownstreamPool(node.url)  # other sessions are still served
@@ -260,14 +228,15 @@ async def test_token_guards_everything_but_health_and_is_presented_downstream() 
     token = "s3cret-token"
     async with chain(["--token", token], ["--token", token]) as (entry, _):
         s = str(uuid.uuid4())
-        status, _headers, document = await raw(entry.url, forward_request(wire(s), bytes(16)))
+        status, _headers, document = await exchange(entry.url, forward_request(wire(s), bytes(16)))
         assert (status, json.loads(document)["error"]["code"]) == (401, "unauthorized")
         assert token not in document.decode()
-        status, _, _ = await raw(entry.url, forward_request(wire(s), bytes(16), auth="wrong"))
+        status, _, _ = await exchange(entry.url, forward_request(wire(s), bytes(16), token="wrong"))
         assert status == 401
-        assert (await raw(entry.url, b"GET /health HTTP/1.1\r\nHost: t\r\n\r\n"))[0] == 200
-        assert (await raw(entry.url, b"GET /info HTTP/1.1\r\nHost: t\r\n\r\n"))[0] == 401
-        status, _, body = await raw(entry.url, forward_request(wire(s), bytes(16), auth=token))
+        assert (await exchange(entry.url, http_request("GET", "/health"))).status == 200
+        assert (await exchange(entry.url, http_request("GET", "/info"))).status == 401
+        request = forward_request(wire(s), bytes(16), token=token)
+        status, _, body = await exchange(entry.url, request)
         assert status == 200 and body == bytes(16)  # the entry presented its token downstream
 
 
@@ -306,7 +275,7 @@ async def test_hung_downstream_and_a_deadline_is_504_naming_it() -> None:
         async with serve_node(load_config("node", ["--port", "0", "--next", hung], {})) as node:
             s = str(uuid.uuid4())
             request = forward_request(wire(s, **{"X-Meshnet-Deadline-Ms": "500"}), bytes(16))
-            status, _, document = await raw(node.url, request)
+            status, _, document = await exchange(node.url, request)
             error = json.loads(document)["error"]
             assert (status, error["code"], error["hop"]) == (504, "downstream_timeout", hung)
         tg.cancel_scope.cancel()
@@ -428,6 +397,6 @@ async def test_node_over_memory_streams_is_the_same_driver() -> None:
     async with anyio.create_task_group() as tg:
         tg.start_soon(server.serve_stream, served)
         await client.send(forward_request(wire(str(uuid.uuid4())), bytes(16)))
-        status, headers, body = await read_response(client)
+        status, headers, body = await read_answer(client)
         assert (status, headers["x-meshnet-position"], body) == (200, "0", bytes(16))
         await client.aclose()

@@ -34,10 +34,12 @@ from openai_support import (
     serve_openai,
     write_model_dir,
 )
+from wire_support import http_request
 
 pytestmark = pytest.mark.anyio
 
 LIMIT = 30  # every test's wait is bounded: a hang fails the test, not the run
+JSON = {"Content-Type": "application/json"}
 T = TypeVar("T")
 
 
@@ -314,13 +316,10 @@ async def leave_mid_stream(served: Served, max_tokens: int) -> None:
             "seed": 1,
         }
     ).encode()
-    head = (
-        f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-        f"Content-Length: {len(body)}\r\n\r\n"
-    ).encode()
+    request = http_request("POST", "/v1/completions", JSON, body)
     with anyio.fail_after(LIMIT):
         stream = await anyio.connect_tcp(host, int(port))
-        await stream.send(head + body)
+        await stream.send(request)
         seen = b""
         while seen.count(b"data: ") < 3:  # the stream is under way
             seen += await stream.receive()
@@ -349,13 +348,10 @@ async def test_client_leaving_a_non_streamed_request_cancels_it(model_dir: Path)
     async with serve_openai(model_dir, stages=stages) as served:
         host, port = served.url.removeprefix("http://").rsplit(":", 1)
         body = json.dumps({"model": "tiny-model", "prompt": "hello", "max_tokens": 200}).encode()
-        head = (
-            f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-            f"Content-Length: {len(body)}\r\n\r\n"
-        ).encode()
+        request = http_request("POST", "/v1/completions", JSON, body)
         with anyio.fail_after(LIMIT):
             stream = await anyio.connect_tcp(host, int(port))
-            await stream.send(head + body)
+            await stream.send(request)
             while stages[-1].calls < 5:  # the generation is under way
                 await anyio.sleep(0.005)
             await stream.aclose()
@@ -492,13 +488,10 @@ async def test_client_leaving_during_the_prefill_frees_every_node(model_dir: Pat
         host, port = served.url.removeprefix("http://").rsplit(":", 1)
         messages = [{"role": "user", "content": "the quick brown fox jumps over the dog"}]
         body = json.dumps({"model": "tiny-model", "messages": messages, "stream": True}).encode()
-        head = (
-            f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
-            f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
-        ).encode()
+        request = http_request("POST", "/v1/chat/completions", JSON, body)
         with anyio.fail_after(LIMIT):
             stream = await anyio.connect_tcp(host, int(port))
-            await stream.send(head + body)
+            await stream.send(request)
             seen = b""
             while b'"role": "assistant"' not in seen:
                 seen += await stream.receive()

@@ -6,10 +6,12 @@ import anyio
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from meshnet_proto import DownstreamError
+from meshnet_proto import DownstreamError, Limits
 from meshnet_runtime.config import env_name, load_config
 from meshnet_runtime.deadlines import Deadline
 from meshnet_runtime.endpoints import format_url, parse_endpoint
+from meshnet_runtime.http_server import ServerSettings
+from meshnet_runtime.lifecycle import server_settings
 from meshnet_runtime.metrics import ServerMetrics, endpoint_label
 
 
@@ -147,3 +149,31 @@ async def test_deadline_arithmetic() -> None:
     with pytest.raises(DownstreamError) as exc:
         spent.check()
     assert (exc.value.status, exc.value.code) == (504, "deadline_exceeded")
+
+
+def test_help_lists_the_choices_of_every_choice_flag(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        load_config("node", ["--help"], {})
+    text = capsys.readouterr().out
+    for shown in (
+        "{echo,zeros,count}",
+        "{keep,float32,bfloat16,float16}",
+        "{mirror,identity,zstd,auto}",
+        "{keep,float32,bfloat16,float16,auto-lossless}",
+    ):
+        assert shown in text
+
+
+def test_one_source_for_every_default() -> None:
+    """The config's defaults are the core's Limits and the loop's
+    ServerSettings, its limits are built once, and /info shows both kinds."""
+    config = load_config("node", [], {})
+    limits, settings = Limits(), ServerSettings()
+    assert config.limits == limits and config.limits is config.limits
+    assert (config.timeout, config.head_timeout, config.max_connections) == (
+        settings.body_timeout, settings.head_timeout, settings.max_connections)  # fmt: skip
+    assert server_settings(config) == ServerSettings(write_timeout=config.timeout)
+    info = config.limits_info()
+    assert info["max_tensor_bytes"] == limits.max_tensor_bytes
+    assert (info["head_timeout"], info["timeout"]) == (settings.head_timeout, config.timeout)
+    assert not hasattr(limits, "head_timeout")  # the loop's, not the core's: the core never read it

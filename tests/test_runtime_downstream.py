@@ -71,7 +71,7 @@ async def test_reuses_one_connection() -> None:
             response = await pool.forward(HEADERS, BODY, Deadline.after(10))
             assert isinstance(response, ActivationResponse)
             assert response.tensor is None and bytes(response.body) == BODY
-        assert len(pool._idle) == 1
+        assert pool.idle_connections == 1
         await pool.aclose()
         tg.cancel_scope.cancel()
 
@@ -93,7 +93,7 @@ async def test_silent_downstream_is_504_at_the_deadline() -> None:
         with pytest.raises(DownstreamError) as exc:
             await pool.forward(HEADERS, BODY, Deadline.after(0.3))
         assert (exc.value.status, exc.value.code, exc.value.hop) == (504, "downstream_timeout", url)
-        assert not pool._idle  # a timed-out connection is never reused
+        assert not pool.idle_connections  # a timed-out connection is never reused
         tg.cancel_scope.cancel()
 
 
@@ -161,7 +161,7 @@ async def test_the_retry_uses_a_new_connection_not_another_stale_one() -> None:
         async with anyio.create_task_group() as burst:
             for _ in range(3):
                 burst.start_soon(one)
-        assert len(pool._idle) == 3  # three pooled, all about to go stale
+        assert pool.idle_connections == 3  # three pooled, all about to go stale
         await anyio.sleep(0.05)  # let the closes arrive
         response = await pool.forward(HEADERS, BODY, Deadline.after(10))
         assert isinstance(response, ActivationResponse)
@@ -188,7 +188,7 @@ async def test_a_connection_idle_past_the_expiry_is_not_reused(expiry: float, re
         url = await fake_downstream(tg, OK, close_after=True)
         pool = DownstreamPool(url, keepalive_expiry=expiry)
         assert isinstance(await pool.forward(unsafe, BODY, Deadline.after(10)), ActivationResponse)
-        assert len(pool._idle) == 1
+        assert pool.idle_connections == 1
         await anyio.sleep(0.2)  # past the short expiry; the server has closed its side
         if reused:
             with pytest.raises(DownstreamError) as exc:

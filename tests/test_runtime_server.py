@@ -47,6 +47,7 @@ from meshnet_runtime.transports import (
     memory_stream_pair,
     server_ssl_context,
 )
+from wire_support import read_answer
 
 SID = "5b1e0c4e-8d8a-4c55-9d6e-1f2a3b4c5d6e"
 REJECTED = "00000000-0000-4000-8000-000000000000"
@@ -93,23 +94,6 @@ def activation(shape: tuple[int, ...] = (1, 4), session: str = SID, body: bytes 
     return head + extra + b"\r\n" + body
 
 
-async def read_response(stream: ByteStream) -> tuple[int, dict[str, str], bytes]:
-    buf = b""
-    while True:
-        while b"\r\n\r\n" not in buf:
-            buf += await stream.receive()
-        head, _, buf = buf.partition(b"\r\n\r\n")
-        lines = head.decode("latin-1").split("\r\n")
-        status = int(lines[0].split()[1])
-        if status != 100:
-            break
-    headers = {k.strip().lower(): v.strip() for k, _, v in (x.partition(":") for x in lines[1:])}
-    length = int(headers.get("content-length", "0"))
-    while len(buf) < length:
-        buf += await stream.receive()
-    return status, headers, buf[:length]
-
-
 async def at_eof(stream: ByteStream) -> bool:
     """True when the peer closed (bounded: a live connection fails the test)."""
     with anyio.fail_after(10):
@@ -152,12 +136,12 @@ async def test_keep_alive_round_trips_over_tcp() -> None:
         stream = await connect(parse_endpoint(url))
         for _ in range(3):  # one connection, three requests
             await stream.send(activation())
-            status, headers, body = await read_response(stream)
+            status, headers, body = await read_answer(stream)
             assert status == 200
             assert headers["x-meshnet-session"] == SID
             assert body == activation()[-16:]
         await stream.send(b"GET /health HTTP/1.1\r\nHost: t\r\n\r\n")
-        status, _, body = await read_response(stream)
+        status, _, body = await read_answer(stream)
         assert (status, json.loads(body)["status"]) == (200, "ok")
         await stream.aclose()
 
@@ -169,7 +153,7 @@ async def test_unix_socket_and_memory_streams(tmp_path: Path) -> None:
         assert url == f"unix:{path}"
         stream = await connect(parse_endpoint(url))
         await stream.send(activation())
-        assert (await read_response(stream))[0] == 200
+        assert (await read_answer(stream))[0] == 200
         await stream.aclose()
     assert not Path(path).exists()
 
@@ -178,7 +162,7 @@ async def test_unix_socket_and_memory_streams(tmp_path: Path) -> None:
     async with anyio.create_task_group() as tg:
         tg.start_soon(server.serve_stream, served)
         await client.send(activation())
-        assert (await read_response(client))[0] == 200
+        assert (await read_answer(client))[0] == 200
         await client.aclose()
 
 
@@ -187,7 +171,7 @@ async def test_slow_head_gets_408_and_idle_connection_just_closes() -> None:
     async with running(head_timeout=0.3) as (_, url):
         slow = await connect(parse_endpoint(url))
         await slow.send(b"POST /forward HTTP/1.1\r\nHost: t\r\n")  # never finished
-        status, headers, body = await read_response(slow)
+        status, headers, body = await read_answer(slow)
         assert status == 408
         assert json.loads(body)["error"]["code"] == "request_timeout"
         assert headers["connection"] == "close"
@@ -202,15 +186,15 @@ async def test_connection_cap_answers_503_with_retry_after() -> None:
     async with running(max_connections=1) as (_, url):
         first = await connect(parse_endpoint(url))
         await first.send(activation())
-        assert (await read_response(first))[0] == 200  # holds the only slot
+        assert (await read_answer(first))[0] == 200  # holds the only slot
         second = await connect(parse_endpoint(url))
         await second.send(activation())
-        status, headers, body = await read_response(second)
+        status, headers, body = await read_answer(second)
         assert status == 503
         assert json.loads(body)["error"]["code"] == "too_many_connections"
         assert int(headers["retry-after"]) >= 1
         await first.send(activation())
-        assert (await read_response(first))[0] == 200
+        assert (await read_answer(first))[0] == 200
         await first.aclose()
         await second.aclose()
 
@@ -221,12 +205,12 @@ async def test_a_bug_is_a_500_and_the_server_keeps_serving() -> None:
         for request in (activation(shape=BUGGY_SHAPE), b"GET /info HTTP/1.1\r\nHost: t\r\n\r\n"):
             stream = await connect(parse_endpoint(url))
             await stream.send(request)
-            status, _, body = await read_response(stream)
+            status, _, body = await read_answer(stream)
             assert (status, json.loads(body)["error"]["code"]) == (500, "internal_error")
             await stream.aclose()
         stream = await connect(parse_endpoint(url))
         await stream.send(activation())
-        assert (await read_response(stream))[0] == 200
+        assert (await read_answer(stream))[0] == 200
         await stream.aclose()
         assert server.metrics is not None
         assert b'status="500"' in server.metrics.render()
@@ -238,7 +222,7 @@ async def test_early_reject_is_readable_while_the_body_still_streams() -> None:
         stream = await connect(parse_endpoint(url))
         shape = (1, 256 * 1024)  # 1 MiB promised; only part of it is ever sent
         await stream.send(activation(shape=shape, session=REJECTED, body=b"\0" * 65536))
-        status, headers, body = await read_response(stream)
+        status, headers, body = await read_answer(stream)
         assert (status, json.loads(body)["error"]["code"]) == (409, "session_unknown")
         assert headers["connection"] == "close"
         assert await at_eof(stream)
@@ -258,7 +242,7 @@ async def test_bad_input_is_4xx_json_never_500() -> None:
         for request, expected in cases:
             stream = await connect(parse_endpoint(url))
             await stream.send(request)
-            status, headers, body = await read_response(stream)
+            status, headers, body = await read_answer(stream)
             assert status == expected, (request[:40], body)
             assert headers["content-type"] == "application/json"
             assert json.loads(body)["error"]["status"] == expected
@@ -281,12 +265,12 @@ async def test_graceful_shutdown_finishes_in_flight_and_refuses_new() -> None:
         # "back off" from "crashed").
         late = await connect(parse_endpoint(url))
         await late.send(activation())
-        status, headers, body = await read_response(late)
+        status, headers, body = await read_answer(late)
         assert status == 503 and json.loads(body)["error"]["code"] == "shutting_down"
         assert headers["retry-after"] == "1"
         await late.aclose()
         app.release.set()
-        status, _, body = await read_response(busy)  # the request in flight completes
+        status, _, body = await read_answer(busy)  # the request in flight completes
         assert status == 200 and len(body) == 16
         assert await at_eof(busy)
         with pytest.raises(OSError):

@@ -131,13 +131,22 @@ def one(pairs_of: Callable[[str], Pairs], body: bytes = BODY, **kw) -> Build:
     return lambda: [request(pairs_of(new_session()), body, **kw)]
 
 
-def node_rows(target: str) -> list[Row]:
-    """Header rows that hold for any node (session, index and total required)."""
-    rows: list[Row] = []
+class _Rows(list[Row]):
+    """Rows for one target; ``row(name, pairs_of, status, code, header)`` adds one."""
 
-    def row(name: str, pairs_of: Callable[[str], Pairs], status: int, code: str, header=None):
-        rows.append(Row(f"{target}:{name}", target, one(pairs_of), status, code, header))
+    def __init__(self, target: str) -> None:
+        super().__init__()
+        self.target = target
 
+    def row(self, name: str, pairs_of: Callable[[str], Pairs], status: int, code: str,
+            header: str | None = None) -> None:  # fmt: skip
+        self.append(Row(f"{self.target}:{name}", self.target, one(pairs_of), status, code, header))
+
+
+def integer_rows(target: str) -> list[Row]:
+    """The strict integer grammar, in every integer header."""
+    rows = _Rows(target)
+    row = rows.row
     integer = [
         ("sign_plus", b"+0"),
         ("sign_minus", b"-0"),
@@ -181,7 +190,13 @@ def node_rows(target: str) -> list[Row]:
             "bad_integer",
             "x-meshnet-deadline-ms",
         )
-    # The other headers of SPEC §2: empty, repeated, conflicting, odd values.
+    return rows
+
+
+def header_value_rows(target: str) -> list[Row]:
+    """The other headers of SPEC §2: empty, conflicting, odd values."""
+    rows = _Rows(target)
+    row = rows.row
     for name, pairs_of, status, code, header in [
         ("wire_empty", lambda s: replacing(wire(s), b"X-Meshnet-Wire", b""), 400,
          "wire_version_mismatch", "x-meshnet-wire"),
@@ -221,6 +236,12 @@ def node_rows(target: str) -> list[Row]:
          415, "unsupported_media_type", "content-type"),
     ]:  # fmt: skip
         row(name, pairs_of, status, code, header)
+    return rows
+
+
+def content_length_rows(target: str) -> list[Row]:
+    """Content-Length values, canonical or not."""
+    rows = _Rows(target)
     for name, value, status, code in [
         ("content_length_empty", b"", 400, "bad_framing"),
         ("content_length_sign_minus", b"-64", 400, "bad_framing"),
@@ -230,6 +251,13 @@ def node_rows(target: str) -> list[Row]:
         ("content_length_leading_zeros", b"00064", 200, None),
     ]:
         rows.append(Row(f"{target}:{name}", target, one(wire, length=value), status, code))
+    return rows
+
+
+def missing_header_rows(target: str) -> list[Row]:
+    """Each required header absent."""
+    rows = _Rows(target)
+    row = rows.row
     for header, code in [
         (b"X-Meshnet-Shape", "missing_header"),
         (b"X-Meshnet-Dtype", "missing_header"),
@@ -244,6 +272,13 @@ def node_rows(target: str) -> list[Row]:
             code,
             header.decode().lower(),
         )
+    return rows
+
+
+def repeated_header_rows(target: str) -> list[Row]:
+    """Each header twice, equal or conflicting."""
+    rows = _Rows(target)
+    row = rows.row
     for header in (
         b"X-Meshnet-Shape",
         b"X-Meshnet-Dtype",
@@ -288,6 +323,13 @@ def node_rows(target: str) -> list[Row]:
         "duplicate_header",
         "x-meshnet-encoding",
     )
+    return rows
+
+
+def session_and_index_rows(target: str) -> list[Row]:
+    """Session ids that are not canonical UUIDs; index against total."""
+    rows = _Rows(target)
+    row = rows.row
     for name, value in [
         ("empty", b""),
         ("uppercase", None),
@@ -310,6 +352,18 @@ def node_rows(target: str) -> list[Row]:
     )
     row("total_zero", lambda s: wire(s, index=0, total=0), 400, "bad_chunk_index")
     return rows
+
+
+def node_rows(target: str) -> list[Row]:
+    """Header rows that hold for any node (session, index and total required)."""
+    return [
+        *integer_rows(target),
+        *header_value_rows(target),
+        *content_length_rows(target),
+        *missing_header_rows(target),
+        *repeated_header_rows(target),
+        *session_and_index_rows(target),
+    ]
 
 
 def shape_rows(target: str, session: bool) -> list[Row]:
@@ -405,16 +459,18 @@ def shape_rows(target: str, session: bool) -> list[Row]:
     return rows
 
 
-def content_rows(target: str, session: bool) -> list[Row]:
-    """Content type, wire 1, framing and body rows (any server)."""
+def _sender(session: bool) -> Callable[..., Pairs]:
+    """Wire headers with the sequencing trio (a node's input) or without (a gateway's)."""
 
     def base(s: str, **kw) -> Pairs:
         return wire(s, **kw) if session else wire(None, index=None, total=None, **kw)
 
-    z = zstandard.ZstdCompressor()
-    frame = z.compress(BODY)
-    big_shape = b"1,1024,1024"  # 4 MiB of float32: bound large enough for a bomb
-    t = target
+    return base
+
+
+def media_rows(target: str, session: bool) -> list[Row]:
+    """Content type and wire 1 (any server)."""
+    base, t = _sender(session), target
     wire1 = b'{"shape":[1,4,4],"dtype":"float32","data":[0.0]}'
     return [
         Row(
@@ -451,7 +507,13 @@ def content_rows(target: str, session: bool) -> list[Row]:
             415,
             "wire1_gone",
         ),
-        # --- body size and HTTP framing
+    ]
+
+
+def framing_rows(target: str, session: bool) -> list[Row]:
+    """Body size and HTTP framing: the request line, lengths, chunked (any server)."""
+    base, t = _sender(session), target
+    return [
         Row(f"{t}:body_shorter", t, one(base, BODY[:-4]), 400, "body_size_mismatch"),
         Row(f"{t}:body_longer", t, one(base, BODY + b"1234"), 413, "body_too_large"),
         Row(f"{t}:body_absent_cl_0", t, one(base, b""), 400, "body_size_mismatch"),
@@ -572,7 +634,16 @@ def content_rows(target: str, session: bool) -> list[Row]:
             400,
             "malformed_request",
         ),
-        # --- zstd
+    ]
+
+
+def zstd_rows(target: str, session: bool) -> list[Row]:
+    """zstd bodies: truncated, trailing bytes, wrong sizes, bombs (any server)."""
+    base, t = _sender(session), target
+    z = zstandard.ZstdCompressor()
+    frame = z.compress(BODY)
+    big_shape = b"1,1024,1024"  # 4 MiB of float32: bound large enough for a bomb
+    return [
         Row(
             f"{t}:zstd_garbage",
             t,
@@ -635,6 +706,15 @@ def content_rows(target: str, session: bool) -> list[Row]:
             400,
             "bad_zstd_frame",
         ),
+    ]
+
+
+def content_rows(target: str, session: bool) -> list[Row]:
+    """Content type, wire 1, framing and body rows (any server)."""
+    return [
+        *media_rows(target, session),
+        *framing_rows(target, session),
+        *zstd_rows(target, session),
     ]
 
 

@@ -172,7 +172,12 @@ def test_keep_alive_across_many_requests() -> None:
         events = feed(conn, b"GET /health HTTP/1.1\r\nHost: n\r\n\r\n")
         assert events == [
             EndpointRequest(
-                method="GET", path="/health", query="", headers=((b"host", b"n"),), body=b""
+                method="GET",
+                path="/health",
+                query="",
+                headers=((b"host", b"n"),),
+                body=b"",
+                route="/health",
             )
         ]
         conn.send_response(200, [(b"Content-Type", b"text/plain")], b"ok")
@@ -198,6 +203,22 @@ def test_no_continue_without_expect() -> None:
     events = feed(conn, activation_request())
     assert not events[0].expects_continue
     assert conn.send_continue() == b""
+
+
+def test_interim_probe_only_between_a_whole_request_and_its_answer() -> None:
+    """``send_interim`` is the driver's probe of a client that half-closed:
+    legal once the request is whole and no answer has begun, never else."""
+    conn = ServerConnection()
+    request = activation_request()
+    head_end = request.index(b"\r\n\r\n") + 4
+    feed(conn, request[:head_end])
+    assert conn.send_interim() == b""  # the body is still to come
+    events = feed(conn, request[head_end:])
+    assert isinstance(events[-1], ActivationReceived)
+    assert conn.send_interim() == b"HTTP/1.1 100 Continue\r\n\r\n"
+    assert conn.send_interim() == b"HTTP/1.1 100 Continue\r\n\r\n"  # as often as needed
+    conn.send_stream_start(200, [])
+    assert conn.send_interim() == b""  # the answer has begun
 
 
 def test_chunked_body_arriving_in_many_pieces() -> None:
@@ -485,12 +506,18 @@ def test_endpoint_requests() -> None:
     events = feed(conn, b"GET /health?deep=1 HTTP/1.1\r\nHost: n\r\n\r\n")
     assert events == [
         EndpointRequest(
-            method="GET", path="/health", query="deep=1", headers=((b"host", b"n"),), body=b""
+            method="GET",
+            path="/health",
+            query="deep=1",
+            headers=((b"host", b"n"),),
+            body=b"",
+            route="/health",
         )
     ]
     conn.send_response(200)
     events = feed(conn, b"DELETE /sessions/" + SESSION.encode() + b" HTTP/1.1\r\nHost: n\r\n\r\n")
     assert events[0].path == "/sessions/" + SESSION
+    assert events[0].route == "/sessions/*"  # the one routing decision, for the app
     conn.send_response(204)
     events = feed(conn, b"DELETE /sessions/x HTTP/1.1\r\nHost: n\r\nContent-Length: 2\r\n\r\nhi")
     assert events[0].body == b"hi"
@@ -619,6 +646,7 @@ def test_events_validate_their_fields() -> None:
         ("headers", [(b"a", b"b")]),
         ("headers", ((b"a", "b"),)),
         ("body", "x"),
+        ("route", None),
     ]:
         with pytest.raises((TypeError, ValueError)):
             EndpointRequest(**{**good, field: bad})

@@ -177,8 +177,9 @@ async def test_client_leaving_mid_stream_cancels_the_producer() -> None:
 
 @pytest.mark.anyio
 async def test_client_leaving_while_the_producer_is_silent_cancels_it() -> None:
-    """No write fails when nothing is written (a long prefill): the loop
-    notices the client's end of stream by itself."""
+    """No write fails when nothing is written (a long prefill): after the
+    client's end of stream the loop writes the reply's heartbeat itself,
+    and the reset that meets it tells a closed socket from a half-close."""
     started, finished = anyio.Event(), anyio.Event()
     cancelled = []
 
@@ -195,7 +196,7 @@ async def test_client_leaving_while_the_producer_is_silent_cancels_it() -> None:
                 finally:
                     finished.set()
 
-            return StreamReply(200, [], produce)
+            return StreamReply(200, [], produce, heartbeat=b": ping\n\n")
 
     server, bound = await _serve(Silent(count=0))
     async with anyio.create_task_group() as tg:

@@ -19,7 +19,7 @@ from collections.abc import Callable
 import numpy as np
 import zstandard
 
-from meshnet_cli.demo import make_activation
+from meshnet_bench.activations import make_activation
 from meshnet_proto import WireHeaders, decode_tensor, encode_tensor
 
 from ._result import BenchOptions, SectionResult

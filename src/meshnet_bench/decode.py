@@ -24,7 +24,7 @@ import h11
 import numpy as np
 from anyio.abc import ByteStream, SocketAttribute
 
-from meshnet_cli.demo import make_activation
+from meshnet_bench.activations import make_activation
 from meshnet_node import serve_node
 from meshnet_proto import ActivationResponse, WireHeaders
 from meshnet_runtime.config import load_config

@@ -19,7 +19,7 @@ from collections.abc import Callable
 import anyio
 import numpy as np
 
-from meshnet_cli.demo import make_activation
+from meshnet_bench.activations import make_activation
 from meshnet_proto import ActivationResponse, WireHeaders
 from meshnet_runtime.deadlines import Deadline
 from meshnet_runtime.downstream import DownstreamPool

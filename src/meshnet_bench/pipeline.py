@@ -17,7 +17,7 @@ import contextlib
 import anyio
 import numpy as np
 
-from meshnet_cli.demo import make_activation
+from meshnet_bench.activations import make_activation
 from meshnet_gateway import Client, open_gateway
 from meshnet_node import serve_node
 from meshnet_runtime.config import load_config

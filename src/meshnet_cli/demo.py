@@ -14,43 +14,18 @@ import time
 from collections.abc import Callable
 
 import anyio
-import ml_dtypes
 import numpy as np
-import numpy.typing as npt
 
+from meshnet_bench.activations import SEED, make_activation, wire1_body_size
 from meshnet_gateway import ForwardResult, forward_via_chain, forward_via_gateway, open_gateway
 from meshnet_node import serve_node
 from meshnet_runtime.config import load_config
 
-__all__ = ["make_activation", "run_demo", "wire1_body_size"]
-
-SEED = 20240611
+__all__ = ["run_demo"]
 DATA_DESCRIPTION = (
     "synthetic hidden states (seed {seed}): N(0,1) x a log-normal per-channel\n"
     "      scale (median 0.5), 4 outlier channels x 30, cast to bfloat16 (round to nearest even)"
 )
-
-
-def make_activation(
-    tokens: int, hidden: int, seed: int = SEED, dtype: npt.DTypeLike = ml_dtypes.bfloat16
-) -> np.ndarray:
-    """A (1, tokens, hidden) tensor shaped like a transformer's hidden states:
-    most channels small, a few large outliers; bfloat16 unless ``dtype`` says
-    otherwise (``meshnet bench`` sends float32 as wire 1 did). Random
-    mantissas are what keeps zstd's ratio honest: a zeroed or constant tensor
-    would compress a thousandfold and prove nothing."""
-    rng = np.random.default_rng(seed)
-    scale = rng.lognormal(mean=np.log(0.5), sigma=0.5, size=hidden).astype(np.float32)
-    scale[rng.choice(hidden, size=min(4, hidden), replace=False)] *= 30.0
-    values = rng.standard_normal((1, tokens, hidden), dtype=np.float32) * scale
-    return values.astype(dtype, copy=False)
-
-
-def wire1_body_size(array: np.ndarray) -> int:
-    """Bytes of the same tensor as wire 1 sent it: base64 inside a JSON object."""
-    from meshnet_bench._wire1 import encode_body
-
-    return len(encode_body(array))
 
 
 def _same_bits(a: np.ndarray, b: np.ndarray) -> bool:

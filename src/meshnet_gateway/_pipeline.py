@@ -1,14 +1,15 @@
-"""Pushing one run of chunks through a chain, up to N in flight, in order.
+"""The one chain sender: a run of chunks through a chain, up to N in flight.
 
-Shared by the gateway (``app.py``) and the client API's ``forward_via_chain``:
-both cut a sequence with ``plan_chunks``, send chunk k with session, index,
-total and position = base + offset, and join the last node's answers with
-``ChunkAssembler``. What is valid on the wire is decided by ``meshnet_proto``;
-this module only owns the concurrency: encode the next chunk while earlier
-ones are downstream, keep at most ``inflight`` chunks on the wire, and turn
-the first failure into one error after cancelling the rest — after
-retrying a chunk whose failure ``RetryPolicy`` calls safe to retry (SPEC §3
-replay makes the identical retransmission harmless).
+Used by the gateway's ``/forward`` (``app.py``), the client API's
+``forward_via_chain`` and the OpenAI generation (``openai/generation.py``):
+each cuts a sequence with ``plan_chunks``, sends chunk k with session,
+index, total and position = base + offset, and takes the last node's
+answers. What is valid on the wire is decided by ``meshnet_proto``; this
+module only owns the concurrency: encode the next chunk while earlier ones
+are downstream, keep at most ``inflight`` chunks on the wire, retry a chunk
+whose failure ``RetryPolicy`` calls safe to retry (SPEC §3 replay makes the
+identical retransmission harmless), and turn the first failure into one
+error after cancelling the rest.
 """
 
 from __future__ import annotations
@@ -29,14 +30,13 @@ from meshnet_proto import (
     WireHeaders,
     plan_chunks,
 )
-from meshnet_runtime.codec_pool import CodecPool
 from meshnet_runtime.deadlines import Deadline
 from meshnet_runtime.downstream import DownstreamPool
-from meshnet_runtime.link import LinkAwareAuto
+from meshnet_runtime.wire_encoder import WireEncoder
 
 from ._retry import RetryPolicy, send_with_retries
 
-__all__ = ["ChunkResult", "RunResult", "run_chunks"]
+__all__ = ["ChunkResult", "RunResult", "check_response", "run_chunks"]
 
 log = logging.getLogger("meshnet.gateway")
 
@@ -67,7 +67,7 @@ def _mismatch(pool: DownstreamPool, index: int, what: str) -> DownstreamError:
     )
 
 
-def _check_response(pool: DownstreamPool, sent: WireHeaders, got: WireHeaders) -> None:
+def check_response(pool: DownstreamPool, sent: WireHeaders, got: WireHeaders) -> None:
     """The answer must describe the chunk we sent; a relay mixing up answers
     would otherwise corrupt the output silently."""
     index = sent.chunk_index
@@ -80,63 +80,78 @@ def _check_response(pool: DownstreamPool, sent: WireHeaders, got: WireHeaders) -
 
 async def run_chunks(
     pool: DownstreamPool,
-    codecs: CodecPool,
+    encoder: WireEncoder,
     array: np.ndarray,
     *,
     session: str,
     base_position: int,
     chunk_tokens: int,
     inflight: int,
-    encoding_policy: str,
-    request_encoding: str,
-    level: int,
     deadline: Deadline,
+    request_encoding: str = "identity",
     relay: Callable[[ErrorResponse, str], MeshnetError] | None = None,
     retry: RetryPolicy | None = None,
     on_retry: Callable[[int, MeshnetError], None] | None = None,
-    auto: LinkAwareAuto | None = None,
+    on_send: Callable[[WireHeaders], None] | None = None,
+    last_only: bool = False,
 ) -> RunResult:
-    """Send ``array`` (already in its wire dtype) as one run; return the joined output.
+    """Send ``array`` (already in its wire dtype) as one run; return the answers.
+
+    ``output`` is every chunk's answer joined along the token axis (the
+    copy runs in a worker thread when large), or with ``last_only`` the
+    last chunk's answer alone (a generation needs only the logits after
+    the prompt's last token; the other answers are not even decoded).
 
     The wire dtype is chosen by the caller for the whole array, never per
     chunk: SPEC §3 requires one dtype per run, and ``auto-lossless`` per
-    chunk could pick bfloat16 for one chunk and float32 for the next.
+    chunk could pick bfloat16 for one chunk and float32 for the next; so
+    ``encoder`` must keep the dtype. It picks each chunk's encoding (and
+    under ``auto`` learns from the link).
 
     Raises the failure of the lowest-indexed chunk that failed
     (``MeshnetError``: the downstream's relayed error, or 502/504 naming the
-    hop); chunks still in flight are cancelled first. ``relay(response, url)``
-    turns a downstream's error answer into the error raised (default:
-    ``response.to_error(hop=url)``, SPEC §4's relay rule).
+    hop), or one raised while a chunk was prepared; chunks still in flight
+    are cancelled first. ``relay(response, url)`` turns a downstream's error
+    answer into the error raised (default: ``response.to_error(hop=url)``,
+    SPEC §4's relay rule).
 
     ``retry``: a chunk whose failure ``retry.retryable`` accepts is sent
     again, identical, after ``retry.delay``, up to ``retry.retries`` times
     and never past the deadline; ``on_retry(index, error)`` is told of each.
-
-    ``auto``: with ``encoding_policy`` ``auto``, the link-aware choice
-    (``meshnet_runtime.link``) decides each chunk's encoding and learns from it.
+    ``on_send(headers)`` is told of each chunk just before it goes.
     """
     if inflight < 1:
         raise ValueError(f"inflight must be >= 1, got {inflight}")
+    codecs = encoder.codecs
     chunks = plan_chunks(array, chunk_tokens)
-    assembler = ChunkAssembler(len(chunks))
+    last = len(chunks) - 1
+    assembler = ChunkAssembler(1 if last_only else len(chunks))
     results: dict[int, ChunkResult] = {}
     failures: dict[int, MeshnetError] = {}
     slots = anyio.Semaphore(inflight)
+    joined = [0]  # bytes of the answers kept: what the join copies
 
-    async def send(index: int, headers: WireHeaders, body: object, encode_s: float) -> None:
+    def as_error(response: ErrorResponse) -> MeshnetError:
+        return response.to_error(hop=pool.url) if relay is None else relay(response, pool.url)
+
+    async def send(
+        index: int, headers: WireHeaders, body: bytes | memoryview, encode_s: float
+    ) -> None:
         started = time.perf_counter()
         try:
             response = await send_with_retries(
                 pool, headers, body, deadline, retry, as_error=as_error, on_retry=on_retry
             )
-            _check_response(pool, headers, response.headers)
-            tensor = await codecs.decode(response.headers, response.body)
-            assembler.add(index, tensor)
+            check_response(pool, headers, response.headers)
+            if not last_only or index == last:
+                tensor = await codecs.decode(response.headers, response.body)
+                assembler.add(0 if last_only else index, tensor)
+                joined[0] += tensor.nbytes
             results[index] = ChunkResult(
                 request=headers,
                 response=response.headers,
                 raw_bytes=headers.nbytes,
-                sent_bytes=len(body),  # type: ignore[arg-type]
+                sent_bytes=memoryview(body).nbytes,
                 received_bytes=len(response.body),
                 seconds=encode_s + time.perf_counter() - started,
             )
@@ -146,40 +161,36 @@ async def run_chunks(
         finally:
             slots.release()
 
-    def as_error(response: ErrorResponse) -> MeshnetError:
-        return response.to_error(hop=pool.url) if relay is None else relay(response, pool.url)
-
     async with anyio.create_task_group() as tg:
         for chunk in chunks:
-            started = time.perf_counter()
-            # Encode before taking a slot: chunk k+1 is compressed while
-            # chunk k is still downstream, even with inflight 1.
-            linked = auto is not None and encoding_policy == "auto"
-            policy = auto.policy(chunk.view.nbytes) if linked else encoding_policy  # type: ignore[union-attr]
-            work_s: list[float] = []
-            dtype, encoding, body = await codecs.encode(
-                chunk.view,
-                dtype_policy="keep",
-                encoding_policy=policy,
-                request_encoding=request_encoding,
-                level=level,
-                timed=work_s.append if linked else None,
-            )
-            headers = WireHeaders(
-                shape=tuple(chunk.view.shape),
-                dtype=dtype,
-                session=session,
-                chunk_index=chunk.index,
-                chunk_total=chunk.total,
-                encoding=encoding,
-                position=base_position + chunk.position,
-            )
-            encode_s = time.perf_counter() - started
-            if linked:
-                wire = memoryview(body).nbytes
-                auto.observe_encoding(policy, chunk.view.nbytes, wire, encoding, sum(work_s))  # type: ignore[union-attr]
-            await slots.acquire()
+            # An error here (not in a chunk's task) would leave the task
+            # group as an ExceptionGroup, which no ``except MeshnetError``
+            # catches: recorded like a chunk's failure instead.
+            try:
+                started = time.perf_counter()
+                # Encode before taking a slot: chunk k+1 is compressed while
+                # chunk k is still downstream, even with inflight 1.
+                dtype, encoding, body = await encoder.encode(chunk.view, request_encoding)
+                headers = WireHeaders(
+                    shape=tuple(chunk.view.shape),
+                    dtype=dtype,
+                    session=session,
+                    chunk_index=chunk.index,
+                    chunk_total=chunk.total,
+                    encoding=encoding,
+                    position=base_position + chunk.position,
+                )
+                encode_s = time.perf_counter() - started
+                await slots.acquire()
+            except MeshnetError as exc:
+                failures[chunk.index] = exc
+                tg.cancel_scope.cancel()
+                break
+            if on_send is not None:
+                on_send(headers)
             tg.start_soon(send, chunk.index, headers, body, encode_s)
     if failures:
         raise failures[min(failures)]
-    return RunResult(output=assembler.result(), chunks=[results[i] for i in range(len(chunks))])
+    # The join copies every answer (up to max_tensor_bytes): off the loop when large.
+    output = await codecs.run(joined[0], assembler.result)
+    return RunResult(output=output, chunks=[results[i] for i in range(len(chunks))])

@@ -33,6 +33,7 @@ from meshnet_proto import (
     EndpointRequest,
     ErrorResponse,
     Lease,
+    Limits,
     MeshnetError,
     ProtocolError,
     SequencingError,
@@ -41,15 +42,18 @@ from meshnet_proto import (
 )
 from meshnet_runtime.codec_pool import CodecPool
 from meshnet_runtime.config import ServerConfig
+from meshnet_runtime.control import ControlEndpoints
 from meshnet_runtime.deadlines import Deadline
 from meshnet_runtime.downstream import DownstreamPool
 from meshnet_runtime.http_server import ActivationReply, Reply, RequestContext, StreamReply
-from meshnet_runtime.link import LinkAwareAuto, LinkEstimate
-from meshnet_runtime.metrics import METRICS_CONTENT_TYPE, ServerMetrics
+from meshnet_runtime.link import LinkEstimate
+from meshnet_runtime.metrics import ServerMetrics
+from meshnet_runtime.wire_encoder import WireEncoder
 
 from ._pipeline import run_chunks
 from ._retry import RetryPolicy
 from .openai import OpenAIService, ServedModel
+from .openai.api import OPENAI_ROUTES
 from .openai.generation import ChainSettings
 from .openai.metrics import GenerationMetrics
 
@@ -66,7 +70,8 @@ INFO_TIMEOUT = 2.0
 # quietly, and warns only if the entry still has not answered.
 STARTUP_INFO_RETRY_S = 0.5
 STARTUP_INFO_ATTEMPTS = 20
-DEFAULT_REORDER_WINDOW = 16
+# What a node whose /info names none has: the core's (SPEC §3) default.
+SPEC_REORDER_WINDOW = Limits().reorder_window
 # Background DELETEs down the chain after a failed chunk: bounded, so a hung
 # node costs one waiting task for at most this long.
 DELETE_TIMEOUT = 10.0
@@ -103,12 +108,19 @@ class GatewayApp:
         self.retry = RetryPolicy(config.retries, config.retry_backoff_ms / 1000)
         # --encoding auto also weighs the link's speed: toward the entry node
         # (measured on its answers) and toward clients (measured on the
-        # request bodies they upload; one estimate for all clients).
-        self.auto: LinkAwareAuto | None = None
-        self.answer_auto: LinkAwareAuto | None = None
-        if config.encoding == "auto":
-            self.auto = LinkAwareAuto(self.pool.link)
-            self.answer_auto = LinkAwareAuto(LinkEstimate())
+        # request bodies they upload; one estimate for all clients). Chunks
+        # keep the run's dtype (chosen once per request); answers get --wire-dtype.
+        level = config.zstd_level
+        self.to_entry = WireEncoder(
+            self.codecs, encoding=config.encoding, level=level, link=self.pool.link
+        )
+        self.to_clients = WireEncoder(
+            self.codecs,
+            dtype_policy=config.wire_dtype,
+            encoding=config.encoding,
+            level=level,
+            link=LinkEstimate(),
+        )
         self.entry_window: int | None = None  # the entry node's reorder window, once known
         self.entry_info_read = False  # its /info answered (a window may still be absent)
         self._refreshing = False
@@ -120,6 +132,15 @@ class GatewayApp:
         self.openai: OpenAIService | None = None
         if config.model is not None:
             self.openai = _openai_service(self)
+        self.metrics.sessions.set_function(lambda: len(self.sessions))
+        self.control = ControlEndpoints(
+            role="gateway",
+            metrics=self.metrics,
+            downstream=self.pool,
+            timeout=config.timeout,
+            info=self.info,
+            end_here=self._end_here,
+        )
 
     # ------------------------------------------------------------ lifecycle
 
@@ -143,7 +164,7 @@ class GatewayApp:
         """``--inflight`` capped at the entry node's reorder window (SPEC §1)."""
         if not self.entry_info_read:
             return 1  # safe under any window until the entry tells us its own
-        return min(self.config.inflight, self.entry_window or DEFAULT_REORDER_WINDOW)
+        return min(self.config.inflight, self.entry_window or SPEC_REORDER_WINDOW)
 
     async def refresh_entry_window(self, *, quiet: bool = False) -> int | None:
         """Read the entry node's reorder window from its ``GET /info``.
@@ -162,7 +183,7 @@ class GatewayApp:
         self.entry_info_read = True
         if self.entry_window is None:
             log.warning("%s /info shows no reorder window; assuming %d",
-                        self.pool.url, DEFAULT_REORDER_WINDOW)  # fmt: skip
+                        self.pool.url, SPEC_REORDER_WINDOW)  # fmt: skip
         elif self.config.inflight > self.entry_window:
             log.info("--inflight %d capped at the entry node's reorder window %d",
                      self.config.inflight, self.entry_window)  # fmt: skip
@@ -207,18 +228,17 @@ class GatewayApp:
         request = event.headers
         deadline = Deadline.start(ctx.started, self.config.timeout, request.deadline_ms)
         deadline.check()
-        if self.answer_auto is not None:
+        if self.to_clients.auto is not None:
             # Head to decoded body: the upload, plus a decode that only errs
             # toward a slower link (zstd), never toward a faster one.
             nbytes = event.body_nbytes
-            self.answer_auto.link.observe(nbytes, nbytes, anyio.current_time() - ctx.started)
+            self.to_clients.auto.link.observe(nbytes, nbytes, anyio.current_time() - ctx.started)
         if not self.entry_info_read and self._background is not None and not self._refreshing:
             self._background.start_soon(self._refresh_in_background)
         now = anyio.current_time()
         self.sessions.expire(now)
         lease = self.sessions.begin(request.session, now, entropy=os.urandom(16))
         self._active.add(lease.session)
-        self.metrics.sessions.set(len(self.sessions))
         sent = False  # once a chunk may have gone down, a failure ends the session
         try:
             if request.position is not None and request.position != lease.position:
@@ -235,21 +255,18 @@ class GatewayApp:
             sent = True
             result = await run_chunks(
                 self.pool,
-                self.codecs,
+                self.to_entry,
                 tensor,
                 session=lease.session,
                 base_position=lease.position,
                 chunk_tokens=self.config.chunk_tokens,
                 inflight=self.inflight,
-                encoding_policy=self.config.encoding,
                 request_encoding=request.encoding,
-                level=self.config.zstd_level,
                 deadline=deadline,
                 retry=self.retry,
                 on_retry=self._count_retry,
-                auto=self.auto,
             )
-            dtype, encoding, body = await self._encode_answer(result.output, request.encoding)
+            dtype, encoding, body = await self.to_clients.encode(result.output, request.encoding)
         except BaseException as exc:
             if sent:
                 self._fail(lease, exc)
@@ -268,26 +285,6 @@ class GatewayApp:
         a generation nobody waits for would hold every node's KV to the end."""
         return self.openai is not None and event.path.startswith("/v1/")
 
-    async def _encode_answer(
-        self, output: np.ndarray, request_encoding: str
-    ) -> tuple[str, str, bytes | memoryview]:
-        policy, work_s = self.config.encoding, []
-        if self.answer_auto is not None:
-            policy = self.answer_auto.policy(output.nbytes)
-        encoded = await self.codecs.encode(
-            output,
-            dtype_policy=self.config.wire_dtype,
-            encoding_policy=policy,
-            request_encoding=request_encoding,
-            level=self.config.zstd_level,
-            timed=work_s.append if self.answer_auto is not None else None,
-        )
-        if self.answer_auto is not None:
-            _, encoding, body = encoded
-            wire = memoryview(body).nbytes
-            self.answer_auto.observe_encoding(policy, output.nbytes, wire, encoding, sum(work_s))
-        return encoded
-
     def _count_retry(self, index: int, error: MeshnetError) -> None:
         self.metrics.chunks.labels("retried").inc()
 
@@ -297,7 +294,6 @@ class GatewayApp:
     def _fail(self, lease: Lease, exc: BaseException) -> None:
         """A chunk failed for good (or the request was cancelled mid-run)."""
         lease.abort()
-        self.metrics.sessions.set(len(self.sessions))
         self.metrics.chunks.labels("failed").inc()
         if isinstance(exc, MeshnetError):
             log.info("session %s: %s %s (hop %s); deleting it down the chain",
@@ -321,46 +317,15 @@ class GatewayApp:
     async def handle_endpoint(
         self, event: EndpointRequest, ctx: RequestContext
     ) -> Reply | StreamReply:
-        path = event.path
-        if path.startswith("/v1/") and self.openai is not None:
+        if self.openai is not None and event.route in OPENAI_ROUTES:
             return await self.openai.handle(event)
-        if path == "/health":
-            return await self._health(event.query)
-        if path == "/info":
-            return Reply.json(200, self.info())
-        if path == "/metrics":
-            self.metrics.sessions.set(len(self.sessions))
-            return Reply(200, [(b"content-type", METRICS_CONTENT_TYPE.encode())],
-                         self.metrics.render())  # fmt: skip
-        if path.startswith("/sessions/") and event.method == "DELETE":
-            return await self._delete(path.removeprefix("/sessions/"), ctx)
-        raise ProtocolError(f"no such endpoint {path}", code="not_found", status=404)
+        return await self.control.handle(event, ctx)
 
-    async def _health(self, query: str) -> Reply:
-        if "deep=1" not in query.split("&"):
-            return Reply.json(200, {"status": "ok", "role": "gateway"})
-        response = await self.pool.request(
-            "GET", "/health?deep=1", Deadline.after(min(self.config.timeout, INFO_TIMEOUT * 5))
-        )
-        if isinstance(response, ErrorResponse):
-            raise response.to_error(hop=self.pool.url)
-        try:
-            downstream: Any = json.loads(response.body)
-        except ValueError:
-            downstream = response.body.decode("utf-8", "replace")
-        return Reply.json(200, {"status": "ok", "role": "gateway", "downstream": downstream})
-
-    async def _delete(self, session: str, ctx: RequestContext) -> Reply:
-        """End a client session here and down the chain (204; 404 if nobody knew it)."""
+    def _end_here(self, session: str) -> bool:
+        """A client's DELETE: forget the session here (409 while a request runs on it)."""
         if self._busy(session):
             raise _session_busy(session)
-        known_here = self.sessions.end(session)
-        self.metrics.sessions.set(len(self.sessions))
-        deadline = Deadline.start(ctx.started, self.config.timeout, None)
-        response = await self.pool.request("DELETE", f"/sessions/{session}", deadline)
-        if isinstance(response, ErrorResponse) and not (response.status == 404 and known_here):
-            raise response.to_error(hop=self.pool.url)
-        return Reply(204)
+        return self.sessions.end(session)
 
     def info(self) -> dict[str, Any]:
         config = self.config
@@ -376,8 +341,8 @@ class GatewayApp:
             },
             "encoding": config.encoding,
             "auto_encoding": None
-            if self.auto is None or self.answer_auto is None
-            else {"to_entry": self.auto.describe(), "to_clients": self.answer_auto.describe()},
+            if self.to_entry.auto is None
+            else {"to_entry": self.to_entry.describe(), "to_clients": self.to_clients.describe()},
             "wire_dtype": config.wire_dtype,
             "zstd_level": config.zstd_level,
             "timeout_s": config.timeout,
@@ -387,10 +352,7 @@ class GatewayApp:
                 "max": config.max_sessions,
                 "ttl_s": config.session_ttl,
             },
-            "limits": {
-                **config.limits.to_dict(),
-                "max_connections": config.max_connections,
-            },
+            "limits": config.limits_info(),
             "auth": config.token is not None,
             "model": self.openai.model.name if self.openai is not None else None,
         }

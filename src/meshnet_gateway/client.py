@@ -38,6 +38,7 @@ from meshnet_runtime.codec_pool import CodecPool
 from meshnet_runtime.deadlines import Deadline
 from meshnet_runtime.downstream import DownstreamPool
 from meshnet_runtime.transports import client_ssl_context
+from meshnet_runtime.wire_encoder import WireEncoder
 
 from ._pipeline import ChunkResult, run_chunks
 
@@ -225,15 +226,12 @@ class Client:
         wire = await self.codecs.run(array.nbytes, apply_wire_dtype, array, wire_dtype)
         result = await run_chunks(
             self.pool,
-            self.codecs,
+            WireEncoder(self.codecs, encoding=encoding, level=level),
             wire,
             session=session,
             base_position=position,
             chunk_tokens=chunk_tokens,
             inflight=inflight,
-            encoding_policy=encoding,
-            request_encoding="identity",
-            level=level,
             deadline=deadline,
             relay=RemoteError.from_response,
         )

@@ -19,14 +19,13 @@ forwards and answers. Per request:
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
-from urllib.parse import parse_qs
 
 import anyio
 
@@ -35,13 +34,11 @@ from meshnet_proto import (
     ActivationHead,
     ActivationReceived,
     ByteBudget,
-    DownstreamError,
     EndpointRequest,
     ErrorResponse,
     Join,
     MeshnetError,
     Process,
-    ProtocolError,
     Reforward,
     Replay,
     ServerConnection,
@@ -49,10 +46,12 @@ from meshnet_proto import (
     Ticket,
     Wait,
     WireHeaders,
+    request_cost,
     tensor_fingerprint,
 )
 from meshnet_runtime.codec_pool import CodecPool
 from meshnet_runtime.config import ServerConfig
+from meshnet_runtime.control import ControlEndpoints
 from meshnet_runtime.deadlines import Deadline
 from meshnet_runtime.downstream import DownstreamPool
 from meshnet_runtime.http_server import (
@@ -62,9 +61,9 @@ from meshnet_runtime.http_server import (
     RequestContext,
 )
 from meshnet_runtime.lifecycle import server_settings, server_tls
-from meshnet_runtime.link import LinkAwareAuto
-from meshnet_runtime.metrics import METRICS_CONTENT_TYPE, ServerMetrics
+from meshnet_runtime.metrics import ServerMetrics
 from meshnet_runtime.transports import client_ssl_context, listen
+from meshnet_runtime.wire_encoder import WireEncoder
 
 from .backends import StageBackend, StageContext, make_stage
 from .model_stage import stage_from_config
@@ -123,11 +122,23 @@ class NodeApp:
                 metrics=self.metrics,
             )
         # --encoding auto toward --next also weighs the link's speed.
-        self.auto: LinkAwareAuto | None = None
-        if self.downstream is not None and config.encoding == "auto":
-            self.auto = LinkAwareAuto(self.downstream.link)
+        self.encoder = WireEncoder(
+            self.codecs,
+            dtype_policy=config.wire_dtype,
+            encoding=config.encoding,
+            level=config.zstd_level,
+            link=self.downstream.link if self.downstream is not None else None,
+        )
         self._wakeups: dict[str, anyio.Event] = {}
         self._outcomes: dict[int, _Outcome] = {}
+        self.control = ControlEndpoints(
+            role="node",
+            metrics=self.metrics,
+            downstream=self.downstream,
+            timeout=config.timeout,
+            info=self.info,
+            end_here=self._end_here,
+        )
 
     def make_connection(self) -> ServerConnection:
         return ServerConnection(limits=self.limits, token=self.config.token)
@@ -158,8 +169,14 @@ class NodeApp:
                 waiter = decision.waiter
                 assert headers.session is not None
                 wake = self._wakeups.setdefault(headers.session, anyio.Event())
-                with anyio.move_on_after(decision.until - now) as timer:
-                    await wake.wait()
+                try:
+                    with anyio.move_on_after(decision.until - now) as timer:
+                        await wake.wait()
+                except anyio.get_cancelled_exc_class():
+                    # Cancelled from outside (shutdown, a caller's scope): the
+                    # table must not keep a place for a chunk nobody will offer.
+                    self.table.give_up(waiter, anyio.current_time())
+                    raise
                 if timer.cancelled_caught:
                     self._count("wait_timeout")
                     # Wake the session's other waiters (they re-offer and wait
@@ -241,21 +258,7 @@ class NodeApp:
     async def _deliver(
         self, ticket: Ticket, headers: WireHeaders, output: Any, deadline: Deadline
     ) -> ActivationReply:
-        policy = self.config.encoding
-        work_s: list[float] = []
-        if self.auto is not None:
-            policy = self.auto.policy(output.nbytes)
-        dtype, encoding, body = await self.codecs.encode(
-            output,
-            dtype_policy=self.config.wire_dtype,
-            encoding_policy=policy,
-            request_encoding=headers.encoding,
-            level=self.config.zstd_level,
-            timed=work_s.append if self.auto is not None else None,
-        )
-        if self.auto is not None:
-            wire = memoryview(body).nbytes
-            self.auto.observe_encoding(policy, output.nbytes, wire, encoding, sum(work_s))
+        dtype, encoding, body = await self.encoder.encode(output, headers.encoding)
         out = headers.replace(
             shape=tuple(output.shape),
             dtype=dtype,
@@ -300,6 +303,11 @@ class NodeApp:
         assert outcome.reply is not None
         return outcome.reply
 
+    @property
+    def sessions_with_waiters(self) -> int:
+        """Sessions whose chunks sleep until woken (each holds one wake-up event)."""
+        return len(self._wakeups)
+
     def _wake(self, session: str) -> None:
         event = self._wakeups.pop(session, None)
         if event is not None:
@@ -311,16 +319,7 @@ class NodeApp:
     # ------------------------------------------------------------ endpoints
 
     async def handle_endpoint(self, event: EndpointRequest, ctx: RequestContext) -> Reply:
-        if event.path == "/health":
-            return await self._health(event, ctx)
-        if event.path == "/info":
-            return Reply.json(200, self.info())
-        if event.path == "/metrics":
-            return Reply(200, [(b"content-type", METRICS_CONTENT_TYPE.encode())],
-                         self.metrics.render())  # fmt: skip
-        if event.path.startswith("/sessions/") and event.method == "DELETE":
-            return await self._delete(event.path.removeprefix("/sessions/"), ctx)
-        raise ProtocolError(f"no such endpoint {event.path}", code="not_found", status=404)
+        return await self.control.handle(event, ctx)
 
     def info(self) -> dict[str, Any]:
         limits = self.limits
@@ -330,60 +329,17 @@ class NodeApp:
             "stage": self.stage.describe(),
             "downstream": self.downstream.url if self.downstream else None,
             "reorder_window": limits.reorder_window,
-            "limits": {
-                **limits.to_dict(),
-                "timeout": self.config.timeout,
-                "max_connections": self.config.max_connections,
-            },
+            "limits": self.config.limits_info(),
             "wire_dtype": self.config.wire_dtype,
             "encoding": self.config.encoding,
-            "auto_encoding": self.auto.describe() if self.auto is not None else None,
+            "auto_encoding": self.encoder.describe(),
             "sessions": len(self.table),
         }
 
-    async def _health(self, event: EndpointRequest, ctx: RequestContext) -> Reply:
-        document: dict[str, Any] = {"status": "ok", "role": "node"}
-        deep = parse_qs(event.query).get("deep", ["0"])[-1] in ("1", "true")
-        if deep and self.downstream is not None:
-            deadline = Deadline.start(ctx.started, self.config.timeout, None)
-            response = await self.downstream.request("GET", "/health?deep=1", deadline)
-            if isinstance(response, ErrorResponse):
-                raise response.to_error(hop=self.downstream.url)
-            try:
-                document["downstream"] = json.loads(response.body)
-            except ValueError:
-                raise DownstreamError(
-                    f"{self.downstream.url}: /health is not JSON",
-                    code="downstream_bad_response",
-                    hop=self.downstream.url,
-                ) from None
-        return Reply.json(200, document)
-
-    async def _delete(self, session: str, ctx: RequestContext) -> Reply:
-        """End the session here and down the chain (SPEC §3).
-
-        204 when this node or any node below knew it, 404 when none did. A
-        downstream failure is reported only when this node did not know the
-        session (else the chain's state is already what the caller wanted here).
-        """
+    def _end_here(self, session: str) -> bool:
         known = self.table.end_session(session)
-        self._wake(session)
-        if self.downstream is not None:
-            deadline = Deadline.start(ctx.started, self.config.timeout, None)
-            try:
-                response = await self.downstream.request("DELETE", f"/sessions/{session}", deadline)
-            except MeshnetError:
-                if not known:
-                    raise
-                log.warning("could not pass DELETE /sessions/%s down", session, exc_info=True)
-            else:
-                if response.status == 204:
-                    known = True
-                elif isinstance(response, ErrorResponse) and response.status != 404 and not known:
-                    raise response.to_error(hop=self.downstream.url)
-        if not known:
-            raise ProtocolError(f"session {session} is unknown", code="not_found", status=404)
-        return Reply(204)
+        self._wake(session)  # its waiters find it gone
+        return known
 
     # ------------------------------------------------------------ upkeep
 
@@ -433,6 +389,7 @@ def build_node(
         ssl_context=ssl_context,
         codecs=app.codecs,
         budget=ByteBudget(app.limits.max_inflight_bytes, retry_after=settings.retry_after),
+        cost=partial(request_cost, relaying=app.downstream is not None),
     )
     return app, server
 

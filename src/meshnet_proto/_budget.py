@@ -19,15 +19,20 @@ from ._headers import WireHeaders
 __all__ = ["ByteBudget", "Reservation", "request_cost"]
 
 
-def request_cost(headers: WireHeaders) -> int:
+def request_cost(headers: WireHeaders, *, relaying: bool = False) -> int:
     """Bytes a request with ``headers`` makes its server hold at most.
 
     An identity body *is* the tensor (decoding is a zero-copy view); a zstd
-    body is held beside the tensor it decompresses to, up to its bound.
+    body is held beside the tensor it decompresses to, up to its bound. A
+    node that relays (has a ``--next``) holds two more tensors of about that
+    size while the request is in flight: its stage output, kept for a
+    reforward until the answer is stored, and the downstream's answer it
+    relays.
     """
-    if headers.encoding == "identity":
-        return headers.nbytes
-    return headers.nbytes + body_bound(headers)
+    cost = (
+        headers.nbytes if headers.encoding == "identity" else headers.nbytes + body_bound(headers)
+    )
+    return cost + 2 * headers.nbytes if relaying else cost
 
 
 class Reservation:

@@ -131,6 +131,10 @@ class EndpointRequest:
 
     ``headers`` are h11's: lowercase names, raw values, in arrival order.
     ``query`` is the raw text after ``?`` (empty when there is none).
+    ``route`` is the key of the connection's route table that ``path``
+    matched (``"/sessions/*"`` for ``/sessions/abc``): the one routing
+    decision, which an application dispatches on instead of matching
+    paths again.
     """
 
     method: str
@@ -138,6 +142,7 @@ class EndpointRequest:
     query: str
     headers: Pairs
     body: bytes
+    route: str = ""
 
     def __post_init__(self) -> None:
         if not isinstance(self.method, str) or not self.method:
@@ -149,6 +154,8 @@ class EndpointRequest:
         _check_pairs(self.headers, "headers")
         if not isinstance(self.body, bytes):
             raise TypeError("body must be bytes")
+        if not isinstance(self.route, str):
+            raise TypeError("route must be a str")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

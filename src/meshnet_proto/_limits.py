@@ -33,8 +33,6 @@ class Limits:
     session_ttl: float = 600.0
     reorder_window: int = 16
     reorder_timeout: float = 10.0
-    # SPEC §4: a client gets 10 s to send its request head.
-    head_timeout: float = 10.0
     # Success responses kept for replay (SPEC §3), over all sessions. Without
     # a budget, max_sessions x 2 x (reorder_window + 1) x max_tensor_bytes is
     # held by peers' say-so; past it the oldest stored answers are dropped.
@@ -61,7 +59,7 @@ class Limits:
                 raise ValueError(f"Limits.{name} must be a positive int, got {value!r}")
         if self.max_rank > 8:
             raise ValueError("Limits.max_rank cannot exceed 8 (SPEC §2)")
-        for name in ("session_ttl", "reorder_timeout", "head_timeout"):
+        for name in ("session_ttl", "reorder_timeout"):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0:
                 raise ValueError(f"Limits.{name} must be a positive number, got {value!r}")

@@ -17,16 +17,20 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
-from enum import Enum
-from typing import Any, Protocol, TypeAlias
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, TypeAlias
 
 import numpy as np
 import xxhash
 
+from ._chunk_record import IN_FLIGHT, ChunkPhase, ChunkRecord, move
 from ._errors import CapacityError, ProtocolError, SequencingError
 from ._limits import Limits
+from ._replay_store import ReplayStore
+from ._routing import Headers, Route, Session, check_window, run_shape
+from ._routing import route as route_chunk
+from ._waiters import Waiter, WaiterRegistry
 
 # How long a full table's "no room" verdict is reused (SessionTable._make_room).
 _RESCAN_SECONDS = 1.0
@@ -47,7 +51,6 @@ __all__ = [
 _SESSION = "x-meshnet-session"
 _INDEX = "x-meshnet-chunk-index"
 _TOTAL = "x-meshnet-chunk-total"
-_POSITION = "x-meshnet-position"
 
 
 def tensor_fingerprint(array: np.ndarray) -> bytes:
@@ -80,25 +83,6 @@ def tensor_fingerprint(array: np.ndarray) -> bytes:
     return digest.digest()
 
 
-class _Headers(Protocol):
-    """The attributes of ``WireHeaders`` the sequencer reads (duck typing)."""
-
-    @property
-    def shape(self) -> tuple[int, ...]: ...
-    @property
-    def dtype(self) -> str: ...
-    @property
-    def session(self) -> str | None: ...
-    @property
-    def chunk_index(self) -> int | None: ...
-    @property
-    def chunk_total(self) -> int | None: ...
-    @property
-    def position(self) -> int | None: ...
-    @property
-    def tokens(self) -> int: ...
-
-
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Ticket:
     """One admitted run of a chunk's stage; hand it back to report its outcome.
@@ -114,17 +98,6 @@ class Ticket:
     position: int
     tokens: int
     fingerprint: bytes
-    serial: int
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class Waiter:
-    """A chunk waiting for its predecessor; pass it back to ``offer``/``give_up``."""
-
-    session: str
-    index: int
-    since: float
-    until: float
     serial: int
 
 
@@ -170,70 +143,7 @@ class Join:
 Decision: TypeAlias = Process | Wait | Replay | Reforward | Join
 
 
-class _Phase(Enum):
-    RUNNING = "running"  # the stage is running on the chunk
-    FORWARDING = "forwarding"  # stage done; its output is downstream (or being answered)
-    FORWARD_FAILED = "forward_failed"  # stage output kept for a reforward
-    ANSWERED = "answered"  # success response kept for a replay
-    EVICTED = "evicted"  # its response or kept output went to keep the byte budget
-
-
-# Every legal move of a chunk record: (phase, event) -> next phase, None = forgotten.
-# A move not listed is a driver bug (ValueError), never a peer's doing.
-_TRANSITIONS: dict[tuple[_Phase, str], _Phase | None] = {
-    (_Phase.RUNNING, "stage_done"): _Phase.FORWARDING,
-    (_Phase.RUNNING, "stage_failed"): None,  # a retransmission may run it again
-    (_Phase.FORWARDING, "response_ready"): _Phase.ANSWERED,
-    (_Phase.FORWARDING, "forward_failed"): _Phase.FORWARD_FAILED,
-    (_Phase.FORWARD_FAILED, "reforward"): _Phase.FORWARDING,
-}
-_IN_FLIGHT = frozenset({_Phase.RUNNING, _Phase.FORWARDING})
-# What a record holds between requests, counted against max_stored_bytes.
-_HELD = frozenset({_Phase.ANSWERED, _Phase.FORWARD_FAILED})
-
-
-class _Route(Enum):
-    TURN = "turn"  # the chunk's turn: run its stage
-    AHEAD = "ahead"  # a predecessor has not run yet: wait
-    AGAIN = "again"  # identical to a chunk that ran: replay, reforward or join
-    UNDECIDED = "undecided"  # needs the tensor's fingerprint (head-only check)
-
-
-@dataclass(frozen=True, slots=True)
-class _RunShape:
-    total: int
-    dtype: str
-    trailing: tuple[int, ...]  # the shape without the token axis (rank included)
-
-
-@dataclass(slots=True)
-class _Record:
-    ticket: Ticket
-    phase: _Phase
-    stage_output: Any = None
-    response: Any = None
-
-
-@dataclass(slots=True)
-class _Session:
-    id: str
-    touched: float
-    position: int = 0
-    run: int = 0  # number of the run in progress, or of the next one between runs
-    shape: _RunShape | None = None  # None between runs
-    next_index: int = 0
-    records: dict[int, _Record] = field(default_factory=dict)
-    last_records: dict[int, _Record] = field(default_factory=dict)
-    last_total: int = 0
-
-
-def _run_shape(h: _Headers) -> _RunShape:
-    axis = 1 if len(h.shape) >= 2 else 0  # SPEC §2 token axis
-    assert h.chunk_total is not None
-    return _RunShape(h.chunk_total, h.dtype, h.shape[:axis] + h.shape[axis + 1 :])
-
-
-def _require(h: _Headers) -> tuple[str, int, int]:
+def _require(h: Headers) -> tuple[str, int, int]:
     """A node needs the sequencing headers (the gateway's input may lack them)."""
     for value, header in ((h.session, _SESSION), (h.chunk_index, _INDEX), (h.chunk_total, _TOTAL)):
         if value is None:
@@ -250,11 +160,6 @@ def _require(h: _Headers) -> tuple[str, int, int]:
 
 def _unknown(message: str) -> SequencingError:
     return SequencingError(message, code="session_unknown", header=_SESSION)
-
-
-# The stored-bytes ledger is purged of stale entries when it reaches this
-# size, then each time it doubles.
-_PURGE_MIN = 1024
 
 
 class SessionTable:
@@ -287,18 +192,13 @@ class SessionTable:
             raise ValueError("max_pending_waiters must be positive")
         self.max_pending_waiters = max_pending_waiters
         self._on_forget = on_forget
-        self._sessions: dict[str, _Session] = {}
-        # Waiters by session id, for known and not-yet-known sessions alike, so
-        # that creating a session needs no move; ``_pending`` counts the latter.
-        self._waiting: dict[str, dict[int, Waiter]] = {}
-        self._pending = 0
+        self._sessions: dict[str, Session] = {}
+        # Waiters of known and not-yet-known sessions alike, so that creating
+        # a session needs no move.
+        self._waiters = WaiterRegistry()
         self._serials = itertools.count(1)
-        # Stored responses, oldest first: serial -> (ticket, bytes), for the
-        # ``limits.max_stored_bytes`` budget. Entries whose record is gone are
-        # purged lazily (they hold no response, only a count).
-        self._stored: dict[int, tuple[Ticket, int]] = {}
-        self._stored_bytes = 0
-        self._purge_at = _PURGE_MIN
+        # Answers and outputs kept for retransmissions, held to max_stored_bytes.
+        self._store = ReplayStore(self.limits.max_stored_bytes)
         # _make_room's last verdict on a full table (see there).
         self._full_rescan_at = -math.inf
         self._full_soonest_at = -math.inf
@@ -318,7 +218,7 @@ class SessionTable:
 
     # -- a request's chunk -------------------------------------------------------
 
-    def check_head(self, headers: _Headers, now: float) -> None:
+    def check_head(self, headers: Headers, now: float) -> None:
         """The checks that need only the headers (SPEC §2 order: before the body).
 
         Raises what ``offer`` would raise for these headers whatever the
@@ -330,13 +230,13 @@ class SessionTable:
         if s is None:
             route = self._route_unknown(sid, index, headers.position, now)
         else:
-            route, _ = self._route(s, headers, None)
-        if route is _Route.AHEAD:
+            route, _ = route_chunk(self.limits.reorder_window, s, headers, None)
+        if route is Route.AHEAD:
             self._check_room_to_wait(sid, index)
 
     def offer(
         self,
-        headers: _Headers,
+        headers: Headers,
         fingerprint: bytes,
         now: float,
         *,
@@ -354,18 +254,18 @@ class SessionTable:
         if waiter is not None:
             if (waiter.session, waiter.index) != (sid, index):
                 raise ValueError("offer(): waiter belongs to another chunk")
-            if not self._remove_waiter(waiter):
+            if not self._waiters.remove(waiter, known=sid in self._sessions):
                 raise _unknown(f"session {sid}: ended or expired while chunk {index} waited")
         s = self._sessions.get(sid)
-        record: _Record | None = None
+        record: ChunkRecord | None = None
         if s is None:
             route = self._route_unknown(sid, index, headers.position, now)
         else:
             s.touched = now
-            route, record = self._route(s, headers, fingerprint)
-        if route is _Route.AHEAD:
+            route, record = route_chunk(self.limits.reorder_window, s, headers, fingerprint)
+        if route is Route.AHEAD:
             return self._wait(sid, index, now, waiter, deadline)
-        if route is _Route.AGAIN:
+        if route is Route.AGAIN:
             assert record is not None
             return self._again(record)
         if s is None:
@@ -374,7 +274,7 @@ class SessionTable:
 
     def give_up(self, waiter: Waiter, now: float) -> SequencingError:
         """The waiter's time is up: forget it and return the error to answer."""
-        registered = self._remove_waiter(waiter)
+        registered = self._waiters.remove(waiter, known=waiter.session in self._sessions)
         s = self._sessions.get(waiter.session)
         waited = f"{now - waiter.since:.3g} s"
         if not registered:
@@ -405,7 +305,7 @@ class SessionTable:
         if found is None:
             return  # the session ended meanwhile; nothing to advance
         s, record = found
-        self._move(record, "stage_done")
+        move(record, "stage_done")
         record.stage_output = stage_output
         s.touched = now
         s.position += ticket.tokens
@@ -423,7 +323,7 @@ class SessionTable:
         if found is None:
             return
         s, record = found
-        self._move(record, "stage_failed")
+        move(record, "stage_failed")
         del s.records[ticket.index]
         if ticket.index == 0:  # the run never started after all
             s.shape = None
@@ -440,56 +340,15 @@ class SessionTable:
         if found is None:
             return
         s, record = found
-        self._move(record, "response_ready")
-        record.response, record.stage_output = response, None
+        self._store.answered(record, response, nbytes)
         s.touched = now
         self._trim(s)
-        self._hold(ticket, nbytes)
-
-    def _hold(self, ticket: Ticket, nbytes: int) -> None:
-        # A reforwarded chunk comes back here with the same serial: its old
-        # entry (the kept output) is replaced, not counted twice.
-        replaced = self._stored.pop(ticket.serial, None)
-        if replaced is not None:
-            self._stored_bytes -= replaced[1]
-        if nbytes > 0:
-            self._stored[ticket.serial] = (ticket, nbytes)
-            self._stored_bytes += nbytes
-            self._keep_budget()
-            # Backstop for entries no _release saw (a record replaced in
-            # place): purge when the ledger doubles, amortised O(1) per entry.
-            if len(self._stored) >= self._purge_at:
-                self._purge_stored()
-                self._purge_at = max(_PURGE_MIN, 2 * len(self._stored))
 
     @property
     def stored_bytes(self) -> int:
         """Bytes still held between requests: stored responses and stage outputs
         kept for a reforward (as ``response_ready``/``forward_failed`` were told)."""
-        self._purge_stored()
-        return self._stored_bytes
-
-    def _purge_stored(self) -> None:
-        for serial, (ticket, nbytes) in list(self._stored.items()):
-            found = self._lookup(ticket)
-            if found is None or found[1].phase not in _HELD:
-                del self._stored[serial]
-                self._stored_bytes -= nbytes
-
-    def _keep_budget(self) -> None:
-        if self._stored_bytes <= self.limits.max_stored_bytes:
-            return
-        self._purge_stored()
-        while self._stored_bytes > self.limits.max_stored_bytes and self._stored:
-            serial = next(iter(self._stored))
-            ticket, nbytes = self._stored.pop(serial)
-            self._stored_bytes -= nbytes
-            found = self._lookup(ticket)
-            # _purge_stored just dropped every entry that holds nothing any
-            # more, so each one left is found and holds its bytes.
-            assert found is not None and found[1].phase in _HELD
-            record = found[1]
-            record.phase, record.response, record.stage_output = _Phase.EVICTED, None, None
+        return self._store.stored_bytes
 
     def forward_failed(self, ticket: Ticket, now: float, *, nbytes: int = 0) -> None:
         """The forward failed: keep the stage output so a retransmission reforwards it.
@@ -502,10 +361,9 @@ class SessionTable:
         if found is None:
             return
         s, record = found
-        self._move(record, "forward_failed")
+        self._store.forward_failed(record, nbytes)
         s.touched = now
         self._trim(s)
-        self._hold(ticket, nbytes)
 
     # -- ending ----------------------------------------------------------------------
 
@@ -537,7 +395,7 @@ class SessionTable:
 
     # -- routing -----------------------------------------------------------------------
 
-    def _route_unknown(self, sid: str, index: int, position: int | None, now: float) -> _Route:
+    def _route_unknown(self, sid: str, index: int, position: int | None, now: float) -> Route:
         if index == 0:
             if position:  # SPEC §3: never silently start a context anywhere but at 0
                 raise _unknown(
@@ -545,127 +403,18 @@ class SessionTable:
                     f"{position} (expired, deleted, or this node restarted)"
                 )
             self._make_room(now)
-            return _Route.TURN
-        self._check_window(sid, index, 0)
+            return Route.TURN
+        check_window(self.limits.reorder_window, sid, index, 0)
         # Its chunk 0 would be refused: say so now rather than after a wait.
         self._make_room(now)
-        return _Route.AHEAD
-
-    def _route(self, s: _Session, h: _Headers, fp: bytes | None) -> tuple[_Route, _Record | None]:
-        index, position = h.chunk_index, h.position
-        assert index is not None
-        if s.shape is not None:  # a run is open
-            self._check_run(s, h)
-            if index > s.next_index:
-                return self._ahead(s, index, position), None
-            record = s.records.get(index)
-            if record is not None:  # passed, or the one running now
-                return self._match(s, index, position, fp, record)
-            if index < s.next_index:
-                raise SequencingError(
-                    f"session {s.id}: chunk {index} already passed and nothing of it is "
-                    f"kept any more (next is {s.next_index})",
-                    code="chunk_conflict",
-                    header=_INDEX,
-                )
-            self._check_turn_position(s, position)
-            return _Route.TURN, None
-        # Between runs: a retransmission of the last run, or the next run.
-        record = s.last_records.get(index)
-        if record is not None and position in (None, record.ticket.position):
-            # The stored answer names the last run's total: a "retransmission"
-            # with another total is not the same chunk, and replaying would
-            # hand the sender an answer for a run it did not send.
-            same_total = h.chunk_total == s.last_total
-            if same_total and fp is None:
-                return _Route.UNDECIDED, None
-            if same_total and fp == record.ticket.fingerprint:
-                return _Route.AGAIN, record
-            if position is not None:  # unmistakably the last run's chunk, changed
-                raise self._conflict(s, index)
-        if index == 0:
-            self._check_turn_position(s, position)
-            return _Route.TURN, None
-        return self._ahead(s, index, position), None
-
-    def _ahead(self, s: _Session, index: int, position: int | None) -> _Route:
-        self._check_window(s.id, index, s.next_index)
-        ahead = index - s.next_index
-        # Every chunk has at least one token, so a position below this can never
-        # match when the chunk's turn comes: refuse now instead of after a wait.
-        if position is not None and position < s.position + ahead:
-            raise SequencingError(
-                f"session {s.id}: chunk {index} says position {position}, but it cannot "
-                f"start before {s.position + ahead}",
-                code="position_mismatch",
-                header=_POSITION,
-            )
-        return _Route.AHEAD
-
-    def _match(
-        self, s: _Session, index: int, position: int | None, fp: bytes | None, record: _Record
-    ) -> tuple[_Route, _Record | None]:
-        if position is not None and position != record.ticket.position:
-            raise SequencingError(
-                f"session {s.id}: chunk {index} says position {position}, but it ran "
-                f"at {record.ticket.position}",
-                code="position_mismatch",
-                header=_POSITION,
-            )
-        if fp is None:
-            return _Route.UNDECIDED, None
-        if fp != record.ticket.fingerprint:
-            raise self._conflict(s, index)
-        return _Route.AGAIN, record
-
-    def _check_turn_position(self, s: _Session, position: int | None) -> None:
-        if position is not None and position != s.position:
-            raise SequencingError(
-                f"session {s.id}: position is {s.position}, the chunk says {position}",
-                code="position_mismatch",
-                header=_POSITION,
-            )
-
-    def _check_window(self, sid: str, index: int, next_index: int) -> None:
-        window = self.limits.reorder_window
-        if index - next_index >= window:
-            raise SequencingError(
-                f"session {sid}: chunk {index} is beyond the reorder window "
-                f"(next is {next_index}, window {window})",
-                code="chunk_out_of_window",
-                header=_INDEX,
-            )
-
-    def _check_run(self, s: _Session, h: _Headers) -> None:
-        assert s.shape is not None
-        this = _run_shape(h)
-        for was, says, header, what in (
-            (s.shape.total, this.total, _TOTAL, "chunk total"),
-            (s.shape.dtype, this.dtype, "x-meshnet-dtype", "dtype"),
-            (s.shape.trailing, this.trailing, "x-meshnet-shape", "shape apart from tokens"),
-        ):
-            if was != says:
-                raise SequencingError(
-                    f"session {s.id}: the run started with {what} {was}, this chunk has {says}",
-                    code="run_mismatch",
-                    header=header,
-                )
-
-    @staticmethod
-    def _conflict(s: _Session, index: int) -> SequencingError:
-        return SequencingError(
-            f"session {s.id}: chunk {index} was already sent with a different tensor "
-            "or chunk total",
-            code="chunk_conflict",
-            header=_INDEX,
-        )
+        return Route.AHEAD
 
     # -- decisions -------------------------------------------------------------------------
 
-    def _process(self, s: _Session, h: _Headers, fp: bytes) -> Process:
+    def _process(self, s: Session, h: Headers, fp: bytes) -> Process:
         if s.shape is None:  # chunk 0 opens a run; the last run's records go (SPEC §3)
-            s.shape = _run_shape(h)
-            self._release(s.last_records.values())
+            s.shape = run_shape(h)
+            self._store.forget(s.last_records.values())
             s.last_records = {}
         assert h.chunk_index is not None
         ticket = Ticket(
@@ -677,23 +426,22 @@ class SessionTable:
             fingerprint=fp,
             serial=next(self._serials),
         )
-        s.records[ticket.index] = _Record(ticket, _Phase.RUNNING)
+        s.records[ticket.index] = ChunkRecord(ticket)
         return Process(ticket)
 
-    def _again(self, record: _Record) -> Decision:
-        if record.phase in _IN_FLIGHT:
+    def _again(self, record: ChunkRecord) -> Decision:
+        if record.phase in IN_FLIGHT:
             return Join(record.ticket)
-        if record.phase is _Phase.ANSWERED:
+        if record.phase is ChunkPhase.ANSWERED:
             return Replay(record.response)
-        if record.phase is _Phase.EVICTED:
+        if record.phase is ChunkPhase.EVICTED:
             raise SequencingError(
                 f"session {record.ticket.session}: chunk {record.ticket.index} already ran, "
                 "but its answer or output is no longer kept (the node's stored-bytes budget)",
                 code="chunk_conflict",
                 header=_INDEX,
             )
-        self._move(record, "reforward")
-        return Reforward(record.ticket, record.stage_output)
+        return Reforward(record.ticket, self._store.reforward(record))
 
     def _wait(
         self, sid: str, index: int, now: float, waiter: Waiter | None, deadline: float | None
@@ -706,67 +454,41 @@ class SessionTable:
             waiter = Waiter(
                 session=sid, index=index, since=now, until=until, serial=next(self._serials)
             )
-        self._waiting.setdefault(sid, {})[waiter.serial] = waiter
-        if sid not in self._sessions:
-            self._pending += 1
+        self._waiters.add(waiter, known=sid in self._sessions)
         return Wait(waiter, waiter.until)
 
     def _check_room_to_wait(self, sid: str, index: int) -> None:
         window = self.limits.reorder_window
-        if len(self._waiting.get(sid, ())) >= window:
+        if self._waiters.count(sid) >= window:
             raise SequencingError(
                 f"session {sid}: chunk {index} cannot wait, {window} chunks already wait "
                 f"(the reorder window)",
                 code="chunk_out_of_window",
                 header=_INDEX,
             )
-        if sid not in self._sessions and self._pending >= self.max_pending_waiters:
+        pending = self._waiters.pending
+        if sid not in self._sessions and pending >= self.max_pending_waiters:
             # Load, not a sequencing fault: such waits end within the reorder timeout.
             raise CapacityError(
-                f"{self._pending} chunks already wait for sessions that have not started",
+                f"{pending} chunks already wait for sessions that have not started",
                 code="sessions_full",
                 retry_after=math.ceil(self.limits.reorder_timeout),
             )
 
     # -- bookkeeping ---------------------------------------------------------------------------
 
-    def _create(self, sid: str, now: float) -> _Session:
-        s = self._sessions[sid] = _Session(sid, touched=now)
-        self._pending -= len(self._waiting.get(sid, ()))
+    def _create(self, sid: str, now: float) -> Session:
+        s = self._sessions[sid] = Session(sid, touched=now)
+        self._waiters.session_started(sid)
         return s
 
     def _drop(self, sid: str) -> None:
-        waiters = self._waiting.pop(sid, {})
         s = self._sessions.pop(sid, None)
-        if s is None:
-            self._pending -= len(waiters)
-        else:
-            self._release(itertools.chain(s.records.values(), s.last_records.values()))
+        self._waiters.drop(sid, known=s is not None)
+        if s is not None:
+            self._store.forget(itertools.chain(s.records.values(), s.last_records.values()))
             if self._on_forget is not None:
                 self._on_forget(sid)
-
-    def _release(self, records: Iterable[_Record]) -> None:
-        """Records that go: their entries in the stored-bytes ledger go with them.
-
-        Without this the ledger would keep one entry (a ticket) per answer
-        ever stored until the next lazy purge, which with the default budget
-        may be hundreds of thousands of entries away: a slow leak under
-        sessions that come and go (found by the soak, ``meshnet_bench.soak``).
-        """
-        for record in records:
-            held = self._stored.pop(record.ticket.serial, None)
-            if held is not None:
-                self._stored_bytes -= held[1]
-
-    def _remove_waiter(self, waiter: Waiter) -> bool:
-        group = self._waiting.get(waiter.session)
-        if group is None or group.pop(waiter.serial, None) is None:
-            return False
-        if not group:
-            del self._waiting[waiter.session]
-        if waiter.session not in self._sessions:
-            self._pending -= 1
-        return True
 
     def _make_room(self, now: float) -> None:
         if len(self._sessions) < self.limits.max_sessions:
@@ -798,15 +520,15 @@ class SessionTable:
             retry_after=max(1, math.ceil(soonest)),
         )
 
-    def _busy(self, s: _Session, now: float) -> bool:
-        if any(w.until > now for w in self._waiting.get(s.id, {}).values()):
+    def _busy(self, s: Session, now: float) -> bool:
+        if self._waiters.waiting_at(s.id, now):
             return True
         return any(
-            r.phase in _IN_FLIGHT
+            r.phase in IN_FLIGHT
             for r in itertools.chain(s.records.values(), s.last_records.values())
         )
 
-    def _lookup(self, ticket: Ticket) -> tuple[_Session, _Record] | None:
+    def _lookup(self, ticket: Ticket) -> tuple[Session, ChunkRecord] | None:
         s = self._sessions.get(ticket.session)
         if s is None:
             return None
@@ -816,16 +538,7 @@ class SessionTable:
             return None  # a stale ticket: its run's records were dropped
         return s, record
 
-    @staticmethod
-    def _move(record: _Record, event: str) -> None:
-        key = (record.phase, event)
-        if key not in _TRANSITIONS:
-            raise ValueError(f"{event}() on a chunk that is {record.phase.value}")
-        phase = _TRANSITIONS[key]
-        if phase is not None:
-            record.phase = phase
-
-    def _trim(self, s: _Session) -> None:
+    def _trim(self, s: Session) -> None:
         """Keep O(window) records per run (the memory bound of docs/sessions.md).
 
         A sender keeps at most a window of chunks unanswered, so only those can
@@ -838,6 +551,6 @@ class SessionTable:
             (s.last_records, s.last_total - window),
         ):
             for index in [
-                i for i, r in records.items() if 0 < i < floor and r.phase not in _IN_FLIGHT
+                i for i, r in records.items() if 0 < i < floor and r.phase not in IN_FLIGHT
             ]:
-                self._release((records.pop(index),))
+                self._store.forget((records.pop(index),))

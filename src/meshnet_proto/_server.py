@@ -43,7 +43,7 @@ from ._events import (
 from ._headers import WireHeaders, parse_wire_headers
 from ._limits import KiB, Limits
 
-__all__ = ["DEFAULT_ROUTES", "ServerConnection"]
+__all__ = ["DEFAULT_MAX_ENDPOINT_BODY", "DEFAULT_ROUTES", "ServerConnection"]
 
 # SPEC §6. A key ending in "/*" matches exactly one non-empty path segment in
 # its place, which is all `DELETE /sessions/{id}` needs.
@@ -276,7 +276,7 @@ class ServerConnection:
         self._wire: WireHeaders | None = None
         self._content_length: int | None = None
         self._body: _BodyReader | None = None
-        self._endpoint: tuple[str, str, str, tuple[tuple[bytes, bytes], ...]] | None = None
+        self._endpoint: tuple[str, str, str, str, tuple[tuple[bytes, bytes], ...]] | None = None
 
     def _move(self, trigger: _Trigger) -> None:
         try:
@@ -413,7 +413,8 @@ class ServerConnection:
         if self._token is not None and path != "/health":
             self._check_credentials(headers)
         is_activation = path == self._activation_path
-        allowed = {"POST"} if is_activation else self._allowed_methods(path)
+        route = None if is_activation else self._route(path)
+        allowed = {"POST"} if is_activation else self._routes.get(route)  # type: ignore[arg-type]
         if allowed is None:
             raise ProtocolError(f"no such path: {path[:200]}", code="not_found", status=404)
         if method not in allowed:
@@ -427,7 +428,8 @@ class ServerConnection:
         if not is_activation:
             if content_length is not None and content_length > self._max_endpoint_body:
                 raise self._endpoint_body_too_large()
-            self._endpoint = (method, path, query, headers)
+            assert route is not None
+            self._endpoint = (method, route, path, query, headers)
             initial = content_length if content_length is not None else 0
             self._body = _BodyReader(bytearray(initial), self._max_endpoint_body)
             self._move(_Trigger.ENDPOINT_HEAD)
@@ -464,10 +466,11 @@ class ServerConnection:
         if scheme.lower() != b"bearer" or not matches:
             raise _unauthorized()
 
-    def _allowed_methods(self, path: str) -> frozenset[str] | None:
-        for pattern, methods in self._routes.items():
+    def _route(self, path: str) -> str | None:
+        """The route-table key ``path`` falls under, or None."""
+        for pattern in self._routes:
             if _route_matches(pattern, path):
-                return methods
+                return pattern
         return None
 
     def _check_framing(self, method: str, headers: Iterable[tuple[bytes, bytes]]) -> int | None:
@@ -523,9 +526,14 @@ class ServerConnection:
         assert body is not None
         if self._phase is _Phase.ENDPOINT_BODY:
             assert self._endpoint is not None
-            method, path, query, headers = self._endpoint
+            method, route, path, query, headers = self._endpoint
             event: ActivationReceived | EndpointRequest = EndpointRequest(
-                method=method, path=path, query=query, headers=headers, body=bytes(body.view())
+                method=method,
+                path=path,
+                query=query,
+                headers=headers,
+                body=bytes(body.view()),
+                route=route,
             )
         else:
             wire = self._wire
@@ -547,6 +555,21 @@ class ServerConnection:
         ``expects_continue``; never write it when rejecting early.
         """
         if not self._h11.they_are_waiting_for_100_continue:
+            return b""
+        return self._send(
+            h11.InformationalResponse(status_code=100, headers=[], reason=b"Continue")
+        )
+
+    def send_interim(self) -> bytes:
+        """An unsolicited ``100 Continue`` while a complete request awaits its
+        answer, else ``b""`` (an answer has begun, or no request is complete).
+
+        RFC 9110 §15.2 lets a server send interim answers before the final
+        one and obliges every client to skip them. A driver uses one as a
+        probe: after a client half-closed, only a write tells a client that
+        still reads from one whose socket is gone (it answers with a reset).
+        """
+        if self._h11.our_state is not h11.SEND_RESPONSE or self._h11.their_state is not h11.DONE:
             return b""
         return self._send(
             h11.InformationalResponse(status_code=100, headers=[], reason=b"Continue")

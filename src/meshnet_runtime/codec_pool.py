@@ -136,8 +136,11 @@ class CodecPool:
                 if timed is not None:
                     timed(time.thread_time() - cpu_start)
 
+        # Trivial: the body is a view of the array. Not for a strided array
+        # (a chunk of a batch > 1): making it contiguous is a full copy.
         trivial = (
-            WireDtypePolicy(dtype_policy) is WireDtypePolicy.KEEP
+            array.flags.c_contiguous
+            and WireDtypePolicy(dtype_policy) is WireDtypePolicy.KEEP
             and EncodingPolicy(encoding_policy) in (EncodingPolicy.MIRROR, EncodingPolicy.IDENTITY)
             and (EncodingPolicy(encoding_policy) is EncodingPolicy.IDENTITY
                  or request_encoding == "identity")

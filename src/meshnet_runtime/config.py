@@ -4,6 +4,13 @@ One parser for both roles: every server takes the common flags, a node adds
 ``--next/--backend/--delay-ms``, the gateway ``--entry/--chunk-tokens/--inflight``.
 Precedence is flag > environment > default. An environment value goes through
 the same validation as the flag, and a bad one names the variable.
+
+One source of truth: a default is written once, where it is used — the
+core's ``Limits`` for what the core enforces, the serving loop's
+``ServerSettings`` for its timeouts and caps. ``ServerConfig`` takes its
+defaults from those two, the flag table (and so ``--help`` and the
+environment) from ``ServerConfig``, and ``/info`` shows
+``ServerConfig.limits_info()``.
 """
 
 from __future__ import annotations
@@ -12,12 +19,13 @@ import argparse
 import math
 import os
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import MISSING, dataclass, field, fields
 from typing import Any, Literal
 
 from meshnet_proto import Limits
 
 from .endpoints import Endpoint, parse_endpoint
+from .http_server import ServerSettings
 
 __all__ = [
     "ServerConfig",
@@ -36,6 +44,9 @@ BACKENDS = ("echo", "zeros", "count")
 MODEL_DTYPES = ("keep", "float32", "bfloat16", "float16")
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 
+_LIMITS = Limits()  # the core's defaults
+_SETTINGS = ServerSettings()  # the serving loop's defaults
+
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class ServerConfig:
@@ -45,17 +56,17 @@ class ServerConfig:
     host: str = "127.0.0.1"
     port: int = 0
     uds: str | None = None
-    timeout: float = 60.0
-    max_sessions: int = 1024
-    session_ttl: float = 600.0
-    reorder_window: int = 16
-    reorder_timeout: float = 10.0
-    head_timeout: float = 10.0
-    max_tensor_bytes: int = 512 * 1024 * 1024
-    max_stored_bytes: int = 1024 * 1024 * 1024
-    max_inflight_bytes: int = 2048 * 1024 * 1024
-    max_connections: int = 256
-    shutdown_timeout: float = 30.0
+    timeout: float = _SETTINGS.body_timeout
+    max_sessions: int = _LIMITS.max_sessions
+    session_ttl: float = _LIMITS.session_ttl
+    reorder_window: int = _LIMITS.reorder_window
+    reorder_timeout: float = _LIMITS.reorder_timeout
+    head_timeout: float = _SETTINGS.head_timeout
+    max_tensor_bytes: int = _LIMITS.max_tensor_bytes
+    max_stored_bytes: int = _LIMITS.max_stored_bytes
+    max_inflight_bytes: int = _LIMITS.max_inflight_bytes
+    max_connections: int = _SETTINGS.max_connections
+    shutdown_timeout: float = _SETTINGS.shutdown_timeout
     token: str | None = field(default=None, repr=False)  # never logged
     tls_cert: str | None = None
     tls_key: str | None = None
@@ -85,9 +96,11 @@ class ServerConfig:
     retries: int = 2
     retry_backoff_ms: float = 50.0
 
-    @property
-    def limits(self) -> Limits:
-        return Limits(
+    # The core's limits, built (and so validated) once, with the config.
+    limits: Limits = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        limits = Limits(
             max_tensor_bytes=self.max_tensor_bytes,
             max_stored_bytes=self.max_stored_bytes,
             max_inflight_bytes=self.max_inflight_bytes,
@@ -95,8 +108,17 @@ class ServerConfig:
             session_ttl=self.session_ttl,
             reorder_window=self.reorder_window,
             reorder_timeout=self.reorder_timeout,
-            head_timeout=self.head_timeout,
         )
+        object.__setattr__(self, "limits", limits)
+
+    def limits_info(self) -> dict[str, Any]:
+        """Every limit this server enforces, by name: the core's and the loop's (``/info``)."""
+        return {
+            **self.limits.to_dict(),
+            "timeout": self.timeout,
+            "head_timeout": self.head_timeout,
+            "max_connections": self.max_connections,
+        }
 
     @property
     def tls(self) -> bool:
@@ -187,71 +209,65 @@ def _choice(choices: Sequence[str]) -> Callable[[str], str]:
             )
         return text
 
+    parse.choices = tuple(choices)  # type: ignore[attr-defined]  # shown by --help
     return parse
 
 
-# (flag, type, default, help); ``None`` default = unset.
-_Flag = tuple[str, Callable[[str], Any], Any, str]
+# (flag, type, help). The default is ServerConfig's field of the flag's name.
+_Flag = tuple[str, Callable[[str], Any], str]
 
 _COMMON: list[_Flag] = [
-    ("--host", _nonempty, "127.0.0.1", "address to listen on"),
-    ("--port", _port, 0, "TCP port (0 = a free one, shown in the ready line)"),
-    ("--uds", _nonempty, None, "listen on this Unix socket path instead of TCP"),
-    ("--timeout", positive_seconds, 60.0, "budget of one request, seconds"),
-    ("--max-sessions", positive_int, 1024, "sessions held at once"),
-    ("--session-ttl", positive_seconds, 600.0, "idle seconds before a session is forgotten"),
-    ("--reorder-window", positive_int, 16, "chunks a session may run ahead"),
-    ("--reorder-timeout", positive_seconds, 10.0, "seconds a chunk waits for its predecessor"),
-    ("--head-timeout", positive_seconds, 10.0, "seconds a client has to send its request head"),
-    ("--max-tensor-bytes", positive_int, 512 * 1024 * 1024, "largest tensor accepted"),
-    (
-        "--max-stored-bytes",
-        positive_int,
-        1024 * 1024 * 1024,
-        "answers kept for replay, all sessions together",
-    ),
+    ("--host", _nonempty, "address to listen on"),
+    ("--port", _port, "TCP port (0 = a free one, shown in the ready line)"),
+    ("--uds", _nonempty, "listen on this Unix socket path instead of TCP"),
+    ("--timeout", positive_seconds, "budget of one request, seconds"),
+    ("--max-sessions", positive_int, "sessions held at once"),
+    ("--session-ttl", positive_seconds, "idle seconds before a session is forgotten"),
+    ("--reorder-window", positive_int, "chunks a session may run ahead"),
+    ("--reorder-timeout", positive_seconds, "seconds a chunk waits for its predecessor"),
+    ("--head-timeout", positive_seconds, "seconds a client has to send its request head"),
+    ("--max-tensor-bytes", positive_int, "largest tensor accepted"),
+    ("--max-stored-bytes", positive_int, "answers kept for replay, all sessions together"),
     (
         "--max-inflight-bytes",
         positive_int,
-        2048 * 1024 * 1024,
         "tensor bytes held for requests in flight, all together (more get 503)",
     ),
-    ("--max-connections", positive_int, 256, "concurrent connections (more get 503)"),
-    ("--shutdown-timeout", positive_seconds, 30.0, "seconds in-flight requests get on shutdown"),
-    ("--token", _nonempty, None, "require 'Authorization: Bearer TOKEN' (and present it)"),
-    ("--tls-cert", _nonempty, None, "serve TLS with this PEM certificate chain"),
-    ("--tls-key", _nonempty, None, "... and this PEM private key"),
-    ("--tls-ca", _nonempty, None, "verify an https downstream with this CA bundle"),
-    ("--log-level", _choice(LOG_LEVELS), "info", "logging level"),
-    ("--wire-dtype", _choice(WIRE_DTYPES), "keep", "dtype of tensors this server sends"),
-    ("--encoding", _choice(ENCODINGS), "mirror", "encoding of bodies this server sends"),
-    ("--zstd-level", _level, 1, "zstd compression level"),
-    ("--async-backend", _choice(("trio", "asyncio")), "trio", "event loop to run on"),
+    ("--max-connections", positive_int, "concurrent connections (more get 503)"),
+    ("--shutdown-timeout", positive_seconds, "seconds in-flight requests get on shutdown"),
+    ("--token", _nonempty, "require 'Authorization: Bearer TOKEN' (and present it)"),
+    ("--tls-cert", _nonempty, "serve TLS with this PEM certificate chain"),
+    ("--tls-key", _nonempty, "... and this PEM private key"),
+    ("--tls-ca", _nonempty, "verify an https downstream with this CA bundle"),
+    ("--log-level", _choice(LOG_LEVELS), "logging level"),
+    ("--wire-dtype", _choice(WIRE_DTYPES), "dtype of tensors this server sends"),
+    ("--encoding", _choice(ENCODINGS), "encoding of bodies this server sends"),
+    ("--zstd-level", _level, "zstd compression level"),
+    ("--async-backend", _choice(("trio", "asyncio")), "event loop to run on"),
 ]
 _NODE: list[_Flag] = [
-    ("--next", _endpoint, None, "downstream node URL (none = last stage)"),
-    ("--backend", _choice(BACKENDS), "echo", "stage backend"),
-    ("--delay-ms", _millis, 0.0, "simulated stage compute per chunk, ms"),
-    ("--model", _nonempty, None, "checkpoint directory (HF layout): run its layers, not --backend"),
-    ("--layers", _layers, None, "with --model: run layers A..B-1, as A:B (default: all)"),
-    ("--dtype", _choice(MODEL_DTYPES), "float32", "with --model: weights dtype in memory"),
+    ("--next", _endpoint, "downstream node URL (none = last stage)"),
+    ("--backend", _choice(BACKENDS), "stage backend"),
+    ("--delay-ms", _millis, "simulated stage compute per chunk, ms"),
+    ("--model", _nonempty, "checkpoint directory (HF layout): run its layers, not --backend"),
+    ("--layers", _layers, "with --model: run layers A..B-1, as A:B (default: all)"),
+    ("--dtype", _choice(MODEL_DTYPES), "with --model: weights dtype in memory"),
     (
         "--kv-budget-bytes",
         positive_int,
-        1024 * 1024 * 1024,
         "with --model: KV cache memory, all sessions together (more get 503)",
     ),
 ]
 _GATEWAY: list[_Flag] = [
-    ("--entry", _endpoint, None, "URL of the first node (required)"),
-    ("--chunk-tokens", positive_int, 128, "tokens per chunk"),
-    ("--inflight", positive_int, 1, "chunks in flight per session"),
-    ("--model", _nonempty, None, "checkpoint directory: serve the OpenAI API (/v1) for it"),
-    ("--model-name", _nonempty, None, "model id in the OpenAI API (default: directory name)"),
-    ("--max-tokens-default", positive_int, 256, "completion tokens when a request names none"),
-    ("--max-context", _nonnegative_int, 0, "context length (0: the checkpoint's config.json)"),
-    ("--retries", _nonnegative_int, 2, "extra attempts of a chunk whose connection or hop failed"),
-    ("--retry-backoff-ms", _millis, 50.0, "first retry's backoff, ms (doubles per retry)"),
+    ("--entry", _endpoint, "URL of the first node (required)"),
+    ("--chunk-tokens", positive_int, "tokens per chunk"),
+    ("--inflight", positive_int, "chunks in flight per session"),
+    ("--model", _nonempty, "checkpoint directory: serve the OpenAI API (/v1) for it"),
+    ("--model-name", _nonempty, "model id in the OpenAI API (default: directory name)"),
+    ("--max-tokens-default", positive_int, "completion tokens when a request names none"),
+    ("--max-context", _nonnegative_int, "context length (0: the checkpoint's config.json)"),
+    ("--retries", _nonnegative_int, "extra attempts of a chunk whose connection or hop failed"),
+    ("--retry-backoff-ms", _millis, "first retry's backoff, ms (doubles per retry)"),
 ]
 
 
@@ -265,15 +281,26 @@ def build_parser(role: Role, prog: str | None = None) -> argparse.ArgumentParser
         prog=prog or f"meshnet-{role}",
         description=f"meshnet wire-2 {role}. Every flag can also be set as MESHNET_<FLAG>.",
     )
-    for flag, kind, default, help_text in _flags(role):
+    for flag, kind, help_text in _flags(role):
+        choices = getattr(kind, "choices", None)
         # SUPPRESS: an absent flag stays absent, so the environment can fill it.
         parser.add_argument(
             flag,
             type=kind,
             default=argparse.SUPPRESS,
-            help=f"{help_text} [env {env_name(flag)}, default {default}]",
+            metavar="{" + ",".join(choices) + "}" if choices else None,
+            help=f"{help_text} [env {env_name(flag)}, default {_DEFAULTS[_dest(flag)]}]",
         )
     return parser
+
+
+def _dest(flag: str) -> str:
+    return flag.lstrip("-").replace("-", "_")
+
+
+_DEFAULTS: dict[str, Any] = {
+    f.name: f.default for f in fields(ServerConfig) if f.default is not MISSING
+}
 
 
 def load_config(
@@ -286,8 +313,8 @@ def load_config(
     env = os.environ if environ is None else environ
     given = vars(parser.parse_args(argv))
     values: dict[str, Any] = {}
-    for flag, kind, default, _ in _flags(role):
-        dest = flag.lstrip("-").replace("-", "_")
+    for flag, kind, _ in _flags(role):
+        dest = _dest(flag)
         if dest in given:
             values[dest] = given[dest]
         elif env_name(flag) in env:
@@ -296,7 +323,7 @@ def load_config(
             except argparse.ArgumentTypeError as exc:
                 parser.error(f"{env_name(flag)}: {exc}")
         else:
-            values[dest] = default
+            values[dest] = _DEFAULTS[dest]
     if (values["tls_cert"] is None) != (values["tls_key"] is None):
         parser.error("--tls-cert and --tls-key go together")
     if role == "node" and values["model"] is None and values["layers"] is not None:
@@ -304,8 +331,7 @@ def load_config(
     if role == "gateway" and values["entry"] is None:
         parser.error(f"--entry (or {env_name('--entry')}) is required")
     try:
-        config = ServerConfig(role=role, **values)
-        config.limits  # noqa: B018 - validates the combination once, here
+        config = ServerConfig(role=role, **values)  # builds and validates its Limits
     except (TypeError, ValueError) as exc:
         parser.error(str(exc))
     return config

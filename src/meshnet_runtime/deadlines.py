@@ -15,7 +15,7 @@ import anyio
 
 from meshnet_proto import DownstreamError
 
-__all__ = ["DEFAULT_MARGIN", "Deadline"]
+__all__ = ["DEFAULT_MARGIN", "Deadline", "deadline_exceeded"]
 
 # Per hop: enough for the downstream's 504 to travel back over loopback or a
 # LAN before we give up ourselves; small against the 60 s default budget.
@@ -51,10 +51,7 @@ class Deadline:
     def check(self) -> None:
         """Raise 504 ``deadline_exceeded`` when the budget is spent."""
         if self.expired:
-            raise DownstreamError(
-                "the request's deadline is spent", code="deadline_exceeded", status=504,
-                header="x-meshnet-deadline-ms",
-            )  # fmt: skip
+            raise deadline_exceeded()
 
     def header_ms(self, margin: float = DEFAULT_MARGIN) -> int:
         """The ``X-Meshnet-Deadline-Ms`` to send now: remainder minus margin, at least 1.
@@ -63,3 +60,11 @@ class Deadline:
         the margin still lets the downstream try rather than fail at once.
         """
         return max(1, math.floor((self.remaining() - margin) * 1000))
+
+
+def deadline_exceeded() -> DownstreamError:
+    """504 ``deadline_exceeded``: the request's budget is spent (SPEC §4)."""
+    return DownstreamError(
+        "the request's deadline is spent", code="deadline_exceeded", status=504,
+        header="x-meshnet-deadline-ms",
+    )  # fmt: skip

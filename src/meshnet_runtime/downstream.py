@@ -37,31 +37,19 @@ from .deadlines import DEFAULT_MARGIN, Deadline
 from .endpoints import Endpoint, parse_endpoint
 from .link import LinkEstimate
 from .metrics import ServerMetrics
+from .streams import DEAD_STREAM, aclose_quietly, body_read_size
 from .transports import coalesce, connect
 
 __all__ = ["DownstreamPool"]
 
 log = logging.getLogger("meshnet.downstream")
 
-READ_SIZE = 65536
-# The answer to an activation is about as large as the activation: read it up
-# to 1 MiB at a time (64 KiB reads of a 16 MiB answer cost a loop round and an
-# h11 event each; meshnet bench, section hop). Transient: the response buffer
-# still commits memory as bytes arrive and is held to the headers' bound.
-BODY_READ_SIZE = 1024 * 1024
 # A pooled connection idle longer than this is closed, not reused. Servers
 # close idle keep-alive connections at their head timeout (10 s by default):
 # reusing one past that fails a request that may not be retried safely (a
 # chunk without session and position), so the client lets go first, as
 # httpx does with its keep-alive expiry.
 KEEPALIVE_EXPIRY = 5.0
-_STREAM_ERRORS = (
-    anyio.EndOfStream,
-    anyio.BrokenResourceError,
-    anyio.ClosedResourceError,
-    OSError,
-    ssl.SSLError,
-)
 
 
 class _Stale(Exception):
@@ -154,11 +142,16 @@ class DownstreamPool:
             raise self._error("answered a request with an activation", "downstream_bad_response")
         return event
 
+    @property
+    def idle_connections(self) -> int:
+        """Connections kept open for reuse (a fresh request takes one)."""
+        return len(self._idle)
+
     async def aclose(self) -> None:
         self._closed = True
         idle, self._idle = self._idle, []
         for stream, _, _ in idle:
-            await _aclose(stream)
+            await aclose_quietly(stream)
 
     # ---------------------------------------------------------- internals
 
@@ -196,7 +189,7 @@ class DownstreamPool:
         while self._idle and self._idle[0][2] < expired_before:
             stream, _, _ = self._idle.pop(0)
             with anyio.CancelScope(shield=True):
-                await _aclose(stream)
+                await aclose_quietly(stream)
         return bool(self._idle)
 
     async def _once(
@@ -207,7 +200,7 @@ class DownstreamPool:
         else:
             try:
                 stream = await self._open(self.endpoint)
-            except _STREAM_ERRORS as exc:
+            except DEAD_STREAM as exc:
                 raise self._error(f"cannot connect ({exc})", "downstream_unreachable") from None
             conn = ClientConnection(
                 limits=self.limits,
@@ -217,7 +210,7 @@ class DownstreamPool:
                 decode=False,
             )
         keep = False
-        read_size = min(BODY_READ_SIZE, max(READ_SIZE, body_nbytes))
+        read_size = body_read_size(body_nbytes)  # an answer is about as large as its request
         try:
             received = 0
             first_read_at = 0.0  # bytes after the first read waited for the link
@@ -254,7 +247,7 @@ class DownstreamPool:
                         conn.receive_data(data)
                         continue
                     break
-            except _STREAM_ERRORS as exc:
+            except DEAD_STREAM as exc:
                 if pooled and not received:
                     raise _Stale from exc
                 raise self._error(f"connection lost ({exc!r})", "downstream_unreachable") from None
@@ -278,12 +271,4 @@ class DownstreamPool:
                 self._idle.append((stream, conn, anyio.current_time()))
             else:
                 with anyio.CancelScope(shield=True):
-                    await _aclose(stream)
-
-
-async def _aclose(stream: ByteStream) -> None:
-    try:
-        with anyio.move_on_after(1.0):
-            await stream.aclose()
-    except Exception:
-        pass
+                    await aclose_quietly(stream)

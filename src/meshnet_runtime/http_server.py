@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
 
 import anyio
+import anyio.lowlevel
 from anyio.abc import ByteStream, TaskStatus
 from anyio.streams.tls import TLSStream
 
@@ -45,7 +46,9 @@ from meshnet_proto import (
 )
 
 from .codec_pool import CodecPool
+from .deadlines import Deadline, deadline_exceeded
 from .metrics import ServerMetrics
+from .streams import BODY_READ_SIZE, DEAD_STREAM, READ_SIZE, aclose_quietly, body_read_size
 from .transports import BoundListener, coalesce
 
 __all__ = [
@@ -61,26 +64,17 @@ __all__ = [
 _T = TypeVar("_T")
 log = logging.getLogger("meshnet.server")
 
-READ_SIZE = 65536
-# A tensor body larger than one read is read up to this much at a time: each
-# receive costs a loop round and an h11 event (~40 us), so 64 KiB reads of a
-# 16 MiB body spent more on rounds than on bytes (meshnet bench, section hop).
-# The read is transient (the body buffer still commits memory as bytes
-# arrive) and only follows a head that passed every check and the budget.
-BODY_READ_SIZE = 1024 * 1024
-# Reading a large zstd body whose decode runs in a thread: fewer, larger hops.
 OFFLOAD_READ_SIZE = BODY_READ_SIZE
+# After a client half-closed during a watched request, how often a probe
+# checks it is still there (see _until_client_leaves): a client that left
+# is found out about this long after it left (the first probe meets the
+# reset, the next one fails), while a few bytes a second to one still
+# reading cost nothing.
+HALF_CLOSE_PROBE = 0.25
 # After an early answer (body unread) the client may still be sending: read
 # and discard briefly so it gets to read our answer instead of a reset.
 DRAIN_SECONDS = 1.0
 DRAIN_BYTES = 4 * 1024 * 1024
-_DEAD_STREAM = (
-    anyio.EndOfStream,
-    anyio.BrokenResourceError,
-    anyio.ClosedResourceError,
-    OSError,
-    ssl.SSLError,
-)
 
 
 @dataclass(frozen=True, slots=True)
@@ -116,8 +110,10 @@ class StreamReply:
 
     The driver writes the head, then awaits ``produce(send)``; each
     ``await send(piece)`` writes one piece. When the client goes away
-    mid-stream (end of stream or a reset on its side, or a write that
-    fails), ``produce`` is *cancelled*: it must free what it holds in a
+    mid-stream (a reset on its side, or a write that fails), ``produce`` is
+    *cancelled*. A client's end of stream is only a half-close: while
+    nothing else is written, ``heartbeat`` (when set) is, every
+    ``HALF_CLOSE_PROBE`` seconds, to find out. ``produce`` must free what it holds in a
     ``finally`` (shielded where that awaits). An exception out of
     ``produce`` after the head went out can no longer become an error
     answer: it is logged and the connection closed.
@@ -126,6 +122,9 @@ class StreamReply:
     status: int
     headers: Sequence[tuple[bytes | str, bytes | str]]
     produce: Callable[[StreamSend], Awaitable[None]]
+    # A piece the client ignores (an SSE comment): written while a client
+    # that half-closed is checked for still being there (see _Connection).
+    heartbeat: bytes = b""
 
 
 @dataclass(slots=True)
@@ -287,13 +286,13 @@ class HttpServer:
                     self._connections.discard(connection)
                     if self.metrics:
                         self.metrics.connections.dec()
-        except _DEAD_STREAM:
+        except DEAD_STREAM:
             pass  # a peer going away (or a failed handshake) is not our error
         except Exception:
             log.exception("connection handler failed")
         finally:
             with anyio.CancelScope(shield=True):
-                await _aclose_quietly(stream)
+                await aclose_quietly(stream)
             self._all_closed.set()
 
     async def _reject(self, stream: ByteStream, error: MeshnetError) -> None:
@@ -374,7 +373,7 @@ async def _read_event(
             return event
         try:
             data = await stream.receive(read_size)
-        except (anyio.EndOfStream, anyio.BrokenResourceError, OSError, ssl.SSLError):
+        except DEAD_STREAM:
             data = b""
         if counter is not None:
             counter[0] += len(data)
@@ -398,23 +397,15 @@ async def _write(
 
 async def _drain(stream: ByteStream) -> None:
     with anyio.move_on_after(DRAIN_SECONDS, shield=True):
-        # TLS cannot half-close; a memory stream may be closed already.
-        with contextlib.suppress(Exception):
+        # TLS cannot half-close (NotImplementedError); a stream may be closed already.
+        with contextlib.suppress(NotImplementedError, *DEAD_STREAM):
             await stream.send_eof()
         seen = 0
         try:
             while seen < DRAIN_BYTES:
                 seen += len(await stream.receive(READ_SIZE))
-        except _DEAD_STREAM:
+        except DEAD_STREAM:
             pass
-
-
-async def _aclose_quietly(stream: ByteStream) -> None:
-    try:
-        with anyio.move_on_after(1.0):
-            await stream.aclose()
-    except Exception:
-        pass
 
 
 @dataclass(eq=False, slots=True)
@@ -518,18 +509,24 @@ class _Connection:
         ):
             offload = codecs
         # Reads sized to the body's bound, at least 64 KiB, at most 1 MiB.
-        read_size = min(BODY_READ_SIZE, max(READ_SIZE, body_bound(event.headers)))
+        read_size = body_read_size(body_bound(event.headers))
         # A small body usually came with its head: then it is parsed here at
         # once, without a timer (a cancel scope is a few percent of a decode
         # step's node time). Offloaded bodies decode in next_event: a thread.
         received = NEED_DATA if offload is not None else self.conn.next_event()
         if received is NEED_DATA:
-            with anyio.move_on_after(settings.body_timeout) as body_timer:
+            # The sender's deadline bounds the body too: past it nobody waits
+            # for the answer, however long our own body timeout is.
+            deadline = Deadline.start(ctx.started, settings.body_timeout, event.headers.deadline_ms)
+            with anyio.move_on_after(deadline.remaining()) as body_timer:
                 received = await _read_event(
                     self.conn, self.stream, offload=offload, read_size=read_size
                 )
             if body_timer.cancelled_caught:
-                await self._error(ctx.path, _request_timeout("body"))
+                late = _request_timeout("body")
+                if event.headers.deadline_ms is not None and deadline.expired:
+                    late = deadline_exceeded()
+                await self._error(ctx.path, late)
                 return False
         if isinstance(received, ConnectionClosed):
             return False
@@ -591,27 +588,56 @@ class _Connection:
         self.server._count(path, status)
         await self._send(parts)
 
-    async def _until_client_leaves(self, on_leave: Callable[[], None]) -> None:
-        """Call ``on_leave`` when the client closes its side (or resets).
+    async def _until_client_leaves(
+        self, on_leave: Callable[[], None], probe: Callable[[], Sequence[Any]]
+    ) -> None:
+        """Call ``on_leave`` when the client is gone (a reset, a failed write).
 
         Only while a complete request is being answered: the client has
         nothing to send then but a pipelined next request, whose bytes are
         kept for later (and the watch ends). Cancelling this loses no byte.
+
+        An end of stream is *not* leaving: a client may half-close after
+        its request and still read the answer (RFC 9112 §9.6). Only a write
+        tells that client from one whose socket is closed, so from then on
+        ``probe()`` (bytes the client ignores) goes out at once and every
+        ``HALF_CLOSE_PROBE`` seconds: a closed socket answers the first with
+        a reset, and the next write fails. No probe, no more watching: the
+        answer's own writes will fail.
         """
         try:
             data = await self.stream.receive(READ_SIZE)
-        except _DEAD_STREAM:
+        except anyio.EndOfStream:
             data = b""
+        except DEAD_STREAM:
+            on_leave()
+            return
         if data:
             self.conn.receive_data(data)  # parsed after this answer
             return
-        on_leave()
+        while True:
+            parts = probe()
+            if not any(len(part) for part in parts):
+                return
+            try:
+                await self._send(parts)
+            except _Closed:
+                on_leave()
+                return
+            await anyio.sleep(HALF_CLOSE_PROBE)
+
+    def _interim_probe(self) -> list[bytes]:
+        return [self.conn.send_interim()]
 
     async def _unless_client_leaves(
         self, handler: Any, event: Any, ctx: RequestContext
     ) -> ActivationReply | Reply | StreamReply | None:
         """``handler(event, ctx)``, or None once it was cancelled because the client left."""
-        reply, client_gone = await self._watching_client(lambda: handler(event, ctx))
+
+        async def work(leave: Callable[[], None]) -> Any:
+            return await handler(event, ctx)
+
+        reply, client_gone = await self._watching_client(work, self._interim_probe)
         return None if client_gone else reply
 
     async def _stream(self, path: str, reply: StreamReply) -> None:
@@ -620,28 +646,41 @@ class _Connection:
         self.server._count(path, reply.status)
         await self._send([head])
 
-        async def send(piece: bytes) -> None:
-            await self._send(self.conn.send_stream_data(piece))
+        async def produce(leave: Callable[[], None]) -> bool:
+            async def send(piece: bytes) -> None:
+                try:
+                    await self._send(self.conn.send_stream_data(piece))
+                except _Closed:
+                    leave()  # the client is gone: the producer is cancelled here
+                    await anyio.lowlevel.checkpoint()
+                    raise
 
-        async def produce() -> bool:
             try:
                 await reply.produce(send)
             except _Closed:
-                return False  # a write failed: the same as leaving
+                return False  # pragma: no cover - send() cancels before this
             except Exception:
                 log.exception("streamed answer on %s failed", path)
                 return False  # half an answer: closing is the only signal left
             return True
 
-        whole, client_gone = await self._watching_client(produce)
+        def heartbeat() -> Sequence[Any]:
+            return self.conn.send_stream_data(reply.heartbeat) if reply.heartbeat else []
+
+        whole, client_gone = await self._watching_client(produce, heartbeat)
         if client_gone or not whole:
             raise _Closed("client left mid-stream")
         await self._send(self.conn.send_stream_end())
 
-    async def _watching_client(self, work: Callable[[], Awaitable[_T]]) -> tuple[_T | None, bool]:
-        """``work()`` while the connection is watched for the client leaving:
-        ``(its result, False)``, or ``(None, True)`` once the client left and
-        ``work`` was cancelled — nobody would read what it produces."""
+    async def _watching_client(
+        self,
+        work: Callable[[Callable[[], None]], Awaitable[_T]],
+        probe: Callable[[], Sequence[Any]],
+    ) -> tuple[_T | None, bool]:
+        """``work(leave)`` while the connection is watched for the client leaving:
+        ``(its result, False)``, or ``(None, True)`` once the client left (or
+        ``work`` called ``leave``) and ``work`` was cancelled — nobody would
+        read what it produces."""
         result: _T | None = None
         client_gone = False
         async with anyio.create_task_group() as tg:
@@ -651,8 +690,8 @@ class _Connection:
                 client_gone = True
                 tg.cancel_scope.cancel()
 
-            tg.start_soon(self._until_client_leaves, leave)
-            result = await work()
+            tg.start_soon(self._until_client_leaves, leave, probe)
+            result = await work(leave)
             # Stop watching before answering: a streamed answer watches on its own.
             tg.cancel_scope.cancel()
         return (None, True) if client_gone else (result, False)
@@ -674,5 +713,5 @@ class _Connection:
     async def _send(self, parts: Sequence[Any]) -> None:
         try:
             await _write(self.stream, self.lock, parts, self.server.settings.write_timeout)
-        except _DEAD_STREAM as exc:
+        except DEAD_STREAM as exc:
             raise _Closed from exc

@@ -58,6 +58,9 @@ SSE_HEADERS = [
     (b"content-type", b"text/event-stream; charset=utf-8"),
     (b"cache-control", b"no-cache"),
 ]
+# An SSE comment: every client skips it. The server writes it to learn
+# whether a client that half-closed its side is still there to read.
+SSE_HEARTBEAT = b": still generating\n\n"
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -263,7 +266,7 @@ class OpenAIService:
                 await event(fmt.usage_chunk(result))
             await send(b"data: [DONE]\n\n")
 
-        return StreamReply(200, SSE_HEADERS, produce)
+        return StreamReply(200, SSE_HEADERS, produce, heartbeat=SSE_HEARTBEAT)
 
 
 # ---------------------------------------------------------------- formats

@@ -23,13 +23,14 @@ from dataclasses import dataclass, field
 import anyio
 import numpy as np
 
-from meshnet_proto import ErrorResponse, MeshnetError, WireHeaders, plan_chunks
+from meshnet_proto import ErrorResponse, MeshnetError, WireHeaders
 from meshnet_runtime.codec_pool import CodecPool
 from meshnet_runtime.deadlines import Deadline
 from meshnet_runtime.downstream import DownstreamPool
+from meshnet_runtime.wire_encoder import WireEncoder
 
-from .._pipeline import _check_response
-from .._retry import RetryPolicy, send_with_retries
+from .._pipeline import run_chunks
+from .._retry import RetryPolicy
 from .metrics import GenerationMetrics
 from .sampling import Sampler
 from .tokenizer import ModelTokenizer, TextStream
@@ -77,6 +78,9 @@ class ChainSession:
         self.codecs = codecs
         self.settings = settings
         self.metrics = metrics
+        # Fixed per request: --encoding as set (auto here is the core's
+        # content-based choice; ids and single tokens are small anyway).
+        self.encoder = WireEncoder(codecs, encoding=settings.encoding, level=settings.zstd_level)
         self.session = str(uuid.uuid4())
         self.position = 0
         self.runs = 0  # runs completed: prefill + decode steps
@@ -103,58 +107,30 @@ class ChainSession:
     async def _run(self, ids: np.ndarray) -> np.ndarray:
         """One run of chunks; the last stage's answer to the last chunk."""
         settings = self.settings
-        deadline = Deadline.after(settings.timeout)
-        chunks = plan_chunks(ids, settings.chunk_tokens)
-        answers: dict[int, np.ndarray] = {}
-        failures: dict[int, MeshnetError] = {}
-        slots = anyio.Semaphore(max(1, settings.inflight))
 
-        async def send(headers: WireHeaders, body: bytes | memoryview) -> None:
-            index = headers.chunk_index
-            assert index is not None
-            try:
-                response = await send_with_retries(
-                    self.pool, headers, body, deadline, settings.retry
-                )
-                _check_response(self.pool, headers, response.headers)
-                if index == len(chunks) - 1:
-                    answers[index] = await self.codecs.decode(response.headers, response.body)
-            except MeshnetError as exc:
-                failures[index] = exc
-                tg.cancel_scope.cancel()
-            finally:
-                slots.release()
+        def count(headers: WireHeaders) -> None:
+            self.chunks += 1
 
-        async with anyio.create_task_group() as tg:
-            for chunk in chunks:
-                # Encode before taking a slot: the next chunk is ready while
-                # the previous one is still downstream.
-                dtype, encoding, body = await self.codecs.encode(
-                    chunk.view,
-                    dtype_policy="keep",
-                    encoding_policy=settings.encoding,
-                    request_encoding="identity",
-                    level=settings.zstd_level,
-                )
-                headers = WireHeaders(
-                    shape=tuple(chunk.view.shape),
-                    dtype=dtype,
-                    session=self.session,
-                    chunk_index=chunk.index,
-                    chunk_total=chunk.total,
-                    encoding=encoding,
-                    position=self.position + chunk.position,
-                )
-                await slots.acquire()
-                self.chunks += 1
-                tg.start_soon(send, headers, body)
-        # Whatever reached the nodes is in their caches now: the position
-        # moves even on failure, though a failed session is only deleted.
-        self.position += ids.shape[1]
-        self.runs += 1
-        if failures:
-            raise failures[min(failures)]
-        logits = answers[len(chunks) - 1]
+        try:
+            result = await run_chunks(
+                self.pool,
+                self.encoder,
+                ids,
+                session=self.session,
+                base_position=self.position,
+                chunk_tokens=settings.chunk_tokens,
+                inflight=max(1, settings.inflight),
+                deadline=Deadline.after(settings.timeout),
+                retry=settings.retry,
+                on_send=count,
+                last_only=True,
+            )
+        finally:
+            # Whatever reached the nodes is in their caches now: the position
+            # moves even on failure, though a failed session is only deleted.
+            self.position += ids.shape[1]
+            self.runs += 1
+        logits = result.output
         if logits.ndim != 2 or logits.shape[0] != 1:
             raise MeshnetError(
                 f"{self.pool.url}: the last stage answered shape {logits.shape}, "
