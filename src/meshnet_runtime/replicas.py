@@ -514,7 +514,10 @@ class ReplicaSet:
 
         async def one(replica: Replica) -> None:
             try:
-                response = await replica.probe.request("GET", "/health?deep=1", deadline)
+                # A hung replica must not stall the answer: each gets at
+                # most two probe timeouts (the levels below nest inside).
+                mine = Deadline.after(min(deadline.remaining(), 2 * self.probe_timeout))
+                response = await replica.probe.request("GET", "/health?deep=1", mine)
                 if isinstance(response, ErrorResponse):
                     reports[replica.url] = {"up": False, "error": response.error}
                     return
