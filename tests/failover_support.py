@@ -17,6 +17,7 @@ import signal
 import socket
 import subprocess
 import sys
+import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -37,8 +38,11 @@ def free_port() -> int:
 def get_json(url: str, timeout: float = 10.0) -> Any:
     # No proxy between the test and loopback, whatever the environment says.
     opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
-    with opener.open(url, timeout=timeout) as answer:
-        return json.loads(answer.read())
+    try:
+        with opener.open(url, timeout=timeout) as answer:
+            return json.loads(answer.read())
+    except urllib.error.HTTPError as exc:  # the JSON error body says which hop
+        raise AssertionError(f"{url}: {exc.code} {exc.read()[:500]!r}") from None
 
 
 @dataclass

@@ -492,8 +492,13 @@ class ReplicaSet:
         errors: list[MeshnetError] = []
 
         async def one(replica: Replica) -> None:
+            # A down replica is asked too (a hung one may wake up holding the
+            # session), but not waited for longer than a probe.
+            mine = deadline
+            if not replica.up:
+                mine = Deadline.after(min(deadline.remaining(), self.probe_timeout))
             try:
-                answers.append(await replica.pool.request("DELETE", target, deadline))
+                answers.append(await replica.pool.request("DELETE", target, mine))
             except MeshnetError as exc:
                 errors.append(exc)
 
@@ -513,11 +518,13 @@ class ReplicaSet:
         reports: dict[str, dict[str, Any]] = {}
 
         async def one(replica: Replica) -> None:
+            if not replica.up:
+                # Its probes already fail: asking again would only make this
+                # answer (and every level above, which nests) wait for a hang.
+                reports[replica.url] = {"up": False, "error": "its health probes fail"}
+                return
             try:
-                # A hung replica must not stall the answer: each gets at
-                # most two probe timeouts (the levels below nest inside).
-                mine = Deadline.after(min(deadline.remaining(), 2 * self.probe_timeout))
-                response = await replica.probe.request("GET", "/health?deep=1", mine)
+                response = await replica.pool.request("GET", "/health?deep=1", deadline)
                 if isinstance(response, ErrorResponse):
                     reports[replica.url] = {"up": False, "error": response.error}
                     return
