@@ -12,17 +12,20 @@ from __future__ import annotations
 
 import functools
 import signal
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import anyio
+import numpy as np
 import openai
 import pytest
 
 from failover_support import HEALTH, ReplicaChain, get_json, replica_chain
 from meshnet_gateway import open_gateway
+from meshnet_gateway.client import Client
 from meshnet_gateway.openai.tokenizer import ModelTokenizer
 from meshnet_runtime.config import load_config
 from openai_support import reference_greedy, write_model_dir
@@ -176,3 +179,94 @@ def test_sigstop_of_the_holder_recovers_within_the_deadline(model_dir: Path) -> 
         # Stage 2 has one replica of two answering: degraded, not down.
         assert health["status"] == "degraded"
         print(f"longest wait for a token after the SIGSTOP: {gaps[3] * 1000:.0f} ms")
+
+
+def test_a_replica_restarted_on_its_port_loses_its_state_and_is_replayed(
+    model_dir: Path,
+) -> None:
+    """Session S holds state on a stage-2 replica; that replica restarts on
+    its port between two requests of S (state lost, the process is up): its
+    ``session_unknown`` makes stage 1 replay S's history, and S's second
+    answer is bit-identical to an uninterrupted session's."""
+    ids = np.random.default_rng(5).integers(3, 300, (1, 14)).astype(np.int32)
+    first, second = ids[:, :10], ids[:, 10:]
+    with replica_chain(model_dir) as chain:
+
+        async def drive() -> tuple[list[np.ndarray], dict[str, Any]]:
+            config = load_config("gateway", gateway_flags(chain))
+            async with open_gateway(config) as gateway, Client(gateway.url) as client:
+                with anyio.fail_after(LIMIT):
+                    calm = await client.forward(first, encoding="identity")
+                    calm2 = await client.forward(second, session=calm.session)
+                    hit = await client.forward(first, encoding="identity")
+                    entry = gateway.app.pool.holder(hit.session)
+                    assert entry is not None
+                    victim = await in_thread(chain.holder, entry)
+                    await in_thread(chain.kill, victim)
+                    await in_thread(chain.start, [victim])  # same port, no state
+                    while not all(  # probes saw it go; wait until they see it back
+                        r["up"]
+                        for r in (await in_thread(chain.info, entry))["replicas"]["replicas"]
+                    ):
+                        await anyio.sleep(0.1)
+                    moved = await client.forward(second, session=hit.session)
+                    hop = (await in_thread(chain.info, entry))["replicas"]
+                    for session in (calm.session, hit.session):
+                        assert await client.delete_session(session)
+                    with anyio.fail_after(LIMIT):
+                        while any([await in_thread(chain.kv, u) for u in chain.alive()]):
+                            await anyio.sleep(0.05)
+                return [calm2.output, moved.output], hop
+
+        (calm2, moved), hop = anyio.run(drive, backend="trio")
+        assert np.array_equal(calm2, moved)
+        assert hop["failovers"] == 1 and hop["replayed"]["tokens"] == first.shape[1]
+        assert all(r["up"] for r in hop["replicas"])  # the restarted one is back
+
+
+def all_up(chain: ReplicaChain) -> bool:
+    return all(r["up"] for u in chain.stage1 for r in chain.info(u)["replicas"]["replicas"])
+
+
+def test_sixteen_generations_survive_a_kill_and_the_replica_comes_back(
+    model_dir: Path,
+) -> None:
+    """16 concurrent streamed generations spread over the replicas; a
+    stage-2 replica holding some of them is killed: all 16 finish with the
+    exact tokens. Restarted, it takes new sessions again."""
+    want, _ = expected_text(model_dir, 12)
+    with replica_chain(model_dir) as chain:
+        victim = chain.stage2[0]
+        killed = threading.Event()
+
+        def kill_once() -> None:
+            if not killed.is_set():
+                killed.set()
+                chain.kill(victim)
+
+        async def drive() -> tuple[list[str], list[dict[str, Any]], int]:
+            config = load_config("gateway", gateway_flags(chain))
+            async with open_gateway(config) as gateway:
+                texts: list[str] = []
+
+                async def one(i: int) -> None:
+                    at = {4: kill_once} if i == 0 else {}
+                    texts.append((await in_thread(stream_with, gateway.url, at, 12))[0])
+
+                async with anyio.create_task_group() as tg:
+                    for i in range(16):
+                        tg.start_soon(one, i)
+                spread = [(await in_thread(chain.info, u))["replicas"] for u in chain.stage1]
+                await in_thread(chain.start, [victim])
+                with anyio.fail_after(LIMIT):  # every stage-1 replica sees it up again
+                    while not await in_thread(all_up, chain):
+                        await anyio.sleep(0.1)
+                async with anyio.create_task_group() as tg:
+                    for i in range(4):
+                        tg.start_soon(one, 100 + i)
+                return texts, spread, await in_thread(chain.tokens, victim)
+
+        texts, spread, victim_tokens = anyio.run(drive, backend="trio")
+        assert texts == [want] * 20
+        assert sum(hop["failovers"] for hop in spread) >= 1
+        assert victim_tokens > 0  # back in rotation for new sessions
