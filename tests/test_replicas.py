@@ -52,6 +52,8 @@ def test_history_keeps_position_order_and_evicts_whole_sessions() -> None:
     assert SESSION not in store and store.evicted(SESSION) and store.chunks(SESSION) == []
     store.add(SESSION, chunk(SESSION, 2, 4), b"e" * 100)  # a gap: nothing kept
     assert SESSION not in store and store.nbytes == 2 * (100 + CHUNK_OVERHEAD)
+    store.add(OTHER, chunk(OTHER, 2, 4), b"f" * 10, now=50.0)
+    assert store.expire(now=55.0, ttl=10.0) == [] and store.expire(61.0, 10.0) == [OTHER]
     store.forget(SESSION)
     store.forget(OTHER)
     assert not store.evicted(SESSION) and store.nbytes == 0 and len(store) == 0

@@ -46,6 +46,7 @@ class SentChunk:
 class _Session:
     chunks: dict[tuple[int, int], SentChunk] = field(default_factory=dict)
     nbytes: int = 0
+    touched: float = 0.0
 
 
 class HistoryStore:
@@ -63,7 +64,13 @@ class HistoryStore:
     def __contains__(self, session: str) -> bool:
         return session in self._sessions
 
-    def add(self, session: str, headers: WireHeaders, body: bytes | bytearray | memoryview) -> None:
+    def add(
+        self,
+        session: str,
+        headers: WireHeaders,
+        body: bytes | bytearray | memoryview,
+        now: float = 0.0,
+    ) -> None:
         """Keep one chunk sent (and answered); the same chunk again replaces itself."""
         if session in self._evicted:
             return  # its history has a gap: keeping the rest could not rebuild it
@@ -72,6 +79,7 @@ class HistoryStore:
         if entry is None:
             entry = self._sessions[session] = _Session()
         self._sessions.move_to_end(session)
+        entry.touched = now
         old = entry.chunks.pop(chunk.key, None)
         if old is not None:
             entry.nbytes -= old.cost
@@ -105,6 +113,13 @@ class HistoryStore:
         if entry is not None:
             self.nbytes -= entry.nbytes
         self._evicted.pop(session, None)
+
+    def expire(self, now: float, ttl: float) -> list[str]:
+        """Forget sessions not added to for ``ttl`` (the nodes below forgot them too)."""
+        idle = [s for s, e in self._sessions.items() if now - e.touched > ttl]
+        for session in idle:
+            self.forget(session)
+        return idle
 
     def sessions(self) -> list[str]:
         return list(self._sessions)

@@ -281,7 +281,7 @@ class ReplicaSet:
         """A replay rebuilt this node: keep what it would have sent, as if sent.
 
         The session's replica below is not known here (discovery finds it)."""
-        self.history.add(session, headers, body)
+        self.history.add(session, headers, body, anyio.current_time())
         self._sticky.pop(session, None)
 
     def forget(self, session: str) -> None:
@@ -300,7 +300,7 @@ class ReplicaSet:
         response: ActivationResponse | ErrorResponse,
     ) -> None:
         if not isinstance(response, ErrorResponse):
-            self.history.add(session, headers, body)
+            self.history.add(session, headers, body, anyio.current_time())
 
     async def _attempt(
         self,
@@ -563,6 +563,9 @@ class ReplicaSet:
                     if replica.up or now >= replica.next_probe:
                         tg.start_soon(self._probe, replica)
             self._drop_stale()
+            # Idle past the nodes' TTL: they forgot the session, so do we.
+            for session in self.history.expire(anyio.current_time(), self.limits.session_ttl):
+                self.forget(session)
             await anyio.sleep(self.health_interval)
 
     async def _probe(self, replica: Replica) -> None:
