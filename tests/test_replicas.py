@@ -228,3 +228,42 @@ async def test_gateway_entry_replicas_show_in_info() -> None:
                 assert sum(r["sessions"] for r in info["replicas"]["replicas"]) == 1
                 with pytest.raises(DownstreamError):
                     raise replicas_of(entry)._none_left(SESSION)
+
+
+async def test_a_run_with_chunks_in_flight_fails_over_mid_run() -> None:
+    """--inflight 4 over two entry replicas: the holder starts draining in
+    the middle of a 12-chunk run (its chunks in flight finish, later ones
+    get 503 shutting_down). The other replica is given the chunks done so
+    far and the rest; the answer is bit-exact and no chunk runs twice."""
+    async with contextlib.AsyncExitStack() as stack:
+        flags = [*QUIET, "--backend", "count", "--delay-ms", "20"]
+        nodes = [
+            await stack.enter_async_context(serve_node(load_config("node", flags)))
+            for _ in range(2)
+        ]
+        urls = ",".join(n.url for n in nodes)
+        config = load_config("gateway", [*QUIET, *FAST, "--entry", urls, "--inflight", "4",
+                                         "--chunk-tokens", "2"])  # fmt: skip
+        gateway = await stack.enter_async_context(open_gateway(config))
+        client = await stack.enter_async_context(Client(gateway.url))
+        hop = gateway.app.pool
+        assert isinstance(hop, ReplicaSet)
+        with anyio.fail_after(30):
+            first = await client.forward(activation(2, 4, seed=1), encoding="identity")
+            holder = next(n for n in nodes if n.url == hop.holder(first.session))
+            other = next(n for n in nodes if n is not holder)
+            array = activation(24, 4, seed=2)
+            async with anyio.create_task_group() as tg:
+
+                async def drain_soon() -> None:
+                    await anyio.sleep(0.1)
+                    holder.server.request_shutdown()
+
+                tg.start_soon(drain_soon)
+                result = await client.forward(array, session=first.session, encoding="identity")
+            assert same_bits(result.output, array)
+            assert hop.holder(first.session) == other.url and hop.failovers == 1
+            stage = other.app.stage
+            assert isinstance(stage, CountingStage)
+            assert max(stage.runs.values()) == 1
+            assert sum(stage.runs.values()) == 1 + 12  # chunk 0 of the first run + all 12

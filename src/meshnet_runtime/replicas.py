@@ -72,8 +72,6 @@ log = logging.getLogger("meshnet.replicas")
 REPLAY_PATH = "/forward?replay=1"
 # A down replica is probed again after interval * 2^failures, at most this.
 MAX_BACKOFF = 30.0
-# Failures of the replica itself (not of a node below it, which names itself).
-_GONE_CODES = frozenset({"downstream_unreachable", "downstream_timeout"})
 
 Resolver = Callable[[str, int], Awaitable[list[str]]]
 
@@ -336,10 +334,12 @@ class ReplicaSet:
         if failure:
             exc = failure[0]
             assert isinstance(exc, MeshnetError)
-            if exc.code in _GONE_CODES and exc.hop == replica.pool.url:
+            if exc.code == "downstream_unreachable" and exc.hop == replica.pool.url:
                 replica.mark_down(anyio.current_time(), self.health_interval)
                 if deadline.remaining() > 0:
                     raise _Lost() from exc
+            # A timeout is not marked down here: the request's own deadline
+            # may simply be short; a replica that hangs fails its probes.
             raise exc
         if not result:  # cancelled because the replica went down
             raise _Lost()
@@ -364,28 +364,53 @@ class ReplicaSet:
         *,
         alive: bool,
     ) -> ActivationResponse | ErrorResponse:
-        """Move ``session`` to a replica that has (or is given) its state."""
+        """Move ``session`` to a replica that has (or is given) its state, then
+        send the chunk there; again, elsewhere, if that replica fails too."""
+        excluded: list[Replica] = [] if failed is None or alive else [failed]
+        for _ in range(len(self.replicas) + 1):
+            target, answered = await self._relocate(
+                session, headers, body, deadline, failed, alive, excluded
+            )
+            if answered is not None:  # discovery: the chunk already went there
+                return answered
+            # Sent outside the session's lock: with several chunks in flight,
+            # this one may wait at the replica for an earlier one, whose own
+            # recovery must not wait for us.
+            try:
+                response = await self._attempt(target, headers, body, deadline)
+            except _Lost:
+                failed, alive = target, False
+                excluded.append(target)
+                continue
+            if _lost_session(response):
+                failed, alive = target, True
+                continue
+            self._keep(session, headers, body, response)
+            return response
+        raise self._none_left(session)
+
+    async def _relocate(
+        self,
+        session: str,
+        headers: WireHeaders,
+        body: bytes | bytearray | memoryview,
+        deadline: Deadline,
+        failed: Replica | None,
+        alive: bool,
+        excluded: list[Replica],
+    ) -> tuple[Replica, ActivationResponse | ErrorResponse | None]:
+        """Under the session's lock: the replica to send to, its state rebuilt."""
         lock = self._locks.setdefault(session, anyio.Lock())
         async with lock:
             current = self._sticky.get(session)
             if current is not None and current is not failed and current.up:
-                # Another chunk of the session moved it while we waited.
-                try:
-                    response = await self._attempt(current, headers, body, deadline)
-                except _Lost:
-                    failed, alive = current, False
-                else:
-                    if not _lost_session(response):
-                        self._keep(session, headers, body, response)
-                        return response
-                    failed, alive = current, True
+                return current, None  # another chunk of the session moved it meanwhile
             if self.history.evicted(session):
                 raise self._unrecoverable(session, "its history here was evicted (memory budget)")
-            excluded = [] if failed is None or alive else [failed]
-            if failed is None:
+            if current is None and failed is None:
                 # Rebuilt by a replay ourselves, or never routed here: one of
                 # the replicas may hold the session already. Ask, cheapest first.
-                for candidate in self._ranked():
+                for candidate in self._ranked(exclude=excluded):
                     try:
                         response = await self._attempt(candidate, headers, body, deadline)
                     except _Lost:
@@ -395,14 +420,13 @@ class ReplicaSet:
                         continue
                     self._sticky[session] = candidate
                     self._keep(session, headers, body, response)
-                    return response
+                    return candidate, response
             past = self.history.chunks(session, before=headers.position)
             if not past and not _starts(headers):
                 raise self._unrecoverable(session, "no history of it is kept at this hop")
             for candidate in self._ranked(exclude=excluded):
                 try:
                     await self._replay(candidate, session, past, deadline)
-                    response = await self._attempt(candidate, headers, body, deadline)
                 except _Lost:
                     excluded.append(candidate)
                     continue
@@ -411,8 +435,7 @@ class ReplicaSet:
                 log.warning("session %s: failed over from %s to %s (%d chunks replayed)",
                             session, failed.url if failed else "?", candidate.url,
                             len(past))  # fmt: skip
-                self._keep(session, headers, body, response)
-                return response
+                return candidate, None
             raise self._none_left(session)
 
     async def _replay(
@@ -459,7 +482,7 @@ class ReplicaSet:
             try:
                 return await call(replica)
             except MeshnetError as exc:
-                if exc.code not in _GONE_CODES:
+                if exc.code != "downstream_unreachable":
                     raise
                 replica.mark_down(anyio.current_time(), self.health_interval)
                 last = exc
@@ -562,7 +585,7 @@ class ReplicaSet:
                 for replica in list(self.replicas):
                     if replica.up or now >= replica.next_probe:
                         tg.start_soon(self._probe, replica)
-            self._drop_stale()
+            await self._drop_stale()
             # Idle past the nodes' TTL: they forgot the session, so do we.
             for session in self.history.expire(anyio.current_time(), self.limits.session_ttl):
                 self.forget(session)
@@ -581,13 +604,15 @@ class ReplicaSet:
         else:
             replica.mark_up()
 
-    def _drop_stale(self) -> None:
+    async def _drop_stale(self) -> None:
         """Stickiness to a replica that is down stays (the next chunk fails
         over); a retired replica with no sessions is closed and removed."""
         held = {r.url for r in self._sticky.values()}
         for replica in [r for r in self.replicas if r.retired and r.url not in held]:
             if replica.inflight == 0 and len(self.replicas) > 1:
                 self.replicas.remove(replica)
+                await replica.pool.aclose()
+                await replica.probe.aclose()
 
     def describe(self) -> dict[str, Any]:
         load = self._session_counts()
