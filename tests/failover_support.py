@@ -29,10 +29,14 @@ from gateway_support import clean_env
 HEALTH = ["--health-interval", "0.3", "--probe-timeout", "1.5"]
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+def free_ports(count: int) -> list[int]:
+    """Distinct free ports: every socket stays bound until all are picked (one
+    closed at once could be handed out again)."""
+    with contextlib.ExitStack() as stack:
+        socks = [stack.enter_context(socket.socket()) for _ in range(count)]
+        for sock in socks:
+            sock.bind(("127.0.0.1", 0))
+        return [int(sock.getsockname()[1]) for sock in socks]
 
 
 def get_json(url: str, timeout: float = 10.0) -> Any:
@@ -107,9 +111,8 @@ class ReplicaChain:
 @contextlib.contextmanager
 def replica_chain(model_dir: Path) -> Iterator[ReplicaChain]:
     chain = ReplicaChain(model_dir)
-    chain.stage1 = [f"http://127.0.0.1:{free_port()}" for _ in range(2)]
-    chain.stage2 = [f"http://127.0.0.1:{free_port()}" for _ in range(2)]
-    chain.stage3 = [f"http://127.0.0.1:{free_port()}"]
+    urls = [f"http://127.0.0.1:{port}" for port in free_ports(5)]
+    chain.stage1, chain.stage2, chain.stage3 = urls[:2], urls[2:4], urls[4:]
     try:
         chain.start(chain.stage3 + chain.stage2 + chain.stage1)
         yield chain
