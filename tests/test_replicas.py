@@ -267,3 +267,21 @@ async def test_a_run_with_chunks_in_flight_fails_over_mid_run() -> None:
             assert isinstance(stage, CountingStage)
             assert max(stage.runs.values()) == 1
             assert sum(stage.runs.values()) == 1 + 12  # chunk 0 of the first run + all 12
+
+
+async def test_a_replica_only_its_probes_call_down_is_the_last_resort() -> None:
+    """A probe can time out on a slow but healthy replica. When the other
+    replica is really gone, the session goes on there rather than failing."""
+    async with two_replicas() as (lasts, entry), Client(entry.url) as client:
+        hop = replicas_of(entry)
+        with anyio.fail_after(30):
+            first = await client.forward_chunks(activation(4, 4, seed=1), chunk_tokens=2)
+            holder = next(r for r in hop.replicas if r.url == hop.holder(first.session))
+            gone = next(n for n in lasts if n.url != holder.url)
+            gone.server.request_shutdown()
+            holder.mark_down(anyio.current_time(), 1000.0)  # no probe for a long while
+            array = activation(2, 4, seed=2)
+            result = await client.forward_chunks(
+                array, session=first.session, position=4, chunk_tokens=2
+            )
+            assert same_bits(result.output, array) and hop.holder(first.session) == holder.url

@@ -228,9 +228,17 @@ class ReplicaSet:
     # ------------------------------------------------------------ choice
 
     def _ranked(self, exclude: Sequence[Replica] = ()) -> list[Replica]:
-        """Healthy replicas, fewest in flight (then fewest sessions) first."""
+        """Healthy replicas, fewest in flight (then fewest sessions) first.
+
+        With none healthy, the down ones not excluded, fewest failures first:
+        a probe that timed out on a loaded machine marks a slow replica down,
+        and trying it beats failing the session for sure. Each one that
+        fails for real joins ``exclude``, so a caller's loop ends."""
         load = self._session_counts()
         live = [r for r in self.replicas if r.up and not r.retired and r not in exclude]
+        if not live:
+            rest = [r for r in self.replicas if r not in exclude]
+            return sorted(rest, key=lambda r: (r.retired, r.failures, r.inflight))
         return sorted(live, key=lambda r: (r.inflight, load.get(r.url, 0)))
 
     def _session_counts(self) -> dict[str, int]:
@@ -257,13 +265,17 @@ class ReplicaSet:
         if session is None:  # nothing to stick to: any healthy replica
             return await self._any(lambda r: r.pool.forward(headers, body, deadline, path))
         replica = self._sticky.get(session)
-        if replica is None and _starts(headers):
+        fresh = replica is None and _starts(headers)
+        if fresh:
             ranked = self._ranked()
             if not ranked:
                 raise self._none_left(session)
             replica = self._sticky[session] = ranked[0]
-        if replica is None or not replica.up:
-            return await self._recover(session, headers, body, deadline, replica, alive=False)
+        if replica is None or not (replica.up or fresh):
+            # Marked down by its probes, not by a failed forward: it stays a
+            # last resort (``alive``), since a probe can time out on a slow
+            # but healthy replica; a replay to it then resets and rebuilds.
+            return await self._recover(session, headers, body, deadline, replica, alive=True)
         try:
             response = await self._attempt(replica, headers, body, deadline)
         except _Lost:
@@ -310,15 +322,21 @@ class ReplicaSet:
     ) -> ActivationResponse | ErrorResponse:
         """One forward to one replica; ``_Lost`` if it is down, hangs or goes."""
         replica.inflight += 1
-        went_down = replica.went_down()
+        # Stop waiting when the replica goes down (its probes time out: it
+        # hangs). One already down (tried as a last resort) gets two probe
+        # timeouts instead.
+        went_down = replica.went_down() if replica.up else None
         result: list[ActivationResponse | ErrorResponse] = []
         failure: list[BaseException] = []
         try:
             async with anyio.create_task_group() as tg:
 
                 async def watch() -> None:
-                    await went_down.wait()
-                    tg.cancel_scope.cancel()  # its probe says it hangs: do not wait for it
+                    if went_down is not None:
+                        await went_down.wait()
+                    else:
+                        await anyio.sleep(2 * self.probe_timeout)
+                    tg.cancel_scope.cancel()  # it hangs: do not wait for it
 
                 async def send() -> None:
                     try:
@@ -365,7 +383,10 @@ class ReplicaSet:
         alive: bool,
     ) -> ActivationResponse | ErrorResponse:
         """Move ``session`` to a replica that has (or is given) its state, then
-        send the chunk there; again, elsewhere, if that replica fails too."""
+        send the chunk there; again, elsewhere, if that replica fails too.
+
+        ``alive``: ``failed`` did not fail a forward (it lost the session, or
+        only its probes fail): it may be tried again when nothing else is left."""
         excluded: list[Replica] = [] if failed is None or alive else [failed]
         for _ in range(len(self.replicas) + 1):
             target, answered = await self._relocate(
@@ -424,7 +445,10 @@ class ReplicaSet:
             past = self.history.chunks(session, before=headers.position)
             if not past and not _starts(headers):
                 raise self._unrecoverable(session, "no history of it is kept at this hop")
-            for candidate in self._ranked(exclude=excluded):
+            # Ranked again after each loss: with no healthy replica left, the
+            # down ones become candidates (see ``_ranked``).
+            while candidates := self._ranked(exclude=excluded):
+                candidate = candidates[0]
                 try:
                     await self._replay(candidate, session, past, deadline)
                 except _Lost:
