@@ -34,7 +34,7 @@ pytestmark = pytest.mark.slow
 
 LIMIT = 90
 PROMPT = "the quick brown fox jumps over the lazy dog"
-TOKENS = 16
+TOKENS = 24  # long enough that both kills land mid-stream
 
 
 @pytest.fixture(scope="module")
@@ -150,7 +150,7 @@ def test_sigstop_of_the_holder_recovers_within_the_deadline(model_dir: Path) -> 
     """A hung stage-2 replica (SIGSTOP): its probes go unanswered, stage 1
     stops waiting for it and fails over; the stream completes exactly,
     well within the request's deadline (--timeout 30)."""
-    want, _ = expected_text(model_dir, 40)
+    want, _ = expected_text(model_dir, 48)
     with replica_chain(model_dir) as chain:
         seen: dict[str, str] = {}
 
@@ -163,7 +163,7 @@ def test_sigstop_of_the_holder_recovers_within_the_deadline(model_dir: Path) -> 
         async def drive() -> tuple[str, dict[int, float], Any]:
             config = load_config("gateway", gateway_flags(chain, "--timeout", "30"))
             async with open_gateway(config) as gateway:
-                text, gaps = await in_thread(stream_with, gateway.url, {3: stop_stage2_holder}, 40)
+                text, gaps = await in_thread(stream_with, gateway.url, {1: stop_stage2_holder}, 48)
                 health = await in_thread(get_json, gateway.url + "/health?deep=1")
                 moved = await in_thread(chain.info, seen["a"])
                 return text, gaps, (health, moved["replicas"])
@@ -175,10 +175,10 @@ def test_sigstop_of_the_holder_recovers_within_the_deadline(model_dir: Path) -> 
                 chain.procs[seen["b"]].send_signal(signal.SIGCONT)
         assert text == want
         assert stage1_hop["failovers"] == 1  # the stopped replica did hold the session
-        assert gaps[3] < 30
+        assert gaps[1] < 30
         # Stage 2 has one replica of two answering: degraded, not down.
         assert health["status"] == "degraded"
-        print(f"longest wait for a token after the SIGSTOP: {gaps[3] * 1000:.0f} ms")
+        print(f"longest wait for a token after the SIGSTOP: {gaps[1] * 1000:.0f} ms")
 
 
 def test_a_replica_restarted_on_its_port_loses_its_state_and_is_replayed(
