@@ -116,6 +116,7 @@ class Replica:
     failures: int = 0
     next_probe: float = 0.0
     retired: bool = False  # its address left the DNS answer: no new sessions
+    probe_misses: int = 0  # probes in a row that went unanswered
     # Set when it goes down: forwards waiting on it stop waiting. Made on
     # first use (an anyio Event needs a running loop).
     _went_down: anyio.Event | None = None
@@ -142,7 +143,14 @@ class Replica:
 
 
 class _Lost(Exception):
-    """The replica failed (down, hung, gone): try another."""
+    """The replica failed (down, hung, gone): try another.
+
+    ``hung``: no forward failed; its probes stopped answering (it may only
+    be slow), so it stays a last resort."""
+
+    def __init__(self, *, hung: bool = False) -> None:
+        super().__init__()
+        self.hung = hung
 
 
 class ReplicaSet:
@@ -227,7 +235,7 @@ class ReplicaSet:
 
     # ------------------------------------------------------------ choice
 
-    def _ranked(self, exclude: Sequence[Replica] = ()) -> list[Replica]:
+    def _ranked(self, exclude: Sequence[Replica] = (), *, fallback: bool = True) -> list[Replica]:
         """Healthy replicas, fewest in flight (then fewest sessions) first.
 
         With none healthy, the down ones not excluded, fewest failures first:
@@ -236,7 +244,7 @@ class ReplicaSet:
         fails for real joins ``exclude``, so a caller's loop ends."""
         load = self._session_counts()
         live = [r for r in self.replicas if r.up and not r.retired and r not in exclude]
-        if not live:
+        if not live and fallback:
             rest = [r for r in self.replicas if r not in exclude]
             return sorted(rest, key=lambda r: (r.retired, r.failures, r.inflight))
         return sorted(live, key=lambda r: (r.inflight, load.get(r.url, 0)))
@@ -271,15 +279,17 @@ class ReplicaSet:
             if not ranked:
                 raise self._none_left(session)
             replica = self._sticky[session] = ranked[0]
-        if replica is None or not (replica.up or fresh):
-            # Marked down by its probes, not by a failed forward: it stays a
-            # last resort (``alive``), since a probe can time out on a slow
-            # but healthy replica; a replay to it then resets and rebuilds.
+        if replica is None:
+            return await self._recover(session, headers, body, deadline, None, alive=False)
+        if not (replica.up or fresh) and self._ranked(exclude=[replica], fallback=False):
+            # Marked down by its probes, not by a failed forward: move to a
+            # healthy replica. With none, it is tried as it is (a probe can
+            # time out on a slow but healthy replica).
             return await self._recover(session, headers, body, deadline, replica, alive=True)
         try:
             response = await self._attempt(replica, headers, body, deadline)
-        except _Lost:
-            return await self._recover(session, headers, body, deadline, replica, alive=False)
+        except _Lost as lost:
+            return await self._recover(session, headers, body, deadline, replica, alive=lost.hung)
         if _lost_session(response):
             return await self._recover(session, headers, body, deadline, replica, alive=True)
         self._keep(session, headers, body, response)
@@ -359,8 +369,8 @@ class ReplicaSet:
             # A timeout is not marked down here: the request's own deadline
             # may simply be short; a replica that hangs fails its probes.
             raise exc
-        if not result:  # cancelled because the replica went down
-            raise _Lost()
+        if not result:  # cancelled: its probes say it hangs
+            raise _Lost(hung=True)
         response = result[0]
         if (
             isinstance(response, ErrorResponse)
@@ -399,9 +409,10 @@ class ReplicaSet:
             # recovery must not wait for us.
             try:
                 response = await self._attempt(target, headers, body, deadline)
-            except _Lost:
-                failed, alive = target, False
-                excluded.append(target)
+            except _Lost as lost:
+                failed, alive = target, lost.hung
+                if not lost.hung:
+                    excluded.append(target)
                 continue
             if _lost_session(response):
                 failed, alive = target, True
@@ -620,12 +631,17 @@ class ReplicaSet:
             response = await replica.probe.request(
                 "GET", "/health", Deadline.after(self.probe_timeout)
             )
-        except MeshnetError:
-            replica.mark_down(anyio.current_time(), self.health_interval)
+        except MeshnetError as exc:
+            # Refused or reset: down at once. Unanswered: down at the second
+            # miss in a row (one slow answer on a loaded machine is not a hang).
+            replica.probe_misses += 1
+            if exc.code != "downstream_timeout" or replica.probe_misses >= 2 or not replica.up:
+                replica.mark_down(anyio.current_time(), self.health_interval)
             return
         if isinstance(response, ErrorResponse):
             replica.mark_down(anyio.current_time(), self.health_interval)
         else:
+            replica.probe_misses = 0
             replica.mark_up()
 
     async def _drop_stale(self) -> None:
