@@ -293,7 +293,28 @@ class ReplicaSet:
         if _lost_session(response):
             return await self._recover(session, headers, body, deadline, replica, alive=True)
         self._keep(session, headers, body, response)
+        moved = self._sticky.get(session)
+        if moved is not None and moved is not replica and not isinstance(response, ErrorResponse):
+            # Answered by the replica the session just left (a draining one
+            # finishes what it has), after the move's replay was read: the
+            # new replica must get this chunk too, or later ones wait for it.
+            await self._catch_up(moved, session, headers, body, deadline)
         return response
+
+    async def _catch_up(
+        self,
+        replica: Replica,
+        session: str,
+        headers: WireHeaders,
+        body: bytes | bytearray | memoryview,
+        deadline: Deadline,
+    ) -> None:
+        chunk = SentChunk(headers.replace(deadline_ms=None), body)
+        async with self._locks.setdefault(session, anyio.Lock()):
+            try:
+                await self._replay(replica, session, [chunk], deadline)
+            except (_Lost, MeshnetError) as exc:  # its next chunk fails over again
+                log.warning("session %s: catching %s up failed: %r", session, replica.url, exc)
 
     def record_replayed(
         self, session: str, headers: WireHeaders, body: bytes | bytearray | memoryview
