@@ -41,6 +41,9 @@ KEYS = {
     "model_split2_over_single_decode": float,
     "model_split2_over_single_prefill": float,
     "model_decode_wire_share": float,
+    "failover_recovery_over_step": float,
+    "failover_extra_over_prefill": float,
+    "failover_replayed_tokens": int,
 }
 
 

@@ -48,6 +48,7 @@ from meshnet_runtime.downstream import DownstreamPool
 from meshnet_runtime.http_server import ActivationReply, Reply, RequestContext, StreamReply
 from meshnet_runtime.link import LinkEstimate
 from meshnet_runtime.metrics import ServerMetrics
+from meshnet_runtime.replicas import ReplicaSet, needs_replica_set
 from meshnet_runtime.wire_encoder import WireEncoder
 
 from ._pipeline import run_chunks
@@ -97,13 +98,7 @@ class GatewayApp:
         self.config = config
         self.metrics = metrics or ServerMetrics("gateway")
         self.codecs = codecs or CodecPool(limits=config.limits, metrics=self.metrics)
-        self.pool = pool or DownstreamPool(
-            config.entry,
-            limits=config.limits,
-            token=config.token,
-            ssl_context=_client_ssl(config),
-            metrics=self.metrics,
-        )
+        self.pool: DownstreamPool | ReplicaSet = pool or _entry_pool(config, self.metrics)
         self.sessions = ClientSessionTable(config.max_sessions, config.session_ttl)
         self.retry = RetryPolicy(config.retries, config.retry_backoff_ms / 1000)
         # --encoding auto also weighs the link's speed: toward the entry node
@@ -148,6 +143,8 @@ class GatewayApp:
     async def running(self) -> AsyncIterator[GatewayApp]:
         async with anyio.create_task_group() as tg:
             self._background = tg
+            if isinstance(self.pool, ReplicaSet):
+                tg.start_soon(self.pool.maintain)  # health probes of the entry's replicas
             try:
                 if await self.refresh_entry_window(quiet=True) is None and not self.entry_info_read:
                     tg.start_soon(self._read_entry_window_at_start)
@@ -333,6 +330,7 @@ class GatewayApp:
             "role": "gateway",
             "wire": WIRE_VERSION,
             "entry": self.pool.url,
+            "replicas": self.pool.describe() if isinstance(self.pool, ReplicaSet) else None,
             "chunk_tokens": config.chunk_tokens,
             "inflight": {
                 "configured": config.inflight,
@@ -427,3 +425,27 @@ def _client_ssl(config: ServerConfig) -> Any:
 
         return client_ssl_context(config.tls_ca)
     return None
+
+
+def _entry_pool(config: ServerConfig, metrics: ServerMetrics) -> DownstreamPool | ReplicaSet:
+    """The entry hop: one node's pool, or a replica set (docs/failover.md)."""
+    assert config.entry is not None
+    replicas = config.entry_replicas or (config.entry,)
+    if needs_replica_set(replicas):
+        return ReplicaSet(
+            replicas,
+            limits=config.limits,
+            token=config.token,
+            ssl_context=_client_ssl(config),
+            metrics=metrics,
+            health_interval=config.health_interval,
+            probe_timeout=config.probe_timeout,
+            max_history_bytes=config.max_history_bytes,
+        )
+    return DownstreamPool(
+        config.entry,
+        limits=config.limits,
+        token=config.token,
+        ssl_context=_client_ssl(config),
+        metrics=metrics,
+    )

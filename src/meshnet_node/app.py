@@ -28,6 +28,7 @@ from functools import partial
 from typing import Any
 
 import anyio
+from prometheus_client import Counter
 
 from meshnet_proto import (
     WIRE_VERSION,
@@ -62,6 +63,7 @@ from meshnet_runtime.http_server import (
 )
 from meshnet_runtime.lifecycle import server_settings, server_tls
 from meshnet_runtime.metrics import ServerMetrics
+from meshnet_runtime.replicas import ReplicaSet, needs_replica_set
 from meshnet_runtime.transports import client_ssl_context, listen
 from meshnet_runtime.wire_encoder import WireEncoder
 
@@ -105,15 +107,33 @@ class NodeApp:
         self.stage: StageBackend = stage or make_stage(config.backend, config.delay_ms)
         # Whenever the table forgets a session (DELETE, TTL, expiry to make
         # room), the stage frees what it keeps for it (a model's KV cache).
-        self.table = SessionTable(self.limits, on_forget=self.stage.end_session)
+        self.table = SessionTable(self.limits, on_forget=self._forget)
         self.metrics = metrics or ServerMetrics("node")
         self.metrics.sessions.set_function(lambda: len(self.table))
         bind_metrics = getattr(self.stage, "bind_metrics", None)
         if bind_metrics is not None:  # a stage with gauges of its own (a model's KV cache)
             bind_metrics(self.metrics.registry)
         self.codecs = CodecPool(limits=self.limits, metrics=self.metrics)
-        self.downstream: DownstreamPool | None = None
-        if config.next is not None:
+        # Tokens the stage ran on (replays included): what a failover cost here.
+        self.stage_tokens = Counter(
+            "meshnet_stage_tokens", "Tokens the stage computed", registry=self.metrics.registry
+        )
+        self.tokens_computed = 0
+        self.downstream: DownstreamPool | ReplicaSet | None = None
+        replicas = config.next_replicas or ((config.next,) if config.next else ())
+        if needs_replica_set(replicas):
+            # Several nodes serve the next stage: sessions stick, fail over, replay.
+            self.downstream = ReplicaSet(
+                replicas,
+                limits=self.limits,
+                token=config.token,
+                ssl_context=client_ssl_context(config.tls_ca) if replicas[0].tls else None,
+                metrics=self.metrics,
+                health_interval=config.health_interval,
+                probe_timeout=config.probe_timeout,
+                max_history_bytes=config.max_history_bytes,
+            )
+        elif config.next is not None:
             self.downstream = DownstreamPool(
                 config.next,
                 limits=self.limits,
@@ -157,6 +177,12 @@ class NodeApp:
         self, event: ActivationReceived, ctx: RequestContext
     ) -> ActivationReply:
         headers = event.headers
+        # A replay (docs/failover.md): an upstream hop rebuilds this node's
+        # state for a session that failed over to it; nothing goes further.
+        replay = "replay=1" in event.query.split("&")
+        if replay and _starts(headers):
+            assert headers.session is not None
+            self._end_here(headers.session)  # whatever it held is stale
         deadline = Deadline.start(ctx.started, self.config.timeout, headers.deadline_ms)
         fingerprint = await self.codecs.run(headers.nbytes, tensor_fingerprint, event.tensor)
         waiter = None
@@ -188,11 +214,11 @@ class NodeApp:
                 continue
             if isinstance(decision, Process):
                 self._count("processed")
-                return await self._run(decision.ticket, headers, event, deadline)
+                return await self._run(decision.ticket, headers, event, deadline, replay=replay)
             if isinstance(decision, Reforward):
                 self._count("reforwarded")
                 return await self._run(decision.ticket, headers, None, deadline,
-                                       decision.stage_output)  # fmt: skip
+                                       decision.stage_output, replay=replay)  # fmt: skip
             if isinstance(decision, Replay):
                 self._count("replayed")
                 return decision.response  # type: ignore[no-any-return]
@@ -207,6 +233,8 @@ class NodeApp:
         event: ActivationReceived | None,
         deadline: Deadline,
         stage_output: Any = None,
+        *,
+        replay: bool = False,
     ) -> ActivationReply:
         """Run the stage (unless reforwarding), then deliver; every exit reports
         the ticket's outcome to the table and to any joined retransmission."""
@@ -214,7 +242,7 @@ class NodeApp:
         try:
             if event is not None:
                 stage_output = await self._stage(ticket, headers, event)
-            reply = await self._deliver(ticket, headers, stage_output, deadline)
+            reply = await self._deliver(ticket, headers, stage_output, deadline, replay=replay)
             outcome.finish(reply, None)
             return reply
         except MeshnetError as err:
@@ -251,12 +279,20 @@ class NodeApp:
                 ) from exc
             raise
         self.metrics.stage_seconds.observe(time.perf_counter() - started)
+        self.stage_tokens.inc(ticket.tokens)
+        self.tokens_computed += ticket.tokens
         self.table.stage_done(ticket, output, anyio.current_time())
         self._wake(ticket.session)  # the next chunk may start while this one is downstream
         return output
 
     async def _deliver(
-        self, ticket: Ticket, headers: WireHeaders, output: Any, deadline: Deadline
+        self,
+        ticket: Ticket,
+        headers: WireHeaders,
+        output: Any,
+        deadline: Deadline,
+        *,
+        replay: bool = False,
     ) -> ActivationReply:
         dtype, encoding, body = await self.encoder.encode(output, headers.encoding)
         out = headers.replace(
@@ -266,7 +302,10 @@ class NodeApp:
             position=ticket.position,
             deadline_ms=None,
         )
-        if self.downstream is None:
+        if replay and isinstance(self.downstream, ReplicaSet):
+            # Kept as if sent: a failover of the hop below replays it.
+            self.downstream.record_replayed(ticket.session, out, body)
+        if self.downstream is None or replay:
             reply = ActivationReply(out, body)
             self.table.response_ready(
                 ticket, reply, anyio.current_time(), nbytes=memoryview(reply.body).nbytes
@@ -328,6 +367,10 @@ class NodeApp:
             "wire": WIRE_VERSION,
             "stage": self.stage.describe(),
             "downstream": self.downstream.url if self.downstream else None,
+            "replicas": self.downstream.describe()
+            if isinstance(self.downstream, ReplicaSet)
+            else None,
+            "stage_tokens": self.tokens_computed,
             "reorder_window": limits.reorder_window,
             "limits": self.config.limits_info(),
             "wire_dtype": self.config.wire_dtype,
@@ -335,6 +378,12 @@ class NodeApp:
             "auto_encoding": self.encoder.describe(),
             "sessions": len(self.table),
         }
+
+    def _forget(self, session: str) -> None:
+        """The table forgot a session: the stage's state and the hop's history go."""
+        self.stage.end_session(session)
+        if isinstance(self.downstream, ReplicaSet):
+            self.downstream.forget(session)
 
     def _end_here(self, session: str) -> bool:
         known = self.table.end_session(session)
@@ -346,14 +395,21 @@ class NodeApp:
     async def maintain(self) -> None:
         """Forget idle sessions (TTL), waking anything that waits on them."""
         interval = min(self.limits.session_ttl / 4, _EXPIRY_INTERVAL)
-        while True:
-            await anyio.sleep(interval)
-            for session in self.table.expire(anyio.current_time()):
-                self._wake(session)
+        async with anyio.create_task_group() as tg:
+            if isinstance(self.downstream, ReplicaSet):
+                tg.start_soon(self.downstream.maintain)  # health probes, DNS
+            while True:
+                await anyio.sleep(interval)
+                for session in self.table.expire(anyio.current_time()):
+                    self._wake(session)
 
     async def aclose(self) -> None:
         if self.downstream is not None:
             await self.downstream.aclose()
+
+
+def _starts(headers: WireHeaders) -> bool:
+    return (headers.chunk_index or 0) == 0 and (headers.position or 0) == 0
 
 
 def _gone() -> MeshnetError:

@@ -75,6 +75,11 @@ def _check_status(status: Any, low: int, high: int) -> None:
         raise ValueError(f"status must be an int in {low}..{high}, got {status!r}")
 
 
+def _check_query(query: Any) -> None:
+    if not isinstance(query, str):
+        raise TypeError("query must be a str")
+
+
 def _check_buffer(body: Any, field: str) -> None:
     if not isinstance(body, (bytes, bytearray, memoryview)):
         raise TypeError(f"{field} must be bytes, bytearray or memoryview")
@@ -98,12 +103,16 @@ class ActivationHead:
 
     headers: WireHeaders
     expects_continue: bool
+    # The request target's query (after "?"): a hop's replay to a new
+    # replica is ``/forward?replay=1`` (docs/failover.md).
+    query: str = ""
 
     def __post_init__(self) -> None:
         if not isinstance(self.headers, WireHeaders):
             raise TypeError("headers must be a WireHeaders")
         if not isinstance(self.expects_continue, bool):
             raise TypeError("expects_continue must be a bool")
+        _check_query(self.query)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -114,6 +123,7 @@ class ActivationReceived:
     headers: WireHeaders
     tensor: np.ndarray
     body_nbytes: int
+    query: str = ""  # as on ActivationHead
 
     def __post_init__(self) -> None:
         if not isinstance(self.headers, WireHeaders):
@@ -122,6 +132,7 @@ class ActivationReceived:
             raise TypeError("tensor must be a numpy.ndarray")
         if not isinstance(self.body_nbytes, int) or self.body_nbytes < 0:
             raise ValueError("body_nbytes must be a non-negative int")
+        _check_query(self.query)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

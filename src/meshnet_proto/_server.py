@@ -274,6 +274,7 @@ class ServerConnection:
 
     def _reset_cycle(self) -> None:
         self._wire: WireHeaders | None = None
+        self._query = ""  # the activation's query string (``/forward?replay=1``)
         self._content_length: int | None = None
         self._body: _BodyReader | None = None
         self._endpoint: tuple[str, str, str, str, tuple[tuple[bytes, bytes], ...]] | None = None
@@ -448,10 +449,13 @@ class ServerConnection:
                 header="content-length",
             )
         self._wire = wire
+        self._query = query
         self._content_length = content_length
         self._move(_Trigger.ACTIVATION_HEAD)
         return ActivationHead(
-            headers=wire, expects_continue=self._h11.they_are_waiting_for_100_continue
+            headers=wire,
+            expects_continue=self._h11.they_are_waiting_for_100_continue,
+            query=query,
         )
 
     def _check_credentials(self, headers: tuple[tuple[bytes, bytes], ...]) -> None:
@@ -541,7 +545,9 @@ class ServerConnection:
             tensor: np.ndarray = decode_tensor(
                 wire, body.view(), limits=self._limits, decompressor=self._decompressor
             )
-            event = ActivationReceived(headers=wire, tensor=tensor, body_nbytes=body.filled)
+            event = ActivationReceived(
+                headers=wire, tensor=tensor, body_nbytes=body.filled, query=self._query
+            )
         self._move(_Trigger.REQUEST_COMPLETE)
         self._reset_cycle()
         return event

@@ -76,8 +76,14 @@ class ServerConfig:
     encoding: str = "mirror"
     zstd_level: int = 1
     async_backend: str = "trio"
+    # replica sets (docs/failover.md): --next/--entry may name several URLs
+    # or a host name whose every address is a replica.
+    health_interval: float = 2.0  # seconds between health probes of a replica
+    probe_timeout: float = 2.0  # a probe unanswered this long marks a replica down
+    max_history_bytes: int = 256 * 1024 * 1024  # what a hop keeps to replay, all sessions
     # node
     next: Endpoint | None = None
+    next_replicas: tuple[Endpoint, ...] = ()  # every URL of --next (``next`` is the first)
     backend: str = "echo"
     delay_ms: float = 0.0
     # node: a checkpoint directory whose layers to run instead of --backend;
@@ -88,6 +94,7 @@ class ServerConfig:
     kv_budget_bytes: int = 1024 * 1024 * 1024
     # gateway
     entry: Endpoint | None = None
+    entry_replicas: tuple[Endpoint, ...] = ()  # every URL of --entry
     chunk_tokens: int = 128
     inflight: int = 1
     model_name: str | None = None  # the id /v1/models shows (default: the directory's name)
@@ -186,6 +193,14 @@ def _endpoint(text: str) -> Endpoint:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
+def _endpoints(text: str) -> tuple[Endpoint, ...]:
+    """``URL[,URL...]``: one hop's replica set."""
+    parts = [part.strip() for part in text.split(",")]
+    if not all(parts):
+        raise argparse.ArgumentTypeError(f"an empty URL in {text[:200]!r}")
+    return tuple(_endpoint(part) for part in parts)
+
+
 def _nonempty(text: str) -> str:
     if not text:
         raise argparse.ArgumentTypeError("must not be empty")
@@ -244,9 +259,12 @@ _COMMON: list[_Flag] = [
     ("--encoding", _choice(ENCODINGS), "encoding of bodies this server sends"),
     ("--zstd-level", _level, "zstd compression level"),
     ("--async-backend", _choice(("trio", "asyncio")), "event loop to run on"),
+    ("--health-interval", positive_seconds, "seconds between health probes of each replica"),
+    ("--probe-timeout", positive_seconds, "a replica not answering a probe this long is down"),
+    ("--max-history-bytes", positive_int, "chunks kept per hop to replay on failover, in all"),
 ]
 _NODE: list[_Flag] = [
-    ("--next", _endpoint, "downstream node URL (none = last stage)"),
+    ("--next", _endpoints, "downstream node URL(s), comma-separated replicas (none = last stage)"),
     ("--backend", _choice(BACKENDS), "stage backend"),
     ("--delay-ms", _millis, "simulated stage compute per chunk, ms"),
     ("--model", _nonempty, "checkpoint directory (HF layout): run its layers, not --backend"),
@@ -259,7 +277,7 @@ _NODE: list[_Flag] = [
     ),
 ]
 _GATEWAY: list[_Flag] = [
-    ("--entry", _endpoint, "URL of the first node (required)"),
+    ("--entry", _endpoints, "URL(s) of the first node's replicas, comma-separated (required)"),
     ("--chunk-tokens", positive_int, "tokens per chunk"),
     ("--inflight", positive_int, "chunks in flight per session"),
     ("--model", _nonempty, "checkpoint directory: serve the OpenAI API (/v1) for it"),
@@ -324,6 +342,10 @@ def load_config(
                 parser.error(f"{env_name(flag)}: {exc}")
         else:
             values[dest] = _DEFAULTS[dest]
+    for hop in ("next", "entry"):
+        if isinstance(values.get(hop), tuple):  # parsed: the first URL plus the whole set
+            values[f"{hop}_replicas"] = values[hop]
+            values[hop] = values[hop][0]
     if (values["tls_cert"] is None) != (values["tls_key"] is None):
         parser.error("--tls-cert and --tls-key go together")
     if role == "node" and values["model"] is None and values["layers"] is not None:

@@ -57,7 +57,7 @@ class ControlEndpoints:
         *,
         role: str,
         metrics: ServerMetrics,
-        downstream: DownstreamPool | None,
+        downstream: DownstreamPool | Any | None,  # or a replicas.ReplicaSet
         timeout: float,
         info: Callable[[], dict[str, Any]],
         end_here: Callable[[str], bool],
@@ -83,13 +83,22 @@ class ControlEndpoints:
         document: dict[str, Any] = {"status": "ok", "role": self.role}
         deep = parse_qs(event.query).get("deep", ["0"])[-1] in ("1", "true")
         pool = self.downstream
-        if deep and pool is not None:
+        deep_health = getattr(pool, "deep_health", None)
+        if deep and deep_health is not None:  # a replica set: each replica's own answer
+            deadline = Deadline.start(ctx.started, min(self.timeout, HEALTH_TIMEOUT), None)
+            below = await deep_health(deadline)
+            document["downstream"] = below
+            if below["status"] != "ok":
+                document["status"] = "degraded"
+        elif deep and pool is not None:
             deadline = Deadline.start(ctx.started, min(self.timeout, HEALTH_TIMEOUT), None)
             response = await pool.request("GET", "/health?deep=1", deadline)
             if isinstance(response, ErrorResponse):
                 raise response.to_error(hop=pool.url)
             try:
-                document["downstream"] = json.loads(response.body)
+                below = document["downstream"] = json.loads(response.body)
+                if isinstance(below, dict) and below.get("status") == "degraded":
+                    document["status"] = "degraded"  # some replica below is down
             except ValueError:
                 raise DownstreamError(
                     f"{pool.url}: /health is not JSON",

@@ -105,9 +105,16 @@ class DownstreamPool:
     # ---------------------------------------------------------------- API
 
     async def forward(
-        self, headers: WireHeaders, body: bytes | bytearray | memoryview, deadline: Deadline
+        self,
+        headers: WireHeaders,
+        body: bytes | bytearray | memoryview,
+        deadline: Deadline,
+        path: str = "/forward",
     ) -> ActivationResponse | ErrorResponse:
         """POST one activation; ``X-Meshnet-Deadline-Ms`` is set when written.
+
+        ``path`` is ``/forward?replay=1`` for a replay to a new replica
+        (docs/failover.md).
 
         Retried once on a stale pooled connection only when the chunk carries
         session and position: SPEC §3 makes such a retransmission a replay.
@@ -115,7 +122,7 @@ class DownstreamPool:
 
         def build(conn: ClientConnection) -> list[Any]:
             sent = headers.replace(deadline_ms=deadline.header_ms(self.margin))
-            return conn.send_activation(sent, body)
+            return conn.send_activation(sent, body, path)
 
         retry_safe = headers.session is not None and headers.position is not None
         event = await self._exchange(build, deadline, retry_safe, len(body))
