@@ -21,6 +21,8 @@ import anyio
 
 from meshnet_gateway import open_gateway
 from meshnet_gateway.app import GatewayApp
+from meshnet_model.source import is_gguf
+from meshnet_model.source import load_config as load_model_config
 from meshnet_node.model_chain import even_splits, start_model_chain
 from meshnet_runtime.config import load_config
 from meshnet_runtime.lifecycle import configure_logging
@@ -37,6 +39,9 @@ class LocalRun:
 
 
 def _num_layers(model: str) -> int:
+    if is_gguf(model):
+        # A GGUF file's config is its metadata (refused here just as a node would).
+        return load_model_config(model).num_hidden_layers
     path = Path(model) / "config.json"
     try:
         layers = json.loads(path.read_text(encoding="utf-8"))["num_hidden_layers"]

@@ -72,7 +72,9 @@ class StageRunner:
     ) -> StageRunner:
         path = Path(directory)
         weights = StageWeights.load(path, layers, dtype=dtype)
-        return cls(weights, kv_budget_bytes=kv_budget_bytes, name=path.resolve().name,
+        from .source import model_name
+
+        return cls(weights, kv_budget_bytes=kv_budget_bytes, name=model_name(path),
                    path=str(path))  # fmt: skip
 
     # -- the contract --------------------------------------------------------------

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from meshnet_model.source import is_gguf, load_config, model_name
 from meshnet_proto import EndpointRequest, MeshnetError
 from meshnet_runtime.codec_pool import CodecPool
 from meshnet_runtime.downstream import DownstreamPool
@@ -71,11 +72,13 @@ class ServedModel:
     def load(cls, directory: str, *, name: str | None = None, context: int = 0) -> ServedModel:
         root = Path(directory)
         tokenizer = ModelTokenizer.load(root)
+        gguf = is_gguf(root)  # one .gguf file: config and tokenizer in its metadata
         if not context:
-            context = _context_from_config(root) or DEFAULT_CONTEXT
-        stat = os.stat(root / "tokenizer.json")
+            found = load_config(root).max_position_embeddings if gguf else None
+            context = found or _context_from_config(root) or DEFAULT_CONTEXT
+        stat = os.stat(root if gguf else root / "tokenizer.json")
         return cls(
-            name=name or root.resolve().name,
+            name=name or model_name(root),
             tokenizer=tokenizer,
             context_length=context,
             created=int(stat.st_mtime),
