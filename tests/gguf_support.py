@@ -1,0 +1,112 @@
+"""GGUF test models: built by transformers, written as llama.cpp writes them.
+
+``build_model(kind)`` makes a small random ``LlamaForCausalLM`` (GQA) or
+``Qwen2ForCausalLM`` with transformers itself, its weights replaced by ones
+scaled to keep activations O(1) (transformers' own init, std 0.02, gives
+near-flat logits whose argmax ties would make "same greedy tokens" a coin
+toss). ``write_model_gguf`` writes it with a trained tiny tokenizer;
+``hf_from_gguf`` is transformers loading that very file back.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from meshnet_model.testing_gguf import GGUFVocab, byte_level_vocab, sentencepiece_vocab, write_gguf
+
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+@cache
+def vocab_for(kind: str) -> GGUFVocab:
+    return sentencepiece_vocab() if kind == "llama" else byte_level_vocab()
+
+
+@dataclass
+class Model:
+    kind: str
+    config: dict[str, Any]  # config.json form
+    weights: dict[str, np.ndarray]  # HF names, float32
+
+
+def build_model(kind: str, layers: int = 4, seed: int = 0) -> Model:
+    import transformers
+
+    vocab = len(vocab_for(kind).tokens)
+    common = dict(vocab_size=vocab, hidden_size=64, intermediate_size=128,
+                  num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+                  max_position_embeddings=512, rms_norm_eps=1e-5)  # fmt: skip
+    if kind == "llama":
+        hf_config = transformers.LlamaConfig(**common, rope_theta=50000.0)
+        model = transformers.LlamaForCausalLM(hf_config)
+    else:
+        hf_config = transformers.Qwen2Config(**common, rope_theta=1000000.0,
+                                             tie_word_embeddings=True)  # fmt: skip
+        model = transformers.Qwen2ForCausalLM(hf_config)
+    rng = np.random.default_rng(seed)
+    weights = {}
+    for name, param in model.state_dict().items():
+        shape = tuple(param.shape)
+        if name.endswith("norm.weight"):
+            value = 1.0 + 0.1 * rng.standard_normal(shape)
+        elif name.endswith(".bias"):
+            value = 0.1 * rng.standard_normal(shape)
+        elif name == "model.embed_tokens.weight":
+            value = rng.standard_normal(shape)
+        else:
+            value = rng.standard_normal(shape) / np.sqrt(shape[-1])
+        weights[name] = value.astype(np.float32)
+    if hf_config.tie_word_embeddings:
+        weights.pop("lm_head.weight", None)
+    config = hf_config.to_dict()
+    config["model_type"] = kind
+    config["rope_theta"] = (config.get("rope_parameters") or {}).get("rope_theta", 10000.0)
+    config.setdefault("head_dim", 16)
+    return Model(kind, config, weights)
+
+
+def write_model_gguf(directory: Path, model: Model, qtype: str = "F32") -> Path:
+    path = directory / f"{model.kind}-{qtype.lower()}.gguf"
+    write_gguf(path, model.config, model.weights, qtype=qtype, vocab=vocab_for(model.kind),
+               chat_template=CHAT_TEMPLATE)  # fmt: skip
+    return path
+
+
+def hf_from_gguf(path: Path) -> Any:
+    import torch
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        str(path.parent), gguf_file=path.name, dtype=torch.float32
+    )
+    return model.eval()
+
+
+def hf_greedy(model: Any, prompt: list[int], steps: int) -> tuple[list[int], np.ndarray]:
+    """transformers' greedy ``generate``: the new tokens and the last prompt
+    position's logits."""
+    import copy
+
+    import torch
+
+    ids = torch.tensor([prompt])
+    # No eos: a random model may pick it, and both sides must then go on.
+    settings = copy.deepcopy(model.generation_config)
+    settings.eos_token_id = None
+    settings.do_sample = False
+    settings.max_new_tokens = steps
+    with torch.no_grad():
+        logits = model(ids).logits[0, -1].numpy()
+        out = model.generate(ids, generation_config=settings,
+                             attention_mask=torch.ones_like(ids), pad_token_id=0)  # fmt: skip
+    new = out[0, len(prompt) :].tolist()
+    assert len(new) == steps
+    return new, logits
