@@ -103,10 +103,10 @@ def hf_greedy(model: Any, prompt: list[int], steps: int) -> tuple[list[int], np.
     settings.eos_token_id = None
     settings.do_sample = False
     settings.max_new_tokens = steps
+    settings.pad_token_id = 0
     with torch.no_grad():
         logits = model(ids).logits[0, -1].numpy()
-        out = model.generate(ids, generation_config=settings,
-                             attention_mask=torch.ones_like(ids), pad_token_id=0)  # fmt: skip
+        out = model.generate(ids, generation_config=settings, attention_mask=torch.ones_like(ids))
     new = out[0, len(prompt) :].tolist()
     assert len(new) == steps
     return new, logits

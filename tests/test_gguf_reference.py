@@ -8,7 +8,8 @@ same quantized bytes, so quantization costs nothing here; what is left is
 float32 summation order (numpy vs torch BLAS), hence the tolerance below.
 
 Tolerance: greedy tokens identical over 32 steps; the prompt's last logits
-within ``LOGIT_TOLERANCE`` times the largest logit (measured: ~2e-7).
+within ``LOGIT_TOLERANCE`` times the largest logit (measured: 1.5e-6 on
+logits up to 4.1, F32/Q8_0/Q4_0 alike, i.e. 4e-7 relative).
 """
 
 from __future__ import annotations
