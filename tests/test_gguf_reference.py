@@ -87,7 +87,9 @@ def test_qwen2_gguf_greedy_equals_transformers(files: dict[str, Path]) -> None:
     want, want_logits = hf_greedy(hf_from_gguf(path), PROMPT, STEPS)
     got, logits = our_greedy(StageRunner.load(path), PROMPT, STEPS)
     assert got == want
-    assert np.abs(logits - want_logits).max() <= LOGIT_TOLERANCE * max(1.0, float(np.abs(want_logits).max()))
+    assert np.abs(logits - want_logits).max() <= LOGIT_TOLERANCE * max(
+        1.0, float(np.abs(want_logits).max())
+    )
 
 
 @pytest.mark.anyio

@@ -53,7 +53,9 @@ def test_ids_equal_transformers_on_a_multilingual_sample(tmp_path: Path, kind: s
     assert ours.stop_ids == {ours.tokenizer.token_to_id(ours.eos_token)}
     assert ours.chat_template == CHAT_TEMPLATE
     prompt = ours.render_chat([{"role": "user", "content": "Grüß dich"}])
-    assert ours.encode(prompt, chat=True) == reference(prompt, add_special_tokens=False)["input_ids"]
+    assert (
+        ours.encode(prompt, chat=True) == reference(prompt, add_special_tokens=False)["input_ids"]
+    )
 
 
 def test_served_model_from_a_gguf_file(tmp_path: Path) -> None:
