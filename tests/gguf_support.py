@@ -27,7 +27,7 @@ CHAT_TEMPLATE = (
 
 @cache
 def vocab_for(kind: str) -> GGUFVocab:
-    return sentencepiece_vocab() if kind == "llama" else byte_level_vocab()
+    return sentencepiece_vocab() if kind in ("llama", "mistral") else byte_level_vocab()
 
 
 @dataclass
@@ -47,6 +47,16 @@ def build_model(kind: str, layers: int = 4, seed: int = 0) -> Model:
     if kind == "llama":
         hf_config = transformers.LlamaConfig(**common, rope_theta=50000.0)
         model = transformers.LlamaForCausalLM(hf_config)
+    elif kind == "mistral":
+        hf_config = transformers.MistralConfig(**common, rope_theta=50000.0, sliding_window=4096)
+        model = transformers.MistralForCausalLM(hf_config)
+    elif kind == "qwen3":
+        # An explicit head_dim (not hidden / heads). transformers' GGUF loader does
+        # not read attention.key_length for qwen3 and falls back to Qwen3Config's
+        # default, 128: the test model uses that value so both sides agree.
+        hf_config = transformers.Qwen3Config(**common, rope_theta=1000000.0, head_dim=128,
+                                             tie_word_embeddings=True)  # fmt: skip
+        model = transformers.Qwen3ForCausalLM(hf_config)
     else:
         hf_config = transformers.Qwen2Config(**common, rope_theta=1000000.0,
                                              tie_word_embeddings=True)  # fmt: skip
@@ -69,12 +79,17 @@ def build_model(kind: str, layers: int = 4, seed: int = 0) -> Model:
     config = hf_config.to_dict()
     config["model_type"] = kind
     config["rope_theta"] = (config.get("rope_parameters") or {}).get("rope_theta", 10000.0)
-    config.setdefault("head_dim", 16)
+    if config.get("head_dim") is None:
+        config["head_dim"] = 16
     return Model(kind, config, weights)
 
 
 def write_model_gguf(directory: Path, model: Model, qtype: str = "F32") -> Path:
     path = directory / f"{model.kind}-{qtype.lower()}.gguf"
+    # A Mistral file is architecture "llama" with a sliding window. transformers
+    # 5.24 would take one *named* "mistral" as Mistral and then fail in its own
+    # name mapping (NotImplementedError); unnamed, it loads it as Llama: the same
+    # math below the 4096-token window, which the tests stay far under.
     write_gguf(path, model.config, model.weights, qtype=qtype, vocab=vocab_for(model.kind),
                chat_template=CHAT_TEMPLATE)  # fmt: skip
     return path

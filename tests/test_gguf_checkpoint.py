@@ -77,24 +77,33 @@ def test_config_comes_from_metadata_and_passes_the_one_config_reader(tmp_path: P
     assert load_config(path) == want and model_name(path) == "m"
 
 
-def test_a_stage_reads_only_its_own_tensors_with_hf_names_and_shapes(tmp_path: Path) -> None:
+def test_a_stage_reads_only_its_own_tensors_with_hf_names_and_shapes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     weights = random_weights(small_config(), seed=2)
     path = _write(tmp_path, weights=weights)
     ckpt = open_checkpoint(path)
-    assert isinstance(ckpt, GGUFCheckpoint)
+    assert isinstance(ckpt, GGUFCheckpoint) and ckpt.tensors_read() == []  # opening decodes nothing
     for name, value in weights.items():
         assert name in ckpt and np.array_equal(ckpt.tensor(name), value), name
-    stage = StageWeights.load(path, range(2, 4))
-    assert stage.files == ["m.gguf"]
-    opened = GGUFCheckpoint(path)
-    StageWeights.load(path, range(1, 2), config=small_config())
-    assert opened.tensors_read() == []  # opening decodes nothing
-    # A middle stage decodes exactly its layer's tensors, nothing else.
-    sub = GGUFCheckpoint(path)
-    for name in weights:
-        if name.startswith("model.layers.1."):
-            sub.tensor(name)
-    assert all(n.startswith("blk.1.") for n in sub.tensors_read())
+    decoded: list[str] = []
+    original = GGUFFile.array
+
+    def spy(self: GGUFFile, name: str) -> np.ndarray:
+        decoded.append(name)
+        return original(self, name)
+
+    monkeypatch.setattr(GGUFFile, "array", spy)
+    middle = StageWeights.load(path, range(1, 3))
+    assert middle.files == ["m.gguf"] and middle.embed is None and middle.lm_head is None
+    assert sorted({n.split(".")[1] for n in decoded}) == ["1", "2"]
+    assert all(n.startswith(("blk.1.", "blk.2.")) for n in decoded)
+    decoded.clear()
+    StageWeights.load(path, range(3, 4))
+    assert {n for n in decoded if not n.startswith("blk.3.")} == {
+        "output_norm.weight",
+        "output.weight",
+    }
 
 
 @pytest.mark.parametrize("qtype", ["F16", "BF16", "Q8_0"])
