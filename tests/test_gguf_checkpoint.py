@@ -216,3 +216,26 @@ def test_bad_gguf_files_are_one_line_and_exit_2_at_node_start(tmp_path: Path) ->
         lines = done.stderr.strip().splitlines()
         assert len(lines) == 1 and message in lines[0], (path, done.stderr)
         assert lines[0].startswith("meshnet-node: cannot load --model")
+
+
+def test_the_fast_reader_reads_every_field_as_the_gguf_package_does(tmp_path: Path) -> None:
+    from gguf_support import vocab_for
+    from meshnet_model.gguf import _field_value
+
+    for kind in ("llama", "qwen2"):
+        vocab = vocab_for(kind)
+        config = small_config(vocab_size=len(vocab.tokens))
+        path = _write(tmp_path, f"{kind}.gguf", config=config.to_dict(),
+                      weights=random_weights(config), vocab=vocab, qtype="Q4_0")  # fmt: skip
+        stock = gguf.GGUFReader(path)
+        ours = GGUFFile(path)
+        assert ours.keys() == list(stock.fields)
+        for key, field in stock.fields.items():
+            assert ours.get(key) == _field_value(field) == field.contents(), key
+        assert ours.get("tokenizer.ggml.tokens") == vocab.tokens
+        for tensor in stock.tensors:
+            assert np.array_equal(ours.tensors[tensor.name].data, tensor.data)
+    truncated = tmp_path / "cut.gguf"
+    truncated.write_bytes(path.read_bytes()[:3000])  # inside the token list
+    with pytest.raises(CheckpointError, match="not a readable GGUF file"):
+        GGUFFile(truncated)
