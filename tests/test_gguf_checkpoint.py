@@ -146,6 +146,7 @@ def test_llama3_rope_freqs_become_the_llama3_rope_scaling(tmp_path: Path) -> Non
         ({"llama.rope.dimension_count": 8}, "partial rotary"),
         ({"split.count": 3}, "split GGUF files"),
         ({"mamba.ssm.conv_kernel": 4}, "mamba.ssm.conv_kernel = 4 is not supported"),
+        ({"llama.expert_count": 8}, "llama.expert_count = 8 is not supported"),
     ],
 )
 def test_metadata_that_would_change_the_math_is_refused_by_name(
@@ -175,6 +176,11 @@ def test_metadata_that_would_change_the_math_is_refused_by_name(
     del config
     with pytest.raises(CheckpointError, match=message):
         load_config(path)
+
+
+def test_zero_expert_counts_are_a_dense_model(tmp_path: Path) -> None:
+    path = _write(tmp_path, extra_metadata={"llama.expert_count": 0, "llama.expert_used_count": 0})
+    assert load_config(path).num_hidden_layers == 4
 
 
 def _node(path: Path) -> subprocess.CompletedProcess[str]:

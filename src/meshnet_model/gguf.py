@@ -74,6 +74,8 @@ _ARCH_DERIVED = {
     # Whether the model was fine-tuned at the scaled length: no effect on the math.
     "rope.scaling.finetuned",
 }
+# Mixture-of-experts sizes: a dense model is one where they are 0 (else refused).
+_DENSE_IF_ZERO = {"expert_count", "expert_used_count"}
 # Keys outside {arch}.* that cannot change the forward pass: descriptions,
 # provenance, the tokenizer (read by gguf_tokenizer.py), quantization notes.
 _INERT_PREFIXES = ("general.", "tokenizer.", "quantize.", "GGUF.")
@@ -368,6 +370,8 @@ def gguf_config(file: GGUFFile) -> dict[str, Any]:
         if key.startswith(_INERT_PREFIXES) or key.startswith("split."):
             continue
         tail = key.removeprefix(prefix)
+        if tail in _DENSE_IF_ZERO and file.get(key) == 0:
+            continue  # some converters write expert counts of 0 for a dense model
         if key == tail or (tail not in _ARCH_KEYS and tail not in _ARCH_DERIVED):
             raise CheckpointError(
                 f"{file.path}: GGUF key {key} = {file.get(key)!r} is not supported "
