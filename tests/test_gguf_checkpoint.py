@@ -226,7 +226,7 @@ def test_bad_gguf_files_are_one_line_and_exit_2_at_node_start(tmp_path: Path) ->
 
 def test_the_fast_reader_reads_every_field_as_the_gguf_package_does(tmp_path: Path) -> None:
     from gguf_support import vocab_for
-    from meshnet_model.gguf import _field_value
+    from meshnet_model.gguf_file import _field_value
 
     for kind in ("llama", "qwen2"):
         vocab = vocab_for(kind)

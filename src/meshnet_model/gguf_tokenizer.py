@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from .checkpoint import CheckpointError
-from .gguf import GGUFFile
+from .gguf_file import GGUFFile
 
 __all__ = ["GGUFTokenizer", "load_gguf_tokenizer"]
 
