@@ -17,7 +17,13 @@ from typing import Any
 
 import numpy as np
 
-from meshnet_model.testing_gguf import GGUFVocab, byte_level_vocab, sentencepiece_vocab, write_gguf
+from meshnet_model.testing_gguf import (
+    GGUFVocab,
+    byte_level_vocab,
+    random_k_quant,
+    sentencepiece_vocab,
+    write_gguf,
+)
 
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
@@ -37,11 +43,11 @@ class Model:
     weights: dict[str, np.ndarray]  # HF names, float32
 
 
-def build_model(kind: str, layers: int = 4, seed: int = 0) -> Model:
+def build_model(kind: str, layers: int = 4, seed: int = 0, hidden: int = 64) -> Model:
     import transformers
 
     vocab = len(vocab_for(kind).tokens)
-    common = dict(vocab_size=vocab, hidden_size=64, intermediate_size=128,
+    common = dict(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden,
                   num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
                   max_position_embeddings=512, rms_norm_eps=1e-5)  # fmt: skip
     if kind == "llama":
@@ -125,3 +131,25 @@ def hf_greedy(model: Any, prompt: list[int], steps: int) -> tuple[list[int], np.
     new = out[0, len(prompt) :].tolist()
     assert len(new) == steps
     return new, logits
+
+
+def write_k_quant_gguf(directory: Path, model: Model, seed: int = 0) -> Path:
+    """The model's shapes as a "Q4_K_M"-like file: Q4_K matrices, Q6_K for the
+    embedding, v and down projections (llama.cpp's mix), random K-quant bytes
+    (no encoder exists in the gguf package), norms F32."""
+    rng = np.random.default_rng(seed)
+    encoded = {}
+    for name, value in model.weights.items():
+        if value.ndim != 2:
+            continue
+        rows, columns = value.shape
+        six = name == "model.embed_tokens.weight" or name.endswith(
+            ("v_proj.weight", "down_proj.weight")
+        )
+        std = 1.0 if name == "model.embed_tokens.weight" else 1.0 / np.sqrt(columns)
+        qtype = "Q6_K" if six else "Q4_K"
+        encoded[name] = (random_k_quant(rows, columns, qtype, float(std), rng), qtype)
+    path = directory / f"{model.kind}-q4_k_m.gguf"
+    write_gguf(path, model.config, model.weights, vocab=vocab_for(model.kind),
+               chat_template=CHAT_TEMPLATE, encoded=encoded)  # fmt: skip
+    return path

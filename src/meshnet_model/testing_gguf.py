@@ -35,6 +35,7 @@ __all__ = [
     "GGUFVocab",
     "byte_level_vocab",
     "permute",
+    "random_k_quant",
     "sentencepiece_vocab",
     "write_gguf",
 ]
@@ -201,9 +202,14 @@ def write_gguf(
     name: str = "meshnet test model",
     extra_metadata: Mapping[str, Any] | None = None,
     rope_freqs: np.ndarray | None = None,
+    encoded: Mapping[str, tuple[np.ndarray, str]] | None = None,
 ) -> Path:
     """Write ``weights`` (HF names, float32) as a GGUF file of architecture
-    ``config["model_type"]`` (llama, mistral → "llama", qwen2, qwen3)."""
+    ``config["model_type"]`` (llama, mistral → "llama", qwen2, qwen3).
+
+    ``encoded``: tensors already in the file's encoding and layout, HF name →
+    (bytes ``[rows, row_bytes]`` uint8, ggml type name), written as they are —
+    for types the ``gguf`` package cannot quantize (``random_k_quant``)."""
     import gguf
 
     model_type = config.get("model_type", "llama")
@@ -246,7 +252,11 @@ def write_gguf(
     kind = gguf.GGMLQuantizationType[qtype]
     if rope_freqs is not None:
         writer.add_tensor("rope_freqs.weight", np.asarray(rope_freqs, np.float32))
+    for hf, (raw, raw_type) in (encoded or {}).items():
+        writer.add_tensor(_gguf_name(hf), raw, raw_dtype=gguf.GGMLQuantizationType[raw_type])
     for hf, array in weights.items():
+        if hf in (encoded or {}):
+            continue
         data = np.asarray(array, dtype=np.float32)
         if permuted and hf.endswith(("q_proj.weight", "q_proj.bias")):
             data = permute(data, heads)
@@ -264,6 +274,29 @@ def write_gguf(
     writer.write_tensors_to_file()
     writer.close()
     return path
+
+
+def random_k_quant(
+    rows: int, columns: int, qtype: str, std: float, rng: np.random.Generator
+) -> np.ndarray:
+    """Random ``Q4_K`` or ``Q6_K`` bytes ``[rows, row_bytes]`` whose values have
+    about ``std`` spread and mean near 0 (random nibbles, 6-bit scales and mins;
+    the float16 super-block scales chosen for the spread). The ``gguf`` package
+    decodes but cannot encode these types; real files are mostly made of them."""
+    blocks = rows * columns // 256
+    if qtype == "Q4_K":
+        raw = rng.integers(0, 256, (blocks, 144), dtype=np.uint8)
+        # value = d*sc*q - dmin*m; q uniform 0..15 (std 4.6), sc and m ~ 31.5 on average.
+        d = np.float16(std / (4.6 * 31.5))
+        raw[:, 0:2] = np.full((blocks, 1), d).view(np.uint8)
+        raw[:, 2:4] = np.full((blocks, 1), np.float16(7.5 * float(d))).view(np.uint8)
+    elif qtype == "Q6_K":
+        raw = rng.integers(0, 256, (blocks, 210), dtype=np.uint8)
+        # value = d*sc*(q-32); q uniform 0..63 (std 18.5), |sc| ~ 64 on average.
+        raw[:, 208:210] = np.full((blocks, 1), np.float16(std / (18.5 * 64))).view(np.uint8)
+    else:
+        raise ValueError(f"random_k_quant makes Q4_K or Q6_K, not {qtype}")
+    return raw.reshape(rows, -1)
 
 
 def _write_vocab(writer: Any, vocab: GGUFVocab) -> None:
