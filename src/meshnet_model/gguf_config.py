@@ -178,9 +178,6 @@ def gguf_config(file: GGUFFile) -> dict[str, Any]:
             f"{head_dim} (partial rotary embeddings are not supported)"
         )
     config["tie_word_embeddings"] = "output.weight" not in file.tensors
-    if arch in ("qwen2",):
-        # Qwen2 carries q/k/v biases (the tensors are read when present).
-        config["attention_bias"] = "blk.0.attn_q.bias" in file.tensors
     config["rope_scaling"] = _rope_scaling(file, prefix, config)
     if "sliding_window" in config and arch == "llama":
         config["model_type"] = "mistral"
