@@ -76,7 +76,10 @@ def build_model(kind: str, layers: int = 4, seed: int = 0, hidden: int = 64) -> 
         elif name.endswith(".bias"):
             value = 0.1 * rng.standard_normal(shape)
         elif name == "model.embed_tokens.weight":
-            value = rng.standard_normal(shape)
+            # Tied, it is the head too: rows of norm ~1 keep the logits O(1)
+            # (the first layer's RMSNorm rescales the input either way).
+            tied = hf_config.tie_word_embeddings
+            value = rng.standard_normal(shape) / (np.sqrt(shape[-1]) if tied else 1.0)
         else:
             value = rng.standard_normal(shape) / np.sqrt(shape[-1])
         weights[name] = value.astype(np.float32)
