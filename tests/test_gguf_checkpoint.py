@@ -245,3 +245,25 @@ def test_the_fast_reader_reads_every_field_as_the_gguf_package_does(tmp_path: Pa
     truncated.write_bytes(path.read_bytes()[:3000])  # inside the token list
     with pytest.raises(CheckpointError, match="not a readable GGUF file"):
         GGUFFile(truncated)
+
+
+def test_plan_splits_a_gguf_file_by_its_quantized_bytes(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from meshnet_model.__main__ import main, plan_stages
+
+    config = small_config(num_hidden_layers=6, tie_word_embeddings=True)
+    path = _write(tmp_path, config=config.to_dict(), weights=random_weights(config), qtype="Q8_0")
+    stored = sum(int(t.n_bytes) for t in gguf.GGUFReader(path).tensors)
+    embed = 256 * 64 // 32 * 34  # Q8_0: 34 bytes per 32 values
+    plan = plan_stages(path, 2)
+    (a, b), (c, d) = (str(p["layers"]).split(":") for p in plan)
+    assert (a, d) == ("0", "6") and b == c
+    # Every tensor once, and the tied embedding again on the last stage.
+    assert sum(int(p["checkpoint_bytes"]) for p in plan) == stored + embed  # type: ignore[call-overload]
+    assert main(["plan", str(path), "--stages", "2", "--json"]) == 0
+    assert f'"{plan[1]["layers"]}"' in capsys.readouterr().out
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"nope")
+    assert main(["plan", str(bad)]) == 2
+    assert "not a readable GGUF file" in capsys.readouterr().err
