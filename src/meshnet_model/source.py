@@ -10,20 +10,17 @@ from __future__ import annotations
 from pathlib import Path
 
 from .config import LlamaConfig
-from .gguf import GGUFCheckpoint, GGUFFile, gguf_config, is_gguf
+from .gguf import GGUFFile, gguf_config, is_gguf
 
 __all__ = ["is_gguf", "load_config", "model_name"]
 
 
-def load_config(path: str | Path, checkpoint: object | None = None) -> LlamaConfig:
+def load_config(path: str | Path) -> LlamaConfig:
     """The model's config, validated by the one config reader (``LlamaConfig.from_dict``).
-
-    ``checkpoint``: an already opened ``GGUFCheckpoint`` of ``path`` (saves
-    parsing the header twice)."""
+    A GGUF file's header is parsed once per process (``gguf_file``), however
+    often its config, tensors and tokenizer are asked for."""
     if not is_gguf(path):
         return LlamaConfig.from_dir(path)
-    if isinstance(checkpoint, GGUFCheckpoint):
-        return LlamaConfig.from_dict(checkpoint.config)
     return LlamaConfig.from_dict(gguf_config(GGUFFile(path)))
 
 

@@ -28,6 +28,7 @@ import numpy as np
 
 from .checkpoint import CheckpointError, open_checkpoint
 from .config import LlamaConfig
+from .source import load_config
 
 __all__ = ["WEIGHT_DTYPES", "LayerWeights", "StageWeights", "parse_layers"]
 
@@ -117,11 +118,7 @@ class StageWeights:
         config: LlamaConfig | None = None,
         mmap: bool = True,
     ) -> StageWeights:
-        from .source import is_gguf, load_config
-
-        # A .gguf file holds its config too: opened first, its header is parsed once.
-        gguf = open_checkpoint(directory) if is_gguf(directory) else None
-        config = config or load_config(directory, gguf)
+        config = config or load_config(directory)  # a directory or a .gguf file
         layers = range(config.num_hidden_layers) if layers is None else layers
         if not (0 <= layers.start < layers.stop <= config.num_hidden_layers and layers.step == 1):
             raise ValueError(
@@ -131,7 +128,7 @@ class StageWeights:
         if dtype not in WEIGHT_DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(WEIGHT_DTYPES)}, got {dtype!r}")
         target = WEIGHT_DTYPES[dtype]
-        ckpt = gguf or open_checkpoint(directory)
+        ckpt = open_checkpoint(directory)
         c = config
         hidden, heads, kv_heads, head_dim = (
             c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim
