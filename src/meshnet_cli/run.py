@@ -19,7 +19,8 @@ import anyio
 
 from meshnet_gateway import open_gateway
 from meshnet_gateway.app import GatewayApp
-from meshnet_model.config import ConfigError, ModelConfig
+from meshnet_model.config import ConfigError
+from meshnet_model.source import load_config as load_model_config
 from meshnet_node.model_chain import even_splits, start_model_chain
 from meshnet_runtime.config import load_config
 from meshnet_runtime.lifecycle import configure_logging
@@ -36,7 +37,7 @@ class LocalRun:
 
 
 def _num_layers(model: str) -> int:
-    return ModelConfig.from_dir(model).num_hidden_layers
+    return load_model_config(model).num_hidden_layers
 
 
 @asynccontextmanager
@@ -96,7 +97,7 @@ def main(args: argparse.Namespace) -> int:
     try:
         # Fail-closed before anything listens: a config the nodes would refuse
         # is one line and exit 2, as meshnet-node and meshnet-gateway give it.
-        ModelConfig.from_dir(args.model)
+        load_model_config(args.model)  # a directory or a .gguf file
     except ConfigError as exc:
         print(f"meshnet run: cannot load --model {args.model}: {exc}", file=sys.stderr)
         return 2

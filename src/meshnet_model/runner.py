@@ -27,6 +27,7 @@ import numpy as np
 from .config import ModelConfig
 from .kv_cache import KVBudget, KVCache
 from .llama import StageModel
+from .source import model_name
 from .weights import StageWeights
 
 __all__ = ["CacheMismatch", "StageInputError", "StageRunner"]
@@ -72,7 +73,7 @@ class StageRunner:
     ) -> StageRunner:
         path = Path(directory)
         weights = StageWeights.load(path, layers, dtype=dtype)
-        return cls(weights, kv_budget_bytes=kv_budget_bytes, name=path.resolve().name,
+        return cls(weights, kv_budget_bytes=kv_budget_bytes, name=model_name(path),
                    path=str(path))  # fmt: skip
 
     # -- the contract --------------------------------------------------------------

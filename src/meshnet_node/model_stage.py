@@ -42,7 +42,7 @@ from meshnet_model import (
     StageWeights,
     parse_layers,
 )
-from meshnet_model.config import ModelConfig
+from meshnet_model.source import load_config, model_name
 from meshnet_proto import CapacityError, ProtocolError, SequencingError
 from meshnet_runtime.config import ServerConfig
 
@@ -143,12 +143,11 @@ def load_model_stage(
     Raises ``ValueError`` (``ConfigError``, ``CheckpointError`` among them)
     with a message fit for the command line.
     """
-    config = ModelConfig.from_dir(model)
+    config = load_config(model)  # a checkpoint directory or a .gguf file
     span = parse_layers(layers, config.num_hidden_layers) if layers else None
     weights = StageWeights.load(model, span, dtype=dtype, config=config)
-    path = Path(model)
     runner = StageRunner(weights, kv_budget_bytes=kv_budget_bytes,
-                         name=path.resolve().name, path=str(path))  # fmt: skip
+                         name=model_name(model), path=str(model))  # fmt: skip
     return ModelStage(runner)
 
 

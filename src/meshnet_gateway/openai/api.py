@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from meshnet_model.config import ModelConfig
+from meshnet_model.source import is_gguf, load_config, model_name
 from meshnet_proto import EndpointRequest, MeshnetError
 from meshnet_runtime.codec_pool import CodecPool
 from meshnet_runtime.downstream import DownstreamPool
@@ -74,14 +74,15 @@ class ServedModel:
     def load(cls, directory: str, *, name: str | None = None, context: int = 0) -> ServedModel:
         root = Path(directory)
         tokenizer = ModelTokenizer.load(root)
+        gguf = is_gguf(root)  # one .gguf file: config and tokenizer in its metadata
         # The same fail-closed reading as the nodes': a config the chain cannot
         # run exactly is refused here too, before serving (ConfigError).
-        config = ModelConfig.from_dir(root) if (root / "config.json").is_file() else None
+        config = load_config(root) if gguf or (root / "config.json").is_file() else None
         if not context:
             context = config.max_position_embeddings if config else DEFAULT_CONTEXT
-        stat = os.stat(root / "tokenizer.json")
+        stat = os.stat(root if gguf else root / "tokenizer.json")
         return cls(
-            name=name or root.resolve().name,
+            name=name or model_name(root),
             tokenizer=tokenizer,
             context_length=context,
             created=int(stat.st_mtime),
