@@ -31,6 +31,10 @@ CHAT_TEMPLATE = (
 )
 
 
+# The mistral test model's sliding window: the tests decode 12 + 32 positions.
+MISTRAL_WINDOW = 8
+
+
 @cache
 def vocab_for(kind: str) -> GGUFVocab:
     return sentencepiece_vocab() if kind in ("llama", "mistral") else byte_level_vocab()
@@ -54,7 +58,9 @@ def build_model(kind: str, layers: int = 4, seed: int = 0, hidden: int = 64) -> 
         hf_config = transformers.LlamaConfig(**common, rope_theta=50000.0)
         model = transformers.LlamaForCausalLM(hf_config)
     elif kind == "mistral":
-        hf_config = transformers.MistralConfig(**common, rope_theta=50000.0, sliding_window=4096)
+        # A window shorter than prompt + steps, so that it masks keys.
+        hf_config = transformers.MistralConfig(**common, rope_theta=50000.0,
+                                               sliding_window=MISTRAL_WINDOW)  # fmt: skip
         model = transformers.MistralForCausalLM(hf_config)
     elif kind == "qwen3":
         # An explicit head_dim (not hidden / heads). transformers' GGUF loader does
@@ -95,10 +101,10 @@ def build_model(kind: str, layers: int = 4, seed: int = 0, hidden: int = 64) -> 
 
 def write_model_gguf(directory: Path, model: Model, qtype: str = "F32") -> Path:
     path = directory / f"{model.kind}-{qtype.lower()}.gguf"
-    # A Mistral file is architecture "llama" with a sliding window. transformers
-    # 5.24 would take one *named* "mistral" as Mistral and then fail in its own
-    # name mapping (NotImplementedError); unnamed, it loads it as Llama: the same
-    # math below the 4096-token window, which the tests stay far under.
+    # A Mistral file is architecture "llama" with a sliding window, as llama.cpp's
+    # converter writes it. transformers 5 would take one *named* "mistral" as
+    # Mistral and then fail in its own name mapping (NotImplementedError);
+    # unnamed, it loads it as Llama and drops the window (hf_reference puts it back).
     write_gguf(path, model.config, model.weights, qtype=qtype, vocab=vocab_for(model.kind),
                chat_template=CHAT_TEMPLATE)  # fmt: skip
     return path
@@ -114,26 +120,45 @@ def hf_from_gguf(path: Path) -> Any:
     return model.eval()
 
 
-def hf_greedy(model: Any, prompt: list[int], steps: int) -> tuple[list[int], np.ndarray]:
-    """transformers' greedy ``generate``: the new tokens and the last prompt
-    position's logits."""
-    import copy
+def hf_reference(path: Path) -> Any:
+    """transformers' model for a GGUF file: ``hf_from_gguf``, except that a
+    file with a sliding window runs as ``MistralForCausalLM`` with that window.
+    transformers' GGUF loader reads a llama-architecture file as Llama and has
+    no key for ``llama.attention.sliding_window``, so it would silently attend
+    to everything; the tensors are still the ones it dequantized from the file."""
+    import transformers
 
+    from meshnet_model.gguf import GGUFFile
+
+    loaded = hf_from_gguf(path)
+    window = GGUFFile(path).get("llama.attention.sliding_window")
+    if window is None:
+        return loaded
+    keys = loaded.config.to_dict()
+    for key in ("model_type", "architectures", "transformers_version", "dtype"):
+        keys.pop(key, None)
+    config = transformers.MistralConfig(**{**keys, "sliding_window": int(window)})
+    model = transformers.MistralForCausalLM(config)
+    model.load_state_dict(loaded.state_dict())
+    return model.eval()
+
+
+def hf_greedy(model: Any, prompt: list[int], steps: int) -> tuple[list[int], np.ndarray]:
+    """transformers' greedy ``generate``: the new tokens and the logits that
+    chose each of them (``[steps, vocab]``: the prompt's last position, then
+    every generated one but the last)."""
     import torch
 
     ids = torch.tensor([prompt])
-    # No eos: a random model may pick it, and both sides must then go on.
-    settings = copy.deepcopy(model.generation_config)
-    settings.eos_token_id = None
-    settings.do_sample = False
-    settings.max_new_tokens = steps
-    settings.pad_token_id = 0
+    # No eos (an empty list: None would fall back to the model's own): a random
+    # model may pick it, and both sides must then go on with plain argmax.
     with torch.no_grad():
-        logits = model(ids).logits[0, -1].numpy()
-        out = model.generate(ids, generation_config=settings, attention_mask=torch.ones_like(ids))
-    new = out[0, len(prompt) :].tolist()
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), eos_token_id=[],
+                             do_sample=False, max_new_tokens=steps, pad_token_id=0,
+                             output_logits=True, return_dict_in_generate=True)  # fmt: skip
+    new = out.sequences[0, len(prompt) :].tolist()
     assert len(new) == steps
-    return new, logits
+    return new, np.stack([step[0].numpy() for step in out.logits])
 
 
 def write_k_quant_gguf(directory: Path, model: Model, seed: int = 0) -> Path:
