@@ -45,10 +45,14 @@ _QWEN2_SPLIT = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
     r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
+# Every digit its own piece, then GPT-2's split (llama.cpp's "\p{N}" rule before
+# the GPT-2 one; the Digits + ByteLevel pre-tokenizer of SmolLM's tokenizer.json).
+_DIGITS_THEN_GPT2 = "digits"
 # tokenizer.ggml.pre → the split regex; "default" (or none) is GPT-2's own.
 PRE_TOKENIZER_SPLITS: dict[str, str | None] = {
     "default": None,
     "gpt-2": None,
+    "smollm": _DIGITS_THEN_GPT2,
     "llama-bpe": _LLAMA3_SPLIT,
     "llama3": _LLAMA3_SPLIT,
     "llama-v3": _LLAMA3_SPLIT,
@@ -170,6 +174,13 @@ def _byte_level(file: GGUFFile, tokens: list[str]) -> Any:
     split = PRE_TOKENIZER_SPLITS[pre]
     if split is None:
         tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    elif split == _DIGITS_THEN_GPT2:
+        tok.pre_tokenizer = pre_tokenizers.Sequence(
+            [
+                pre_tokenizers.Digits(individual_digits=True),
+                pre_tokenizers.ByteLevel(add_prefix_space=False),
+            ]
+        )
     else:
         tok.pre_tokenizer = pre_tokenizers.Sequence(
             [
