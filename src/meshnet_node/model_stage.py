@@ -137,6 +137,9 @@ def load_model_stage(
     *,
     dtype: str = "float32",
     kv_budget_bytes: int,
+    engine: str = "numpy",
+    device: str = "cpu",
+    threads: int | None = None,
 ) -> ModelStage:
     """Load the stage's tensors from a checkpoint directory (the node's flags).
 
@@ -145,6 +148,10 @@ def load_model_stage(
     """
     config = ModelConfig.from_dir(model)
     span = parse_layers(layers, config.num_hidden_layers) if layers else None
+    if engine == "torch":
+        runner = _torch_runner(model, span, config, dtype=dtype, device=device,
+                               threads=threads, kv_budget_bytes=kv_budget_bytes)  # fmt: skip
+        return ModelStage(runner)
     weights = StageWeights.load(model, span, dtype=dtype, config=config)
     path = Path(model)
     runner = StageRunner(weights, kv_budget_bytes=kv_budget_bytes,
@@ -152,9 +159,27 @@ def load_model_stage(
     return ModelStage(runner)
 
 
+def _torch_runner(
+    model: str | Path,
+    span: range | None,
+    config: ModelConfig,
+    *,
+    dtype: str,
+    device: str,
+    threads: int | None,
+    kv_budget_bytes: int,
+) -> StageRunner:
+    """The torch engine's runner; torch is imported only here (an optional extra)."""
+    from meshnet_model.torch_engine import load_torch_runner
+
+    return load_torch_runner(model, span, dtype=dtype, device=device, threads=threads,
+                             kv_budget_bytes=kv_budget_bytes, config=config)  # fmt: skip
+
+
 def stage_from_config(config: ServerConfig) -> ModelStage:
     """The stage of ``--model/--layers/--dtype/--kv-budget-bytes``."""
     if config.model is None:
         raise ValueError("no --model given")
     return load_model_stage(config.model, config.layers, dtype=config.dtype,
-                            kv_budget_bytes=config.kv_budget_bytes)  # fmt: skip
+                            kv_budget_bytes=config.kv_budget_bytes, engine=config.engine,
+                            device=config.device, threads=config.threads)  # fmt: skip
