@@ -47,34 +47,54 @@ def to_numpy(torch: Any, tensor: Any) -> np.ndarray:
 
 
 class Staging:
-    """One session's reusable host buffer for device -> host copies."""
+    """One session's reusable host buffers for device -> host copies.
 
-    def __init__(self, torch: Any, alloc: Callable[[int, Any], Any] | None = None) -> None:
+    A buffer is lent out as the numpy array of one answer and reused once
+    that array is gone. Up to ``keep`` buffers stay with the session (two
+    cover the usual case: the caller still holds step k's answer while step
+    k+1 copies), beyond that an answer gets a buffer of its own.
+    """
+
+    def __init__(self, torch: Any, alloc: Callable[[int, Any], Any] | None = None,
+                 keep: int = 2) -> None:  # fmt: skip
         self.torch = torch
         self.alloc = alloc or (lambda n, dtype: torch.empty(n, dtype=dtype, pin_memory=True))
-        self.buffer: Any = None
-        self._lent: weakref.ref[np.ndarray] | None = None
+        self.keep = keep
+        self.pool: list[tuple[Any, weakref.ref[np.ndarray] | None]] = []
         self.allocations = 0
         self.copies = 0
 
-    def _free(self, numel: int, dtype: Any) -> bool:
-        b = self.buffer
-        lent = self._lent() if self._lent is not None else None
-        return b is not None and lent is None and b.dtype == dtype and b.numel() >= numel
+    def _buffer(self, numel: int, dtype: Any) -> tuple[int, Any]:
+        for i, (buffer, lent) in enumerate(self.pool):
+            if (
+                (lent is None or lent() is None)
+                and buffer.dtype == dtype
+                and buffer.numel() >= numel
+            ):
+                return i, buffer
+        buffer = self.alloc(numel, dtype)
+        self.allocations += 1
+        free = [i for i, (_, lent) in enumerate(self.pool) if lent is None or lent() is None]
+        if len(self.pool) < self.keep:
+            self.pool.append((buffer, None))
+            return len(self.pool) - 1, buffer
+        if free:  # a free buffer too small or of another dtype: replace it
+            self.pool[free[0]] = (buffer, None)
+            return free[0], buffer
+        return -1, buffer  # every kept buffer is lent: this one is the answer's own
 
     def copy_out(self, tensor: Any) -> np.ndarray:
         numel = tensor.numel()
-        if not self._free(numel, tensor.dtype):
-            self.buffer = self.alloc(numel, tensor.dtype)
-            self.allocations += 1
-        host = self.buffer[:numel]
+        slot, buffer = self._buffer(numel, tensor.dtype)
+        host = buffer[:numel]
         host.copy_(tensor.reshape(-1))
         self.copies += 1
         # A fresh ndarray over the buffer, weakly referenced: every view the
         # node makes of it (slices, memoryviews for the socket) keeps it alive.
         raw = host.view(self.torch.int16) if host.dtype == self.torch.bfloat16 else host
         flat = np.frombuffer(memoryview(raw.numpy()), dtype=_numpy_dtype(tensor))
-        self._lent = weakref.ref(flat)
+        if slot >= 0:
+            self.pool[slot] = (buffer, weakref.ref(flat))
         return flat.reshape(tuple(tensor.shape))
 
 
