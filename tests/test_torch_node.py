@@ -48,7 +48,10 @@ async def test_numpy_torch_numpy_chain_sends_bf16_and_equals_in_process(checkpoi
     per_node = [[], torch_bf16, []]
     splits = [(0, 1), (1, 3), (3, 4)]
     async with start_model_chain(checkpoint, splits, per_node=per_node) as nodes:
-        assert nodes[1].app.stage.describe()["engine"] == "torch"
+        described = nodes[1].app.stage.describe()
+        assert (described["engine"], described["device"]) == ("torch", "cpu")
+        assert described["output"] == "bfloat16 hidden [batch, tokens, 64]"
+        assert nodes[0].app.stage.describe()["engine"] == "numpy"
         middle, last = [], []
         record_inputs(nodes[1].app.stage, middle)
         record_inputs(nodes[2].app.stage, last)

@@ -106,7 +106,9 @@ class TorchStageModel:
         return x
 
     def describe(self) -> dict[str, Any]:
+        hidden = f"{self.dtype_name} hidden [batch, tokens, {self.config.hidden_size}]"
         return {
+            **({} if self.last else {"output": hidden}),  # the wire sends it as is (keep)
             "engine": "torch",
             "device": str(self.device),
             "compute_dtype": self.dtype_name,
