@@ -59,7 +59,7 @@ class TorchStageModel:
         cache = TorchKVCache(self.torch, budget, layers=len(self.layers), batch=batch,
                              kv_heads=c.num_key_value_heads, head_dim=c.head_dim,
                              dtype=self.dtype, device=self.device)  # fmt: skip
-        cache.staging = self.transfer.new_staging()  # type: ignore[attr-defined]
+        cache.staging = self.transfer.new_staging()
         return cache
 
     def forward(self, inputs: np.ndarray, cache: TorchKVCache, position: int) -> np.ndarray:
@@ -89,7 +89,7 @@ class TorchStageModel:
                 w = self.weights
                 final = rms_norm(t, x[:, -1], w.norm, self.config.rms_norm_eps)
                 x = t.nn.functional.linear(final, w.lm_head).float()
-            return self.transfer.to_host(x, getattr(cache, "staging", None))
+            return self.transfer.to_host(x, cache.staging)
 
     def _layers(self, x: Any, cache: TorchKVCache, position: int) -> Any:
         c, t = self.config, self.torch

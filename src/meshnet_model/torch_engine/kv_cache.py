@@ -14,6 +14,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..kv_cache import KVBudget, KVCache
+from .transfer import Staging
 
 __all__ = ["BLOCK", "TorchKVCache"]
 
@@ -27,6 +28,9 @@ class TorchKVCache(KVCache):
                          head_dim=head_dim)  # fmt: skip
         self.torch, self.dtype, self.device = torch, dtype, device
         self.itemsize = torch.empty((), dtype=dtype).element_size()
+        # The session's device->host buffers (CUDA; None on the CPU): they
+        # live and die with the session, as its cache does.
+        self.staging: Staging | None = None
 
     def reserve(self, needed: int) -> None:
         super().reserve(-(-needed // BLOCK) * BLOCK)
