@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 import torch
 
+from gateway_support import clean_env
 from meshnet_model import KVBudgetExceeded, SessionEnded, StageRunner
 from meshnet_model.testing import small_config, write_checkpoint
 from meshnet_model.torch_engine import TorchUnavailable, load_torch_runner, parse_device
@@ -267,3 +268,16 @@ def test_a_staged_engine_decodes_exactly_like_the_view_path(checkpoint: Path) ->
     # The hidden states are dropped once the next stage ran: one buffer. The
     # logits of step k are still held while step k+1 copies: two, alternating.
     assert [s.allocations for s in stagings] == [1, 2]
+
+
+def test_meshnet_run_hands_the_engine_flags_to_its_nodes(checkpoint: Path) -> None:
+    # cuda:999 exists nowhere: the nodes refuse it (no CUDA here, or too few
+    # devices), which shows the flags reached them.
+    result = subprocess.run(
+        [sys.executable, "-m", "meshnet_cli", "run", "--model", str(checkpoint), "--port", "0",
+         "--engine", "torch", "--dtype", "bfloat16", "--device", "cuda:999", "--threads", "1"],
+        capture_output=True, text=True, timeout=120, env=clean_env(),
+    )  # fmt: skip
+    assert result.returncode == 1
+    assert result.stderr.startswith("meshnet run: --device cuda:999: "), result.stderr
+    assert result.stderr.count("\n") == 1
