@@ -36,6 +36,7 @@ SECTIONS: tuple[str, ...] = (
     "memory",
     "concurrency",
     "model",
+    "engines",
 )
 
 # key -> (comparison, bound): the floors. Printed next to the figures.

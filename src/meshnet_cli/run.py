@@ -79,8 +79,9 @@ async def run_local(
     if args.model_name is not None:
         gateway_flags += ["--model-name", args.model_name]
     node_flags = ["--log-level", args.log_level]
-    if args.dtype is not None:
-        node_flags += ["--dtype", args.dtype]
+    for flag in ("dtype", "engine", "device", "threads"):  # the nodes validate them
+        if getattr(args, flag, None) is not None:
+            node_flags += [f"--{flag}", str(getattr(args, flag))]
     with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
         async with serve_local(
             args.model, args.stages, gateway_flags=gateway_flags, node_flags=node_flags

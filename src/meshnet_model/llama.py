@@ -24,6 +24,7 @@ position, ``[batch, vocab]`` float32.
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import ml_dtypes
 import numpy as np
@@ -162,6 +163,9 @@ class StageModel:
         c = self.config
         return KVCache(budget, layers=len(self.weights.layers), batch=batch,
                        kv_heads=c.num_key_value_heads, head_dim=c.head_dim)  # fmt: skip
+
+    def describe(self) -> dict[str, Any]:
+        return {"engine": "numpy", "device": "cpu", "compute_dtype": "float32"}
 
     def embed(self, ids: np.ndarray) -> np.ndarray:
         assert self.weights.embed is not None

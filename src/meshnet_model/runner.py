@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import threading
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -30,10 +30,21 @@ from .llama import StageModel
 from .source import model_name
 from .weights import StageWeights
 
-__all__ = ["CacheMismatch", "StageInputError", "StageRunner"]
+__all__ = ["CacheMismatch", "Engine", "StageInputError", "StageRunner"]
 
 DEFAULT_KV_BUDGET = 1024 * 1024 * 1024
 _FLOAT_WIRE = ("float32", "float16", "bfloat16")
+
+
+class Engine(Protocol):
+    """What the runner needs of an engine: it owns the weights, a session's
+    cache arrays (``new_cache``) and the forward pass; numpy in, numpy out."""
+
+    def new_cache(self, budget: KVBudget, batch: int) -> KVCache: ...
+
+    def forward(self, inputs: np.ndarray, cache: KVCache, position: int) -> np.ndarray: ...
+
+    def describe(self) -> dict[str, Any]: ...
 
 
 class StageInputError(ValueError):
@@ -52,9 +63,11 @@ class StageRunner:
         kv_budget_bytes: int = DEFAULT_KV_BUDGET,
         name: str | None = None,
         path: str | None = None,
+        model: Engine | None = None,
     ) -> None:
         self.weights = weights
-        self.model = StageModel(weights)
+        # The engine: numpy's StageModel unless another is given (the torch one).
+        self.model: Engine = model if model is not None else StageModel(weights)
         self.config: ModelConfig = weights.config
         self.budget = KVBudget(kv_budget_bytes)
         self.name = name
@@ -172,7 +185,6 @@ class StageRunner:
             "first": self.first,
             "last": self.last,
             "weights_dtype": w.dtype,
-            "compute_dtype": "float32",
             "weights_bytes": w.nbytes,
             "tied_head": w.tied_head,
             "rope_scaling": self.config.rope_scaling.rope_type,
@@ -183,4 +195,5 @@ class StageRunner:
             "kv_bytes_in_use": self.budget.in_use,
             "kv_budget_bytes": self.budget.limit,
             "kv_sessions": self.sessions,
+            **self.model.describe(),  # engine, device, compute and weights dtype
         }  # fmt: skip

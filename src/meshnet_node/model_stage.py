@@ -42,6 +42,7 @@ from meshnet_model import (
     StageWeights,
     parse_layers,
 )
+from meshnet_model.config import ModelConfig
 from meshnet_model.source import load_config, model_name
 from meshnet_proto import CapacityError, ProtocolError, SequencingError
 from meshnet_runtime.config import ServerConfig
@@ -137,6 +138,9 @@ def load_model_stage(
     *,
     dtype: str = "float32",
     kv_budget_bytes: int,
+    engine: str = "numpy",
+    device: str = "cpu",
+    threads: int | None = None,
 ) -> ModelStage:
     """Load the stage's tensors from a checkpoint directory (the node's flags).
 
@@ -145,10 +149,31 @@ def load_model_stage(
     """
     config = load_config(model)  # a checkpoint directory or a .gguf file
     span = parse_layers(layers, config.num_hidden_layers) if layers else None
+    if engine == "torch":
+        runner = _torch_runner(model, span, config, dtype=dtype, device=device,
+                               threads=threads, kv_budget_bytes=kv_budget_bytes)  # fmt: skip
+        return ModelStage(runner)
     weights = StageWeights.load(model, span, dtype=dtype, config=config)
     runner = StageRunner(weights, kv_budget_bytes=kv_budget_bytes,
                          name=model_name(model), path=str(model))  # fmt: skip
     return ModelStage(runner)
+
+
+def _torch_runner(
+    model: str | Path,
+    span: range | None,
+    config: ModelConfig,
+    *,
+    dtype: str,
+    device: str,
+    threads: int | None,
+    kv_budget_bytes: int,
+) -> StageRunner:
+    """The torch engine's runner; torch is imported only here (an optional extra)."""
+    from meshnet_model.torch_engine import load_torch_runner
+
+    return load_torch_runner(model, span, dtype=dtype, device=device, threads=threads,
+                             kv_budget_bytes=kv_budget_bytes, config=config)  # fmt: skip
 
 
 def stage_from_config(config: ServerConfig) -> ModelStage:
@@ -156,4 +181,5 @@ def stage_from_config(config: ServerConfig) -> ModelStage:
     if config.model is None:
         raise ValueError("no --model given")
     return load_model_stage(config.model, config.layers, dtype=config.dtype,
-                            kv_budget_bytes=config.kv_budget_bytes)  # fmt: skip
+                            kv_budget_bytes=config.kv_budget_bytes, engine=config.engine,
+                            device=config.device, threads=config.threads)  # fmt: skip

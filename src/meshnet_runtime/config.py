@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -34,6 +35,7 @@ WIRE_DTYPES = ("keep", "float32", "bfloat16", "float16", "auto-lossless")
 ENCODINGS = ("mirror", "identity", "zstd", "auto")
 BACKENDS = ("echo", "zeros", "count")
 MODEL_DTYPES = ("keep", "float32", "bfloat16", "float16")
+ENGINES = ("numpy", "torch")
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 
 
@@ -73,7 +75,10 @@ class ServerConfig:
     # gateway: the checkpoint whose tokenizer it loads to serve the OpenAI API.
     model: str | None = None
     layers: str | None = None  # "A:B", checked against the model when it loads
-    dtype: str = "float32"  # weights as held in memory (compute is float32)
+    dtype: str = "float32"  # weights as held in memory (numpy computes in float32, torch in it)
+    engine: str = "numpy"  # what computes the layers: numpy (the reference) or torch
+    device: str = "cpu"  # torch engine: cpu, cuda or cuda:N
+    threads: int | None = None  # torch engine: torch.set_num_threads (None: torch's default)
     kv_budget_bytes: int = 1024 * 1024 * 1024
     # gateway
     entry: Endpoint | None = None
@@ -179,6 +184,12 @@ def _layers(text: str) -> str:
     return text
 
 
+def _device(text: str) -> str:
+    if not re.fullmatch(r"cpu|cuda(:(0|[1-9][0-9]{0,2}))?", text):
+        raise argparse.ArgumentTypeError(f"expected cpu, cuda or cuda:N, got {text!r}")
+    return text
+
+
 def _choice(choices: Sequence[str]) -> Callable[[str], str]:
     def parse(text: str) -> str:
         if text not in choices:
@@ -235,6 +246,9 @@ _NODE: list[_Flag] = [
     ("--model", _nonempty, None, "checkpoint directory (HF layout): run its layers, not --backend"),
     ("--layers", _layers, None, "with --model: run layers A..B-1, as A:B (default: all)"),
     ("--dtype", _choice(MODEL_DTYPES), "float32", "with --model: weights dtype in memory"),
+    ("--engine", _choice(ENGINES), "numpy", "with --model: compute with numpy or torch"),
+    ("--device", _device, "cpu", "with --engine torch: cpu, cuda or cuda:N"),
+    ("--threads", positive_int, None, "with --engine torch: torch.set_num_threads"),
     (
         "--kv-budget-bytes",
         positive_int,
@@ -276,6 +290,14 @@ def build_parser(role: Role, prog: str | None = None) -> argparse.ArgumentParser
     return parser
 
 
+def _check_engine(parser: argparse.ArgumentParser, values: dict[str, Any]) -> None:
+    # Only torch computes elsewhere than the CPU; engine flags need a model.
+    if values["engine"] == "numpy" and values["device"] != "cpu":
+        parser.error(f"--device {values['device']} needs --engine torch (numpy runs on the CPU)")
+    if values["model"] is None and values["engine"] != "numpy":
+        parser.error("--engine torch needs --model")
+
+
 def load_config(
     role: Role,
     argv: Sequence[str] | None = None,
@@ -301,6 +323,8 @@ def load_config(
         parser.error("--tls-cert and --tls-key go together")
     if role == "node" and values["model"] is None and values["layers"] is not None:
         parser.error("--layers needs --model")
+    if role == "node":
+        _check_engine(parser, values)
     if role == "gateway" and values["entry"] is None:
         parser.error(f"--entry (or {env_name('--entry')}) is required")
     try:
