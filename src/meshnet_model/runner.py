@@ -269,7 +269,9 @@ class StageRunner:
                 f"session {session}: this stage's KV cache holds {cache.length} positions, "
                 f"the chunk starts at {position}"
             )
-        output = self.model.forward(inputs, cache, position, between_layers=_stopper(life, deadline))
+        output = self.model.forward(
+            inputs, cache, position, between_layers=_stopper(life, deadline)
+        )
         if life.ended:  # ended while computing: its output must not travel on
             raise SessionEnded(f"session {session} ended while its chunk was computing")
         return output

@@ -122,7 +122,9 @@ class ModelStage:
             ) from None
         return output
 
-    def _timed_run(self, life: SessionLife, context: StageContext, tensor: np.ndarray) -> np.ndarray:
+    def _timed_run(
+        self, life: SessionLife, context: StageContext, tensor: np.ndarray
+    ) -> np.ndarray:
         # Timed inside the worker thread: the layers' time, not the wait for the limiter.
         started = time.perf_counter()
         try:

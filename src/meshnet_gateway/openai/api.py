@@ -186,8 +186,7 @@ class OpenAIService:
     def _check_model(self, name: str, param: str | None = "model") -> None:
         if name != self.model.name:
             raise OpenAIError(
-                f"The model {shown(name)} does not exist (this gateway serves "
-                f"'{self.model.name}')",
+                f"The model {shown(name)} does not exist (this gateway serves '{self.model.name}')",
                 status=404,
                 param=param,
                 code="model_not_found",
