@@ -25,7 +25,7 @@ from meshnet_model.testing import small_config, write_checkpoint
 from security_support import Answer, connect, get, request, rss_kib, send, wire
 
 VOCAB = 320
-HIDDEN = 256
+HIDDEN = 128
 CONTEXT = 512
 LAYERS = 4
 # Big enough that a long prefill keeps a node busy for a while (so a client
@@ -33,10 +33,10 @@ LAYERS = 4
 MODEL = dict(
     vocab_size=VOCAB,
     hidden_size=HIDDEN,
-    intermediate_size=1024,
+    intermediate_size=512,
     num_hidden_layers=LAYERS,
-    num_attention_heads=8,
-    num_key_value_heads=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
     head_dim=32,
     max_position_embeddings=CONTEXT,
 )
