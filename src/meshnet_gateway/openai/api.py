@@ -161,18 +161,19 @@ class OpenAIService:
         """Body → checked request → prompt ids; in a worker thread (user-sized work)."""
         document = parse_json_object(body)
         if path == "/v1/completions":
-            request = parse_completion(document)
-            self._check_model(request.options.model)
-            ids = self._completion_ids(request)
+            completion = parse_completion(document)
+            options = completion.options
+            self._check_model(options.model)
+            ids = self._completion_ids(completion)
             fmt: _Format = _CompletionFormat(self.model.name)
         else:
             chat = parse_chat(document)
-            request = chat
-            self._check_model(chat.options.model)
+            options = chat.options
+            self._check_model(options.model)
             ids = self._chat_ids(chat)
             fmt = _ChatFormat(self.model.name)
-        self._budget(ids, request.options)  # refused here, before any chain work
-        return ids, request.options, fmt
+        self._budget(ids, options)  # refused here, before any chain work
+        return ids, options, fmt
 
     def _model_card(self) -> dict[str, Any]:
         return {
