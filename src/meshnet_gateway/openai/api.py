@@ -242,8 +242,8 @@ class OpenAIService:
             raise invalid(
                 "max_tokens",
                 f"This model's maximum context length is {context} tokens. However, you "
-                f"requested {len(ids) + options.max_tokens} tokens ({len(ids)} in the "
-                f"prompt, {options.max_tokens} for the completion).",
+                f"requested {shown(len(ids) + options.max_tokens)} tokens ({len(ids)} in the "
+                f"prompt, {shown(options.max_tokens)} for the completion).",
                 "context_length_exceeded",
             )
         return options.max_tokens

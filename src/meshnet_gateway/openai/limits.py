@@ -66,7 +66,8 @@ def checked_text(param: str, text: str) -> str:
 
 def shown(value: object) -> str:
     """A short, printable rendering of a client's value for an error message."""
-    text = ascii(value) if isinstance(value, str) else type(value).__name__
-    if isinstance(value, (int, float, bool)) or value is None:
-        text = ascii(value)[:_SHOWN]
+    if isinstance(value, (str, int, float, bool)) or value is None:
+        text = ascii(value)  # JSON ints have at most 4,300 digits: this cannot fail
+    else:
+        text = type(value).__name__  # a list or an object: its type says enough
     return text if len(text) <= _SHOWN else text[: _SHOWN - 3] + "..."
