@@ -149,7 +149,7 @@ def test_kv_cache_grows_in_blocks_and_refuses_past_the_budget(checkpoint: Path) 
     ids = np.asarray([PROMPT], np.int32)
     runner.run("a", 0, ids)
     assert runner.kv_bytes_in_use == BLOCK * per_position  # one block, in bf16
-    cache = runner._caches["a"]
+    cache = runner._lives["a"].cache
     assert cache.keys[0].dtype == torch.bfloat16 and cache.capacity == BLOCK
     runner.run("b", 0, ids)
     assert runner.kv_bytes_in_use == 2 * BLOCK * per_position
@@ -174,7 +174,7 @@ def test_retransmission_recomputes_the_same_bits_and_ended_sessions_refuse(
     first = runner.run("s", 8, ids[:, 8:]).copy()
     again = runner.run("s", 8, ids[:, 8:])  # the cache held 13: truncated back to 8
     assert np.array_equal(first, again)
-    cache = runner._caches["s"]
+    cache = runner._lives["s"].cache
     runner.end_session("s")
     with pytest.raises(SessionEnded):
         cache.reserve(cache.capacity + 1)
@@ -262,7 +262,7 @@ def test_a_staged_engine_decodes_exactly_like_the_view_path(checkpoint: Path) ->
     ids, logits = greedy(runners, PROMPT, 12)
     want_ids, want_logits = greedy(plain, PROMPT, 12)
     assert ids == want_ids and np.array_equal(logits, want_logits)
-    stagings = [r._caches["s"].staging for r in runners]
+    stagings = [r._lives["s"].cache.staging for r in runners]
     # 3 prefill chunks + 12 decode steps per stage, each one device->host copy.
     assert [s.copies for s in stagings] == [15, 15]
     # The hidden states are dropped once the next stage ran: one buffer. The

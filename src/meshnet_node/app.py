@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+from collections import Counter
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -75,6 +76,9 @@ log = logging.getLogger("meshnet.node")
 
 # How often idle sessions are looked for; expiry is at most this late.
 _EXPIRY_INTERVAL = 5.0
+# The DELETE passed down for a session forgotten while one of its chunks was
+# on its way down: bounded, a hung downstream is left to its TTL.
+_ORPHAN_DELETE_TIMEOUT = 10.0
 
 
 @dataclass(eq=False, slots=True)
@@ -106,7 +110,11 @@ class NodeApp:
         self.stage: StageBackend = stage or make_stage(config.backend, config.delay_ms)
         # Whenever the table forgets a session (DELETE, TTL, expiry to make
         # room), the stage frees what it keeps for it (a model's KV cache).
-        self.table = SessionTable(self.limits, on_forget=self.stage.end_session)
+        self.table = SessionTable(self.limits, on_forget=self._forgotten)
+        # Chunks of each session between admission and their answer, and the
+        # sessions forgotten meanwhile: see _pass_forget_down.
+        self._busy: Counter[str] = Counter()
+        self._orphans: set[str] = set()
         self.metrics = metrics or ServerMetrics("node")
         self.metrics.sessions.set_function(lambda: len(self.table))
         bind_metrics = getattr(self.stage, "bind_metrics", None)
@@ -194,9 +202,10 @@ class NodeApp:
         """Run the stage (unless reforwarding), then deliver; every exit reports
         the ticket's outcome to the table and to any joined retransmission."""
         outcome = self._outcomes[ticket.serial] = _Outcome()
+        self._busy[ticket.session] += 1
         try:
             if event is not None:
-                stage_output = await self._stage(ticket, headers, event)
+                stage_output = await self._stage(ticket, headers, event, deadline)
             reply = await self._deliver(ticket, headers, stage_output, deadline)
             outcome.finish(reply, None)
             return reply
@@ -207,8 +216,46 @@ class NodeApp:
             if not outcome.done.is_set():  # cancelled: joined retransmissions must not hang
                 outcome.finish(None, _gone())
             del self._outcomes[ticket.serial]
+            await self._chunk_ended(ticket.session)
 
-    async def _stage(self, ticket: Ticket, headers: WireHeaders, event: ActivationReceived) -> Any:
+    def _forgotten(self, session: str) -> None:
+        """The table forgot ``session``: the stage frees its state at once."""
+        self.stage.end_session(session)
+        if self._busy.get(session):
+            self._orphans.add(session)
+
+    async def _chunk_ended(self, session: str) -> None:
+        self._busy[session] -= 1
+        if self._busy[session] > 0:
+            return
+        del self._busy[session]
+        if session in self._orphans:
+            self._orphans.discard(session)
+            await self._pass_forget_down(session)
+
+    async def _pass_forget_down(self, session: str) -> None:
+        """DELETE a session below us again after a chunk of it went down.
+
+        The session was forgotten here (DELETE, TTL, eviction) while one of
+        its chunks was computing or on its way down; a DELETE passed down
+        then may have overtaken that chunk, which then started the session
+        afresh below — with a KV cache nobody would ever end but the TTL.
+        Shielded and bounded: this runs in the ``finally`` of a request that
+        may be cancelled (its client left).
+        """
+        if self.downstream is None or session in self.table:
+            return  # last stage, or the session was started again meanwhile
+        with anyio.CancelScope(shield=True):
+            try:
+                await self.downstream.request(
+                    "DELETE", f"/sessions/{session}", Deadline.after(_ORPHAN_DELETE_TIMEOUT)
+                )
+            except MeshnetError as exc:
+                log.warning("could not pass the end of session %s down: %s", session, exc)
+
+    async def _stage(
+        self, ticket: Ticket, headers: WireHeaders, event: ActivationReceived, deadline: Deadline
+    ) -> Any:
         started = time.perf_counter()
         context = StageContext(
             session=ticket.session,
@@ -217,6 +264,8 @@ class NodeApp:
             index=ticket.index,
             total=headers.chunk_total or 1,
             run=ticket.run,
+            # The loop's clock is not the thread's: hand the stage a monotonic one.
+            deadline=time.monotonic() + deadline.remaining(),
         )
         try:
             output = await self.stage(event.tensor, context)

@@ -37,6 +37,9 @@ BACKENDS = ("echo", "zeros", "count")
 MODEL_DTYPES = ("keep", "float32", "bfloat16", "float16")
 ENGINES = ("numpy", "torch")
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+# What the gateway does with special-token text (e.g. "<|im_start|>") inside
+# chat message content: docs/security.md argues the default.
+SPECIAL_TOKEN_POLICIES = ("escape", "refuse", "keep")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -80,6 +83,8 @@ class ServerConfig:
     device: str = "cpu"  # torch engine: cpu, cuda or cuda:N
     threads: int | None = None  # torch engine: torch.set_num_threads (None: torch's default)
     kv_budget_bytes: int = 1024 * 1024 * 1024
+    max_chunk_tokens: int = 2048  # rows (batch x tokens) of one chunk a model stage takes
+    max_compute_bytes: int = 1024 * 1024 * 1024  # scratch of one chunk's forward pass
     # gateway
     entry: Endpoint | None = None
     chunk_tokens: int = 128
@@ -89,6 +94,8 @@ class ServerConfig:
     max_context: int = 0  # 0: the checkpoint's max_position_embeddings
     retries: int = 2
     retry_backoff_ms: float = 50.0
+    max_prompt_chars: int = 0  # 0: 32 characters per token of context
+    special_tokens_in_content: str = "escape"
 
     @property
     def limits(self) -> Limits:
@@ -255,6 +262,18 @@ _NODE: list[_Flag] = [
         1024 * 1024 * 1024,
         "with --model: KV cache memory, all sessions together (more get 503)",
     ),
+    (
+        "--max-chunk-tokens",
+        positive_int,
+        2048,
+        "with --model: token rows (batch x tokens) of one chunk (more get 413)",
+    ),
+    (
+        "--max-compute-bytes",
+        positive_int,
+        1024 * 1024 * 1024,
+        "with --model: scratch memory one chunk's compute may need (more get 413)",
+    ),
 ]
 _GATEWAY: list[_Flag] = [
     ("--entry", _endpoint, None, "URL of the first node (required)"),
@@ -266,6 +285,19 @@ _GATEWAY: list[_Flag] = [
     ("--max-context", _nonnegative_int, 0, "context length (0: the checkpoint's config.json)"),
     ("--retries", _nonnegative_int, 2, "extra attempts of a chunk whose connection or hop failed"),
     ("--retry-backoff-ms", _millis, 50.0, "first retry's backoff, ms (doubles per retry)"),
+    (
+        "--max-prompt-chars",
+        _nonnegative_int,
+        0,
+        "characters of a prompt or conversation, checked before tokenizing "
+        "(0: 32 per token of context)",
+    ),
+    (
+        "--special-tokens-in-content",
+        _choice(SPECIAL_TOKEN_POLICIES),
+        "escape",
+        "special-token text in chat content: escape (plain text), refuse (400) or keep",
+    ),
 ]
 
 

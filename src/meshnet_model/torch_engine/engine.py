@@ -14,6 +14,7 @@ reads them and as the numpy engine returns them.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +23,12 @@ import numpy as np
 from ..config import ModelConfig
 from ..kv_cache import KVBudget
 from ..llama import StageInvariantError
-from ..runner import DEFAULT_KV_BUDGET, StageRunner
+from ..runner import (
+    DEFAULT_KV_BUDGET,
+    DEFAULT_MAX_CHUNK_TOKENS,
+    DEFAULT_MAX_COMPUTE_BYTES,
+    StageRunner,
+)
 from ..source import model_name
 from ..weights import StageWeights
 from ._torch import COMPUTE_DTYPES, check_device, import_torch
@@ -35,6 +41,9 @@ __all__ = ["TorchStageModel", "load_torch_runner"]
 
 
 class TorchStageModel:
+    # scaled_dot_product_attention scores the whole chunk at once (costs.chunk_cost).
+    query_block: int | None = None
+
     def __init__(self, torch: Any, weights: StageWeights, *, dtype: str = "keep",
                  device: str = "cpu", transfer: Transfer | None = None) -> None:  # fmt: skip
         if dtype not in COMPUTE_DTYPES:
@@ -63,9 +72,18 @@ class TorchStageModel:
         cache.staging = self.transfer.new_staging()
         return cache
 
-    def forward(self, inputs: np.ndarray, cache: TorchKVCache, position: int) -> np.ndarray:
+    def forward(
+        self,
+        inputs: np.ndarray,
+        cache: TorchKVCache,
+        position: int,
+        *,
+        between_layers: Callable[[], None] | None = None,
+    ) -> np.ndarray:
         """As ``StageModel.forward``: the chunk's layers at ``position``; the
-        cache holds ``position + tokens`` after."""
+        cache holds ``position + tokens`` after. ``between_layers`` is called
+        before each layer and may raise to stop the compute (the runner's
+        deadline and session-life check); the cache then keeps ``position``."""
         if cache.length != position:
             raise StageInvariantError(
                 f"the KV cache holds {cache.length} positions, the chunk starts at {position}"
@@ -79,7 +97,7 @@ class TorchStageModel:
                 x = t.nn.functional.embedding(ids, self.weights.embed)
             else:
                 x = self.transfer.to_device(inputs, self.dtype)
-            x = self._layers(x, cache, position)
+            x = self._layers(x, cache, position, between_layers)
             if x.shape[:2] != inputs.shape[:2]:  # the seed's invariant, as in the numpy engine
                 raise StageInvariantError(
                     f"layers {self.layers.start}..{self.layers.stop - 1} computed {x.shape[1]} "
@@ -92,10 +110,18 @@ class TorchStageModel:
                 x = t.nn.functional.linear(final, w.lm_head).float()
             return self.transfer.to_host(x, cache.staging)
 
-    def _layers(self, x: Any, cache: TorchKVCache, position: int) -> Any:
+    def _layers(
+        self,
+        x: Any,
+        cache: TorchKVCache,
+        position: int,
+        between_layers: Callable[[], None] | None = None,
+    ) -> Any:
         c, t = self.config, self.torch
         rope = self.rope.get(position, x.shape[1])
         for i, block in enumerate(self.weights.blocks):
+            if between_layers is not None:
+                between_layers()
             layer = self.layers.start + i
             h = rms_norm(t, x, block.input_norm, c.rms_norm_eps)
             x = x + attention(
@@ -128,6 +154,8 @@ def load_torch_runner(
     device: str = "cpu",
     threads: int | None = None,
     kv_budget_bytes: int = DEFAULT_KV_BUDGET,
+    max_chunk_tokens: int = DEFAULT_MAX_CHUNK_TOKENS,
+    max_compute_bytes: int = DEFAULT_MAX_COMPUTE_BYTES,
     config: ModelConfig | None = None,
     transfer: Transfer | None = None,
 ) -> StageRunner:
@@ -146,5 +174,6 @@ def load_torch_runner(
     # The runner needs the stage's shape, not the numpy arrays: dropping them
     # lets a converted stage's map go (only the torch tensors hold memory).
     shape_only = dataclasses.replace(mapped, blocks=[], embed=None, norm=None, lm_head=None)
-    return StageRunner(shape_only, kv_budget_bytes=kv_budget_bytes, name=model_name(path),
-                       path=str(path), model=model)  # fmt: skip
+    return StageRunner(shape_only, kv_budget_bytes=kv_budget_bytes,
+                       max_chunk_tokens=max_chunk_tokens, max_compute_bytes=max_compute_bytes,
+                       name=model_name(path), path=str(path), model=model)  # fmt: skip
