@@ -66,3 +66,22 @@ def test_gateway_refuses_a_bad_gguf_file_with_one_line_and_exit_2(tmp_path: Path
     assert result.returncode == 2
     assert result.stderr.startswith(f"meshnet-gateway: cannot load --model {bad}: ")
     assert result.stderr.count("\n") == 1
+
+
+def test_meshnet_run_refuses_a_bad_gguf_file_with_one_line_and_exit_2(tmp_path: Path) -> None:
+    """Before anything listens, as for a directory: an unreadable header and an
+    architecture we do not run are one line each, never a traceback."""
+    good = write_model_gguf(tmp_path, build_model("llama", 2, seed=1), "F32")
+    other = tmp_path / "other.gguf"
+    other.write_bytes(good.read_bytes().replace(b"llama", b"gemma", 1))
+    garbage = tmp_path / "garbage.gguf"
+    garbage.write_bytes(b"GGUF" + bytes(64))
+    cases = {other: "GGUF architecture 'gemma' is not supported", garbage: "GGUF"}
+    for bad, message in cases.items():
+        result = subprocess.run(
+            [sys.executable, "-m", "meshnet_cli", "run", "--model", str(bad), "--stages", "2"],
+            capture_output=True, text=True, timeout=60, env=clean_env(),
+        )  # fmt: skip
+        assert result.returncode == 2, result.stderr
+        assert result.stderr.startswith(f"meshnet run: cannot load --model {bad}: ")
+        assert result.stderr.count("\n") == 1 and message in result.stderr, result.stderr

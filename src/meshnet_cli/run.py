@@ -19,6 +19,7 @@ import anyio
 
 from meshnet_gateway import open_gateway
 from meshnet_gateway.app import GatewayApp
+from meshnet_model.checkpoint import CheckpointError
 from meshnet_model.config import ConfigError
 from meshnet_model.source import load_config as load_model_config
 from meshnet_node.model_chain import even_splits, start_model_chain
@@ -99,7 +100,7 @@ def main(args: argparse.Namespace) -> int:
         # Fail-closed before anything listens: a config the nodes would refuse
         # is one line and exit 2, as meshnet-node and meshnet-gateway give it.
         load_model_config(args.model)  # a directory or a .gguf file
-    except ConfigError as exc:
+    except (ConfigError, CheckpointError) as exc:  # a GGUF's header or metadata too
         print(f"meshnet run: cannot load --model {args.model}: {exc}", file=sys.stderr)
         return 2
     try:
