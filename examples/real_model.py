@@ -28,6 +28,7 @@ import sys
 import tempfile
 import urllib.request
 from pathlib import Path
+from typing import Any
 
 import anyio
 
@@ -48,10 +49,8 @@ def packaged_gguf() -> Path:
     return Path(next(iter(spec.submodule_search_locations))) / GGUF_NAME
 
 
-def convert(gguf: Path, out: Path) -> Path:
-    """A transformers 5 checkpoint directory of the GGUF's model, float32."""
-    if (out / "model.safetensors").is_file():
-        return out
+def load_gguf(gguf: Path) -> tuple[Any, Any]:
+    """transformers' tokenizer and float32 model from the GGUF (it dequantizes)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -59,15 +58,33 @@ def convert(gguf: Path, out: Path) -> Path:
     loaded = AutoModelForCausalLM.from_pretrained(
         gguf.parent, gguf_file=gguf.name, dtype=torch.float32
     )
+    return tokenizer, loaded.eval()
+
+
+def save_checkpoint(tokenizer: Any, loaded: Any, out: Path) -> Path:
+    """A transformers 5 checkpoint directory of a model loaded from GGUF."""
+    import copy
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
     # A model loaded from GGUF refuses save_pretrained; the same weights in a
     # plain model of the same config save as any checkpoint does.
-    config = loaded.config
+    config = copy.deepcopy(loaded.config)
     del config.quantization_config
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.load_state_dict(loaded.state_dict())
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
     return out
+
+
+def convert(gguf: Path, out: Path) -> Path:
+    """A transformers 5 checkpoint directory of the GGUF's model, float32 (kept:
+    a directory that already holds one is used as it is)."""
+    if (out / "model.safetensors").is_file():
+        return out
+    return save_checkpoint(*load_gguf(gguf), out)
 
 
 def transformers_answers(directory: Path) -> tuple[str, str, int]:

@@ -334,8 +334,8 @@ def test_a_leftover_of_a_cancelled_chunk_is_dropped_on_retry(checkpoint: Path) -
 
 def test_non_first_stage_computing_a_suffix_is_refused_by_name(checkpoint: Path) -> None:
     class SuffixOnly(StageModel):
-        def _layers(self, x, cache, position):  # type: ignore[no-untyped-def]
-            return super()._layers(x, cache, position)[:, 1:]  # drops the first position
+        def _layers(self, x, cache, position, *rest):  # type: ignore[no-untyped-def]
+            return super()._layers(x, cache, position, *rest)[:, 1:]  # drops the first position
 
     model = SuffixOnly(StageWeights.load(checkpoint, range(2, 4)))
     hidden = np.zeros((1, 4, 64), np.float32)
@@ -349,7 +349,8 @@ def test_a_cache_ended_mid_compute_gives_its_bytes_back_once(checkpoint: Path) -
     runner = StageRunner.load(checkpoint, kv_budget_bytes=1 << 20)
     ids = prompt(20)
     runner.run("s", 0, ids[:, :10])
-    cache = runner._caches["s"]
+    cache = runner._lives["s"].cache
+    assert cache is not None
     held = runner.kv_bytes_in_use
     assert runner.end_session("s") == held and runner.kv_bytes_in_use == 0
     assert cache.close() == 0  # idempotent: never given back twice

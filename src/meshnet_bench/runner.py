@@ -37,6 +37,7 @@ SECTIONS: tuple[str, ...] = (
     "concurrency",
     "model",
     "failover",
+    "engines",
 )
 
 # key -> (comparison, bound): the floors. Printed next to the figures.

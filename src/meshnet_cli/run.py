@@ -19,7 +19,9 @@ import anyio
 
 from meshnet_gateway import open_gateway
 from meshnet_gateway.app import GatewayApp
-from meshnet_model.config import ConfigError, ModelConfig
+from meshnet_model.checkpoint import CheckpointError
+from meshnet_model.config import ConfigError
+from meshnet_model.source import load_config as load_model_config
 from meshnet_node.model_chain import even_splits, start_model_chain
 from meshnet_runtime.config import load_config
 from meshnet_runtime.lifecycle import configure_logging
@@ -36,7 +38,7 @@ class LocalRun:
 
 
 def _num_layers(model: str) -> int:
-    return ModelConfig.from_dir(model).num_hidden_layers
+    return load_model_config(model).num_hidden_layers
 
 
 @asynccontextmanager
@@ -78,8 +80,9 @@ async def run_local(
     if args.model_name is not None:
         gateway_flags += ["--model-name", args.model_name]
     node_flags = ["--log-level", args.log_level]
-    if args.dtype is not None:
-        node_flags += ["--dtype", args.dtype]
+    for flag in ("dtype", "engine", "device", "threads"):  # the nodes validate them
+        if getattr(args, flag, None) is not None:
+            node_flags += [f"--{flag}", str(getattr(args, flag))]
     with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
         async with serve_local(
             args.model, args.stages, gateway_flags=gateway_flags, node_flags=node_flags
@@ -96,8 +99,8 @@ def main(args: argparse.Namespace) -> int:
     try:
         # Fail-closed before anything listens: a config the nodes would refuse
         # is one line and exit 2, as meshnet-node and meshnet-gateway give it.
-        ModelConfig.from_dir(args.model)
-    except ConfigError as exc:
+        load_model_config(args.model)  # a directory or a .gguf file
+    except (ConfigError, CheckpointError) as exc:  # a GGUF's header or metadata too
         print(f"meshnet run: cannot load --model {args.model}: {exc}", file=sys.stderr)
         return 2
     try:

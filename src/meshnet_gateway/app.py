@@ -415,6 +415,8 @@ def _openai_service(app: GatewayApp) -> OpenAIService:
         chain_settings,
         max_tokens_default=config.max_tokens_default,
         max_prompt_tokens=max_prompt,
+        max_prompt_chars=config.max_prompt_chars,
+        special_tokens_in_content=config.special_tokens_in_content,
         metrics=GenerationMetrics(app.metrics.registry),
     )
 

@@ -1,11 +1,12 @@
-"""``python -m meshnet_model plan DIR --stages N``: how to split a checkpoint.
+"""``python -m meshnet_model plan DIR|FILE.gguf --stages N``: how to split a checkpoint.
 
 Prints, for N contiguous stages holding about equal checkpoint bytes, each
 node's ``--layers A:B``, the checkpoint bytes it maps (the embedding counts on
 the first stage, the norm and head — the embedding again when tied — on the
 last) and its KV cache bytes per token: what each machine needs, before
 starting any node. It balances memory, not compute (an embedding costs bytes
-but almost no time). Reads only ``config.json`` and the safetensors headers.
+but almost no time). Reads only ``config.json`` and the safetensors headers, or
+a GGUF file's header (its bytes are the quantized ones).
 """
 
 from __future__ import annotations
@@ -18,33 +19,46 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from .checkpoint import Checkpoint, CheckpointError, open_checkpoint
-from .config import ConfigError, ModelConfig
+from .checkpoint import Checkpoint, CheckpointError
+from .config import ConfigError
+from .gguf import GGUFFile, hf_name, is_gguf
+from .source import load_config
 
 __all__ = ["main", "plan_stages"]
 
 
-def _tensor_bytes(ckpt: Checkpoint, name: str) -> int:
-    f = ckpt.file_for(name)
-    return math.prod(f.shape(name)) * f.dtype(name).itemsize
+def _tensor_sizes(path: str | Path) -> dict[str, int]:
+    """Bytes of each tensor as stored, by HF name: a directory's safetensors, or
+    a GGUF file's (quantized) tensors, read from the headers only."""
+    if is_gguf(path):
+        file = GGUFFile(path)
+        return {
+            name: int(tensor.n_bytes)
+            for tensor in file.tensors.values()
+            if (name := hf_name(tensor.name)) is not None
+        }
+    ckpt = Checkpoint(path)
+    sizes = {}
+    for name in ckpt.weight_map:
+        f = ckpt.file_for(name)
+        sizes[name] = math.prod(f.shape(name)) * f.dtype(name).itemsize
+    return sizes
 
 
 def plan_stages(directory: str | Path, stages: int) -> list[dict[str, object]]:
     """``stages`` layer ranges balancing checkpoint bytes, with what each holds."""
-    config = ModelConfig.from_dir(directory)
+    config = load_config(directory)
     if not 1 <= stages <= config.num_hidden_layers:
         raise ValueError(f"stages must be 1..{config.num_hidden_layers}, got {stages}")
-    ckpt = open_checkpoint(directory)
+    sizes = _tensor_sizes(directory)
     layer_bytes = []
     for i in range(config.num_hidden_layers):
         prefix = f"model.layers.{i}."
-        layer_bytes.append(
-            sum(_tensor_bytes(ckpt, n) for n in ckpt.weight_map if n.startswith(prefix))
-        )
-    embed = _tensor_bytes(ckpt, "model.embed_tokens.weight")
-    head = _tensor_bytes(ckpt, "model.norm.weight") + (
-        _tensor_bytes(ckpt, "lm_head.weight")
-        if "lm_head.weight" in ckpt and not config.tie_word_embeddings
+        layer_bytes.append(sum(size for n, size in sizes.items() if n.startswith(prefix)))
+    embed = sizes["model.embed_tokens.weight"]
+    head = sizes["model.norm.weight"] + (
+        sizes["lm_head.weight"]
+        if "lm_head.weight" in sizes and not config.tie_word_embeddings
         else embed  # a tied head maps the embedding on the last stage too
     )
     # Greedy cut: close a stage once the stages so far hold their share of the

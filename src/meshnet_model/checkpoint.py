@@ -23,9 +23,13 @@ import struct
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import ml_dtypes
 import numpy as np
+
+if TYPE_CHECKING:
+    from .gguf import GGUFCheckpoint
 
 __all__ = ["Checkpoint", "CheckpointError", "SafetensorsFile", "open_checkpoint"]
 
@@ -204,8 +208,8 @@ class Checkpoint:
         return {self.file_for(n).dtype(n).name for n in names}
 
 
-def open_checkpoint(path: str | Path) -> Checkpoint:
-    """The tensors of a model path, by Hugging Face name: the one place that decides
-    how a path is read (a directory of safetensors today; other formats add a
-    branch here), so every loader opens checkpoints the same way."""
-    return Checkpoint(path)
+def open_checkpoint(path: str | Path) -> Checkpoint | GGUFCheckpoint:
+    """``--model PATH``'s tensors: a checkpoint directory, or a ``.gguf`` file."""
+    from .gguf import GGUFCheckpoint, is_gguf
+
+    return GGUFCheckpoint(path) if is_gguf(path) else Checkpoint(path)

@@ -81,9 +81,13 @@ class KVCache:
         self.values: list[np.ndarray] = []
         self.closed = False
 
+    # Bytes of one stored number; an engine keeping its cache in another dtype
+    # (the torch engine: its compute dtype) says so, and the budget counts it.
+    itemsize: int = KV_DTYPE.itemsize
+
     @property
     def bytes_per_position(self) -> int:
-        return 2 * self.layers * self.batch * self.kv_heads * self.head_dim * KV_DTYPE.itemsize
+        return 2 * self.layers * self.batch * self.kv_heads * self.head_dim * self.itemsize
 
     @property
     def nbytes(self) -> int:
@@ -119,6 +123,11 @@ class KVCache:
             # Counted under the lock, so a close() racing with us gives back
             # exactly what was taken.
             self.capacity = capacity
+        self._allocate(capacity)
+
+    def _allocate(self, capacity: int) -> None:
+        """Hold ``capacity`` positions per layer, the filled ones copied over
+        (budget already taken; an engine with its own arrays overrides this)."""
         shape = (self.batch, self.kv_heads, capacity, self.head_dim)
         filled = self.length
         keys, values = [], []

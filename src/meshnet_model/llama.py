@@ -24,6 +24,8 @@ position, ``[batch, vocab]`` float32.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from typing import Any
 
 import ml_dtypes
 import numpy as np
@@ -145,6 +147,8 @@ def mlp(x: np.ndarray, block: LayerWeights) -> np.ndarray:
 class StageModel:
     """The forward pass of one stage's layers, over a session's ``KVCache``."""
 
+    query_block: int | None = _QUERY_BLOCK  # attention scores this many query rows at once
+
     def __init__(self, weights: StageWeights) -> None:
         self.weights = weights
         self.config = weights.config
@@ -163,11 +167,21 @@ class StageModel:
         return KVCache(budget, layers=len(self.weights.layers), batch=batch,
                        kv_heads=c.num_key_value_heads, head_dim=c.head_dim)  # fmt: skip
 
+    def describe(self) -> dict[str, Any]:
+        return {"engine": "numpy", "device": "cpu", "compute_dtype": "float32"}
+
     def embed(self, ids: np.ndarray) -> np.ndarray:
         assert self.weights.embed is not None
         return _f32(self.weights.embed[ids])
 
-    def forward(self, inputs: np.ndarray, cache: KVCache, position: int) -> np.ndarray:
+    def forward(
+        self,
+        inputs: np.ndarray,
+        cache: KVCache,
+        position: int,
+        *,
+        between_layers: Callable[[], None] | None = None,
+    ) -> np.ndarray:
         """Run this stage's layers on a chunk starting at session ``position``.
 
         ``inputs``: token ids ``[batch, tokens]`` on the first stage, else hidden
@@ -175,15 +189,20 @@ class StageModel:
         hidden ``[batch, tokens, hidden]``, or the last position's logits
         ``[batch, vocab]`` on the last stage. The cache must hold exactly
         ``position`` positions; it holds ``position + tokens`` after.
+        ``between_layers`` is called before each layer and may raise to stop
+        the compute (a spent deadline, an ended session); the cache then keeps
+        ``position`` positions.
         """
         if cache.length != position:
             raise StageInvariantError(
                 f"the KV cache holds {cache.length} positions, the chunk starts at {position}"
             )
         tokens = inputs.shape[1]
-        x = self.embed(inputs) if self.first else _f32(inputs)
+        # The KV growth is checked against its budget before the embedding
+        # (tokens x hidden floats) is built: a refused chunk allocates nothing.
         cache.reserve(position + tokens)
-        x = self._layers(x, cache, position)
+        x = self.embed(inputs) if self.first else _f32(inputs)
+        x = self._layers(x, cache, position, between_layers)
         # The invariant of shared/seeds/003: a stage must compute every position
         # it received, never a suffix — else the next stage would attend over a
         # prefix it never got. The seed allows a short output on the stage that
@@ -203,10 +222,18 @@ class StageModel:
         final = rms_norm(x[:, -1], self.weights.norm, self.config.rms_norm_eps)
         return linear(final, self.weights.lm_head)
 
-    def _layers(self, x: np.ndarray, cache: KVCache, position: int) -> np.ndarray:
+    def _layers(
+        self,
+        x: np.ndarray,
+        cache: KVCache,
+        position: int,
+        between_layers: Callable[[], None] | None = None,
+    ) -> np.ndarray:
         c = self.config
         rope = self.rope.cos_sin(position, x.shape[1])
         for i, block in enumerate(self.weights.blocks):
+            if between_layers is not None:
+                between_layers()
             layer = self.weights.layers.start + i
             h = rms_norm(x, block.input_norm, c.rms_norm_eps)
             x = x + attention(

@@ -14,25 +14,85 @@ Position handling — the cache must agree with the session's position (SPEC
   dropped and the chunk recomputed (the retransmission's numbers are then
   exactly the first attempt's).
 * cache shorter: context this stage never saw — refused (``CacheMismatch``).
+
+A session's cache is tied to its life (issue 13): the node ``admit``s a
+session when its sequencer hands a chunk to the stage and gets a
+``SessionLife``; ``end_session`` (DELETE, TTL, eviction) marks that life
+ended under the same lock that creates caches. So a chunk that was queued
+for the compute thread when its session ended finds the life ended and
+creates nothing; one that was computing stops at the next layer; and a
+chunk of an ended session never hands its output on. Without this, a chunk
+that ran after its session was forgotten created a cache nothing tracked —
+the permanent leak of issue 13.
+
+Costs are checked before anything is allocated (``check_head``, from the
+header's shape alone): tokens per chunk (``max_chunk_tokens``), the scratch
+of the forward pass (``max_compute_bytes``, see ``costs``), and positions
+past ``max_position_embeddings``; the KV growth is checked by the budget
+before the cache grows, and the cache grows before the embedding is built.
 """
 
 from __future__ import annotations
 
 import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
 from .config import ModelConfig
-from .kv_cache import KVBudget, KVCache
+from .costs import chunk_cost
+from .kv_cache import KVBudget, KVCache, SessionEnded
 from .llama import StageModel
+from .source import model_name
 from .weights import StageWeights
 
-__all__ = ["CacheMismatch", "StageInputError", "StageRunner"]
+__all__ = [
+    "CacheMismatch",
+    "ChunkTooLarge",
+    "ComputeDeadlineExceeded",
+    "ContextExceeded",
+    "Engine",
+    "SessionLife",
+    "StageInputError",
+    "StageRunner",
+]
 
 DEFAULT_KV_BUDGET = 1024 * 1024 * 1024
+# Rows (batch x tokens) of one chunk: the gateway sends 128 by default; a
+# longer prompt is several chunks. meshnet-node --max-chunk-tokens.
+DEFAULT_MAX_CHUNK_TOKENS = 2048
+# Scratch of one chunk's forward pass (costs.chunk_cost): far above what a
+# 2048-row chunk of an 8B Llama needs (~0.7 GiB), far below what a header
+# could ask for. meshnet-node --max-compute-bytes.
+DEFAULT_MAX_COMPUTE_BYTES = 1024 * 1024 * 1024
 _FLOAT_WIRE = ("float32", "float16", "bfloat16")
+
+
+class Engine(Protocol):
+    """What the runner needs of an engine: it owns the weights, a session's
+    cache arrays (``new_cache``) and the forward pass; numpy in, numpy out.
+    ``forward`` calls ``between_layers`` before each layer (the runner's
+    deadline and session-life check, which may raise to stop the compute)."""
+
+    def new_cache(self, budget: KVBudget, batch: int) -> KVCache: ...
+
+    def forward(
+        self,
+        inputs: np.ndarray,
+        cache: KVCache,
+        position: int,
+        *,
+        between_layers: Callable[[], None] | None = None,
+    ) -> np.ndarray: ...
+
+    def describe(self) -> dict[str, Any]: ...
+
+    # Query rows scored at once (costs.chunk_cost; None: the whole chunk).
+    query_block: int | None
 
 
 class StageInputError(ValueError):
@@ -43,22 +103,53 @@ class CacheMismatch(Exception):
     """The session's cache does not hold the context the chunk follows."""
 
 
+class ChunkTooLarge(StageInputError):
+    """More rows, or more scratch memory, than this stage takes in one chunk."""
+
+
+class ContextExceeded(StageInputError):
+    """Positions past the model's ``max_position_embeddings``."""
+
+
+class ComputeDeadlineExceeded(Exception):
+    """The request's deadline passed between two layers: the compute stopped."""
+
+
+@dataclass(eq=False, slots=True)
+class SessionLife:
+    """One session's life on this stage: its cache, and whether it has ended.
+
+    ``ended`` is set, and ``cache`` read, under the runner's lock; a life
+    that has ended never gets a cache again.
+    """
+
+    session: str
+    cache: KVCache | None = None
+    ended: bool = False
+
+
 class StageRunner:
     def __init__(
         self,
         weights: StageWeights,
         *,
         kv_budget_bytes: int = DEFAULT_KV_BUDGET,
+        max_chunk_tokens: int = DEFAULT_MAX_CHUNK_TOKENS,
+        max_compute_bytes: int = DEFAULT_MAX_COMPUTE_BYTES,
         name: str | None = None,
         path: str | None = None,
+        model: Engine | None = None,
     ) -> None:
         self.weights = weights
-        self.model = StageModel(weights)
+        # The engine: numpy's StageModel unless another is given (the torch one).
+        self.model: Engine = model if model is not None else StageModel(weights)
         self.config: ModelConfig = weights.config
         self.budget = KVBudget(kv_budget_bytes)
+        self.max_chunk_tokens = max_chunk_tokens
+        self.max_compute_bytes = max_compute_bytes
         self.name = name
         self.path = path
-        self._caches: dict[str, KVCache] = {}
+        self._lives: dict[str, SessionLife] = {}
         self._lock = threading.Lock()
 
     @classmethod
@@ -69,11 +160,12 @@ class StageRunner:
         *,
         dtype: str = "float32",
         kv_budget_bytes: int = DEFAULT_KV_BUDGET,
+        **limits: int,
     ) -> StageRunner:
         path = Path(directory)
         weights = StageWeights.load(path, layers, dtype=dtype)
-        return cls(weights, kv_budget_bytes=kv_budget_bytes, name=path.resolve().name,
-                   path=str(path))  # fmt: skip
+        return cls(weights, kv_budget_bytes=kv_budget_bytes, name=model_name(path),
+                   path=str(path), **limits)  # fmt: skip
 
     # -- the contract --------------------------------------------------------------
 
@@ -103,14 +195,56 @@ class StageRunner:
                 f"{list(shape)}"
             )
 
+    def check_head(self, shape: tuple[int, ...], dtype: str) -> None:
+        """``check_shape`` and the chunk's cost, from its header alone.
+
+        Refuses (``ChunkTooLarge``, ``ContextExceeded``) what would allocate
+        or compute more than the limits allow, before a byte of the body is
+        read. The position is not known yet: the scratch is costed for the
+        longest context the model takes.
+        """
+        self.check_shape(shape, dtype)
+        batch, tokens = shape[0], shape[1]
+        context = self.config.max_position_embeddings
+        if tokens > context:
+            raise ContextExceeded(
+                f"a chunk of {tokens} tokens is longer than the model's context of "
+                f"{context} positions"
+            )
+        if batch * tokens > self.max_chunk_tokens:
+            raise ChunkTooLarge(
+                f"a chunk of {batch} x {tokens} = {batch * tokens} token rows is over this "
+                f"node's limit of {self.max_chunk_tokens} (--max-chunk-tokens)"
+            )
+        cost = chunk_cost(self.config, batch=batch, tokens=tokens, context=context,
+                          last=self.last, query_block=self.model.query_block)  # fmt: skip
+        if cost.total > self.max_compute_bytes:
+            raise ChunkTooLarge(
+                f"a chunk of shape {list(shape)} needs ~{cost.total} bytes of scratch, over "
+                f"this node's limit of {self.max_compute_bytes} (--max-compute-bytes)"
+            )
+
+    def check_position(self, position: int, tokens: int) -> None:
+        """Refuse positions past the model's context (RoPE was never trained there)."""
+        context = self.config.max_position_embeddings
+        if position + tokens > context:
+            raise ContextExceeded(
+                f"positions {position}..{position + tokens - 1} are past the model's context "
+                f"of {context} positions (max_position_embeddings)"
+            )
+
     def check_input(self, inputs: np.ndarray) -> None:
         """Raise ``StageInputError`` unless ``inputs`` is what this stage takes."""
-        self.check_shape(inputs.shape, inputs.dtype.name)
+        self.check_head(inputs.shape, inputs.dtype.name)
         vocab = self.config.vocab_size
         if self.first and inputs.size and (inputs.min() < 0 or inputs.max() >= vocab):
             raise StageInputError(
                 f"token ids must be in 0..{vocab - 1}, got {inputs.min()}..{inputs.max()}"
             )
+        # A NaN or an infinity would be written into the session's KV cache and
+        # poison every later position: refused, never computed on.
+        if not self.first and not np.isfinite(inputs).all():
+            raise StageInputError("hidden states must be finite (no NaN or infinity)")
 
     def output_shape(self, inputs_shape: tuple[int, ...]) -> tuple[int, ...]:
         batch, tokens = inputs_shape[0], inputs_shape[1]
@@ -120,9 +254,36 @@ class StageRunner:
 
     # -- running -------------------------------------------------------------------
 
-    def run(self, session: str, position: int, inputs: np.ndarray) -> np.ndarray:
+    def admit(self, session: str) -> SessionLife:
+        """The session's current life (a new one if it has none).
+
+        The node calls this in the same event-loop step as its sequencer
+        hands the chunk to the stage, so the session is known to the table
+        then, and any later forget reaches this life.
+        """
+        with self._lock:
+            life = self._lives.get(session)
+            if life is None:
+                life = self._lives[session] = SessionLife(session)
+            return life
+
+    def run(
+        self,
+        session: str,
+        position: int,
+        inputs: np.ndarray,
+        *,
+        life: SessionLife | None = None,
+        deadline: float | None = None,
+    ) -> np.ndarray:
+        """Run a chunk. ``life``: from ``admit`` (default: admitted now);
+        ``deadline``: a ``time.monotonic()`` after which the compute stops
+        between layers (``ComputeDeadlineExceeded``)."""
+        if life is None:
+            life = self.admit(session)
         self.check_input(inputs)
-        cache = self._cache_for(session, batch=inputs.shape[0], position=position)
+        self.check_position(position, inputs.shape[1])
+        cache = self._cache_for(life, batch=inputs.shape[0])
         if cache.batch != inputs.shape[0]:
             raise StageInputError(
                 f"session {session} started with batch {cache.batch}, this chunk has "
@@ -135,19 +296,29 @@ class StageRunner:
                 f"session {session}: this stage's KV cache holds {cache.length} positions, "
                 f"the chunk starts at {position}"
             )
-        return self.model.forward(inputs, cache, position)
+        output = self.model.forward(
+            inputs, cache, position, between_layers=_stopper(life, deadline)
+        )
+        if life.ended:  # ended while computing: its output must not travel on
+            raise SessionEnded(f"session {session} ended while its chunk was computing")
+        return output
 
-    def _cache_for(self, session: str, *, batch: int, position: int) -> KVCache:
+    def _cache_for(self, life: SessionLife, *, batch: int) -> KVCache:
         with self._lock:
-            cache = self._caches.get(session)
-            if cache is None:
-                cache = self._caches[session] = self.model.new_cache(self.budget, batch)
-            return cache
+            if life.ended:  # forgotten while the chunk waited: create nothing
+                raise SessionEnded(f"session {life.session} ended before its chunk ran")
+            if life.cache is None:
+                life.cache = self.model.new_cache(self.budget, batch)
+            return life.cache
 
     def end_session(self, session: str) -> int:
-        """Free the session's cache; returns the bytes given back (0 if none)."""
+        """End the session's life and free its cache; returns the bytes given back."""
         with self._lock:
-            cache = self._caches.pop(session, None)
+            life = self._lives.pop(session, None)
+            if life is None:
+                return 0
+            life.ended = True
+            cache, life.cache = life.cache, None
         return 0 if cache is None else cache.close()
 
     # -- reporting -----------------------------------------------------------------
@@ -158,7 +329,9 @@ class StageRunner:
 
     @property
     def sessions(self) -> int:
-        return len(self._caches)
+        """Sessions holding a cache."""
+        with self._lock:
+            return sum(1 for life in self._lives.values() if life.cache is not None)
 
     def describe(self) -> dict[str, Any]:
         w = self.weights
@@ -171,7 +344,6 @@ class StageRunner:
             "first": self.first,
             "last": self.last,
             "weights_dtype": w.dtype,
-            "compute_dtype": "float32",
             "weights_bytes": w.nbytes,
             "tied_head": w.tied_head,
             "rope_scaling": self.config.rope_scaling.rope_type,
@@ -182,4 +354,18 @@ class StageRunner:
             "kv_bytes_in_use": self.budget.in_use,
             "kv_budget_bytes": self.budget.limit,
             "kv_sessions": self.sessions,
+            **self.model.describe(),  # engine, device, compute and weights dtype
         }  # fmt: skip
+
+
+def _stopper(life: SessionLife, deadline: float | None) -> Callable[[], None]:
+    """What ``forward`` calls before each layer: stop if the session ended or
+    the deadline passed, so a node is free again within one layer's time."""
+
+    def check() -> None:
+        if life.ended:
+            raise SessionEnded(f"session {life.session} ended while its chunk was computing")
+        if deadline is not None and time.monotonic() >= deadline:
+            raise ComputeDeadlineExceeded("the request's deadline passed during the compute")
+
+    return check

@@ -28,6 +28,7 @@ import numpy as np
 
 from .checkpoint import CheckpointError, open_checkpoint
 from .config import ModelConfig
+from .source import load_config
 
 __all__ = ["WEIGHT_DTYPES", "LayerWeights", "StageWeights", "parse_layers"]
 
@@ -119,7 +120,7 @@ class StageWeights:
         config: ModelConfig | None = None,
         mmap: bool = True,
     ) -> StageWeights:
-        config = config or ModelConfig.from_dir(directory)
+        config = config or load_config(directory)  # a directory or a .gguf file
         layers = range(config.num_hidden_layers) if layers is None else layers
         if not (0 <= layers.start < layers.stop <= config.num_hidden_layers and layers.step == 1):
             raise ValueError(

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import time
+import collections
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -76,6 +77,9 @@ log = logging.getLogger("meshnet.node")
 
 # How often idle sessions are looked for; expiry is at most this late.
 _EXPIRY_INTERVAL = 5.0
+# The DELETE passed down for a session forgotten while one of its chunks was
+# on its way down: bounded, a hung downstream is left to its TTL.
+_ORPHAN_DELETE_TIMEOUT = 10.0
 
 
 @dataclass(eq=False, slots=True)
@@ -107,7 +111,11 @@ class NodeApp:
         self.stage: StageBackend = stage or make_stage(config.backend, config.delay_ms)
         # Whenever the table forgets a session (DELETE, TTL, expiry to make
         # room), the stage frees what it keeps for it (a model's KV cache).
-        self.table = SessionTable(self.limits, on_forget=self._forget)
+        self.table = SessionTable(self.limits, on_forget=self._forgotten)
+        # Chunks of each session between admission and their answer, and the
+        # sessions forgotten meanwhile: see _pass_forget_down.
+        self._busy: collections.Counter[str] = collections.Counter()
+        self._orphans: set[str] = set()
         self.metrics = metrics or ServerMetrics("node")
         self.metrics.sessions.set_function(lambda: len(self.table))
         bind_metrics = getattr(self.stage, "bind_metrics", None)
@@ -239,9 +247,10 @@ class NodeApp:
         """Run the stage (unless reforwarding), then deliver; every exit reports
         the ticket's outcome to the table and to any joined retransmission."""
         outcome = self._outcomes[ticket.serial] = _Outcome()
+        self._busy[ticket.session] += 1
         try:
             if event is not None:
-                stage_output = await self._stage(ticket, headers, event)
+                stage_output = await self._stage(ticket, headers, event, deadline)
             reply = await self._deliver(ticket, headers, stage_output, deadline, replay=replay)
             outcome.finish(reply, None)
             return reply
@@ -252,8 +261,49 @@ class NodeApp:
             if not outcome.done.is_set():  # cancelled: joined retransmissions must not hang
                 outcome.finish(None, _gone())
             del self._outcomes[ticket.serial]
+            await self._chunk_ended(ticket.session)
 
-    async def _stage(self, ticket: Ticket, headers: WireHeaders, event: ActivationReceived) -> Any:
+    def _forgotten(self, session: str) -> None:
+        """The table forgot ``session``: the stage frees its state at once, and
+        the hop's replay history for it goes too."""
+        self.stage.end_session(session)
+        if isinstance(self.downstream, ReplicaSet):
+            self.downstream.forget(session)
+        if self._busy.get(session):
+            self._orphans.add(session)
+
+    async def _chunk_ended(self, session: str) -> None:
+        self._busy[session] -= 1
+        if self._busy[session] > 0:
+            return
+        del self._busy[session]
+        if session in self._orphans:
+            self._orphans.discard(session)
+            await self._pass_forget_down(session)
+
+    async def _pass_forget_down(self, session: str) -> None:
+        """DELETE a session below us again after a chunk of it went down.
+
+        The session was forgotten here (DELETE, TTL, eviction) while one of
+        its chunks was computing or on its way down; a DELETE passed down
+        then may have overtaken that chunk, which then started the session
+        afresh below — with a KV cache nobody would ever end but the TTL.
+        Shielded and bounded: this runs in the ``finally`` of a request that
+        may be cancelled (its client left).
+        """
+        if self.downstream is None or session in self.table:
+            return  # last stage, or the session was started again meanwhile
+        with anyio.CancelScope(shield=True):
+            try:
+                await self.downstream.request(
+                    "DELETE", f"/sessions/{session}", Deadline.after(_ORPHAN_DELETE_TIMEOUT)
+                )
+            except MeshnetError as exc:
+                log.warning("could not pass the end of session %s down: %s", session, exc)
+
+    async def _stage(
+        self, ticket: Ticket, headers: WireHeaders, event: ActivationReceived, deadline: Deadline
+    ) -> Any:
         started = time.perf_counter()
         context = StageContext(
             session=ticket.session,
@@ -262,6 +312,8 @@ class NodeApp:
             index=ticket.index,
             total=headers.chunk_total or 1,
             run=ticket.run,
+            # The loop's clock is not the thread's: hand the stage a monotonic one.
+            deadline=time.monotonic() + deadline.remaining(),
         )
         try:
             output = await self.stage(event.tensor, context)
@@ -378,12 +430,6 @@ class NodeApp:
             "auto_encoding": self.encoder.describe(),
             "sessions": len(self.table),
         }
-
-    def _forget(self, session: str) -> None:
-        """The table forgot a session: the stage's state and the hop's history go."""
-        self.stage.end_session(session)
-        if isinstance(self.downstream, ReplicaSet):
-            self.downstream.forget(session)
 
     def _end_here(self, session: str) -> bool:
         known = self.table.end_session(session)

@@ -58,7 +58,9 @@ class StageContext:
     ``position`` is the session's count of tokens taken in before this chunk
     (the node's own, also when the sender sent no ``X-Meshnet-Position``);
     ``tokens`` the chunk's length along the token axis; ``run`` counts the
-    session's runs (a prefill, then one per decode step).
+    session's runs (a prefill, then one per decode step). ``deadline`` is the
+    request's deadline on the ``time.monotonic()`` clock (usable from a
+    worker thread, unlike the event loop's clock), or None.
     """
 
     session: str
@@ -67,6 +69,7 @@ class StageContext:
     index: int
     total: int
     run: int = 0
+    deadline: float | None = None
 
 
 class StageBackend(Protocol):

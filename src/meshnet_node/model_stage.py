@@ -17,7 +17,18 @@ worker thread so the event loop keeps serving; one chunk computes at a time
 per node (``compute_threads``), since BLAS already spreads one matmul over
 the cores and two at once would only fight for them.
 
-Errors: a chunk the stage cannot take is 400 ``bad_stage_input``; a KV budget
+A session's cache lives exactly as long as the session on this node: the
+stage ``admit``s the session when the sequencer hands it a chunk, and a
+forget (DELETE, TTL, eviction) in any phase — queued for the compute
+thread, computing, waiting downstream — ends that life at once, so no cache
+is left behind (``StageRunner``). The compute checks, between layers, that
+the session is alive and that the request's deadline has not passed.
+
+Errors: a chunk the stage cannot take is 400 ``bad_stage_input``; more
+positions than the model's context 400 ``context_length_exceeded``; more rows
+or scratch than ``--max-chunk-tokens``/``--max-compute-bytes`` allow 413
+``chunk_too_large`` (both from the header, before the body is read); a
+deadline spent during the compute 504 ``deadline_exceeded``; a KV budget
 that cannot hold the chunk is 503 ``kv_memory_full`` with ``Retry-After``; a
 cache that lacks the context the chunk follows is 409 ``kv_cache_mismatch``;
 a session ended while its chunk computed is 409 ``session_unknown``.
@@ -43,7 +54,16 @@ from meshnet_model import (
     parse_layers,
 )
 from meshnet_model.config import ModelConfig
-from meshnet_proto import CapacityError, ProtocolError, SequencingError
+from meshnet_model.runner import (
+    DEFAULT_MAX_CHUNK_TOKENS,
+    DEFAULT_MAX_COMPUTE_BYTES,
+    ChunkTooLarge,
+    ComputeDeadlineExceeded,
+    ContextExceeded,
+    SessionLife,
+)
+from meshnet_model.source import load_config, model_name
+from meshnet_proto import CapacityError, DownstreamError, ProtocolError, SequencingError
 from meshnet_runtime.config import ServerConfig
 
 from .backends import StageContext
@@ -70,16 +90,23 @@ class ModelStage:
         if context is None:
             raise ValueError("a model stage needs the chunk's session context")
         self.calls += 1
+        # Before any await: the sequencer handed us this chunk in this very
+        # event-loop step, so the session is known and a later forget ends
+        # exactly this life (see StageRunner.admit).
+        life = self.runner.admit(context.session)
         try:
-            self.runner.check_input(tensor)
-        except StageInputError as exc:
-            raise ProtocolError(str(exc), code="bad_stage_input") from None
-        try:
+            # The value checks (ids in the vocabulary, finite hidden states)
+            # are O(tensor): in the worker thread with the compute.
             output = await anyio.to_thread.run_sync(
-                self._timed_run, context.session, context.position, tensor, limiter=self.limiter
+                self._timed_run, life, context, tensor, limiter=self.limiter
             )
         except StageInputError as exc:
-            raise ProtocolError(str(exc), code="bad_stage_input") from None
+            raise _input_error(exc) from None
+        except ComputeDeadlineExceeded as exc:
+            raise DownstreamError(
+                f"{exc}; stopped between layers", code="deadline_exceeded", status=504,
+                header="x-meshnet-deadline-ms",
+            ) from None  # fmt: skip
         except KVBudgetExceeded as exc:
             raise CapacityError(
                 f"KV cache memory is full: {exc}", code="kv_memory_full", retry_after=KV_RETRY_AFTER
@@ -96,20 +123,24 @@ class ModelStage:
             ) from None
         return output
 
-    def _timed_run(self, session: str, position: int, tensor: np.ndarray) -> np.ndarray:
+    def _timed_run(
+        self, life: SessionLife, context: StageContext, tensor: np.ndarray
+    ) -> np.ndarray:
         # Timed inside the worker thread: the layers' time, not the wait for the limiter.
         started = time.perf_counter()
         try:
-            return self.runner.run(session, position, tensor)
+            return self.runner.run(context.session, context.position, tensor, life=life,
+                                   deadline=context.deadline)  # fmt: skip
         finally:
             self.compute_seconds += time.perf_counter() - started
 
     def check_head(self, shape: tuple[int, ...], dtype: str) -> None:
-        """Refuse a chunk of the wrong dtype or shape before its body is read."""
+        """Refuse a chunk of the wrong dtype or shape, or one that costs more
+        than the limits allow, before its body is read."""
         try:
-            self.runner.check_shape(shape, dtype)
+            self.runner.check_head(shape, dtype)
         except StageInputError as exc:
-            raise ProtocolError(str(exc), code="bad_stage_input") from None
+            raise _input_error(exc) from None
 
     def end_session(self, session: str) -> None:
         self.runner.end_session(session)
@@ -131,25 +162,66 @@ class ModelStage:
         return {"backend": "model", **self.runner.describe()}
 
 
+def _input_error(exc: StageInputError) -> ProtocolError:
+    if isinstance(exc, ChunkTooLarge):
+        return ProtocolError(str(exc), code="chunk_too_large", status=413,
+                             header="x-meshnet-shape")  # fmt: skip
+    if isinstance(exc, ContextExceeded):
+        return ProtocolError(str(exc), code="context_length_exceeded")
+    return ProtocolError(str(exc), code="bad_stage_input")
+
+
 def load_model_stage(
     model: str | Path,
     layers: str | None = None,
     *,
     dtype: str = "float32",
     kv_budget_bytes: int,
+    max_chunk_tokens: int = DEFAULT_MAX_CHUNK_TOKENS,
+    max_compute_bytes: int = DEFAULT_MAX_COMPUTE_BYTES,
+    engine: str = "numpy",
+    device: str = "cpu",
+    threads: int | None = None,
 ) -> ModelStage:
     """Load the stage's tensors from a checkpoint directory (the node's flags).
 
     Raises ``ValueError`` (``ConfigError``, ``CheckpointError`` among them)
     with a message fit for the command line.
     """
-    config = ModelConfig.from_dir(model)
+    config = load_config(model)  # a checkpoint directory or a .gguf file
     span = parse_layers(layers, config.num_hidden_layers) if layers else None
+    if engine == "torch":
+        runner = _torch_runner(model, span, config, dtype=dtype, device=device,
+                               threads=threads, kv_budget_bytes=kv_budget_bytes,
+                               max_chunk_tokens=max_chunk_tokens,
+                               max_compute_bytes=max_compute_bytes)  # fmt: skip
+        return ModelStage(runner)
     weights = StageWeights.load(model, span, dtype=dtype, config=config)
-    path = Path(model)
     runner = StageRunner(weights, kv_budget_bytes=kv_budget_bytes,
-                         name=path.resolve().name, path=str(path))  # fmt: skip
+                         max_chunk_tokens=max_chunk_tokens, max_compute_bytes=max_compute_bytes,
+                         name=model_name(model), path=str(model))  # fmt: skip
     return ModelStage(runner)
+
+
+def _torch_runner(
+    model: str | Path,
+    span: range | None,
+    config: ModelConfig,
+    *,
+    dtype: str,
+    device: str,
+    threads: int | None,
+    kv_budget_bytes: int,
+    max_chunk_tokens: int,
+    max_compute_bytes: int,
+) -> StageRunner:
+    """The torch engine's runner; torch is imported only here (an optional extra)."""
+    from meshnet_model.torch_engine import load_torch_runner
+
+    return load_torch_runner(model, span, dtype=dtype, device=device, threads=threads,
+                             kv_budget_bytes=kv_budget_bytes, config=config,
+                             max_chunk_tokens=max_chunk_tokens,
+                             max_compute_bytes=max_compute_bytes)  # fmt: skip
 
 
 def stage_from_config(config: ServerConfig) -> ModelStage:
@@ -157,4 +229,7 @@ def stage_from_config(config: ServerConfig) -> ModelStage:
     if config.model is None:
         raise ValueError("no --model given")
     return load_model_stage(config.model, config.layers, dtype=config.dtype,
-                            kv_budget_bytes=config.kv_budget_bytes)  # fmt: skip
+                            kv_budget_bytes=config.kv_budget_bytes,
+                            max_chunk_tokens=config.max_chunk_tokens,
+                            max_compute_bytes=config.max_compute_bytes, engine=config.engine,
+                            device=config.device, threads=config.threads)  # fmt: skip

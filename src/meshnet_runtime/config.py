@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import MISSING, dataclass, field, fields
 from typing import Any, Literal
@@ -42,7 +43,11 @@ WIRE_DTYPES = ("keep", "float32", "bfloat16", "float16", "auto-lossless")
 ENCODINGS = ("mirror", "identity", "zstd", "auto")
 BACKENDS = ("echo", "zeros", "count")
 MODEL_DTYPES = ("keep", "float32", "bfloat16", "float16")
+ENGINES = ("numpy", "torch")
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+# What the gateway does with special-token text (e.g. "<|im_start|>") inside
+# chat message content: docs/security.md argues the default.
+SPECIAL_TOKEN_POLICIES = ("escape", "refuse", "keep")
 
 _LIMITS = Limits()  # the core's defaults
 _SETTINGS = ServerSettings()  # the serving loop's defaults
@@ -90,8 +95,13 @@ class ServerConfig:
     # gateway: the checkpoint whose tokenizer it loads to serve the OpenAI API.
     model: str | None = None
     layers: str | None = None  # "A:B", checked against the model when it loads
-    dtype: str = "float32"  # weights as held in memory (compute is float32)
+    dtype: str = "float32"  # weights as held in memory (numpy computes in float32, torch in it)
+    engine: str = "numpy"  # what computes the layers: numpy (the reference) or torch
+    device: str = "cpu"  # torch engine: cpu, cuda or cuda:N
+    threads: int | None = None  # torch engine: torch.set_num_threads (None: torch's default)
     kv_budget_bytes: int = 1024 * 1024 * 1024
+    max_chunk_tokens: int = 2048  # rows (batch x tokens) of one chunk a model stage takes
+    max_compute_bytes: int = 1024 * 1024 * 1024  # scratch of one chunk's forward pass
     # gateway
     entry: Endpoint | None = None
     entry_replicas: tuple[Endpoint, ...] = ()  # every URL of --entry
@@ -102,6 +112,8 @@ class ServerConfig:
     max_context: int = 0  # 0: the checkpoint's max_position_embeddings
     retries: int = 2
     retry_backoff_ms: float = 50.0
+    max_prompt_chars: int = 0  # 0: 32 characters per token of context
+    special_tokens_in_content: str = "escape"
 
     # The core's limits, built (and so validated) once, with the config.
     limits: Limits = field(init=False, repr=False, compare=False)
@@ -216,6 +228,12 @@ def _layers(text: str) -> str:
     return text
 
 
+def _device(text: str) -> str:
+    if not re.fullmatch(r"cpu|cuda(:(0|[1-9][0-9]{0,2}))?", text):
+        raise argparse.ArgumentTypeError(f"expected cpu, cuda or cuda:N, got {text!r}")
+    return text
+
+
 def _choice(choices: Sequence[str]) -> Callable[[str], str]:
     def parse(text: str) -> str:
         if text not in choices:
@@ -270,10 +288,23 @@ _NODE: list[_Flag] = [
     ("--model", _nonempty, "checkpoint directory (HF layout): run its layers, not --backend"),
     ("--layers", _layers, "with --model: run layers A..B-1, as A:B (default: all)"),
     ("--dtype", _choice(MODEL_DTYPES), "with --model: weights dtype in memory"),
+    ("--engine", _choice(ENGINES), "with --model: compute with numpy or torch"),
+    ("--device", _device, "with --engine torch: cpu, cuda or cuda:N"),
+    ("--threads", positive_int, "with --engine torch: torch.set_num_threads"),
     (
         "--kv-budget-bytes",
         positive_int,
         "with --model: KV cache memory, all sessions together (more get 503)",
+    ),
+    (
+        "--max-chunk-tokens",
+        positive_int,
+        "with --model: token rows (batch x tokens) of one chunk (more get 413)",
+    ),
+    (
+        "--max-compute-bytes",
+        positive_int,
+        "with --model: scratch memory one chunk's compute may need (more get 413)",
     ),
 ]
 _GATEWAY: list[_Flag] = [
@@ -286,6 +317,17 @@ _GATEWAY: list[_Flag] = [
     ("--max-context", _nonnegative_int, "context length (0: the checkpoint's config.json)"),
     ("--retries", _nonnegative_int, "extra attempts of a chunk whose connection or hop failed"),
     ("--retry-backoff-ms", _millis, "first retry's backoff, ms (doubles per retry)"),
+    (
+        "--max-prompt-chars",
+        _nonnegative_int,
+        "characters of a prompt or conversation, checked before tokenizing "
+        "(0: 32 per token of context)",
+    ),
+    (
+        "--special-tokens-in-content",
+        _choice(SPECIAL_TOKEN_POLICIES),
+        "special-token text in chat content: escape (plain text), refuse (400) or keep",
+    ),
 ]
 
 
@@ -321,6 +363,14 @@ _DEFAULTS: dict[str, Any] = {
 }
 
 
+def _check_engine(parser: argparse.ArgumentParser, values: dict[str, Any]) -> None:
+    # Only torch computes elsewhere than the CPU; engine flags need a model.
+    if values["engine"] == "numpy" and values["device"] != "cpu":
+        parser.error(f"--device {values['device']} needs --engine torch (numpy runs on the CPU)")
+    if values["model"] is None and values["engine"] != "numpy":
+        parser.error("--engine torch needs --model")
+
+
 def load_config(
     role: Role,
     argv: Sequence[str] | None = None,
@@ -350,6 +400,8 @@ def load_config(
         parser.error("--tls-cert and --tls-key go together")
     if role == "node" and values["model"] is None and values["layers"] is not None:
         parser.error("--layers needs --model")
+    if role == "node":
+        _check_engine(parser, values)
     if role == "gateway" and values["entry"] is None:
         parser.error(f"--entry (or {env_name('--entry')}) is required")
     try:

@@ -52,6 +52,10 @@ log = logging.getLogger("meshnet.downstream")
 KEEPALIVE_EXPIRY = 5.0
 
 
+# Connections for control requests beside the data ones (see DownstreamPool).
+CONTROL_CONNECTIONS = 4
+
+
 class _Stale(Exception):
     """A pooled connection died before a single response byte: retryable."""
 
@@ -61,6 +65,11 @@ class DownstreamPool:
 
     ``forward`` and ``request`` wait for a free connection (bounded by the
     deadline), so a burst upstream never opens more than the cap downstream.
+    Control requests (``request``: ``DELETE /sessions/…``, ``GET /health``)
+    have ``CONTROL_CONNECTIONS`` slots of their own: the DELETE that frees a
+    session's KV cache must not queue behind the very activations that fill
+    every data slot (issue 13: a disconnect storm's DELETEs timed out there
+    and left their caches to the TTL).
     """
 
     def __init__(
@@ -85,6 +94,7 @@ class DownstreamPool:
         # Tests inject memory streams here; default: the real transports.
         self._open = connection_factory or self._connect
         self._slots = anyio.Semaphore(max_connections)
+        self._control_slots = anyio.Semaphore(CONTROL_CONNECTIONS)
         self.keepalive_expiry = keepalive_expiry
         # Oldest first; each with the loop time it went idle.
         self._idle: list[tuple[ByteStream, ClientConnection, float]] = []
@@ -144,7 +154,8 @@ class DownstreamPool:
         def build(conn: ClientConnection) -> list[Any]:
             return conn.send_request(method, target, list(headers), body)
 
-        event = await self._exchange(build, deadline, method in ("GET", "HEAD", "DELETE"), 0)
+        retry_safe = method in ("GET", "HEAD", "DELETE")
+        event = await self._exchange(build, deadline, retry_safe, 0, self._control_slots)
         if isinstance(event, ActivationResponse):
             raise self._error("answered a request with an activation", "downstream_bad_response")
         return event
@@ -168,11 +179,12 @@ class DownstreamPool:
         deadline: Deadline,
         retry_safe: bool,
         body_nbytes: int,
+        slots: anyio.Semaphore | None = None,
     ) -> ActivationResponse | ErrorResponse | Response:
         deadline.check()
         try:
             with anyio.fail_after(max(deadline.remaining(), 0)):
-                async with self._slots:
+                async with slots or self._slots:
                     for attempt in (1, 2):
                         # The retry opens a new connection: a server closes
                         # idle connections at its head timeout, so the stale

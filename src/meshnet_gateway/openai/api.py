@@ -6,6 +6,13 @@ answer: a JSON ``Reply`` or, for ``stream: true``, a ``StreamReply`` whose
 producer runs the generation while the events are written. Every request
 owns one chain session, deleted on every node when the request ends:
 finished, failed, or cancelled because the client disconnected.
+
+Nothing user-sized runs on the event loop (issue 13): parsing the JSON,
+checking it, rendering the chat template and tokenizing happen in a worker
+thread (``_prepare``, at most ``PREPARE_THREADS`` at once), after a
+character cap that bounds what the tokenizer is given; sampling runs in a
+worker thread too (``generation.generate``). A refused request is answered
+with the OpenAI error body and logged in one line, without a traceback.
 """
 
 from __future__ import annotations
@@ -20,7 +27,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from meshnet_model.config import ModelConfig
+import anyio
+
+from meshnet_model.source import is_gguf, load_config, model_name
 from meshnet_proto import EndpointRequest, MeshnetError
 from meshnet_runtime.codec_pool import CodecPool
 from meshnet_runtime.downstream import DownstreamPool
@@ -29,6 +38,7 @@ from meshnet_runtime.http_server import Reply, StreamReply, StreamSend
 from .defaults import GenerationDefaults
 from .errors import OpenAIError, from_meshnet, invalid
 from .generation import ChainSession, ChainSettings, GenerationResult, generate
+from .limits import PromptLimits, checked_text, shown
 from .metrics import GenerationMetrics
 from .requests import (
     ChatRequest,
@@ -39,6 +49,7 @@ from .requests import (
     parse_json_object,
 )
 from .sampling import Sampler
+from .special_tokens import ChatEncoder
 from .tokenizer import ChatTemplateError, ModelTokenizer
 
 __all__ = ["OPENAI_ROUTES", "OpenAIService", "ServedModel"]
@@ -54,6 +65,9 @@ OPENAI_ROUTES: dict[str, tuple[str, ...]] = {
 # A chat request carries the conversation: far more than a control body.
 MAX_REQUEST_BODY = 4 * 1024 * 1024
 DEFAULT_CONTEXT = 2048  # when config.json names no max_position_embeddings
+# Requests parsed and tokenized at once: each may hold a 4 MiB body's worth of
+# Python objects; more wait (they are bounded by the connection limit).
+PREPARE_THREADS = 2
 SSE_HEADERS = [
     (b"content-type", b"text/event-stream; charset=utf-8"),
     (b"cache-control", b"no-cache"),
@@ -77,14 +91,15 @@ class ServedModel:
     def load(cls, directory: str, *, name: str | None = None, context: int = 0) -> ServedModel:
         root = Path(directory)
         tokenizer = ModelTokenizer.load(root)
+        gguf = is_gguf(root)  # one .gguf file: config and tokenizer in its metadata
         # The same fail-closed reading as the nodes': a config the chain cannot
         # run exactly is refused here too, before serving (ConfigError).
-        config = ModelConfig.from_dir(root) if (root / "config.json").is_file() else None
+        config = load_config(root) if gguf or (root / "config.json").is_file() else None
         if not context:
             context = config.max_position_embeddings if config else DEFAULT_CONTEXT
-        stat = os.stat(root / "tokenizer.json")
+        stat = os.stat(root if gguf else root / "tokenizer.json")
         return cls(
-            name=name or root.resolve().name,
+            name=name or model_name(root),
             tokenizer=tokenizer,
             context_length=context,
             created=int(stat.st_mtime),
@@ -104,9 +119,14 @@ class OpenAIService:
         *,
         max_tokens_default: int = 256,
         max_prompt_tokens: int | None = None,
+        max_prompt_chars: int = 0,
+        special_tokens_in_content: str = "escape",
         metrics: GenerationMetrics | None = None,
     ) -> None:
         self.model = model
+        self.prompt_limits = PromptLimits.for_context(model.context_length, max_prompt_chars)
+        self.chat_encoder = ChatEncoder(model.tokenizer, special_tokens_in_content)
+        self._preparing: anyio.CapacityLimiter | None = None  # made on the loop
         self.pool = pool
         self.codecs = codecs
         self.chain_settings = chain_settings  # read per request: the inflight cap may change
@@ -124,12 +144,36 @@ class OpenAIService:
             if event.path.startswith("/v1/models/"):
                 self._check_model(event.path.removeprefix("/v1/models/"), param=None)
                 return Reply.json(200, self._model_card())
-            document = parse_json_object(event.body)
-            if event.path == "/v1/completions":
-                return await self._completion(parse_completion(document))
-            return await self._chat(parse_chat(document))
+            if self._preparing is None:
+                self._preparing = anyio.CapacityLimiter(PREPARE_THREADS)
+            ids, options, fmt = await anyio.to_thread.run_sync(
+                self._prepare, event.path, event.body, limiter=self._preparing
+            )
+            return await self._serve(ids, options, fmt)
         except OpenAIError as exc:
+            # One line, no traceback, no client text: a refused request must
+            # not become a log flood.
+            log.info("%s %s: %d %s (param %s)", event.method, event.path, exc.status,
+                     exc.code, exc.param)  # fmt: skip
             return exc.reply()
+
+    def _prepare(self, path: str, body: bytes) -> tuple[list[int], GenerationOptions, _Format]:
+        """Body → checked request → prompt ids; in a worker thread (user-sized work)."""
+        document = parse_json_object(body)
+        if path == "/v1/completions":
+            completion = parse_completion(document)
+            options = completion.options
+            self._check_model(options.model)
+            ids = self._completion_ids(completion)
+            fmt: _Format = _CompletionFormat(self.model.name)
+        else:
+            chat = parse_chat(document)
+            options = chat.options
+            self._check_model(options.model)
+            ids = self._chat_ids(chat)
+            fmt = _ChatFormat(self.model.name)
+        self._budget(ids, options)  # refused here, before any chain work
+        return ids, options, fmt
 
     def _model_card(self) -> dict[str, Any]:
         return {
@@ -143,7 +187,7 @@ class OpenAIService:
     def _check_model(self, name: str, param: str | None = "model") -> None:
         if name != self.model.name:
             raise OpenAIError(
-                f"The model '{name}' does not exist (this gateway serves '{self.model.name}')",
+                f"The model {shown(name)} does not exist (this gateway serves '{self.model.name}')",
                 status=404,
                 param=param,
                 code="model_not_found",
@@ -151,28 +195,32 @@ class OpenAIService:
 
     # ------------------------------------------------------------ requests
 
-    async def _completion(self, request: CompletionRequest) -> Reply | StreamReply:
-        options = request.options
-        self._check_model(options.model)
+    def _completion_ids(self, request: CompletionRequest) -> list[int]:
         tokenizer = self.model.tokenizer
         if isinstance(request.prompt, str):
-            ids = tokenizer.encode(request.prompt)
-        else:
-            ids = request.prompt
-            vocab = tokenizer.vocab_size
-            if any(not 0 <= t < vocab for t in ids):
-                raise invalid("prompt", f"token ids must be in [0, {vocab})", "invalid_value")
-        return await self._serve(ids, options, _CompletionFormat(self.model.name))
+            # Capped before encoding: the encode is what costs.
+            self.prompt_limits.check_chars("prompt", [request.prompt])
+            return tokenizer.encode(checked_text("prompt", request.prompt))
+        ids = request.prompt
+        if len(ids) >= self.model.context_length:
+            return ids  # _budget refuses it by its length, without a scan
+        vocab = tokenizer.vocab_size
+        if any(not 0 <= t < vocab for t in ids):
+            raise invalid("prompt", f"token ids must be in [0, {vocab})", "invalid_value")
+        return ids
 
-    async def _chat(self, request: ChatRequest) -> Reply | StreamReply:
-        options = request.options
-        self._check_model(options.model)
+    def _chat_ids(self, request: ChatRequest) -> list[int]:
+        messages = request.messages
+        self.prompt_limits.check_chars(
+            "messages", (text for m in messages for text in (m["role"], m["content"]))
+        )
+        for index, message in enumerate(messages):
+            checked_text(f"messages.[{index}].role", message["role"])
+            checked_text(f"messages.[{index}].content", message["content"])
         try:
-            prompt = self.model.tokenizer.render_chat(request.messages)
+            return self.chat_encoder.encode(messages)
         except ChatTemplateError as exc:
             raise invalid("messages", str(exc), "invalid_messages") from None
-        ids = self.model.tokenizer.encode(prompt, chat=True)
-        return await self._serve(ids, options, _ChatFormat(self.model.name))
 
     def _budget(self, ids: list[int], options: GenerationOptions) -> int:
         """``max_tokens`` for this request, after checking the prompt fits."""
@@ -195,8 +243,8 @@ class OpenAIService:
             raise invalid(
                 "max_tokens",
                 f"This model's maximum context length is {context} tokens. However, you "
-                f"requested {len(ids) + options.max_tokens} tokens ({len(ids)} in the "
-                f"prompt, {options.max_tokens} for the completion).",
+                f"requested {shown(len(ids) + options.max_tokens)} tokens ({len(ids)} in the "
+                f"prompt, {shown(options.max_tokens)} for the completion).",
                 "context_length_exceeded",
             )
         return options.max_tokens
@@ -204,7 +252,7 @@ class OpenAIService:
     async def _serve(
         self, ids: list[int], options: GenerationOptions, fmt: _Format
     ) -> Reply | StreamReply:
-        max_tokens = self._budget(ids, options)
+        max_tokens = self._budget(ids, options)  # checked in _prepare: cheap now
         sampling = self.model.defaults.sampling(options.sampling, options.explicit)
         sampler = Sampler(sampling, options.seed)
         chain = ChainSession(self.pool, self.codecs, self.chain_settings(), metrics=self.metrics)

@@ -234,7 +234,8 @@ async def generate(
     stopped = False
     for produced in range(1, max_tokens + 1):
         try:
-            token = sampler(logits)
+            # O(vocab) numpy work per token: off the event loop.
+            token = await anyio.to_thread.run_sync(sampler, logits)
         except ValueError as exc:  # e.g. every logit NaN: the last stage is broken
             raise MeshnetError(
                 f"{chain.pool.url}: the last stage's logits cannot be sampled: {exc}",

@@ -13,11 +13,15 @@ from dataclasses import dataclass
 from typing import Any
 
 from .errors import OpenAIError, invalid
+from .limits import shown
 from .sampling import SamplingParams
 
 __all__ = ["ChatRequest", "CompletionRequest", "GenerationOptions", "parse_json_object"]
 
 MAX_STOP_SEQUENCES = 4  # OpenAI's limit
+# Characters of one stop sequence: the stop filter holds back up to this much
+# text and matches prefixes of it on every token, on the event loop.
+MAX_STOP_CHARS = 512
 MAX_SEED = 2**64 - 1  # numpy's default_rng takes any non-negative int; bound it anyway
 
 
@@ -50,9 +54,13 @@ class ChatRequest:
 def parse_json_object(body: bytes) -> dict[str, Any]:
     try:
         document = json.loads(body)
-    except (ValueError, UnicodeDecodeError):
+    except (ValueError, UnicodeDecodeError):  # an integer of > 4300 digits is one too
         raise OpenAIError(
             "We could not parse the JSON body of your request: it is not valid JSON."
+        ) from None
+    except RecursionError:  # "[" x 200,000: deeper than the parser recurses
+        raise OpenAIError(
+            "We could not parse the JSON body of your request: it is nested too deeply."
         ) from None
     if not isinstance(document, dict):
         raise OpenAIError("The request body must be a JSON object.")
@@ -67,10 +75,12 @@ def _number(document: dict[str, Any], name: str, default: float, low: float, hig
     value = document.get(name)
     if value is None:
         return default
-    if not (_is_int(value) or isinstance(value, float)) or not math.isfinite(value):
-        raise invalid(name, f"{value!r} is not of type 'number' - '{name}'", "invalid_type")
+    # An int is compared as is: math.isfinite would convert it to a float,
+    # and a 4,000-digit integer (valid JSON) overflows that conversion.
+    if not (_is_int(value) or (isinstance(value, float) and math.isfinite(value))):
+        raise invalid(name, f"{shown(value)} is not of type 'number' - '{name}'", "invalid_type")
     if not low <= value <= high:
-        raise invalid(name, f"{name} must be between {low} and {high}, got {value}",
+        raise invalid(name, f"{name} must be between {low} and {high}, got {shown(value)}",
                       "invalid_value")  # fmt: skip
     return float(value)
 
@@ -80,10 +90,10 @@ def _integer(document: dict[str, Any], name: str, low: int, high: int | None = N
     if value is None:
         return None
     if not _is_int(value):
-        raise invalid(name, f"{value!r} is not of type 'integer' - '{name}'", "invalid_type")
+        raise invalid(name, f"{shown(value)} is not of type 'integer' - '{name}'", "invalid_type")
     if value < low or (high is not None and value > high):
         bound = f">= {low}" if high is None else f"between {low} and {high}"
-        raise invalid(name, f"{name} must be {bound}, got {value}", "invalid_value")
+        raise invalid(name, f"{name} must be {bound}, got {shown(value)}", "invalid_value")
     return value
 
 
@@ -92,7 +102,7 @@ def _bool(document: dict[str, Any], name: str) -> bool:
     if value is None:
         return False
     if not isinstance(value, bool):
-        raise invalid(name, f"{value!r} is not of type 'boolean' - '{name}'", "invalid_type")
+        raise invalid(name, f"{shown(value)} is not of type 'boolean' - '{name}'", "invalid_type")
     return value
 
 
@@ -119,6 +129,9 @@ def _options(document: dict[str, Any], *, max_tokens_names: tuple[str, ...]) -> 
         stops = tuple(stop)
     else:
         raise invalid("stop", "stop must be a string or a list of strings", "invalid_type")
+    if any(len(s) > MAX_STOP_CHARS for s in stops):
+        raise invalid("stop", f"a stop sequence may have at most {MAX_STOP_CHARS} characters",
+                      "invalid_value")  # fmt: skip
     if document.get("logprobs") not in (None, False, 0):
         raise invalid("logprobs", "logprobs are not supported", "unsupported_parameter")
     for name in ("presence_penalty", "frequency_penalty"):

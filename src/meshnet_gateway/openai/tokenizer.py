@@ -101,6 +101,8 @@ class ModelTokenizer:
     def load(cls, directory: str | Path) -> ModelTokenizer:
         """Read ``tokenizer.json`` and (optional) ``tokenizer_config.json`` from ``directory``."""
         root = Path(directory)
+        if root.suffix.lower() == ".gguf":  # a GGUF file carries its tokenizer in its metadata
+            return cls._from_gguf(root)
         path = root / "tokenizer.json"
         if not path.is_file():
             raise FileNotFoundError(f"{path}: no tokenizer.json in the model directory")
@@ -129,6 +131,20 @@ class ModelTokenizer:
             eos_token=eos_token,
             add_bos=bool(config.get("add_bos_token", False)),
             stop_ids=frozenset(stop_ids),
+        )
+
+    @classmethod
+    def _from_gguf(cls, path: Path) -> ModelTokenizer:
+        from meshnet_model.gguf_tokenizer import load_gguf_tokenizer
+
+        spec = load_gguf_tokenizer(path)
+        return cls(
+            tokenizer=spec.tokenizer,
+            chat_template=spec.chat_template or FALLBACK_TEMPLATE,
+            bos_token=spec.bos_token,
+            eos_token=spec.eos_token,
+            add_bos=spec.add_bos,
+            stop_ids=spec.stop_ids,
         )
 
     # ------------------------------------------------------------ ids

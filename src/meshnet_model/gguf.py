@@ -1,0 +1,130 @@
+"""A GGUF file (llama.cpp's format) as a checkpoint: tensors under their HF names.
+
+``GGUFCheckpoint`` has ``Checkpoint``'s interface: ``tensor(name)`` under the
+transformers name (``model.layers.3.self_attn.q_proj.weight``), in the
+transformers layout; ``config`` is the file's metadata as a ``config.json``
+dict (``gguf_config.py``), the header is parsed by ``gguf_file.py``.
+llama.cpp's converter permutes the rows of the q and k projections of
+llama-type models (``llama``: Llama and Mistral) so that its rope can rotate
+adjacent pairs; here the permutation is undone, as transformers does on
+load. Qwen2/Qwen3 are converted without it.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+from pathlib import Path
+
+import numpy as np
+
+from .checkpoint import CheckpointError
+from .gguf_config import gguf_config
+from .gguf_file import GGUFFile
+
+__all__ = ["GGUFCheckpoint", "GGUFFile", "gguf_config", "hf_name", "is_gguf", "unpermute"]
+
+GGUF_SUFFIX = ".gguf"
+# Architectures whose q/k rows llama.cpp permutes (Llama and Mistral files).
+_PERMUTED = frozenset({"llama"})
+_LAYER = re.compile(r"^blk\.(\d+)\.(.+)$")
+# GGUF tensor name (after blk.N.) → HF name (after model.layers.N.)
+_LAYER_TENSORS = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "attn_q.bias": "self_attn.q_proj.bias",
+    "attn_k.bias": "self_attn.k_proj.bias",
+    "attn_v.bias": "self_attn.v_proj.bias",
+    "attn_output.bias": "self_attn.o_proj.bias",
+    "attn_q_norm.weight": "self_attn.q_norm.weight",
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+}
+_GLOBAL_TENSORS = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+    # llama.cpp's per-frequency rope factors (Llama 3.x): folded into the config.
+    "rope_freqs.weight": "rope_freqs.weight",
+}
+
+
+def is_gguf(path: str | Path) -> bool:
+    """A ``--model`` path naming a GGUF file rather than a checkpoint directory."""
+    return Path(path).suffix.lower() == GGUF_SUFFIX
+
+
+def hf_name(gguf_name: str) -> str | None:
+    """The transformers name of a GGUF tensor, or None for one we do not know."""
+    found = _LAYER.match(gguf_name)
+    if found:
+        tail = _LAYER_TENSORS.get(found.group(2))
+        return None if tail is None else f"model.layers.{found.group(1)}.{tail}"
+    return _GLOBAL_TENSORS.get(gguf_name)
+
+
+def unpermute(rows: np.ndarray, heads: int) -> np.ndarray:
+    """Undo llama.cpp's q/k permutation of a ``[heads * head_dim, ...]`` tensor.
+
+    The converter reorders each head's rows from the HF layout (first half,
+    second half: rotate_half pairs i and i + d/2) to interleaved pairs
+    (i, i + d/2 adjacent); as an index map, per head: ``gguf[2i + j] =
+    hf[j * d/2 + i]``. This is its inverse.
+    """
+    head_dim = rows.shape[0] // heads
+    split = rows.reshape(heads, head_dim // 2, 2, *rows.shape[1:])
+    return split.swapaxes(1, 2).reshape(rows.shape)
+
+
+class GGUFCheckpoint:
+    """A GGUF file with ``Checkpoint``'s interface (HF tensor names and layouts)."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.file = GGUFFile(path)
+        self.path = self.file.path
+        self.config = gguf_config(self.file)
+        self.permuted = self.file.architecture in _PERMUTED
+        self._names: dict[str, str] = {}
+        for name in self.file.tensors:
+            mapped = hf_name(name)
+            if mapped is not None:
+                self._names[mapped] = name
+        self._read: set[str] = set()
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._names
+
+    def tensor(self, name: str, *, mmap: bool = True) -> np.ndarray:
+        """The tensor under its HF name; ``mmap=False`` returns a copy."""
+        try:
+            gguf_name = self._names[name]
+        except KeyError:
+            raise CheckpointError(
+                f"{self.path}: the GGUF file has no tensor for {name!r}"
+            ) from None
+        array = self.file.array(gguf_name)
+        self._read.add(gguf_name)
+        if self.permuted and gguf_name.endswith(("attn_q.weight", "attn_q.bias")):
+            array = unpermute(array, int(self.config["num_attention_heads"]))
+        elif self.permuted and gguf_name.endswith(("attn_k.weight", "attn_k.bias")):
+            kv = self.config.get("num_key_value_heads") or self.config["num_attention_heads"]
+            array = unpermute(array, int(kv))
+        if not mmap:
+            array = np.array(array)
+        return array
+
+    def files_opened(self) -> list[str]:
+        return [self.path.name] if self._read else []
+
+    def tensors_read(self) -> list[str]:
+        """GGUF names of the tensors decoded so far (a stage reads only its own)."""
+        return sorted(self._read)
+
+    def dtypes(self, names: Iterable[str]) -> set[str]:
+        return {self.file.type_of(self._names[n]).name for n in names}

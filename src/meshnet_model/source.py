@@ -1,0 +1,30 @@
+"""What ``--model PATH`` names: a checkpoint directory or a GGUF file.
+
+One place decides, so that the node, the gateway and ``meshnet run`` agree:
+a path ending in ``.gguf`` is a GGUF file (config, tensors and tokenizer all
+from its metadata), anything else a Hugging Face checkpoint directory.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from .config import ModelConfig
+from .gguf import GGUFFile, gguf_config, is_gguf
+
+__all__ = ["is_gguf", "load_config", "model_name"]
+
+
+def load_config(path: str | Path) -> ModelConfig:
+    """The model's config, validated by the one config reader (``ModelConfig.from_dict``).
+    A GGUF file's header is parsed once per process (``gguf_file``), however
+    often its config, tensors and tokenizer are asked for."""
+    if not is_gguf(path):
+        return ModelConfig.from_dir(path)
+    return ModelConfig.from_dict(gguf_config(GGUFFile(path)))
+
+
+def model_name(path: str | Path) -> str:
+    """The default model id: a directory's name, a GGUF file's name without ``.gguf``."""
+    resolved = Path(path).resolve()
+    return resolved.stem if is_gguf(path) else resolved.name

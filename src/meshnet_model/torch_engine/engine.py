@@ -1,0 +1,179 @@
+"""The torch engine: one stage's forward pass behind the same ``StageRunner``.
+
+``TorchStageModel`` has the numpy ``StageModel``'s interface — ``first``,
+``last``, ``new_cache(budget, batch)``, ``forward(inputs, cache, position)``
+taking and returning numpy arrays — so the runner (sessions, positions, the
+KV budget, locking) and the node do not know which engine computes.
+
+Outputs: hidden states in the compute dtype (a bf16 stage hands bf16 to the
+codec, which sends it as is under ``--wire-dtype keep`` — no float32 round
+trip); the last stage's logits as float32, as transformers' ``generate``
+reads them and as the numpy engine returns them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ..config import ModelConfig
+from ..kv_cache import KVBudget
+from ..llama import StageInvariantError
+from ..runner import (
+    DEFAULT_KV_BUDGET,
+    DEFAULT_MAX_CHUNK_TOKENS,
+    DEFAULT_MAX_COMPUTE_BYTES,
+    StageRunner,
+)
+from ..source import model_name
+from ..weights import StageWeights
+from ._torch import COMPUTE_DTYPES, check_device, import_torch
+from .kv_cache import TorchKVCache
+from .layers import RopeTable, attention, mlp, rms_norm
+from .transfer import Transfer
+from .weights import TorchStageWeights
+
+__all__ = ["TorchStageModel", "load_torch_runner"]
+
+
+class TorchStageModel:
+    # scaled_dot_product_attention scores the whole chunk at once (costs.chunk_cost).
+    query_block: int | None = None
+
+    def __init__(self, torch: Any, weights: StageWeights, *, dtype: str = "keep",
+                 device: str = "cpu", transfer: Transfer | None = None) -> None:  # fmt: skip
+        if dtype not in COMPUTE_DTYPES:
+            raise ValueError(f"dtype must be one of {', '.join(COMPUTE_DTYPES)}, got {dtype!r}")
+        check_device(torch, device)
+        self.torch = torch
+        self.config: ModelConfig = weights.config
+        self.layers = weights.layers
+        self.first, self.last = weights.first, weights.last
+        self.device = torch.device(device)
+        if dtype == "keep":
+            held = weights.blocks[0].q.dtype.name
+            dtype = held if held in ("bfloat16", "float16") else "float32"
+        self.dtype_name = dtype
+        self.dtype = getattr(torch, dtype)
+        self.weights = TorchStageWeights.from_numpy(torch, weights, dtype=self.dtype,
+                                                    device=self.device)  # fmt: skip
+        self.rope = RopeTable(torch, self.config, self.dtype, self.device)
+        self.transfer = transfer or Transfer(torch, self.device)
+
+    def new_cache(self, budget: KVBudget, batch: int) -> TorchKVCache:
+        c = self.config
+        cache = TorchKVCache(self.torch, budget, layers=len(self.layers), batch=batch,
+                             kv_heads=c.num_key_value_heads, head_dim=c.head_dim,
+                             dtype=self.dtype, device=self.device)  # fmt: skip
+        cache.staging = self.transfer.new_staging()
+        return cache
+
+    def forward(
+        self,
+        inputs: np.ndarray,
+        cache: TorchKVCache,
+        position: int,
+        *,
+        between_layers: Callable[[], None] | None = None,
+    ) -> np.ndarray:
+        """As ``StageModel.forward``: the chunk's layers at ``position``; the
+        cache holds ``position + tokens`` after. ``between_layers`` is called
+        before each layer and may raise to stop the compute (the runner's
+        deadline and session-life check); the cache then keeps ``position``."""
+        if cache.length != position:
+            raise StageInvariantError(
+                f"the KV cache holds {cache.length} positions, the chunk starts at {position}"
+            )
+        t = self.torch
+        tokens = inputs.shape[1]
+        cache.reserve(position + tokens)
+        with t.inference_mode():
+            if self.first:
+                ids = self.transfer.to_device(inputs, t.long)
+                x = t.nn.functional.embedding(ids, self.weights.embed)
+            else:
+                x = self.transfer.to_device(inputs, self.dtype)
+            x = self._layers(x, cache, position, between_layers)
+            if x.shape[:2] != inputs.shape[:2]:  # the seed's invariant, as in the numpy engine
+                raise StageInvariantError(
+                    f"layers {self.layers.start}..{self.layers.stop - 1} computed {x.shape[1]} "
+                    f"positions for {tokens} tokens received"
+                )
+            cache.length = position + tokens
+            if self.last:
+                w = self.weights
+                final = rms_norm(t, x[:, -1], w.norm, self.config.rms_norm_eps)
+                x = t.nn.functional.linear(final, w.lm_head).float()
+            return self.transfer.to_host(x, cache.staging)
+
+    def _layers(
+        self,
+        x: Any,
+        cache: TorchKVCache,
+        position: int,
+        between_layers: Callable[[], None] | None = None,
+    ) -> Any:
+        c, t = self.config, self.torch
+        rope = self.rope.get(position, x.shape[1])
+        for i, block in enumerate(self.weights.blocks):
+            if between_layers is not None:
+                between_layers()
+            layer = self.layers.start + i
+            h = rms_norm(t, x, block.input_norm, c.rms_norm_eps)
+            x = x + attention(
+                t, h, block, c, rope if c.layer_rotates(layer) else None,
+                cache.keys[i], cache.values[i], position, c.layer_window(layer),
+            )  # fmt: skip
+            h = rms_norm(t, x, block.post_norm, c.rms_norm_eps)
+            x = x + mlp(t, h, block)
+        return x
+
+    def describe(self) -> dict[str, Any]:
+        hidden = f"{self.dtype_name} hidden [batch, tokens, {self.config.hidden_size}]"
+        return {
+            **({} if self.last else {"output": hidden}),  # the wire sends it as is (keep)
+            "engine": "torch",
+            "device": str(self.device),
+            "compute_dtype": self.dtype_name,
+            "weights_dtype": self.dtype_name,
+            "weights_bytes": self.weights.nbytes,
+            "weights_mapped_bytes": self.weights.shared_with_file,
+            "torch_threads": self.torch.get_num_threads(),
+        }
+
+
+def load_torch_runner(
+    directory: str | Path,
+    layers: range | None = None,
+    *,
+    dtype: str = "keep",
+    device: str = "cpu",
+    threads: int | None = None,
+    kv_budget_bytes: int = DEFAULT_KV_BUDGET,
+    max_chunk_tokens: int = DEFAULT_MAX_CHUNK_TOKENS,
+    max_compute_bytes: int = DEFAULT_MAX_COMPUTE_BYTES,
+    config: ModelConfig | None = None,
+    transfer: Transfer | None = None,
+) -> StageRunner:
+    """A ``StageRunner`` computing with torch (``meshnet-node --engine torch``).
+
+    Raises ``ValueError`` with one line for the command line: torch missing
+    (naming the extra), a CUDA device this machine lacks, a bad checkpoint.
+    """
+    torch = import_torch()
+    check_device(torch, device)  # before reading gigabytes of weights
+    if threads is not None:
+        torch.set_num_threads(threads)
+    path = Path(directory)
+    mapped = StageWeights.load(path, layers, dtype="keep", config=config)
+    model = TorchStageModel(torch, mapped, dtype=dtype, device=device, transfer=transfer)
+    # The runner needs the stage's shape, not the numpy arrays: dropping them
+    # lets a converted stage's map go (only the torch tensors hold memory).
+    shape_only = dataclasses.replace(mapped, blocks=[], embed=None, norm=None, lm_head=None)
+    return StageRunner(shape_only, kv_budget_bytes=kv_budget_bytes,
+                       max_chunk_tokens=max_chunk_tokens, max_compute_bytes=max_compute_bytes,
+                       name=model_name(path), path=str(path), model=model)  # fmt: skip

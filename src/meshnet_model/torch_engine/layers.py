@@ -1,0 +1,148 @@
+"""The Llama decoder layer's math in torch, as transformers computes it.
+
+The operations and their order follow transformers' ``LlamaDecoderLayer``
+(and its mistral/qwen2/qwen3/smollm3 variants), so that in the same dtype the
+two round alike:
+
+* RMSNorm in float32 whatever the compute dtype, the normalised value cast
+  back before the weight multiplies it;
+* rope's cos/sin made in float32 and cast to the compute dtype, applied as
+  ``q * cos + rotate_half(q) * sin`` ("rotate half");
+* attention through ``scaled_dot_product_attention``; grouped-query heads
+  are folded into the query axis (``[b, kv_heads, groups * t, d]``), which is
+  the same arithmetic as repeating the keys per head without the copy;
+* ``down(silu(gate(x)) * up(x))``, residual adds in the compute dtype.
+
+Everything runs under ``torch.inference_mode`` (the engine's caller): no
+autograd graph, no version counters.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+
+from ..config import ModelConfig
+from ..rope import Rope
+
+__all__ = ["RopeTable", "attention", "mlp", "rms_norm"]
+
+
+def rms_norm(torch: Any, x: Any, weight: Any, eps: float) -> Any:
+    dtype = x.dtype
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(dtype)
+
+
+def rotate_half(torch: Any, x: Any) -> Any:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class RopeTable:
+    """cos/sin rows for absolute positions on the device, in the compute dtype.
+
+    Made by the numpy ``Rope`` (the very float32 values the numpy engine
+    uses) and kept as a table grown by doubling, so a decode step slices it
+    instead of computing and uploading two rows. Dynamic NTK beyond the
+    trained length depends on the chunk's end, not only the position: those
+    chunks are computed afresh.
+    """
+
+    def __init__(self, torch: Any, config: ModelConfig, dtype: Any, device: Any) -> None:
+        self.torch, self.rope = torch, Rope(config)
+        self.dtype, self.device = dtype, device
+        self.cos = self.sin = None
+        self.size = 0
+
+    def _upload(self, cos: np.ndarray, sin: np.ndarray) -> tuple[Any, Any]:
+        t = self.torch
+        return (
+            t.from_numpy(cos).to(self.device, self.dtype),
+            t.from_numpy(sin).to(self.device, self.dtype),
+        )
+
+    def get(self, start: int, count: int) -> tuple[Any, Any]:
+        end = start + count
+        rope = self.rope
+        if rope.scaling.rope_type == "dynamic" and end > rope.max_positions:
+            return self._upload(*rope.cos_sin(start, count))
+        if end > self.size:
+            size = max(end, 2 * self.size, 256)
+            if rope.scaling.rope_type == "dynamic":
+                size = min(max(size, end), max(rope.max_positions, end))
+            self.cos, self.sin = self._upload(*rope.cos_sin(0, size))
+            self.size = size
+        return self.cos[start:end], self.sin[start:end]
+
+
+def _linear(torch: Any, x: Any, weight: Any, bias: Any) -> Any:
+    return torch.nn.functional.linear(x, weight, bias)
+
+
+def attention(
+    torch: Any,
+    x: Any,
+    block: Any,
+    config: ModelConfig,
+    rope: tuple[Any, Any] | None,
+    keys: Any,
+    values: Any,
+    past: int,
+    window: int | None,
+) -> Any:
+    """Causal grouped-query attention of ``x`` ``[b, t, hidden]`` at positions
+    ``past ..``, writing its rotated keys and values into the cache tensors
+    ``[b, kv_heads, capacity, d]`` at ``past``. ``window``: the query at ``p``
+    sees keys ``p - window < k <= p`` (transformers' sliding mask)."""
+    b, t, _ = x.shape
+    heads, kv_heads, d = config.num_attention_heads, config.num_key_value_heads, config.head_dim
+    groups = heads // kv_heads
+    q = _linear(torch, x, block.q, block.q_bias).view(b, t, heads, d)
+    k = _linear(torch, x, block.k, block.k_bias).view(b, t, kv_heads, d)
+    v = _linear(torch, x, block.v, block.v_bias).view(b, t, kv_heads, d)
+    if block.q_norm is not None:  # qwen3: RMSNorm of each head's vector, before rope
+        q = rms_norm(torch, q, block.q_norm, config.rms_norm_eps)
+        k = rms_norm(torch, k, block.k_norm, config.rms_norm_eps)
+    q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+    if rope is not None:
+        cos, sin = rope
+        q = q * cos + rotate_half(torch, q) * sin
+        k = k * cos + rotate_half(torch, k) * sin
+    total = past + t
+    keys[:, :, past:total] = k
+    values[:, :, past:total] = v
+    first_key = 0
+    mask = None
+    if t == 1:
+        # Decode: the one query sees every key up to itself — or the window's.
+        if window is not None:
+            first_key = max(0, total - window)
+    else:
+        query_pos = torch.arange(past, total, device=x.device)[:, None]
+        key_pos = torch.arange(total, device=x.device)[None, :]
+        mask = key_pos <= query_pos
+        if window is not None:
+            mask &= key_pos > query_pos - window
+        mask = mask.repeat(groups, 1)  # the folded query axis is (group, token)
+    # [b, heads, t, d] -> [b, kv_heads, groups * t, d]: head h uses kv head h // groups.
+    q = q.reshape(b, kv_heads, groups * t, d)
+    out = torch.nn.functional.scaled_dot_product_attention(
+        q,
+        keys[:, :, first_key:total],
+        values[:, :, first_key:total],
+        attn_mask=mask,
+        scale=1.0 / math.sqrt(d),
+    )
+    out = out.view(b, heads, t, d).transpose(1, 2).reshape(b, t, heads * d)
+    return _linear(torch, out, block.o, block.o_bias)
+
+
+def mlp(torch: Any, x: Any, block: Any) -> Any:
+    f = torch.nn.functional
+    gate = _linear(torch, x, block.gate, block.gate_bias)
+    up = _linear(torch, x, block.up, block.up_bias)
+    return _linear(torch, f.silu(gate) * up, block.down, block.down_bias)

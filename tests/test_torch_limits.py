@@ -1,0 +1,136 @@
+"""Issue 13's limits on the torch engine (issue 15) and on every family (issue 11).
+
+The runner owns the deadline and the session's life for whichever engine
+computes: the torch engine stops between layers exactly as the numpy one
+does. The cost check reads the shapes from ``ModelConfig`` (qwen3's
+``head_dim`` is not ``hidden / heads``), also for a stage loaded from a GGUF
+file, and prices the torch engine's attention, which scores the whole chunk
+at once, above the numpy engine's 128-row blocks.
+"""
+
+from __future__ import annotations
+
+import itertools
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+import meshnet_model.runner as runner_module
+from gguf_support import build_model, write_model_gguf
+from meshnet_model import SessionEnded, StageRunner
+from meshnet_model.costs import chunk_cost
+from meshnet_model.runner import ChunkTooLarge, ComputeDeadlineExceeded
+from meshnet_model.testing import small_config, write_checkpoint
+from meshnet_model.torch_engine import load_torch_runner
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_checkpoint(tmp_path_factory.mktemp("ckpt"), small_config(), seed=4)
+
+
+@pytest.fixture(scope="module")
+def qwen3_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    # head_dim 128 with hidden 64 and 4 heads: a cost from hidden / heads is 8x short.
+    return write_model_gguf(tmp_path_factory.mktemp("gguf"), build_model("qwen3", layers=2))
+
+
+def ids(count: int) -> np.ndarray:
+    return (np.arange(count, dtype=np.int32).reshape(1, count) * 7) % 256
+
+
+def test_the_deadline_stops_the_torch_compute_between_layers(
+    checkpoint: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    runner = load_torch_runner(checkpoint, dtype="float32")
+    looks = []
+    clock = itertools.count(100.0, 1.0)  # every look at the clock: one second later
+
+    def monotonic() -> float:
+        looks.append(1)
+        return next(clock)
+
+    # The runner's clock only (torch looks at the real one too).
+    monkeypatch.setattr(runner_module, "time", SimpleNamespace(monotonic=monotonic))
+    with pytest.raises(ComputeDeadlineExceeded):
+        runner.run("s", 0, ids(8), deadline=100.5)  # layer 0 at 100: ok; layer 1 at 101: late
+    assert len(looks) == 2  # stopped before layer 1 of 4, not after the whole chunk
+    # Nothing was added to the cache: the chunk may be sent again.
+    cache = runner._lives["s"].cache
+    assert cache is not None and cache.length == 0
+    monkeypatch.undo()
+    again = runner.run("s", 0, ids(8))
+    fresh = load_torch_runner(checkpoint, dtype="float32").run("x", 0, ids(8))
+    assert np.array_equal(again, fresh)
+
+
+def test_a_session_ended_mid_torch_compute_stops_and_frees_all(checkpoint: Path) -> None:
+    runner = load_torch_runner(checkpoint, dtype="float32")
+    life = runner.admit("s")
+    calls = []
+    original = runner_module._stopper
+
+    def ending_after_one_layer(life_, deadline):  # type: ignore[no-untyped-def]
+        check = original(life_, deadline)
+
+        def hook() -> None:
+            calls.append(1)
+            if len(calls) == 2:  # the DELETE lands while layer 0 computes
+                runner.end_session("s")
+            check()
+
+        return hook
+
+    runner_module._stopper = ending_after_one_layer
+    try:
+        with pytest.raises(SessionEnded):
+            runner.run("s", 0, ids(8), life=life)
+    finally:
+        runner_module._stopper = original
+    assert len(calls) == 2
+    assert (runner.kv_bytes_in_use, runner.sessions) == (0, 0)
+
+
+def test_the_torch_engine_is_costed_for_scoring_the_whole_chunk(checkpoint: Path) -> None:
+    config = small_config()
+    blocked = chunk_cost(config, batch=1, tokens=512, context=512, last=True)
+    whole = chunk_cost(config, batch=1, tokens=512, context=512, last=True, query_block=None)
+    heads = config.num_attention_heads
+    assert whole.attention - blocked.attention == heads * (512 - 128) * 512 * 5
+    # A limit between the two: numpy's blocked attention fits, torch's does not.
+    limit = (blocked.total + whole.total) // 2
+    StageRunner.load(checkpoint, max_compute_bytes=limit).check_head((1, 512), "int32")
+    torch_runner = load_torch_runner(checkpoint, dtype="float32", max_compute_bytes=limit)
+    with pytest.raises(ChunkTooLarge, match="--max-compute-bytes"):
+        torch_runner.check_head((1, 512), "int32")
+    torch_runner.check_head((1, 128), "int32")  # one block: the same cost as numpy's
+
+
+@pytest.mark.parametrize("engine", ["numpy", "torch"])
+def test_costs_of_a_gguf_stage_use_its_config_head_dim(qwen3_gguf: Path, engine: str) -> None:
+    if engine == "torch":
+        runner = load_torch_runner(qwen3_gguf, dtype="float32")
+    else:
+        runner = StageRunner.load(qwen3_gguf)
+    c = runner.config
+    assert (c.model_type, c.head_dim, c.hidden_size // c.num_attention_heads) == ("qwen3", 128, 16)
+    block = None if engine == "torch" else 128
+    cost = chunk_cost(c, batch=1, tokens=256, context=c.max_position_embeddings, last=True,
+                      query_block=block)  # fmt: skip
+    qkv = 256 * (2 * c.num_attention_heads + 2 * c.num_key_value_heads) * 128 * 4
+    assert cost.attention >= qkv
+    runner.max_compute_bytes = cost.total
+    runner.check_head((1, 256), "int32")  # exactly at the limit: taken
+    runner.max_compute_bytes = cost.total - 1
+    with pytest.raises(ChunkTooLarge, match="--max-compute-bytes"):
+        runner.check_head((1, 256), "int32")
+
+
+def test_a_sliding_window_does_not_shrink_the_cost() -> None:
+    # Both engines score every cached key and mask those outside the window.
+    plain = chunk_cost(small_config(), batch=1, tokens=300, context=512, last=False)
+    windowed = chunk_cost(small_config(model_type="mistral", sliding_window=8), batch=1,
+                          tokens=300, context=512, last=False)  # fmt: skip
+    assert windowed == plain
