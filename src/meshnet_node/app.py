@@ -19,9 +19,9 @@ forwards and answers. Per request:
 
 from __future__ import annotations
 
+import collections
 import logging
 import time
-import collections
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
