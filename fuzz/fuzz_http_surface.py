@@ -102,7 +102,7 @@ def check_responses(raw: bytes, *, head_requests: bool = False) -> list[int]:
 
     Raises InvariantBroken unless ``raw`` is a sequence of well-formed
     responses (status line, headers, exactly ``Content-Length`` body bytes)
-    with no 500, each 4xx/5xx a SPEC §4 JSON error of its own status. A
+    with no 500, each 4xx/5xx a wire-2 §4 JSON error of its own status. A
     trailing partial response is not allowed either: the server closed, so
     what it sent must be whole. With ``head_requests`` (the input had a HEAD
     request) a response may carry headers only, as an answer to HEAD does.
@@ -144,7 +144,8 @@ def check_responses(raw: bytes, *, head_requests: bool = False) -> list[int]:
             try:
                 error = json.loads(body)["error"]
             except (ValueError, KeyError, TypeError):
-                raise InvariantBroken(f"{status} without a SPEC §4 body: {body[:200]!r}") from None
+                quoted = body[:200]
+                raise InvariantBroken(f"{status} without a wire-2 §4 body: {quoted!r}") from None
             if error.get("status") != status or not isinstance(error.get("code"), str):
                 raise InvariantBroken(f"{status} with a mismatched error body: {error}")
         statuses.append(status)

@@ -176,7 +176,7 @@ def _activation(
 
 
 def seed_corpus() -> list[bytes]:
-    """Valid and invalid requests: every rule of SPEC §2 has a seed near it."""
+    """Valid and invalid requests: every rule of wire-2 §2 has a seed near it."""
     auth = [(b"Authorization", b"Bearer " + TOKEN.encode())]
     valid = _activation()
     return [

@@ -40,7 +40,7 @@ def wire(
     position: int | None = None,
     encoding: bytes | None = None,
 ) -> Pairs:
-    """The SPEC §2 request headers of one chunk (session None: gateway style)."""
+    """The wire-2 §2 request headers of one chunk (session None: gateway style)."""
     pairs: Pairs = [
         (b"Content-Type", b"application/octet-stream"),
         (b"X-Meshnet-Wire", b"2"),

@@ -1,4 +1,4 @@
-"""One table of bad wire-2 inputs: each gets exactly its SPEC §2/§4 status and code.
+"""One table of bad wire-2 inputs: each gets exactly its wire-2 §2/§4 status and code.
 
 Header rows go through ``parse_wire_headers`` (a node's input unless marked
 ``gateway``); body rows go through ``decode_tensor`` with the headers of a

@@ -1,4 +1,4 @@
-"""A table of bad HTTP inputs and the exact SPEC §4 answer each one gets.
+"""A table of bad HTTP inputs and the exact wire-2 §4 answer each one gets.
 
 Every row is fed whole and one byte at a time; both ways must produce one
 `ProtocolErrorReceived` with the row's status and code, and `send_error`
@@ -75,7 +75,7 @@ AUTH = (b"Authorization", b"Bearer " + TOKEN.encode())
 
 # (id, request bytes, status, code, connection options)
 CASES: list[tuple[str, bytes, int, str, dict]] = [
-    # --- framing: request smuggling and lengths (SPEC §2)
+    # --- framing: request smuggling and lengths (wire-2 §2)
     ("cl_and_te_smuggling", build(add=[TE], body=chunked(BODY)), 400, "bad_framing", {}),
     (
         "te_gzip",
@@ -147,7 +147,7 @@ CASES: list[tuple[str, bytes, int, str, dict]] = [
     ("http_2_0_request_line", build(version=b"HTTP/2.0"), 400, "malformed_request", {}),
     ("http_0_9_request_line", build(version=b"HTTP/0.9"), 400, "malformed_request", {}),
     ("http_1_2_request_line", build(version=b"HTTP/1.2"), 400, "malformed_request", {}),
-    # --- credentials, path, method (SPEC §2 order, §7)
+    # --- credentials, path, method (wire-2 §2 order, §7)
     ("no_token", build(), 401, "unauthorized", {"token": TOKEN}),
     (
         "wrong_token",
@@ -179,7 +179,7 @@ CASES: list[tuple[str, bytes, int, str, dict]] = [
         "not_found",
         {"token": TOKEN},
     ),
-    # --- content type and wire headers (SPEC §2: 415 → 400/415 → 413)
+    # --- content type and wire headers (wire-2 §2: 415 → 400/415 → 413)
     (
         "json_body_wire1",
         build(
@@ -229,7 +229,7 @@ CASES: list[tuple[str, bytes, int, str, dict]] = [
         "tensor_too_large",
         {},
     ),
-    # --- body (SPEC §2: over the bound 413, otherwise 400)
+    # --- body (wire-2 §2: over the bound 413, otherwise 400)
     ("identity_body_shorter_than_promised", build(body=BODY[:-4]), 400, "body_size_mismatch", {}),
     ("identity_body_longer_than_promised", build(body=BODY + b"xxxx"), 413, "body_too_large", {}),
     (

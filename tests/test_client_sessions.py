@@ -1,4 +1,4 @@
-"""ClientSessionTable: the gateway's client sessions (SPEC §3, "The gateway")."""
+"""ClientSessionTable: the gateway's client sessions (wire-2 §3, "The gateway")."""
 
 from __future__ import annotations
 

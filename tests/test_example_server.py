@@ -2,7 +2,7 @@
 
 The one test file with sockets: it starts the example as a subprocess,
 sends activations through a ClientConnection on a raw socket, and checks
-the echo bit for bit, keep-alive, and a SPEC §4 error for a bad request.
+the echo bit for bit, keep-alive, and a wire-2 §4 error for a bad request.
 """
 
 from __future__ import annotations

@@ -262,7 +262,7 @@ async def test_entry_down_is_502_naming_it_not_a_hang() -> None:
 
 
 async def test_entry_that_accepts_but_never_answers_is_504_within_the_budget() -> None:
-    """SPEC §4: a stopped process still accepts TCP connections; only the
+    """wire-2 §4: a stopped process still accepts TCP connections; only the
     deadline (the gateway's --timeout) detects it, and names the hop."""
     listener = await anyio.create_tcp_listener(local_host="127.0.0.1", local_port=0)
     port = listener.extra(anyio.abc.SocketAttribute.local_port)
@@ -379,7 +379,7 @@ def _deadline():  # type: ignore[no-untyped-def]
 
 
 async def test_a_hang_deep_in_the_chain_is_named_by_the_node_nearest_to_it() -> None:
-    """SPEC §4 deadlines: gateway → node 1 → node 2 → a stage that accepts and
+    """wire-2 §4 deadlines: gateway → node 1 → node 2 → a stage that accepts and
     never answers (a stopped process). Each sender passes the time left minus
     a margin, so node 2 — nearest the hang — gives up first and answers 504
     naming the hung hop; node 1 and the gateway relay that, rather than each

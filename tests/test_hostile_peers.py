@@ -1,5 +1,5 @@
 """Hostile peers over real loopback sockets: a node must answer every bad
-input with a SPEC §4 4xx, stay up, keep other sessions intact and never
+input with a wire-2 §4 4xx, stay up, keep other sessions intact and never
 hold memory that grows with what peers send.
 """
 

@@ -1,4 +1,4 @@
-"""The strict integer grammar and the SPEC §2 header set, through the public API."""
+"""The strict integer grammar and the wire-2 §2 header set, through the public API."""
 
 from __future__ import annotations
 

@@ -313,7 +313,7 @@ async def test_info_health_metrics_and_delete_down_the_chain() -> None:
         assert (document["role"], document["wire"], document["downstream"]) == ("node", 2, last.url)
         assert document["reorder_window"] == 16
         assert document["stage"]["backend"] == "echo"
-        # SPEC §6: every limit, named as in Limits (and the server's own).
+        # wire-2 §6: every limit, named as in Limits (and the server's own).
         limits = document["limits"]
         assert limits["max_tensor_bytes"] == 512 * 1024 * 1024
         assert limits["max_stored_bytes"] == 1024 * 1024 * 1024

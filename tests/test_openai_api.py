@@ -135,7 +135,7 @@ async def test_greedy_completion_is_the_chains_output_chunked_and_freed(model_di
 async def test_lost_answers_are_retried_without_recomputing_a_token(model_dir: Path) -> None:
     """The first answer to every chunk and decode step is lost between the
     gateway and the entry node: the gateway sends it again (--retries), the
-    nodes replay (SPEC §3), the text is still the exact greedy walk, and no
+    nodes replay (wire-2 §3), the text is still the exact greedy walk, and no
     stage ran any chunk twice (which would also have doubled its KV)."""
     tokenizer = ModelTokenizer.load(model_dir)
     prompt = "the quick brown fox"

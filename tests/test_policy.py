@@ -1,4 +1,4 @@
-"""Wire dtype and encoding policies (SPEC §5), through the public API."""
+"""Wire dtype and encoding policies (wire-2 §5), through the public API."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Issue 5, access control, over real processes: bearer tokens (SPEC §7) on
+"""Issue 5, access control, over real processes: bearer tokens (wire-2 §7) on
 every endpoint but /health, presented down the chain; a TLS chain built on a
 throwaway CA; and a client or node with the wrong CA refused.
 """

@@ -3,7 +3,7 @@
 Three processes are started once for the module: ``last`` (a meshnet-node
 without --next), ``relay`` (a meshnet-node whose --next is ``last``) and a
 ``gateway`` in front of ``relay``. Every row of MATRIX is raw request bytes,
-sent over its own TCP connection, with the exact status and SPEC §4 error
+sent over its own TCP connection, with the exact status and wire-2 §4 error
 code it must get. After the whole matrix (and the session flood and the
 slow clients below) every process still serves a valid chunk bit-exactly and
 the relay's memory has not grown by more than MEMORY_BOUND.
@@ -194,7 +194,7 @@ def integer_rows(target: str) -> list[Row]:
 
 
 def header_value_rows(target: str) -> list[Row]:
-    """The other headers of SPEC §2: empty, conflicting, odd values."""
+    """The other headers of wire-2 §2: empty, conflicting, odd values."""
     rows = _Rows(target)
     row = rows.row
     for name, pairs_of, status, code, header in [
@@ -808,7 +808,7 @@ def sequencing_rows(target: str) -> list[Row]:
             409,
             "run_mismatch",
         ),
-        # SPEC §3 fixes the trailing shape within a run only: a finished run
+        # wire-2 §3 fixes the trailing shape within a run only: a finished run
         # may be followed by one of another shape, served as what it is.
         Row(
             f"{t}:session_reused_with_another_shape_next_run",
@@ -895,7 +895,7 @@ def check_row(urls: dict[str, str], row: Row) -> str | None:
         if answer.headers.get(b"content-type") != b"application/json":
             return f"error without JSON content type: {answer.headers}"
         if set(error) != {"status", "code", "message", "header", "hop"}:
-            return f"error body not SPEC §4: {error}"
+            return f"error body not wire-2 §4: {error}"
         if error["status"] != answer.status:
             return f"body status {error['status']} != {answer.status}"
         if row.header is not None and error["header"] != row.header:

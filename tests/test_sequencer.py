@@ -1,4 +1,4 @@
-"""SessionTable: SPEC §3 sequencing, driven the way a node drives it."""
+"""SessionTable: wire-2 §3 sequencing, driven the way a node drives it."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""meshnet_gateway: whole sequences in, chunked runs through a node chain (SPEC §1, §3).
+"""meshnet_gateway: whole sequences in, chunked runs through a node chain (wire-2 §1, §3).
 
 The client API for applications lives here too: ``forward_via_gateway`` and
 ``forward_via_chain`` (see ``docs/gateway.md``).

@@ -1,6 +1,6 @@
 """``meshnet-gateway`` / ``python -m meshnet_gateway``: serve until SIGINT/SIGTERM.
 
-Flags per SPEC §9 (``meshnet-gateway --help``); each also reads
+Flags per wire-2 §9 (``meshnet-gateway --help``); each also reads
 ``MESHNET_<FLAG>``. Prints one ready line on stdout, logs on stderr, exits
 0 after a graceful shutdown.
 """

@@ -7,7 +7,7 @@ index, total and position = base + offset, and takes the last node's
 answers. What is valid on the wire is decided by ``meshnet_proto``; this
 module only owns the concurrency: encode the next chunk while earlier ones
 are downstream, keep at most ``inflight`` chunks on the wire, retry a chunk
-whose failure ``RetryPolicy`` calls safe to retry (SPEC §3 replay makes the
+whose failure ``RetryPolicy`` calls safe to retry (wire-2 §3 replay makes the
 identical retransmission harmless), and turn the first failure into one
 error after cancelling the rest.
 """
@@ -103,7 +103,7 @@ async def run_chunks(
     the prompt's last token; the other answers are not even decoded).
 
     The wire dtype is chosen by the caller for the whole array, never per
-    chunk: SPEC §3 requires one dtype per run, and ``auto-lossless`` per
+    chunk: wire-2 §3 requires one dtype per run, and ``auto-lossless`` per
     chunk could pick bfloat16 for one chunk and float32 for the next; so
     ``encoder`` must keep the dtype. It picks each chunk's encoding (and
     under ``auto`` learns from the link).
@@ -113,7 +113,7 @@ async def run_chunks(
     hop), or one raised while a chunk was prepared; chunks still in flight
     are cancelled first. ``relay(response, url)`` turns a downstream's error
     answer into the error raised (default: ``response.to_error(hop=url)``,
-    SPEC §4's relay rule).
+    wire-2 §4's relay rule).
 
     ``retry``: a chunk whose failure ``retry.retryable`` accepts is sent
     again, identical, after ``retry.delay``, up to ``retry.retries`` times

@@ -1,6 +1,6 @@
 """When and how soon the gateway sends a chunk again (``--retries``, ``--retry-backoff-ms``).
 
-A retransmission is safe because of SPEC §3's replay rule: every chunk
+A retransmission is safe because of wire-2 §3's replay rule: every chunk
 carries its session, index and position, so a node that already ran the
 stage on it replays its stored answer (or forwards its stored output again,
 or joins the original still in flight) instead of running the stage twice.
@@ -99,7 +99,7 @@ async def send_with_retries(
 
     Returns the chain's activation answer; raises the failure as
     ``MeshnetError`` (``as_error`` turns an error answer into it; default:
-    SPEC §4's relay, ``response.to_error(hop=pool.url)``). A retry never
+    wire-2 §4's relay, ``response.to_error(hop=pool.url)``). A retry never
     outlives ``deadline``; ``on_retry(chunk index, error)`` is told of each.
     Both the wire-2 pipeline and the OpenAI generation loop send through here.
     """

@@ -1,6 +1,6 @@
 """The gateway's application: whole sequences in, chunked runs down the chain.
 
-SPEC §1 and the gateway paragraph of §3. A client POSTs one whole sequence
+wire-2 §1 and the gateway paragraph of §3. A client POSTs one whole sequence
 (wire 2, session/index/total optional); the gateway leases the client
 session (``ClientSessionTable``), sends the sequence to the entry node as one
 run of chunks (``_pipeline.run_chunks``), and answers one wire-2 response
@@ -71,8 +71,8 @@ INFO_TIMEOUT = 2.0
 # quietly, and warns only if the entry still has not answered.
 STARTUP_INFO_RETRY_S = 0.5
 STARTUP_INFO_ATTEMPTS = 20
-# What a node whose /info names none has: the core's (SPEC §3) default.
-SPEC_REORDER_WINDOW = Limits().reorder_window
+# What a node whose /info names none has: the core's (wire-2 §3) default.
+WIRE2_REORDER_WINDOW = Limits().reorder_window
 # Background DELETEs down the chain after a failed chunk: bounded, so a hung
 # node costs one waiting task for at most this long.
 DELETE_TIMEOUT = 10.0
@@ -121,7 +121,7 @@ class GatewayApp:
         self._refreshing = False
         self._background: anyio.abc.TaskGroup | None = None
         # Sessions with a request in progress: checked on the head, before
-        # the body is read (SPEC §2 order: header-only sequencing first).
+        # the body is read (wire-2 §2 order: header-only sequencing first).
         self._active: set[str] = set()
         # --model: the OpenAI API (/v1) over the same chain.
         self.openai: OpenAIService | None = None
@@ -158,10 +158,10 @@ class GatewayApp:
 
     @property
     def inflight(self) -> int:
-        """``--inflight`` capped at the entry node's reorder window (SPEC §1)."""
+        """``--inflight`` capped at the entry node's reorder window (wire-2 §1)."""
         if not self.entry_info_read:
             return 1  # safe under any window until the entry tells us its own
-        return min(self.config.inflight, self.entry_window or SPEC_REORDER_WINDOW)
+        return min(self.config.inflight, self.entry_window or WIRE2_REORDER_WINDOW)
 
     async def refresh_entry_window(self, *, quiet: bool = False) -> int | None:
         """Read the entry node's reorder window from its ``GET /info``.
@@ -180,7 +180,7 @@ class GatewayApp:
         self.entry_info_read = True
         if self.entry_window is None:
             log.warning("%s /info shows no reorder window; assuming %d",
-                        self.pool.url, SPEC_REORDER_WINDOW)  # fmt: skip
+                        self.pool.url, WIRE2_REORDER_WINDOW)  # fmt: skip
         elif self.config.inflight > self.entry_window:
             log.info("--inflight %d capped at the entry node's reorder window %d",
                      self.config.inflight, self.entry_window)  # fmt: skip
@@ -245,7 +245,7 @@ class GatewayApp:
                     code="position_mismatch",
                     header="x-meshnet-position",
                 )
-            # One wire dtype for the whole run (SPEC §3: a run keeps its dtype).
+            # One wire dtype for the whole run (wire-2 §3: a run keeps its dtype).
             tensor = await self.codecs.run(
                 event.tensor.nbytes, apply_wire_dtype, event.tensor, self.config.wire_dtype
             )

@@ -54,7 +54,7 @@ __all__ = [
 
 
 class RemoteError(MeshnetError):
-    """The gateway or node answered with a SPEC §4 error (``status`` ≥ 400).
+    """The gateway or node answered with a wire-2 §4 error (``status`` ≥ 400).
 
     ``hop`` is what the server said: ``None`` when the server itself
     refused, else the URL of the deepest node that failed.
@@ -63,7 +63,7 @@ class RemoteError(MeshnetError):
     @classmethod
     def from_response(cls, response: ErrorResponse, url: str | None = None) -> RemoteError:
         """``url``: the server asked, named as ``hop`` when its answer names none
-        and it is not the one we talk to directly (SPEC §4's relay rule)."""
+        and it is not the one we talk to directly (wire-2 §4's relay rule)."""
         inner = response.error
         header, hop = inner.get("header"), inner.get("hop")
         return cls(
@@ -222,7 +222,7 @@ class Client:
         started = time.perf_counter()
         deadline = Deadline.after(timeout)
         session = session or str(uuid.uuid4())
-        # One wire dtype for the whole run (SPEC §3).
+        # One wire dtype for the whole run (wire-2 §3).
         wire = await self.codecs.run(array.nbytes, apply_wire_dtype, array, wire_dtype)
         result = await run_chunks(
             self.pool,

@@ -44,7 +44,7 @@ def build_server(config: ServerConfig, app: GatewayApp) -> HttpServer:
 
     def make_connection() -> ServerConnection:
         # The gateway's input is a whole sequence: session, index and total
-        # are optional there (SPEC §2).
+        # are optional there (wire-2 §2).
         return ServerConnection(
             limits=limits,
             token=config.token,
@@ -74,7 +74,7 @@ def _gateway_cost(headers: WireHeaders) -> int:
 
 
 def ready_line(url: str, app: GatewayApp) -> str:
-    """The one line a started gateway prints (SPEC §9); the URL comes first
+    """The one line a started gateway prints (wire-2 §9); the URL comes first
     after ``listening on`` so scripts can cut it out."""
     config = app.config
     window = app.entry_window if app.entry_info_read else "unknown"

@@ -6,7 +6,7 @@ It is synchronous and safe to call from worker threads for different
 sessions at once; the caller guarantees that one session's chunks come one
 at a time, in order (the node's sequencer does).
 
-Position handling — the cache must agree with the session's position (SPEC
+Position handling — the cache must agree with the session's position (wire-2
 §3: the node's count of tokens taken in):
 
 * cache longer than the position: a chunk whose compute finished but whose

@@ -1,4 +1,4 @@
-"""meshnet_node: one stage of a meshnet chain, served over wire 2 (SPEC §1-§4)."""
+"""meshnet_node: one stage of a meshnet chain, served over wire 2 (wire-2 §1-§4)."""
 
 from .app import NodeApp, RunningNode, build_node, serve_node
 from .backends import BACKENDS, Stage, make_stage

@@ -1,4 +1,4 @@
-"""The node application: wire-2 ``POST /forward`` through one stage (SPEC §2-§4).
+"""The node application: wire-2 ``POST /forward`` through one stage (wire-2 §2-§4).
 
 Thin by design: the core decides (``ServerConnection`` parses and decodes,
 ``SessionTable`` sequences); this module waits, runs the stage, encodes,

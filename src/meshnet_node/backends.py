@@ -53,7 +53,7 @@ ChunkKey = tuple[str, int, int]
 
 @dataclass(frozen=True, slots=True)
 class StageContext:
-    """Where a chunk sits: from the node's sequencer ticket (SPEC §3).
+    """Where a chunk sits: from the node's sequencer ticket (wire-2 §3).
 
     ``position`` is the session's count of tokens taken in before this chunk
     (the node's own, also when the sender sent no ``X-Meshnet-Position``);

@@ -1,4 +1,4 @@
-"""The life of one chunk at a node, as a table (SPEC §3).
+"""The life of one chunk at a node, as a table (wire-2 §3).
 
 A chunk that ran is a *record*: its ticket, its phase, and what it keeps
 for a retransmission (the stage output, the answer). Every legal move of a

@@ -1,6 +1,6 @@
 """Splitting a sequence into chunks along its token axis, and joining them back.
 
-The gateway cuts a client's whole sequence into runs of chunks (SPEC §1, §3)
+The gateway cuts a client's whole sequence into runs of chunks (wire-2 §1, §3)
 and reassembles the last node's chunk outputs. Cutting never copies: each
 chunk is a numpy view of the client's tensor, so a long prefill costs no
 memory to split. Joining copies once, into the tensor the client gets.
@@ -30,7 +30,7 @@ ASSEMBLY_ERROR_STATUS = 502
 
 
 def token_axis(shape: Sequence[int]) -> int:
-    """The axis that counts tokens (SPEC §2): 1, or 0 for a rank-1 tensor."""
+    """The axis that counts tokens (wire-2 §2): 1, or 0 for a rank-1 tensor."""
     if len(shape) == 0:
         raise ValueError("a scalar has no token axis: wire tensors have 1 to 8 dimensions")
     return 0 if len(shape) == 1 else 1

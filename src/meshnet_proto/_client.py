@@ -84,7 +84,7 @@ class ClientConnection:
     """The client side of one connection toward a downstream.
 
     ``host`` goes in the ``Host`` header; ``token`` is presented as
-    ``Authorization: Bearer`` (SPEC §7: a node presents its own token);
+    ``Authorization: Bearer`` (wire-2 §7: a node presents its own token);
     ``hop`` (the downstream's URL as configured) is put in every
     `DownstreamError` raised here; ``decode=False`` leaves
     `ActivationResponse.tensor` as ``None`` (a relay that passes the body
@@ -407,7 +407,7 @@ class ClientConnection:
 
 
 def _error_object(status: int, raw: bytes) -> dict[str, Any]:
-    """The inner SPEC §4 object of ``raw``, or one made up for a body that
+    """The inner wire-2 §4 object of ``raw``, or one made up for a body that
     is not one (the HTTP status is authoritative either way)."""
     try:
         document = json.loads(raw)
@@ -430,13 +430,13 @@ def _error_object(status: int, raw: bytes) -> dict[str, Any]:
         }
     snippet = raw[:_SNIPPET].decode("utf-8", "replace")
     return {
-        # A 500 is a node's own bug (SPEC §4); one without a SPEC body is a
+        # A 500 is a node's own bug (wire-2 §4); one without a wire-2 error body is a
         # downstream answering garbage, which is 502, so a relaying node never
         # answers 500 for what is not its fault. Other statuses carry meaning
         # for the sender (4xx, 503 + Retry-After) and are relayed as they are.
         "status": 502 if status == 500 else status,
         "code": "downstream_bad_response",
-        "message": f"downstream answered {status} without a SPEC §4 error body: {snippet!r}",
+        "message": f"downstream answered {status} without a wire-2 §4 error body: {snippet!r}",
         "header": None,
         "hop": None,
     }

@@ -1,4 +1,4 @@
-"""The gateway's view of its client sessions (SPEC §3, "The gateway").
+"""The gateway's view of its client sessions (wire-2 §3, "The gateway").
 
 A client session is a context the gateway feeds down the chain on the
 client's behalf: the gateway keeps its position (the offset the next request

@@ -1,4 +1,4 @@
-"""Tensor bodies: identity bytes or one bounded zstd frame (SPEC §2).
+"""Tensor bodies: identity bytes or one bounded zstd frame (wire-2 §2).
 
 Decoding is where a hostile peer gets to make us allocate, so every size is
 fixed by the headers before a byte of the body is looked at:

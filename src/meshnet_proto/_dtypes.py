@@ -1,4 +1,4 @@
-"""Wire dtype tokens and the numpy dtypes they stand for (SPEC §2).
+"""Wire dtype tokens and the numpy dtypes they stand for (wire-2 §2).
 
 Every wire dtype is little-endian whatever the host: the mapping below pins
 the byte order explicitly so a big-endian machine still speaks the same wire.
@@ -26,7 +26,7 @@ WIRE_DTYPES: Mapping[str, np.dtype] = MappingProxyType(
     }
 )
 
-# The encodings a body may carry (SPEC §2). Lives here, beside the dtypes,
+# The encodings a body may carry (wire-2 §2). Lives here, beside the dtypes,
 # because both are "tokens": the header parser and the codec share them.
 WIRE_ENCODINGS: frozenset[str] = frozenset({"identity", "zstd"})
 

@@ -1,7 +1,7 @@
 """One error hierarchy for everything the wire-2 core rejects.
 
 Every rejection carries what a driver needs to answer it without thinking:
-the HTTP status (SPEC §4), a stable machine-readable ``code``, the offending
+the HTTP status (wire-2 §4), a stable machine-readable ``code``, the offending
 header (lowercase) when there is one, and a message a person understands.
 The codes are part of the public contract: they are listed in
 ``docs/protocol.md`` and never renamed.
@@ -27,7 +27,7 @@ class MeshnetError(Exception):
 
     ``status`` is the HTTP status a server should answer with; ``code`` is the
     stable error code; ``header`` names the offending header (lowercase) or is
-    ``None``; ``hop`` names the downstream that failed (SPEC §4) or is ``None``;
+    ``None``; ``hop`` names the downstream that failed (wire-2 §4) or is ``None``;
     ``retry_after`` is the seconds hint for 503 answers.
     """
 
@@ -52,7 +52,7 @@ class MeshnetError(Exception):
         self.retry_after = retry_after
 
     def to_dict(self) -> dict[str, Any]:
-        """The SPEC §4 JSON error object."""
+        """The wire-2 §4 JSON error object."""
         return {
             "error": {
                 "status": self.status,
@@ -75,7 +75,7 @@ class ProtocolError(MeshnetError):
 
 
 class SequencingError(MeshnetError):
-    """A chunk that does not fit its session's sequence (SPEC §3, mostly 409)."""
+    """A chunk that does not fit its session's sequence (wire-2 §3, mostly 409)."""
 
     default_status = 409
 
@@ -93,5 +93,5 @@ class DownstreamError(MeshnetError):
 
 
 def error_body(error: MeshnetError) -> bytes:
-    """Serialise ``error`` as the SPEC §4 JSON body (UTF-8, compact)."""
+    """Serialise ``error`` as the wire-2 §4 JSON body (UTF-8, compact)."""
     return json.dumps(error.to_dict(), separators=(",", ":")).encode()

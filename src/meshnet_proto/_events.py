@@ -92,7 +92,7 @@ def _check_buffer(body: Any, field: str) -> None:
 class ActivationHead:
     """A valid wire-2 activation head (``POST /forward``), body not yet read.
 
-    Everything SPEC §2 checks on a head has passed: credentials, method,
+    Everything wire-2 §2 checks on a head has passed: credentials, method,
     framing, content type, header values, tensor size and — when the length
     is known — the body's bound. The driver now runs the sequencing checks
     that need only headers and either rejects with ``send_error()`` (the
@@ -171,7 +171,7 @@ class EndpointRequest:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class ProtocolErrorReceived:
-    """The peer sent something SPEC §2 rejects. Answer with
+    """The peer sent something wire-2 §2 rejects. Answer with
     ``send_error(event.error)`` and close: the error is sticky."""
 
     error: MeshnetError
@@ -220,8 +220,8 @@ class ActivationResponse:
 class ErrorResponse:
     """A downstream's error answer (status ≥ 400).
 
-    ``error`` is the inner SPEC §4 object (``status``, ``code``, ``message``,
-    ``header``, ``hop``). A body that is not a valid SPEC §4 document (an HTML
+    ``error`` is the inner wire-2 §4 object (``status``, ``code``, ``message``,
+    ``header``, ``hop``). A body that is not a valid wire-2 §4 document (an HTML
     page from a proxy, truncated JSON) still yields an ``ErrorResponse``: its
     ``error`` is synthesised with code ``downstream_bad_response`` and the
     body's first bytes as the message. ``raw`` is the body as received and
@@ -249,7 +249,7 @@ class ErrorResponse:
 
         Status, code, message and header are the downstream's; ``hop`` is the
         downstream's own when it set one (it names a deeper node), otherwise
-        ``hop`` — the relaying node's ``--next`` URL (SPEC §4).
+        ``hop`` — the relaying node's ``--next`` URL (wire-2 §4).
         """
         inner = self.error
         return DownstreamError(

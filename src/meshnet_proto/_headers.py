@@ -1,7 +1,7 @@
-"""The wire-2 header set (SPEC §2): one immutable object, one strict parser.
+"""The wire-2 header set (wire-2 §2): one immutable object, one strict parser.
 
 ``parse_wire_headers`` is the only place a peer's header values are turned
-into numbers and tokens. It follows SPEC §2's order of checks so that the
+into numbers and tokens. It follows wire-2 §2's order of checks so that the
 same bad request gets the same answer from every implementation: content
 type (415) → duplicates (400) → wire version (400) → each value (400/415) →
 tensor size (413). Every rejection names its header (lowercase) and code.
@@ -61,7 +61,7 @@ KNOWN_MESHNET_HEADERS: frozenset[bytes] = frozenset(
 OCTET_STREAM = b"application/octet-stream"
 WIRE_VERSION_VALUE = b"2"
 
-# SPEC §2: 1..8 dimensions whatever a Limits says (Limits caps max_rank at 8).
+# wire-2 §2: 1..8 dimensions whatever a Limits says (Limits caps max_rank at 8).
 MAX_RANK = 8
 # Every integer we emit must be one we would parse back.
 _UINT_CEILING = 10**MAX_UINT_DIGITS
@@ -102,7 +102,7 @@ def _is_uint(value: object) -> bool:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class WireHeaders:
-    """The SPEC §2 header set of one tensor message (request or 200 response).
+    """The wire-2 §2 header set of one tensor message (request or 200 response).
 
     ``shape`` and ``dtype`` describe the tensor; ``session``, ``chunk_index``
     and ``chunk_total`` place it in a run (optional only on the gateway's
@@ -194,7 +194,7 @@ class WireHeaders:
 
     @property
     def tokens(self) -> int:
-        """Number of tokens: the size of the token axis (SPEC §2)."""
+        """Number of tokens: the size of the token axis (wire-2 §2)."""
         return self.shape[token_axis(self.shape)]
 
     def replace(self, **changes: Any) -> WireHeaders:
@@ -206,7 +206,7 @@ class WireHeaders:
 
         Content-Type and ``X-Meshnet-Wire: 2`` first, then every field that is
         set (encoding always, even ``identity``: explicit is cheaper to debug
-        than a default). Names are in SPEC §2's spelling; HTTP names are
+        than a default). Names are in wire-2 §2's spelling; HTTP names are
         case-insensitive and h11 lowercases them on receipt. Content-Length
         is the connection's business (it knows the body), so it is not here.
         """
@@ -260,7 +260,7 @@ def _check_content_type(values: list[bytes]) -> None:
         raise ProtocolError(
             "wire 1 is gone: this server speaks wire 2 only — send the tensor as raw "
             "little-endian bytes with Content-Type: application/octet-stream and "
-            "X-Meshnet-Shape / X-Meshnet-Dtype headers (see SPEC §2)",
+            "X-Meshnet-Shape / X-Meshnet-Dtype headers (see wire-2 §2)",
             code="wire1_gone",
             status=415,
             header=header,
@@ -346,13 +346,13 @@ def parse_wire_headers(
     limits: Limits = Limits(),  # noqa: B008 - Limits is frozen: sharing one is safe
     require_sequencing: bool = True,
 ) -> WireHeaders:
-    """Validate a request's (or response's) wire headers, SPEC §2.
+    """Validate a request's (or response's) wire headers, wire-2 §2.
 
     ``pairs`` are ``(name, value)`` as h11 gives them (bytes or str, names in
     any case). With ``require_sequencing=False`` (the gateway's input) the
     session, chunk index and chunk total may be absent; if given they must be
     valid, and a chunk index must be 0 and a total 1 (the client sends one
-    whole sequence). Raises ``ProtocolError`` with the SPEC §2 status, a
+    whole sequence). Raises ``ProtocolError`` with the wire-2 §2 status, a
     stable code and the offending header.
     """
     content_types: list[bytes] = []
@@ -365,7 +365,7 @@ def parse_wire_headers(
         elif name in KNOWN_MESHNET_HEADERS:
             found.setdefault(name, []).append(value)
         # Anything else, including unknown X-Meshnet-* headers, is ignored:
-        # forward compatibility (SPEC §2).
+        # forward compatibility (wire-2 §2).
 
     _check_content_type(content_types)
 

@@ -1,4 +1,4 @@
-"""The strict integer grammar of wire 2 (SPEC §2).
+"""The strict integer grammar of wire 2 (wire-2 §2).
 
 Every integer a peer sends us — a shape dimension, a chunk index, a position,
 a deadline — goes through :func:`parse_canonical_uint`. ``int()`` is far too

@@ -19,21 +19,21 @@ class Limits:
     # 16 KiB: h11's own default for an incomplete event, and in the range of
     # nginx (8-32 KiB) and Apache (8 KiB per line). Wire-2 heads are < 1 KiB.
     max_header_bytes: int = 16 * KiB
-    # 512 MiB (SPEC §2): a 2048-token prefill at hidden 16384 in float32 is
+    # 512 MiB (wire-2 §2): a 2048-token prefill at hidden 16384 in float32 is
     # 128 MiB, so this leaves room for larger stages without letting a single
     # header make a node allocate its whole memory.
     max_tensor_bytes: int = 512 * MiB
-    # SPEC §2: 1..8 dimensions.
+    # wire-2 §2: 1..8 dimensions.
     max_rank: int = 8
     # A run of more than 65536 chunks is a client bug, not a sequence: even at
     # one token per chunk it is a 64k context.
     max_chunk_total: int = 65536
-    # SPEC §3 defaults.
+    # wire-2 §3 defaults.
     max_sessions: int = 1024
     session_ttl: float = 600.0
     reorder_window: int = 16
     reorder_timeout: float = 10.0
-    # Success responses kept for replay (SPEC §3), over all sessions. Without
+    # Success responses kept for replay (wire-2 §3), over all sessions. Without
     # a budget, max_sessions x 2 x (reorder_window + 1) x max_tensor_bytes is
     # held by peers' say-so; past it the oldest stored answers are dropped.
     max_stored_bytes: int = 1024 * MiB
@@ -58,12 +58,12 @@ class Limits:
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"Limits.{name} must be a positive int, got {value!r}")
         if self.max_rank > 8:
-            raise ValueError("Limits.max_rank cannot exceed 8 (SPEC §2)")
+            raise ValueError("Limits.max_rank cannot exceed 8 (wire-2 §2)")
         for name in ("session_ttl", "reorder_timeout"):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0:
                 raise ValueError(f"Limits.{name} must be a positive number, got {value!r}")
 
     def to_dict(self) -> dict[str, Any]:
-        """Every limit by name: what ``GET /info`` shows (SPEC §6)."""
+        """Every limit by name: what ``GET /info`` shows (wire-2 §6)."""
         return asdict(self)

@@ -1,4 +1,4 @@
-"""What a sender puts on the wire: dtype and encoding policies (SPEC §5).
+"""What a sender puts on the wire: dtype and encoding policies (wire-2 §5).
 
 A node's output toward ``--next`` and the gateway's chunks follow these
 policies; a receiver learns the outcome from ``X-Meshnet-Dtype`` and
@@ -8,7 +8,7 @@ Conversions never lose range silently: a finite value that would become
 infinite in float16 or bfloat16 raises an error naming it. NaN and ±inf are
 representable in both half formats and are carried as they are under the
 explicit ``float16``/``bfloat16`` policies; ``auto-lossless`` keeps them in
-float32 (SPEC §5: non-finite values rule out the half formats).
+float32 (wire-2 §5: non-finite values rule out the half formats).
 """
 
 from __future__ import annotations
@@ -46,14 +46,14 @@ _FLOAT16 = WIRE_DTYPES["float16"]
 _BFLOAT16 = WIRE_DTYPES["bfloat16"]
 _INT32 = WIRE_DTYPES["int32"]
 # AUTO_LOSSLESS candidates, smallest first; bfloat16 before float16 so it wins
-# a tie (SPEC §5).
+# a tie (wire-2 §5).
 _AUTO_CANDIDATES = (_BFLOAT16, _FLOAT16, _FLOAT32)
 # Unsigned views for bit-pattern comparison, by item size.
 _BITS = {2: np.dtype("<u2"), 4: np.dtype("<u4")}
 
 
 class WireDtypePolicy(enum.StrEnum):
-    """Which dtype a sender puts on the wire (SPEC §5)."""
+    """Which dtype a sender puts on the wire (wire-2 §5)."""
 
     KEEP = "keep"
     FLOAT32 = "float32"
@@ -63,7 +63,7 @@ class WireDtypePolicy(enum.StrEnum):
 
 
 class EncodingPolicy(enum.StrEnum):
-    """Which body encoding a sender uses (SPEC §5)."""
+    """Which body encoding a sender uses (wire-2 §5)."""
 
     MIRROR = "mirror"
     IDENTITY = "identity"

@@ -2,7 +2,7 @@
 
 A node keeps each chunk's success answer (for a replay) and, after a failed
 forward, its stage output (for a reforward), so that a retransmission never
-runs a stage twice (SPEC §3). Together they are held to
+runs a stage twice (wire-2 §3). Together they are held to
 ``max_stored_bytes``; past it the oldest go (``EVICTED``), and a
 retransmission of theirs is refused.
 

@@ -1,4 +1,4 @@
-"""Where a chunk falls in its session's run (SPEC §3), from its headers alone.
+"""Where a chunk falls in its session's run (wire-2 §3), from its headers alone.
 
 A session is between runs or has one open (its total, dtype and trailing
 shape fixed by chunk 0, its next index). A chunk is its run's next
@@ -80,7 +80,7 @@ class Session:
 
 
 def run_shape(h: Headers) -> RunShape:
-    axis = 1 if len(h.shape) >= 2 else 0  # SPEC §2 token axis
+    axis = 1 if len(h.shape) >= 2 else 0  # wire-2 §2 token axis
     assert h.chunk_total is not None
     return RunShape(h.chunk_total, h.dtype, h.shape[:axis] + h.shape[axis + 1 :])
 

@@ -1,4 +1,4 @@
-"""SPEC §3 — sessions and chunk sequencing — as a pure state machine.
+"""wire-2 §3 — sessions and chunk sequencing — as a pure state machine.
 
 ``SessionTable`` decides, for every chunk a node receives, whether its stage
 runs now, waits for a predecessor, answers from what is stored, or is refused.
@@ -56,7 +56,7 @@ _TOTAL = "x-meshnet-chunk-total"
 def tensor_fingerprint(array: np.ndarray) -> bytes:
     """A 16-byte XXH3-128 digest of a tensor's shape, dtype name and bytes.
 
-    Two chunks are "the same tensor" (SPEC §3 replay) when their decoded
+    Two chunks are "the same tensor" (wire-2 §3 replay) when their decoded
     values are: the wire encoding does not matter, so the bytes hashed are the
     little-endian C-order element bytes, whatever the array's memory layout.
 
@@ -163,7 +163,7 @@ def _unknown(message: str) -> SequencingError:
 
 
 class SessionTable:
-    """The sessions of one node and the order of their chunks (SPEC §3).
+    """The sessions of one node and the order of their chunks (wire-2 §3).
 
     ``max_pending_waiters`` bounds the chunks waiting for sessions this node
     does not know yet (their chunk 0 has not run); the default,
@@ -219,7 +219,7 @@ class SessionTable:
     # -- a request's chunk -------------------------------------------------------
 
     def check_head(self, headers: Headers, now: float) -> None:
-        """The checks that need only the headers (SPEC §2 order: before the body).
+        """The checks that need only the headers (wire-2 §2 order: before the body).
 
         Raises what ``offer`` would raise for these headers whatever the
         tensor; ``offer`` repeats every check, since the table may have changed
@@ -397,7 +397,7 @@ class SessionTable:
 
     def _route_unknown(self, sid: str, index: int, position: int | None, now: float) -> Route:
         if index == 0:
-            if position:  # SPEC §3: never silently start a context anywhere but at 0
+            if position:  # wire-2 §3: never silently start a context anywhere but at 0
                 raise _unknown(
                     f"session {sid} is unknown here, so chunk 0 cannot start at position "
                     f"{position} (expired, deleted, or this node restarted)"
@@ -412,7 +412,7 @@ class SessionTable:
     # -- decisions -------------------------------------------------------------------------
 
     def _process(self, s: Session, h: Headers, fp: bytes) -> Process:
-        if s.shape is None:  # chunk 0 opens a run; the last run's records go (SPEC §3)
+        if s.shape is None:  # chunk 0 opens a run; the last run's records go (wire-2 §3)
             s.shape = run_shape(h)
             self._store.forget(s.last_records.values())
             s.last_records = {}

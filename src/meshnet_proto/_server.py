@@ -1,7 +1,7 @@
 """`ServerConnection`: the server side of one HTTP/1.1 connection, sans IO.
 
 It wraps ``h11.Connection(h11.SERVER)`` and adds what wire 2 needs on top of
-HTTP: SPEC §7 credentials, routing (404/405), the framing rules h11 leaves
+HTTP: wire-2 §7 credentials, routing (404/405), the framing rules h11 leaves
 to us (``Content-Length`` *and* ``Transfer-Encoding`` is smuggling; a POST
 with neither is 411), the wire headers (`parse_wire_headers`), a body held to
 its bound while it streams into one preallocated buffer, and the decode.
@@ -45,7 +45,7 @@ from ._limits import KiB, Limits
 
 __all__ = ["DEFAULT_MAX_ENDPOINT_BODY", "DEFAULT_ROUTES", "ServerConnection"]
 
-# SPEC §6. A key ending in "/*" matches exactly one non-empty path segment in
+# wire-2 §6. A key ending in "/*" matches exactly one non-empty path segment in
 # its place, which is all `DELETE /sessions/{id}` needs.
 DEFAULT_ROUTES: Mapping[str, Collection[str]] = {
     "/health": ("GET",),
@@ -186,10 +186,10 @@ def _unauthorized() -> ProtocolError:
 
 
 def _from_h11(exc: h11.RemoteProtocolError, limits: Limits) -> ProtocolError:
-    """Turn h11's complaint into a SPEC §4 error.
+    """Turn h11's complaint into a wire-2 §4 error.
 
     h11 signals 431 for an oversized head and 501 for a transfer coding it
-    cannot read; wire 2 makes the latter a 400 (smuggling, SPEC §2). A
+    cannot read; wire 2 makes the latter a 400 (smuggling, wire-2 §2). A
     conflicting or malformed ``Content-Length`` is framing too. Everything
     else is HTTP the parser cannot read. h11's message is cut at its first
     colon, because what follows it is the offending input quoted back.
@@ -228,7 +228,7 @@ class ServerConnection:
     bytes out. See ``docs/embedding.md`` for the driver loop.
 
     ``token``: when set, every path but ``/health`` needs
-    ``Authorization: Bearer <token>`` (SPEC §7). ``activation_path`` takes
+    ``Authorization: Bearer <token>`` (wire-2 §7). ``activation_path`` takes
     ``POST`` only. ``routes`` are the other paths and their methods (404 and
     405 come from here). ``require_sequencing=False`` is the gateway's input
     (session, index and total optional). ``max_endpoint_body`` caps the body
@@ -410,7 +410,7 @@ class ServerConnection:
         path, _, query = request.target.decode("ascii").partition("?")
         headers = tuple(request.headers)
 
-        # SPEC §2 order: credentials, path/method, framing, wire headers.
+        # wire-2 §2 order: credentials, path/method, framing, wire headers.
         if self._token is not None and path != "/health":
             self._check_credentials(headers)
         is_activation = path == self._activation_path
@@ -624,7 +624,7 @@ class ServerConnection:
         return self._respond(status, pairs, data)
 
     def send_error(self, error: MeshnetError) -> Output:
-        """The SPEC §4 JSON answer for ``error``.
+        """The wire-2 §4 JSON answer for ``error``.
 
         Adds ``Retry-After`` when ``error.retry_after`` is set and
         ``WWW-Authenticate: Bearer`` on 401. Answering before the request

@@ -1,4 +1,4 @@
-"""The chunks that wait for their turn, by session (SPEC §3).
+"""The chunks that wait for their turn, by session (wire-2 §3).
 
 A chunk ahead of its session's next index waits; the driver holds it and
 offers it again when woken. The registry knows who waits where, and counts

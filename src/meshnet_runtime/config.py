@@ -1,4 +1,4 @@
-"""Command-line flags and ``MESHNET_*`` environment fallbacks (SPEC §9).
+"""Command-line flags and ``MESHNET_*`` environment fallbacks (wire-2 §9).
 
 One parser for both roles: every server takes the common flags, a node adds
 ``--next/--backend/--delay-ms``, the gateway ``--entry/--chunk-tokens/--inflight``.

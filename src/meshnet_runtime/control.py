@@ -1,4 +1,4 @@
-"""The control endpoints of every server, one behaviour (SPEC §6).
+"""The control endpoints of every server, one behaviour (wire-2 §6).
 
 ``GET /health`` (``?deep=1`` asks the downstream too), ``GET /info``,
 ``GET /metrics`` and ``DELETE /sessions/{id}`` mean the same on a node and
@@ -115,7 +115,7 @@ class ControlEndpoints:
         return Reply(200, headers, self.metrics.render())
 
     async def delete_session(self, event: EndpointRequest, ctx: RequestContext) -> Reply:
-        """End the session here and down the chain (SPEC §3).
+        """End the session here and down the chain (wire-2 §3).
 
         204 when this server or any below knew it, 404 when none did. A
         downstream failure is reported only when this server did not know

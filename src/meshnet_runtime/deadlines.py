@@ -1,4 +1,4 @@
-"""Request deadlines (SPEC §4, ``X-Meshnet-Deadline-Ms``).
+"""Request deadlines (wire-2 §4, ``X-Meshnet-Deadline-Ms``).
 
 A node starts its clock when the request head arrives. Its budget is the
 smaller of the sender's deadline and its own ``--timeout``. The downstream
@@ -63,7 +63,7 @@ class Deadline:
 
 
 def deadline_exceeded() -> DownstreamError:
-    """504 ``deadline_exceeded``: the request's budget is spent (SPEC §4)."""
+    """504 ``deadline_exceeded``: the request's budget is spent (wire-2 §4)."""
     return DownstreamError(
         "the request's deadline is spent", code="deadline_exceeded", status=504,
         header="x-meshnet-deadline-ms",

@@ -2,7 +2,7 @@
 the gateway's ``--entry``).
 
 Every failure becomes a ``DownstreamError`` whose ``hop`` is the URL exactly
-as configured (SPEC §4): connect refused, reset or EOF → 502
+as configured (wire-2 §4): connect refused, reset or EOF → 502
 ``downstream_unreachable``; a response the core cannot read → 502
 ``downstream_bad_response``; the deadline → 504 ``downstream_timeout``.
 A downstream's own error answer is *returned* (``ErrorResponse``), not
@@ -127,7 +127,7 @@ class DownstreamPool:
         (docs/failover.md).
 
         Retried once on a stale pooled connection only when the chunk carries
-        session and position: SPEC §3 makes such a retransmission a replay.
+        session and position: wire-2 §3 makes such a retransmission a replay.
         """
 
         def build(conn: ClientConnection) -> list[Any]:

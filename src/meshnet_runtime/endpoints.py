@@ -1,6 +1,6 @@
 """Endpoint URLs: ``http://host:port``, ``https://host:port``, ``unix:/path.sock``.
 
-These are the only forms ``--next`` and ``--entry`` accept (SPEC §8). Parsing is
+These are the only forms ``--next`` and ``--entry`` accept (wire-2 §8). Parsing is
 strict and every rejection says what was expected, because a typo in a chain's
 ``--next`` otherwise surfaces much later as a confusing 502.
 """

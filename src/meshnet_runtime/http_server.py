@@ -151,7 +151,7 @@ class Application(Protocol):
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class ServerSettings:
-    head_timeout: float = 10.0  # SPEC §4: 408 when the head is slower
+    head_timeout: float = 10.0  # wire-2 §4: 408 when the head is slower
     body_timeout: float = 60.0  # the whole body; the server's --timeout
     write_timeout: float = 60.0  # one answer to a peer that stopped reading
     max_connections: int = 256
@@ -180,7 +180,7 @@ class HttpServer:
     ) -> None:
         self.app = app
         self.codecs = codecs
-        # Tensor bytes held for requests in flight (SPEC §3: waiting chunks
+        # Tensor bytes held for requests in flight (wire-2 §3: waiting chunks
         # count against the memory limits); None = unbounded (tests, embedding).
         self.budget = budget
         self.cost = cost  # what one request holds, from its head alone

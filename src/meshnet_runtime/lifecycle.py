@@ -1,6 +1,6 @@
 """Running a server as a process: signals, the ready line, exit status.
 
-SPEC §9: a server prints one line saying where it listens once it is ready,
+wire-2 §9: a server prints one line saying where it listens once it is ready,
 and exits 0 after a graceful shutdown on SIGINT/SIGTERM.
 """
 

@@ -1,5 +1,5 @@
 """``--encoding auto`` that knows its link: zstd only when the wire time it saves
-exceeds the codec time it costs (SPEC §5: "zstd only when it pays").
+exceeds the codec time it costs (wire-2 §5: "zstd only when it pays").
 
 The core's ``auto`` (``meshnet_proto.encode_for_wire``) judges the content
 alone: a frame that saves 10 % is sent. That is right on a slow link and

@@ -1,4 +1,4 @@
-"""Byte-stream transports: TCP, TLS over TCP, Unix sockets, memory (SPEC §8).
+"""Byte-stream transports: TCP, TLS over TCP, Unix sockets, memory (wire-2 §8).
 
 The core speaks to bytes, the drivers to ``anyio.abc.ByteStream``: everything
 here ends in one of those, so the server loop and the downstream pool never

@@ -59,7 +59,7 @@ class ChainSettings:
     timeout: float  # one chain call (a prefill, or one decode step)
     # Lost connections and 502/503/504 are retried as on the wire-2 path
     # (--retries): every chunk carries session and position, so a node that
-    # already ran it replays its answer (SPEC §3) and no KV entry is doubled.
+    # already ran it replays its answer (wire-2 §3) and no KV entry is doubled.
     retry: RetryPolicy | None = None
 
 
