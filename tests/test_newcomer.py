@@ -37,7 +37,9 @@ BIN = Path(sys.executable).parent
 def readme_commands(heading: str) -> list[str]:
     """The indented shell lines of one README section, continuations joined."""
     text = README.read_text(encoding="utf-8")
-    section = text.split(f"\n## {heading}\n", 1)[1].split("\n## ", 1)[0]
+    # The section ends at the next heading of any level: a subsection has
+    # commands of its own (the real model needs a package the test has not).
+    section = re.split(r"\n#{2,} ", text.split(f"\n## {heading}\n", 1)[1], maxsplit=1)[0]
     commands: list[str] = []
     pending = ""
     for line in section.splitlines():
