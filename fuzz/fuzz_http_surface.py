@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import hashlib
 import json
 import logging
 import random
@@ -66,6 +65,7 @@ import anyio  # noqa: E402 - after the optional instrumentation
 import anyio.abc  # noqa: E402
 import anyio.from_thread  # noqa: E402
 import fuzz_server_connection as core_fuzz  # noqa: E402
+import surface_driver  # noqa: E402
 
 from meshnet_node import build_node, serve_node  # noqa: E402
 from meshnet_runtime.config import load_config  # noqa: E402
@@ -328,55 +328,19 @@ async def run_bounded_async(
     *, seconds: float | None, runs: int | None, seed: int, alive_every: int = 50
 ) -> Nodes:
     """Run inputs until the bound; raise InvariantBroken (input saved) on a finding."""
-    async with running_nodes() as nodes:
-        for data in inputs(seconds=seconds, runs=runs, seed=seed):
-            try:
-                await nodes.run_input(data)
-                if nodes.inputs % alive_every == 0:
-                    await nodes.check_alive()
-            except InvariantBroken:
-                save_crash(data)
-                raise
-        await nodes.check_alive()
-        return nodes
-
-
-def save_crash(data: bytes) -> Path:
-    path = Path(f"crash-http-{hashlib.sha256(data).hexdigest()[:16]}.bin")
-    path.write_bytes(data)
-    print(f"invariant broken; input saved to {path}", file=sys.stderr)
-    return path
-
-
-# ------------------------------------------------------------------ atheris
-
-
-def atheris_main(argv: list[str]) -> None:  # pragma: no cover - needs atheris
-    """One event loop in a thread for the whole session; each input is a call into it."""
-
-    async def hold(*, task_status: anyio.abc.TaskStatus[Nodes]) -> None:
-        # The nodes live in one task of the portal's loop for the whole
-        # session (their task groups cannot span separate portal calls).
-        async with running_nodes() as nodes:
-            task_status.started(nodes)
-            await anyio.sleep_forever()
-
-    with anyio.from_thread.start_blocking_portal("trio") as portal:
-        _, nodes = portal.start_task(hold)
-
-        def test_one_input(data: bytes) -> None:
-            portal.call(nodes.run_input, data)
-            if nodes.inputs % 200 == 0:
-                portal.call(nodes.check_alive)
-
-        atheris.Setup(argv, test_one_input)
-        atheris.Fuzz()
+    return await surface_driver.run_bounded(
+        running_nodes,
+        inputs(seconds=seconds, runs=runs, seed=seed),
+        crash_prefix="http",
+        broken=InvariantBroken,
+        alive_every=alive_every,
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv if argv is None else argv)
     if _ATHERIS_MODE and atheris is not None:
-        atheris_main(argv)
+        surface_driver.atheris_main(argv, running_nodes)
         return 0  # pragma: no cover - atheris.Fuzz() exits the process
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seconds", type=float, help="stop after this long")

@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import hashlib
 import json
 import logging
 import random
@@ -43,6 +42,9 @@ import time
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+
+# The harnesses' shared driver sits beside this file.
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 from typing import Any
 
 _ATHERIS_MODE = __name__ == "__main__" and not any(
@@ -60,6 +62,7 @@ if atheris is not None and _ATHERIS_MODE:
 import anyio  # noqa: E402
 import anyio.abc  # noqa: E402
 import anyio.from_thread  # noqa: E402
+import surface_driver  # noqa: E402
 
 from meshnet_gateway import open_gateway  # noqa: E402
 from meshnet_gateway.openai.testing import write_tokenizer  # noqa: E402
@@ -350,48 +353,20 @@ def inputs(*, seconds: float | None, runs: int | None, seed: int) -> Iterator[by
 async def run_bounded_async(
     *, seconds: float | None, runs: int | None, seed: int, alive_every: int = 50
 ) -> Chain:
-    async with running_chain() as chain:
-        for data in inputs(seconds=seconds, runs=runs, seed=seed):
-            try:
-                await chain.run_input(data)
-                if chain.inputs % alive_every == 0:
-                    await chain.check_alive()
-            except InvariantBroken:
-                save_crash(data)
-                raise
-        await chain.check_alive()
-        return chain
-
-
-def save_crash(data: bytes) -> Path:
-    path = Path(f"crash-openai-{hashlib.sha256(data).hexdigest()[:16]}.bin")
-    path.write_bytes(data)
-    print(f"invariant broken; input saved to {path}", file=sys.stderr)
-    return path
-
-
-def atheris_main(argv: list[str]) -> None:  # pragma: no cover - needs atheris
-    async def hold(*, task_status: anyio.abc.TaskStatus[Chain]) -> None:
-        async with running_chain() as chain:
-            task_status.started(chain)
-            await anyio.sleep_forever()
-
-    with anyio.from_thread.start_blocking_portal("trio") as portal:
-        _, chain = portal.start_task(hold)
-
-        def test_one_input(data: bytes) -> None:
-            portal.call(chain.run_input, data)
-            if chain.inputs % 200 == 0:
-                portal.call(chain.check_alive)
-
-        atheris.Setup(argv, test_one_input)
-        atheris.Fuzz()
+    """Run inputs until the bound; raise InvariantBroken (input saved) on a finding."""
+    return await surface_driver.run_bounded(
+        running_chain,
+        inputs(seconds=seconds, runs=runs, seed=seed),
+        crash_prefix="openai",
+        broken=InvariantBroken,
+        alive_every=alive_every,
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv if argv is None else argv)
     if _ATHERIS_MODE and atheris is not None:
-        atheris_main(argv)
+        surface_driver.atheris_main(argv, running_chain)
         return 0  # pragma: no cover - atheris.Fuzz() exits the process
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seconds", type=float, help="stop after this long")
