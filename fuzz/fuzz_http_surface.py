@@ -343,10 +343,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         surface_driver.atheris_main(argv, running_nodes)
         return 0  # pragma: no cover - atheris.Fuzz() exits the process
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--seconds", type=float, help="stop after this long")
-    parser.add_argument("--runs", type=int, help="stop after this many inputs")
-    parser.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
-    parser.add_argument("--backend", choices=("trio", "asyncio"), default="trio")
+    surface_driver.add_bounded_arguments(parser)
     parser.add_argument("--write-corpus", metavar="DIR", help="write the seed corpus and exit")
     args = parser.parse_args(argv[1:])
     if args.write_corpus:

@@ -9,6 +9,7 @@ still answer correctly) and ``inputs`` (how many ran).
 
 from __future__ import annotations
 
+import argparse
 import hashlib
 import sys
 from collections.abc import Callable, Iterable
@@ -20,7 +21,7 @@ import anyio
 import anyio.abc
 import anyio.from_thread
 
-__all__ = ["FuzzTarget", "atheris_main", "run_bounded", "save_crash"]
+__all__ = ["FuzzTarget", "add_bounded_arguments", "atheris_main", "run_bounded", "save_crash"]
 
 
 class FuzzTarget(Protocol):
@@ -54,6 +55,14 @@ async def run_bounded(
                 raise
         await target.check_alive()
         return target
+
+
+def add_bounded_arguments(parser: argparse.ArgumentParser) -> None:
+    """The bounded mode's flags, the same for every harness."""
+    parser.add_argument("--seconds", type=float, help="stop after this long")
+    parser.add_argument("--runs", type=int, help="stop after this many inputs")
+    parser.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
+    parser.add_argument("--backend", choices=("trio", "asyncio"), default="trio")
 
 
 def save_crash(prefix: str, data: bytes) -> Path:
