@@ -10,6 +10,7 @@ no ``layer_types``), so both readers are exercised on the same weights.
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -153,11 +154,24 @@ def chain_generate(
     """Greedy decode through stages ``splits`` (in process, each its own runner):
     the prompt in chunks of ``chunk`` (chunked prefill), then one id per run."""
     runners = [StageRunner(StageWeights.load(directory, range(a, b))) for a, b in splits]
+    return greedy(runners, prompt, steps, chunk=chunk)
+
+
+def greedy(
+    runners: Sequence[StageRunner],
+    prompt: list[int],
+    steps: int,
+    *,
+    chunk: int = 5,
+    session: str = "s",
+) -> tuple[list[int], np.ndarray]:
+    """Greedy decode through in-process stage runners of any engine: the new
+    ids and each step's float32 logits ``[steps, vocab]``."""
 
     def forward(ids: list[int], position: int) -> np.ndarray:
         x: np.ndarray = np.asarray([ids], dtype=np.int32)
         for runner in runners:
-            x = runner.run("s", position, x)
+            x = runner.run(session, position, x)
         return x
 
     logits = None
@@ -168,7 +182,7 @@ def chain_generate(
     rows = []
     position = len(prompt)
     for _ in range(steps):
-        rows.append(logits[0])
+        rows.append(np.array(logits[0], dtype=np.float32))
         ids.append(int(np.argmax(logits[0])))
         logits = forward(ids[-1:], position)
         position += 1
