@@ -12,19 +12,21 @@
 numpy, safetensors and ml_dtypes only. docs/models.md has the details.
 """
 
-from .checkpoint import Checkpoint, CheckpointError, SafetensorsFile, open_checkpoint
-from .config import (
-    FAMILIES,
-    SUPPORTED_MODEL_TYPES,
+from .checkpoint import Checkpoint, SafetensorsFile, open_checkpoint
+from .config import FAMILIES, SUPPORTED_MODEL_TYPES, LlamaConfig, ModelConfig, RopeScaling
+from .errors import (
+    CacheMismatch,
+    CheckpointError,
     ConfigError,
-    LlamaConfig,
-    ModelConfig,
-    RopeScaling,
+    KVBudgetExceeded,
+    SessionEnded,
+    StageInputError,
+    StageInvariantError,
 )
-from .kv_cache import KVBudget, KVBudgetExceeded, KVCache, SessionEnded
-from .llama import StageInvariantError, StageModel
+from .kv_cache import KVBudget, KVCache
+from .llama import StageModel
 from .rope import Rope
-from .runner import CacheMismatch, StageInputError, StageRunner
+from .runner import StageRunner
 from .weights import WEIGHT_DTYPES, StageWeights, parse_layers
 
 __all__ = [

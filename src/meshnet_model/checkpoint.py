@@ -28,6 +28,8 @@ from typing import TYPE_CHECKING
 import ml_dtypes
 import numpy as np
 
+from .errors import CheckpointError
+
 if TYPE_CHECKING:
     from .gguf import GGUFCheckpoint
 
@@ -50,10 +52,6 @@ _DTYPES: dict[str, np.dtype] = {
 }
 # A header larger than this is not a checkpoint we trust to parse (safetensors' own cap).
 _MAX_HEADER = 100 * 1024 * 1024
-
-
-class CheckpointError(ValueError):
-    """A checkpoint directory or file that cannot be read as promised."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -31,6 +31,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .errors import ConfigError
+
 __all__ = [
     "FAMILIES",
     "FOREIGN_KEYS",
@@ -52,10 +54,6 @@ _ROPE_KEYS = frozenset({
     "low_freq_factor", "high_freq_factor", "mscale", "mscale_all_dim", "truncate",
 })  # fmt: skip
 LAYER_TYPES = ("full_attention", "sliding_attention")
-
-
-class ConfigError(ValueError):
-    """A config.json this package cannot run, with the reason."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .checkpoint import CheckpointError
+from .errors import CheckpointError
 from .gguf_config import gguf_config
 from .gguf_file import GGUFFile
 

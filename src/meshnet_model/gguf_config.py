@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from .checkpoint import CheckpointError
+from .errors import CheckpointError
 from .gguf_file import GGUFFile
 
 __all__ = ["ARCHITECTURES", "gguf_config"]

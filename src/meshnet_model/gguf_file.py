@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from .checkpoint import CheckpointError
+from .errors import CheckpointError
 from .gguf_quants import GGML_TYPES, GGMLType, decode
 
 __all__ = ["GGUFFile"]

@@ -30,7 +30,7 @@ from functools import cache
 from pathlib import Path
 from typing import Any
 
-from .checkpoint import CheckpointError
+from .errors import CheckpointError
 from .gguf_file import GGUFFile
 
 __all__ = ["GGUFTokenizer", "load_gguf_tokenizer"]

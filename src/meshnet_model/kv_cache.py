@@ -23,22 +23,12 @@ import threading
 
 import numpy as np
 
+from .errors import KVBudgetExceeded, SessionEnded
+
 __all__ = ["KVBudget", "KVBudgetExceeded", "KVCache"]
 
 KV_DTYPE = np.dtype(np.float32)
 _MIN_CAPACITY = 16
-
-
-class KVBudgetExceeded(Exception):
-    """Growing a cache would pass the budget of all sessions together."""
-
-    def __init__(self, message: str, *, needed: int, in_use: int, limit: int) -> None:
-        super().__init__(message)
-        self.needed, self.in_use, self.limit = needed, in_use, limit
-
-
-class SessionEnded(Exception):
-    """The session's cache was released while one of its chunks computed."""
 
 
 class KVBudget:

@@ -31,6 +31,7 @@ import ml_dtypes
 import numpy as np
 
 from .config import ModelConfig
+from .errors import StageInvariantError
 from .kv_cache import KVCache
 from .rope import Rope, apply_rope
 from .weights import LayerWeights, StageWeights
@@ -41,10 +42,6 @@ F32 = np.float32
 # Queries per attention block: bounds the score matrix to
 # heads x 128 x context floats whatever the chunk size.
 _QUERY_BLOCK = 128
-
-
-class StageInvariantError(RuntimeError):
-    """A stage broke a rule that must always hold (a bug, never the peer's doing)."""
 
 
 _BF16 = np.dtype(ml_dtypes.bfloat16)

@@ -45,7 +45,15 @@ import numpy as np
 
 from .config import ModelConfig
 from .costs import chunk_cost
-from .kv_cache import KVBudget, KVCache, SessionEnded
+from .errors import (
+    CacheMismatch,
+    ChunkTooLarge,
+    ComputeDeadlineExceeded,
+    ContextExceeded,
+    SessionEnded,
+    StageInputError,
+)
+from .kv_cache import KVBudget, KVCache
 from .llama import StageModel
 from .source import model_name
 from .weights import StageWeights
@@ -93,26 +101,6 @@ class Engine(Protocol):
 
     # Query rows scored at once (costs.chunk_cost; None: the whole chunk).
     query_block: int | None
-
-
-class StageInputError(ValueError):
-    """A chunk this stage cannot take (wrong dtype, rank, width, token id)."""
-
-
-class CacheMismatch(Exception):
-    """The session's cache does not hold the context the chunk follows."""
-
-
-class ChunkTooLarge(StageInputError):
-    """More rows, or more scratch memory, than this stage takes in one chunk."""
-
-
-class ContextExceeded(StageInputError):
-    """Positions past the model's ``max_position_embeddings``."""
-
-
-class ComputeDeadlineExceeded(Exception):
-    """The request's deadline passed between two layers: the compute stopped."""
 
 
 @dataclass(eq=False, slots=True)

@@ -11,18 +11,14 @@ from __future__ import annotations
 import re
 from types import ModuleType
 
+from ..errors import TorchUnavailable
+
 __all__ = ["COMPUTE_DTYPES", "TorchUnavailable", "check_device", "import_torch", "parse_device"]
 
 # --dtype values the torch engine computes in ("keep": the checkpoint's own).
 COMPUTE_DTYPES = ("keep", "float32", "bfloat16", "float16")
 _DEVICE = re.compile(r"cpu|cuda(:(0|[1-9][0-9]{0,2}))?")
 INSTALL_HINT = "pip install 'meshnet[torch]'"
-
-
-class TorchUnavailable(ValueError):
-    """The torch engine was asked for but PyTorch cannot be imported.
-
-    A ``ValueError`` so the node's start-up reports it as one line, exit 2."""
 
 
 def import_torch() -> ModuleType:
