@@ -19,7 +19,7 @@ from pathlib import Path
 CHILD = """
 import sys
 from meshnet_model import StageWeights
-from meshnet_model.weights import parse_layers
+from meshnet_model.stage.weights import parse_layers
 def status(field):
     for line in open("/proc/self/status"):
         if line.startswith(field):
@@ -37,7 +37,7 @@ def main() -> None:
     parser.add_argument("--qtype", default="Q8_0")
     args = parser.parse_args()
     from meshnet_model.testing import random_weights, smollm_135m_config
-    from meshnet_model.testing_gguf import write_gguf
+    from meshnet_model.testing.gguf import write_gguf
 
     root = Path(args.dir or tempfile.mkdtemp())
     path = root / f"smollm-shape-{args.qtype.lower()}.gguf"

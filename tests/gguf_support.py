@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from meshnet_model.testing_gguf import (
+from meshnet_model.testing.gguf import (
     GGUFVocab,
     byte_level_vocab,
     random_k_quant,
@@ -128,7 +128,7 @@ def hf_reference(path: Path) -> Any:
     to everything; the tensors are still the ones it dequantized from the file."""
     import transformers
 
-    from meshnet_model.gguf import GGUFFile
+    from meshnet_model.formats.gguf.checkpoint import GGUFFile
 
     loaded = hf_from_gguf(path)
     window = GGUFFile(path).get("llama.attention.sliding_window")

@@ -19,7 +19,7 @@ import torch
 import transformers
 
 from meshnet_model import StageRunner
-from meshnet_model.weights import StageWeights
+from meshnet_model.stage.weights import StageWeights
 
 # Greedy logits vs transformers' (both float32): max |difference| within this
 # many times the logits' scale. Measured ≤ 6e-7 on these models (docs/models.md);

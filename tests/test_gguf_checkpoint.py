@@ -13,14 +13,14 @@ import pytest
 
 from gateway_support import clean_env
 from meshnet_model import StageWeights
-from meshnet_model.checkpoint import CheckpointError, open_checkpoint
-from meshnet_model.config import LlamaConfig
-from meshnet_model.gguf import GGUFCheckpoint, GGUFFile, gguf_config, unpermute
-from meshnet_model.gguf_quants import GGML_TYPES, decode
+from meshnet_model.errors import CheckpointError
+from meshnet_model.formats.config import LlamaConfig
+from meshnet_model.formats.gguf.checkpoint import GGUFCheckpoint, GGUFFile, gguf_config, unpermute
+from meshnet_model.formats.gguf.quants import GGML_TYPES, decode
 from meshnet_model.rope import Rope
-from meshnet_model.source import load_config, model_name
+from meshnet_model.source import load_config, model_name, open_checkpoint
 from meshnet_model.testing import random_weights, small_config
-from meshnet_model.testing_gguf import permute, write_gguf
+from meshnet_model.testing.gguf import permute, write_gguf
 
 QUANTIZABLE = ["F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1"]
 
@@ -226,7 +226,7 @@ def test_bad_gguf_files_are_one_line_and_exit_2_at_node_start(tmp_path: Path) ->
 
 def test_the_fast_reader_reads_every_field_as_the_gguf_package_does(tmp_path: Path) -> None:
     from gguf_support import vocab_for
-    from meshnet_model.gguf_file import _field_value
+    from meshnet_model.formats.gguf.file import _field_value
 
     for kind in ("llama", "qwen2"):
         vocab = vocab_for(kind)
@@ -250,7 +250,7 @@ def test_the_fast_reader_reads_every_field_as_the_gguf_package_does(tmp_path: Pa
 def test_plan_splits_a_gguf_file_by_its_quantized_bytes(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from meshnet_model.__main__ import main, plan_stages
+    from meshnet_model.plan import main, plan_stages
 
     config = small_config(num_hidden_layers=6, tie_word_embeddings=True)
     path = _write(tmp_path, config=config.to_dict(), weights=random_weights(config), qtype="Q8_0")

@@ -38,7 +38,7 @@ from gguf_support import (
     write_k_quant_gguf,
     write_model_gguf,
 )
-from meshnet_model.gguf import GGUFCheckpoint
+from meshnet_model.formats.gguf.checkpoint import GGUFCheckpoint
 from meshnet_model.source import load_config
 from meshnet_node.model_chain import ModelSession, even_splits, start_model_chain
 from meshnet_runtime.downstream import DownstreamPool

@@ -9,10 +9,10 @@ import pytest
 from gguf_support import CHAT_TEMPLATE, vocab_for
 from meshnet_gateway.openai.api import ServedModel
 from meshnet_gateway.openai.tokenizer import ModelTokenizer
-from meshnet_model.checkpoint import CheckpointError
-from meshnet_model.gguf_tokenizer import byte_alphabet, load_gguf_tokenizer
+from meshnet_model.errors import CheckpointError
+from meshnet_model.formats.gguf.tokenizer import byte_alphabet, load_gguf_tokenizer
 from meshnet_model.testing import random_weights, small_config
-from meshnet_model.testing_gguf import SAMPLE_TEXT, write_gguf
+from meshnet_model.testing.gguf import SAMPLE_TEXT, write_gguf
 
 transformers = pytest.importorskip("transformers")
 

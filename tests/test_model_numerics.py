@@ -419,7 +419,7 @@ def test_a_damaged_safetensors_file_is_a_checkpoint_error_never_a_crash(
 def test_plan_splits_a_checkpoint_into_contiguous_stages(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from meshnet_model.__main__ import main, plan_stages
+    from meshnet_model.plan import main, plan_stages
 
     config = small_config(num_hidden_layers=6, tie_word_embeddings=True)
     path = write_checkpoint(tmp_path, config, seed=3, shards=2, dtype="bfloat16")

@@ -149,7 +149,7 @@ def test_smollm2_gguf_tokenizer_ids_equal_transformers(
     """The file's tokenizer (``tokenizer.ggml.pre`` "smollm": every digit its own
     piece, then GPT-2's split) gives transformers' ids, digits and special
     tokens included."""
-    from meshnet_model.gguf_tokenizer import load_gguf_tokenizer
+    from meshnet_model.formats.gguf.tokenizer import load_gguf_tokenizer
 
     sample = (
         "In 2024, 12345 people paid $3.50 — café, naïve, 東京, Привет! "

@@ -16,11 +16,11 @@ import torch
 
 from gateway_support import clean_env
 from meshnet_model import KVBudgetExceeded, SessionEnded, StageRunner
+from meshnet_model.engines.torch import TorchUnavailable, load_torch_runner, parse_device
+from meshnet_model.engines.torch._torch import check_device, import_torch
+from meshnet_model.engines.torch.kv_cache import BLOCK
+from meshnet_model.engines.torch.transfer import Staging, Transfer
 from meshnet_model.testing import small_config, write_checkpoint
-from meshnet_model.torch_engine import TorchUnavailable, load_torch_runner, parse_device
-from meshnet_model.torch_engine._torch import check_device, import_torch
-from meshnet_model.torch_engine.kv_cache import BLOCK
-from meshnet_model.torch_engine.transfer import Staging, Transfer
 from meshnet_node.__main__ import main as node_main
 from meshnet_runtime.config import load_config
 from torch_support import greedy
@@ -46,7 +46,7 @@ def bf16_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_the_numpy_path_never_imports_torch() -> None:
     code = (
         "import sys, meshnet_model, meshnet_node.model_stage, meshnet_node.__main__, "
-        "meshnet_model.torch_engine\n"
+        "meshnet_model.engines.torch\n"
         "assert 'torch' not in sys.modules, 'torch imported'\nprint('ok')"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)

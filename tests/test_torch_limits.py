@@ -17,13 +17,13 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-import meshnet_model.runner as runner_module
+import meshnet_model.stage.runner as runner_module
 from gguf_support import build_model, write_model_gguf
 from meshnet_model import SessionEnded, StageRunner
-from meshnet_model.costs import chunk_cost
-from meshnet_model.runner import ChunkTooLarge, ComputeDeadlineExceeded
+from meshnet_model.engines.torch import load_torch_runner
+from meshnet_model.errors import ChunkTooLarge, ComputeDeadlineExceeded
+from meshnet_model.stage.costs import chunk_cost
 from meshnet_model.testing import small_config, write_checkpoint
-from meshnet_model.torch_engine import load_torch_runner
 
 
 @pytest.fixture(scope="module")

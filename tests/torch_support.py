@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from meshnet_model import StageRunner
-from meshnet_model.torch_engine import load_torch_runner
+from meshnet_model.engines.torch import load_torch_runner
 from reference_support import greedy
 
 __all__ = ["greedy", "torch_runners"]

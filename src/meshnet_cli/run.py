@@ -19,8 +19,7 @@ import anyio
 
 from meshnet_gateway import open_gateway
 from meshnet_gateway.app import GatewayApp
-from meshnet_model.checkpoint import CheckpointError
-from meshnet_model.config import ConfigError
+from meshnet_model.errors import CheckpointError, ConfigError
 from meshnet_model.source import load_config as load_model_config
 from meshnet_node.model_chain import even_splits, start_model_chain
 from meshnet_runtime.config import load_config

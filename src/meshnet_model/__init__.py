@@ -9,11 +9,20 @@
   what ``meshnet-node --model DIR --layers A:B`` runs;
 * ``meshnet_model.testing`` — small random checkpoints in the real layout.
 
+The modules, each layer importing only those before it:
+
+* ``errors`` — every exception class (imports nothing of ours);
+* ``formats`` — reading from disk: ``config``, ``safetensors``, ``gguf.*``;
+  ``rope`` — the RoPE math the engines and the GGUF config reader share;
+* ``source`` — what ``--model PATH`` names (``load_config``, ``open_checkpoint``);
+* ``stage`` — ``weights``, ``kv_cache``, ``costs``, ``runner``: one stage, any engine;
+* ``engines`` — ``base.Engine``, ``numpy.model`` (the default), ``torch`` (optional);
+* ``plan`` — ``python -m meshnet_model plan``; ``testing`` — helpers for tests and benches.
+
 numpy, safetensors and ml_dtypes only. docs/models.md has the details.
 """
 
-from .checkpoint import Checkpoint, SafetensorsFile, open_checkpoint
-from .config import FAMILIES, SUPPORTED_MODEL_TYPES, LlamaConfig, ModelConfig, RopeScaling
+from .engines.numpy.model import StageModel
 from .errors import (
     CacheMismatch,
     CheckpointError,
@@ -23,11 +32,13 @@ from .errors import (
     StageInputError,
     StageInvariantError,
 )
-from .kv_cache import KVBudget, KVCache
-from .llama import StageModel
+from .formats.config import FAMILIES, SUPPORTED_MODEL_TYPES, LlamaConfig, ModelConfig, RopeScaling
+from .formats.safetensors import Checkpoint, SafetensorsFile
 from .rope import Rope
-from .runner import StageRunner
-from .weights import WEIGHT_DTYPES, StageWeights, parse_layers
+from .source import open_checkpoint
+from .stage.kv_cache import KVBudget, KVCache
+from .stage.runner import StageRunner
+from .stage.weights import WEIGHT_DTYPES, StageWeights, parse_layers
 
 __all__ = [
     "FAMILIES",

@@ -37,7 +37,7 @@ import math
 
 import numpy as np
 
-from .config import ModelConfig, RopeScaling
+from .formats.config import ModelConfig, RopeScaling
 
 __all__ = ["Rope", "apply_rope", "rotate_half"]
 

@@ -9,10 +9,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .config import ModelConfig
-from .gguf import GGUFFile, gguf_config, is_gguf
+from .formats.config import ModelConfig
+from .formats.gguf.checkpoint import GGUFCheckpoint, is_gguf
+from .formats.gguf.config import gguf_config
+from .formats.gguf.file import GGUFFile
+from .formats.safetensors import Checkpoint
 
-__all__ = ["is_gguf", "load_config", "model_name"]
+__all__ = ["is_gguf", "load_config", "model_name", "open_checkpoint"]
 
 
 def load_config(path: str | Path) -> ModelConfig:
@@ -28,3 +31,8 @@ def model_name(path: str | Path) -> str:
     """The default model id: a directory's name, a GGUF file's name without ``.gguf``."""
     resolved = Path(path).resolve()
     return resolved.stem if is_gguf(path) else resolved.name
+
+
+def open_checkpoint(path: str | Path) -> Checkpoint | GGUFCheckpoint:
+    """``--model PATH``'s tensors: a checkpoint directory, or a ``.gguf`` file."""
+    return GGUFCheckpoint(path) if is_gguf(path) else Checkpoint(path)

@@ -53,16 +53,14 @@ from meshnet_model import (
     StageWeights,
     parse_layers,
 )
-from meshnet_model.config import ModelConfig
-from meshnet_model.runner import (
+from meshnet_model.errors import ChunkTooLarge, ComputeDeadlineExceeded, ContextExceeded
+from meshnet_model.formats.config import ModelConfig
+from meshnet_model.source import load_config, model_name
+from meshnet_model.stage.runner import (
     DEFAULT_MAX_CHUNK_TOKENS,
     DEFAULT_MAX_COMPUTE_BYTES,
-    ChunkTooLarge,
-    ComputeDeadlineExceeded,
-    ContextExceeded,
     SessionLife,
 )
-from meshnet_model.source import load_config, model_name
 from meshnet_proto import CapacityError, DownstreamError, ProtocolError, SequencingError
 from meshnet_runtime.config import ServerConfig
 
@@ -216,7 +214,7 @@ def _torch_runner(
     max_compute_bytes: int,
 ) -> StageRunner:
     """The torch engine's runner; torch is imported only here (an optional extra)."""
-    from meshnet_model.torch_engine import load_torch_runner
+    from meshnet_model.engines.torch import load_torch_runner
 
     return load_torch_runner(model, span, dtype=dtype, device=device, threads=threads,
                              kv_budget_bytes=kv_budget_bytes, config=config,

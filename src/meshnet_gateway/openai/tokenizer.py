@@ -135,7 +135,7 @@ class ModelTokenizer:
 
     @classmethod
     def _from_gguf(cls, path: Path) -> ModelTokenizer:
-        from meshnet_model.gguf_tokenizer import load_gguf_tokenizer
+        from meshnet_model.formats.gguf.tokenizer import load_gguf_tokenizer
 
         spec = load_gguf_tokenizer(path)
         return cls(

@@ -30,8 +30,8 @@ from functools import cache
 from pathlib import Path
 from typing import Any
 
-from .errors import CheckpointError
-from .gguf_file import GGUFFile
+from ...errors import CheckpointError
+from .file import GGUFFile
 
 __all__ = ["GGUFTokenizer", "load_gguf_tokenizer"]
 

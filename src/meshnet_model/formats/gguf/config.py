@@ -15,8 +15,8 @@ from typing import Any
 
 import numpy as np
 
-from .errors import CheckpointError
-from .gguf_file import GGUFFile
+from ...errors import CheckpointError
+from .file import GGUFFile
 
 __all__ = ["ARCHITECTURES", "gguf_config"]
 
@@ -77,8 +77,8 @@ def _llama3_from_freqs(
     from two factors on the ramp; the result is checked against every factor,
     and anything that is not Llama 3 scaling is refused.
     """
-    from .config import RopeScaling
-    from .rope import _base_inv_freq, _llama3
+    from ...rope import _base_inv_freq, _llama3
+    from ..config import RopeScaling
 
     inv = _base_inv_freq(theta, head_dim)
     wavelen = 2 * math.pi / inv

@@ -23,7 +23,7 @@ import threading
 
 import numpy as np
 
-from .errors import KVBudgetExceeded, SessionEnded
+from ..errors import KVBudgetExceeded, SessionEnded
 
 __all__ = ["KVBudget", "KVBudgetExceeded", "KVCache"]
 

@@ -20,17 +20,17 @@ from typing import Any
 
 import numpy as np
 
-from ..config import ModelConfig
-from ..kv_cache import KVBudget
-from ..llama import StageInvariantError
-from ..runner import (
+from ...errors import StageInvariantError
+from ...formats.config import ModelConfig
+from ...source import model_name
+from ...stage.kv_cache import KVBudget
+from ...stage.runner import (
     DEFAULT_KV_BUDGET,
     DEFAULT_MAX_CHUNK_TOKENS,
     DEFAULT_MAX_COMPUTE_BYTES,
     StageRunner,
 )
-from ..source import model_name
-from ..weights import StageWeights
+from ...stage.weights import StageWeights
 from ._torch import COMPUTE_DTYPES, check_device, import_torch
 from .kv_cache import TorchKVCache
 from .layers import RopeTable, attention, mlp, rms_norm

@@ -19,9 +19,10 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from .checkpoint import Checkpoint, CheckpointError
-from .config import ConfigError
-from .gguf import GGUFFile, hf_name, is_gguf
+from .errors import CheckpointError, ConfigError
+from .formats.gguf.checkpoint import hf_name, is_gguf
+from .formats.gguf.file import GGUFFile
+from .formats.safetensors import Checkpoint
 from .source import load_config
 
 __all__ = ["main", "plan_stages"]

@@ -26,9 +26,9 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 
-from .checkpoint import CheckpointError, open_checkpoint
-from .config import ModelConfig
-from .source import load_config
+from ..errors import CheckpointError
+from ..formats.config import ModelConfig
+from ..source import load_config, open_checkpoint
 
 __all__ = ["WEIGHT_DTYPES", "LayerWeights", "StageWeights", "parse_layers"]
 

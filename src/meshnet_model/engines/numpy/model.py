@@ -30,11 +30,11 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
-from .config import ModelConfig
-from .errors import StageInvariantError
-from .kv_cache import KVCache
-from .rope import Rope, apply_rope
-from .weights import LayerWeights, StageWeights
+from ...errors import StageInvariantError
+from ...formats.config import ModelConfig
+from ...rope import Rope, apply_rope
+from ...stage.kv_cache import KVCache
+from ...stage.weights import LayerWeights, StageWeights
 
 __all__ = ["StageModel", "StageInvariantError", "linear", "rms_norm", "silu"]
 

@@ -23,17 +23,13 @@ import struct
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import ml_dtypes
 import numpy as np
 
-from .errors import CheckpointError
+from ..errors import CheckpointError
 
-if TYPE_CHECKING:
-    from .gguf import GGUFCheckpoint
-
-__all__ = ["Checkpoint", "CheckpointError", "SafetensorsFile", "open_checkpoint"]
+__all__ = ["Checkpoint", "CheckpointError", "SafetensorsFile"]
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -204,10 +200,3 @@ class Checkpoint:
 
     def dtypes(self, names: Iterable[str]) -> set[str]:
         return {self.file_for(n).dtype(n).name for n in names}
-
-
-def open_checkpoint(path: str | Path) -> Checkpoint | GGUFCheckpoint:
-    """``--model PATH``'s tensors: a checkpoint directory, or a ``.gguf`` file."""
-    from .gguf import GGUFCheckpoint, is_gguf
-
-    return GGUFCheckpoint(path) if is_gguf(path) else Checkpoint(path)

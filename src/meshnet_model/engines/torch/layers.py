@@ -24,8 +24,8 @@ from typing import Any
 
 import numpy as np
 
-from ..config import ModelConfig
-from ..rope import Rope
+from ...formats.config import ModelConfig
+from ...rope import Rope
 
 __all__ = ["RopeTable", "attention", "mlp", "rms_norm"]
 

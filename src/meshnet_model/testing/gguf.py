@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from .gguf import _GLOBAL_TENSORS, _LAYER_TENSORS
+from ..formats.gguf.checkpoint import _GLOBAL_TENSORS, _LAYER_TENSORS
 
 __all__ = [
     "SAMPLE_TEXT",

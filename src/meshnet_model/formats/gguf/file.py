@@ -18,8 +18,8 @@ from typing import Any
 
 import numpy as np
 
-from .errors import CheckpointError
-from .gguf_quants import GGML_TYPES, GGMLType, decode
+from ...errors import CheckpointError
+from .quants import GGML_TYPES, GGMLType, decode
 
 __all__ = ["GGUFFile"]
 

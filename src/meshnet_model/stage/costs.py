@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .config import ModelConfig
+from ..formats.config import ModelConfig
 
 __all__ = ["ChunkCost", "chunk_cost", "kv_bytes_per_position"]
 

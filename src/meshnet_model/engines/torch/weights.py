@@ -25,7 +25,7 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
-from ..weights import LayerWeights, StageWeights
+from ...stage.weights import LayerWeights, StageWeights
 
 __all__ = ["TorchLayer", "TorchStageWeights", "to_torch"]
 

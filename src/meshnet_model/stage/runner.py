@@ -39,13 +39,11 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from .config import ModelConfig
-from .costs import chunk_cost
-from .errors import (
+from ..errors import (
     CacheMismatch,
     ChunkTooLarge,
     ComputeDeadlineExceeded,
@@ -53,17 +51,20 @@ from .errors import (
     SessionEnded,
     StageInputError,
 )
+from ..formats.config import ModelConfig
+from ..source import model_name
+from .costs import chunk_cost
 from .kv_cache import KVBudget, KVCache
-from .llama import StageModel
-from .source import model_name
 from .weights import StageWeights
+
+if TYPE_CHECKING:  # typing only: the engines import this module
+    from ..engines.base import Engine
 
 __all__ = [
     "CacheMismatch",
     "ChunkTooLarge",
     "ComputeDeadlineExceeded",
     "ContextExceeded",
-    "Engine",
     "SessionLife",
     "StageInputError",
     "StageRunner",
@@ -78,29 +79,6 @@ DEFAULT_MAX_CHUNK_TOKENS = 2048
 # could ask for. meshnet-node --max-compute-bytes.
 DEFAULT_MAX_COMPUTE_BYTES = 1024 * 1024 * 1024
 _FLOAT_WIRE = ("float32", "float16", "bfloat16")
-
-
-class Engine(Protocol):
-    """What the runner needs of an engine: it owns the weights, a session's
-    cache arrays (``new_cache``) and the forward pass; numpy in, numpy out.
-    ``forward`` calls ``between_layers`` before each layer (the runner's
-    deadline and session-life check, which may raise to stop the compute)."""
-
-    def new_cache(self, budget: KVBudget, batch: int) -> KVCache: ...
-
-    def forward(
-        self,
-        inputs: np.ndarray,
-        cache: KVCache,
-        position: int,
-        *,
-        between_layers: Callable[[], None] | None = None,
-    ) -> np.ndarray: ...
-
-    def describe(self) -> dict[str, Any]: ...
-
-    # Query rows scored at once (costs.chunk_cost; None: the whole chunk).
-    query_block: int | None
 
 
 @dataclass(eq=False, slots=True)
@@ -126,11 +104,16 @@ class StageRunner:
         max_compute_bytes: int = DEFAULT_MAX_COMPUTE_BYTES,
         name: str | None = None,
         path: str | None = None,
-        model: Engine | None = None,
+        model: Engine[Any] | None = None,
     ) -> None:
         self.weights = weights
         # The engine: numpy's StageModel unless another is given (the torch one).
-        self.model: Engine = model if model is not None else StageModel(weights)
+        # Imported here: the engines build on this package, not it on them.
+        if model is None:
+            from ..engines.numpy.model import StageModel
+
+            model = StageModel(weights)
+        self.model: Engine[Any] = model
         self.config: ModelConfig = weights.config
         self.budget = KVBudget(kv_budget_bytes)
         self.max_chunk_tokens = max_chunk_tokens

@@ -22,9 +22,9 @@ from typing import Any
 
 import numpy as np
 
-from .checkpoint import INDEX_FILE, SINGLE_FILE
-from .config import ModelConfig, RopeScaling
-from .weights import WEIGHT_DTYPES
+from ..formats.config import ModelConfig, RopeScaling
+from ..formats.safetensors import INDEX_FILE, SINGLE_FILE
+from ..stage.weights import WEIGHT_DTYPES
 
 __all__ = ["random_weights", "small_config", "smollm_135m_config", "write_checkpoint"]
 

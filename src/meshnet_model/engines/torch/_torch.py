@@ -11,7 +11,7 @@ from __future__ import annotations
 import re
 from types import ModuleType
 
-from ..errors import TorchUnavailable
+from ...errors import TorchUnavailable
 
 __all__ = ["COMPUTE_DTYPES", "TorchUnavailable", "check_device", "import_torch", "parse_device"]
 

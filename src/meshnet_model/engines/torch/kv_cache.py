@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..kv_cache import KVBudget, KVCache
+from ...stage.kv_cache import KVBudget, KVCache
 from .transfer import Staging
 
 __all__ = ["BLOCK", "TorchKVCache"]

@@ -18,9 +18,9 @@ from pathlib import Path
 
 import numpy as np
 
-from .errors import CheckpointError
-from .gguf_config import gguf_config
-from .gguf_file import GGUFFile
+from ...errors import CheckpointError
+from .config import gguf_config
+from .file import GGUFFile
 
 __all__ = ["GGUFCheckpoint", "GGUFFile", "gguf_config", "hf_name", "is_gguf", "unpermute"]
 

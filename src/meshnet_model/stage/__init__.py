@@ -1,0 +1,4 @@
+"""One pipeline stage, engine-independent: ``weights`` (a layer range's tensors),
+``kv_cache`` (per-session caches under one budget), ``costs`` (a chunk's scratch,
+from its shape) and ``runner`` (``StageRunner``: the stage's contract, sessions
+and locking). The engines build on it; it imports none at module level."""
