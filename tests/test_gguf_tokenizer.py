@@ -12,7 +12,8 @@ from meshnet_gateway.openai.tokenizer import ModelTokenizer
 from meshnet_model.errors import CheckpointError
 from meshnet_model.formats.gguf.tokenizer import byte_alphabet, load_gguf_tokenizer
 from meshnet_model.testing import random_weights, small_config
-from meshnet_model.testing.gguf import SAMPLE_TEXT, write_gguf
+from meshnet_model.testing.gguf import write_gguf
+from vocab_support import SAMPLE_TEXT
 
 transformers = pytest.importorskip("transformers")
 
