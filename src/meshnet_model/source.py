@@ -20,7 +20,7 @@ __all__ = ["is_gguf", "load_config", "model_name", "open_checkpoint"]
 
 def load_config(path: str | Path) -> ModelConfig:
     """The model's config, validated by the one config reader (``ModelConfig.from_dict``).
-    A GGUF file's header is parsed once per process (``gguf_file``), however
+    A GGUF file's header is parsed once per process (``formats.gguf.file``), however
     often its config, tensors and tokenizer are asked for."""
     if not is_gguf(path):
         return ModelConfig.from_dir(path)

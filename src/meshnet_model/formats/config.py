@@ -1,6 +1,6 @@
 """A decoder's hyper-parameters, read from a Hugging Face ``config.json`` — fail-closed.
 
-One numpy code path (``llama.py``) runs several Llama-shaped families with
+One numpy code path (``engines/numpy/model.py``) runs several Llama-shaped families with
 small per-family switches (``FAMILIES``). Every key that changes the forward
 pass in transformers' own modeling code for that family is read and honoured
 exactly, or the config is refused with one line naming the key and its value;

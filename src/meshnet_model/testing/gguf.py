@@ -55,7 +55,8 @@ class GGUFVocab:
 
 def permute(rows: np.ndarray, heads: int) -> np.ndarray:
     """llama.cpp's converter's q/k reordering: per head, HF's (first half, second
-    half) rows become interleaved pairs. ``meshnet_model.gguf.unpermute`` undoes it."""
+    half) rows become interleaved pairs.
+    ``meshnet_model.formats.gguf.checkpoint.unpermute`` undoes it."""
     head_dim = rows.shape[0] // heads
     split = rows.reshape(heads, 2, head_dim // 2, *rows.shape[1:])
     return split.swapaxes(1, 2).reshape(rows.shape)

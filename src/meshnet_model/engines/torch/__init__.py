@@ -1,6 +1,6 @@
 """The torch compute engine for model stages (``meshnet-node --engine torch``).
 
-The numpy engine (``meshnet_model.llama``) stays the default and the
+The numpy engine (``meshnet_model.engines.numpy``) stays the default and the
 reference; this one runs the same layers with PyTorch so a stage can keep its
 weights in bfloat16/float16 and compute on a GPU. Both sit behind the same
 ``StageRunner``: the runner owns sessions, the KV budget and the locking, an

@@ -3,7 +3,7 @@
 ``GGUFCheckpoint`` has ``Checkpoint``'s interface: ``tensor(name)`` under the
 transformers name (``model.layers.3.self_attn.q_proj.weight``), in the
 transformers layout; ``config`` is the file's metadata as a ``config.json``
-dict (``gguf_config.py``), the header is parsed by ``gguf_file.py``.
+dict (``config.py``), the header is parsed by ``file.py``.
 llama.cpp's converter permutes the rows of the q and k projections of
 llama-type models (``llama``: Llama and Mistral) so that its rope can rotate
 adjacent pairs; here the permutation is undone, as transformers does on

@@ -54,7 +54,7 @@ _ARCH_DERIVED = {
 # Mixture-of-experts sizes: a dense model is one where they are 0 (else refused).
 _DENSE_IF_ZERO = {"expert_count", "expert_used_count"}
 # Keys outside {arch}.* that cannot change the forward pass: descriptions,
-# provenance, the tokenizer (read by gguf_tokenizer.py), quantization notes.
+# provenance, the tokenizer (read by tokenizer.py), quantization notes.
 _INERT_PREFIXES = ("general.", "tokenizer.", "quantize.", "GGUF.")
 _ROPE_SCALING_TYPES = {"none", "linear", "yarn"}
 

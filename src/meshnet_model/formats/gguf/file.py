@@ -2,7 +2,7 @@
 
 ``GGUFFile(path)`` memory-maps the file and builds only views: nothing of a
 tensor is read until ``array(name)`` asks for it, and then only its bytes are
-decoded (``gguf_quants.py``). Any failure to parse (bad magic, truncated
+decoded (``quants.py``). Any failure to parse (bad magic, truncated
 header or data, an unknown tensor type id) becomes one ``CheckpointError``
 line; a tensor type we do not decode is refused, with its name, when read.
 """
