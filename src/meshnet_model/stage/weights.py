@@ -132,9 +132,7 @@ class StageWeights:
         target = WEIGHT_DTYPES[dtype]
         ckpt = open_checkpoint(directory)
         c = config
-        hidden, heads, kv_heads, head_dim = (
-            c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim
-        )  # fmt: skip
+        hidden = c.hidden_size
 
         def read(name: str, shape: tuple[int, ...], matrix: bool = True) -> np.ndarray:
             array = ckpt.tensor(name, mmap=mmap)
@@ -151,43 +149,18 @@ class StageWeights:
                 return array
             return array.astype(target)
 
-        def vector(name: str, shape: tuple[int, ...], wanted: bool) -> np.ndarray | None:
-            # Exactly the tensors the family's modeling code has: a bias the
-            # config does not ask for is ignored (transformers drops it as an
-            # unexpected key), one it asks for must be there.
-            return read(name, shape, matrix=False) if wanted else None
-
         blocks = []
         for i in layers:
-            p = f"model.layers.{i}."
-            a, m = p + "self_attn.", p + "mlp."
-            blocks.append(
-                LayerWeights(
-                    input_norm=read(p + "input_layernorm.weight", (hidden,), matrix=False),
-                    q=read(a + "q_proj.weight", (heads * head_dim, hidden)),
-                    k=read(a + "k_proj.weight", (kv_heads * head_dim, hidden)),
-                    v=read(a + "v_proj.weight", (kv_heads * head_dim, hidden)),
-                    o=read(a + "o_proj.weight", (hidden, heads * head_dim)),
-                    post_norm=read(p + "post_attention_layernorm.weight", (hidden,), matrix=False),
-                    gate=read(m + "gate_proj.weight", (c.intermediate_size, hidden)),
-                    up=read(m + "up_proj.weight", (c.intermediate_size, hidden)),
-                    down=read(m + "down_proj.weight", (hidden, c.intermediate_size)),
-                    q_bias=vector(a + "q_proj.bias", (heads * head_dim,), c.qkv_bias),
-                    k_bias=vector(a + "k_proj.bias", (kv_heads * head_dim,), c.qkv_bias),
-                    v_bias=vector(a + "v_proj.bias", (kv_heads * head_dim,), c.qkv_bias),
-                    o_bias=vector(a + "o_proj.bias", (hidden,), c.o_bias),
-                    gate_bias=vector(m + "gate_proj.bias", (c.intermediate_size,), c.mlp_bias),
-                    up_bias=vector(m + "up_proj.bias", (c.intermediate_size,), c.mlp_bias),
-                    down_bias=vector(m + "down_proj.bias", (hidden,), c.mlp_bias),
-                    q_norm=vector(a + "q_norm.weight", (head_dim,), c.qk_norm),
-                    k_norm=vector(a + "k_norm.weight", (head_dim,), c.qk_norm),
-                )
-            )
+            fields: dict[str, np.ndarray | None] = {}
+            for spec in layer_tensors(c, i):
+                # Exactly the tensors the family's modeling code has: a bias the
+                # config does not ask for is ignored (transformers drops it as an
+                # unexpected key), one it asks for must be there.
+                wanted = spec.wanted
+                fields[spec.field] = read(spec.name, spec.shape, spec.matrix) if wanted else None
+            blocks.append(LayerWeights(**fields))  # type: ignore[arg-type]
         first, last = layers.start == 0, layers.stop == c.num_hidden_layers
-        # A checkpoint without lm_head.weight is tied whatever its config says
-        # (transformers ties it then too); one with it and tie_word_embeddings
-        # set uses the embedding, as transformers' tie_weights() does.
-        tied = c.tie_word_embeddings or "lm_head.weight" not in ckpt
+        tied = head_is_tied(c, ckpt)
         embed_shape = (c.vocab_size, hidden)
         embed = read("model.embed_tokens.weight", embed_shape) if first or (last and tied) else None
         norm = lm_head = None
@@ -206,6 +179,60 @@ class StageWeights:
             tied_head=last and tied,
             files=ckpt.files_opened(),
         )
+
+
+@dataclass(frozen=True, slots=True)
+class TensorSpec:
+    """One tensor a stage reads: the ``LayerWeights`` field it fills, its
+    transformers name and shape, whether it is a matrix (held in the stage's
+    dtype) or a vector (norms, biases: float32), and whether the family has it."""
+
+    field: str
+    name: str
+    shape: tuple[int, ...]
+    matrix: bool
+    wanted: bool = True
+
+
+def layer_tensors(c: ModelConfig, i: int) -> list[TensorSpec]:
+    """The tensors of decoder layer ``i``, in ``LayerWeights``' field order:
+    the one table both engines' loaders read."""
+    hidden, heads, kv_heads, d = (
+        c.hidden_size,
+        c.num_attention_heads,
+        c.num_key_value_heads,
+        c.head_dim,
+    )
+    inter = c.intermediate_size
+    p = f"model.layers.{i}."
+    a, m = p + "self_attn.", p + "mlp."
+    return [
+        TensorSpec("input_norm", p + "input_layernorm.weight", (hidden,), False),
+        TensorSpec("q", a + "q_proj.weight", (heads * d, hidden), True),
+        TensorSpec("k", a + "k_proj.weight", (kv_heads * d, hidden), True),
+        TensorSpec("v", a + "v_proj.weight", (kv_heads * d, hidden), True),
+        TensorSpec("o", a + "o_proj.weight", (hidden, heads * d), True),
+        TensorSpec("post_norm", p + "post_attention_layernorm.weight", (hidden,), False),
+        TensorSpec("gate", m + "gate_proj.weight", (inter, hidden), True),
+        TensorSpec("up", m + "up_proj.weight", (inter, hidden), True),
+        TensorSpec("down", m + "down_proj.weight", (hidden, inter), True),
+        TensorSpec("q_bias", a + "q_proj.bias", (heads * d,), False, c.qkv_bias),
+        TensorSpec("k_bias", a + "k_proj.bias", (kv_heads * d,), False, c.qkv_bias),
+        TensorSpec("v_bias", a + "v_proj.bias", (kv_heads * d,), False, c.qkv_bias),
+        TensorSpec("o_bias", a + "o_proj.bias", (hidden,), False, c.o_bias),
+        TensorSpec("gate_bias", m + "gate_proj.bias", (inter,), False, c.mlp_bias),
+        TensorSpec("up_bias", m + "up_proj.bias", (inter,), False, c.mlp_bias),
+        TensorSpec("down_bias", m + "down_proj.bias", (hidden,), False, c.mlp_bias),
+        TensorSpec("q_norm", a + "q_norm.weight", (d,), False, c.qk_norm),
+        TensorSpec("k_norm", a + "k_norm.weight", (d,), False, c.qk_norm),
+    ]
+
+
+def head_is_tied(c: ModelConfig, ckpt: object) -> bool:
+    """A checkpoint without lm_head.weight is tied whatever its config says
+    (transformers ties it then too); one with it and tie_word_embeddings set
+    uses the embedding, as transformers' tie_weights() does."""
+    return c.tie_word_embeddings or "lm_head.weight" not in ckpt  # type: ignore[operator]
 
 
 def vars_of(block: LayerWeights) -> list[np.ndarray | None]:

@@ -22,7 +22,8 @@ import numpy as np
 
 from ...errors import StageInvariantError
 from ...formats.config import ModelConfig
-from ...source import model_name
+from ...formats.gguf.checkpoint import GGUFCheckpoint
+from ...source import is_gguf, load_config, model_name
 from ...stage.kv_cache import KVBudget
 from ...stage.runner import (
     DEFAULT_KV_BUDGET,
@@ -30,12 +31,13 @@ from ...stage.runner import (
     DEFAULT_MAX_COMPUTE_BYTES,
     StageRunner,
 )
-from ...stage.weights import StageWeights
+from ...stage.weights import StageWeights, head_is_tied
 from ._torch import COMPUTE_DTYPES, check_device, import_torch
 from .kv_cache import TorchKVCache
 from .layers import RopeTable, attention, mlp, rms_norm
+from .qlinear import linear
 from .transfer import Transfer
-from .weights import TorchStageWeights
+from .weights import MappedEmbedding, TorchStageWeights, gguf_weights
 
 __all__ = ["TorchStageModel", "load_torch_runner"]
 
@@ -45,7 +47,11 @@ class TorchStageModel:
     query_block: int | None = None
 
     def __init__(self, torch: Any, weights: StageWeights, *, dtype: str = "keep",
-                 device: str = "cpu", transfer: Transfer | None = None) -> None:  # fmt: skip
+                 device: str = "cpu", transfer: Transfer | None = None,
+                 held: TorchStageWeights | None = None) -> None:  # fmt: skip
+        """``weights``: the stage's numpy tensors, converted here — or, with
+        ``held`` (tensors already in their torch form, ``gguf_weights``), only
+        its shape."""
         if dtype not in COMPUTE_DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(COMPUTE_DTYPES)}, got {dtype!r}")
         check_device(torch, device)
@@ -54,13 +60,18 @@ class TorchStageModel:
         self.layers = weights.layers
         self.first, self.last = weights.first, weights.last
         self.device = torch.device(device)
-        if dtype == "keep":
-            held = weights.blocks[0].q.dtype.name
-            dtype = held if held in ("bfloat16", "float16") else "float32"
-        self.dtype_name = dtype
-        self.dtype = getattr(torch, dtype)
-        self.weights = TorchStageWeights.from_numpy(torch, weights, dtype=self.dtype,
-                                                    device=self.device)  # fmt: skip
+        if held is not None:
+            self.dtype = held.dtype
+            self.dtype_name = str(held.dtype).removeprefix("torch.")
+            self.weights = held
+        else:
+            if dtype == "keep":
+                kept = weights.blocks[0].q.dtype.name
+                dtype = kept if kept in ("bfloat16", "float16") else "float32"
+            self.dtype_name = dtype
+            self.dtype = getattr(torch, dtype)
+            self.weights = TorchStageWeights.from_numpy(torch, weights, dtype=self.dtype,
+                                                        device=self.device)  # fmt: skip
         self.rope = RopeTable(torch, self.config, self.dtype, self.device)
         self.transfer = transfer or Transfer(torch, self.device)
 
@@ -92,7 +103,9 @@ class TorchStageModel:
         tokens = inputs.shape[1]
         cache.reserve(position + tokens)
         with t.inference_mode():
-            if self.first:
+            if self.first and isinstance(self.weights.embed, MappedEmbedding):
+                x = self.weights.embed.lookup(t, inputs, self.dtype, self.device)
+            elif self.first:
                 ids = self.transfer.to_device(inputs, t.long)
                 x = t.nn.functional.embedding(ids, self.weights.embed)
             else:
@@ -107,7 +120,7 @@ class TorchStageModel:
             if self.last:
                 w = self.weights
                 final = rms_norm(t, x[:, -1], w.norm, self.config.rms_norm_eps)
-                x = t.nn.functional.linear(final, w.lm_head).float()
+                x = linear(t, final, w.lm_head).float()
             return self.transfer.to_host(x, cache.staging)
 
     def _layers(
@@ -140,6 +153,7 @@ class TorchStageModel:
             "device": str(self.device),
             "compute_dtype": self.dtype_name,
             "weights_dtype": self.dtype_name,
+            "weights_held": self.weights.held_forms(),
             "weights_bytes": self.weights.nbytes,
             "weights_mapped_bytes": self.weights.shared_with_file,
             "torch_threads": self.torch.get_num_threads(),
@@ -169,11 +183,57 @@ def load_torch_runner(
     if threads is not None:
         torch.set_num_threads(threads)
     path = Path(directory)
-    mapped = StageWeights.load(path, layers, dtype="keep", config=config)
-    model = TorchStageModel(torch, mapped, dtype=dtype, device=device, transfer=transfer)
+    if is_gguf(path):
+        model, mapped = _gguf_model(torch, path, layers, config, dtype=dtype, device=device,
+                                    transfer=transfer)  # fmt: skip
+    else:
+        mapped = StageWeights.load(path, layers, dtype="keep", config=config)
+        model = TorchStageModel(torch, mapped, dtype=dtype, device=device, transfer=transfer)
     # The runner needs the stage's shape, not the numpy arrays: dropping them
     # lets a converted stage's map go (only the torch tensors hold memory).
     shape_only = dataclasses.replace(mapped, blocks=[], embed=None, norm=None, lm_head=None)
     return StageRunner(shape_only, kv_budget_bytes=kv_budget_bytes,
                        max_chunk_tokens=max_chunk_tokens, max_compute_bytes=max_compute_bytes,
                        name=model_name(path), path=str(path), model=model)  # fmt: skip
+
+
+def _gguf_model(
+    torch: Any,
+    path: Path,
+    layers: range | None,
+    config: ModelConfig | None,
+    *,
+    dtype: str,
+    device: str,
+    transfer: Transfer | None,
+) -> tuple[TorchStageModel, StageWeights]:
+    """A GGUF stage read tensor by tensor from its blocks (``gguf_weights``).
+
+    ``keep`` on a file whose projections are quantized holds them quantized
+    (``qlinear``: int4pack or int8-row) and computes in bfloat16, the
+    kernels' activation dtype; ``float32``/``bfloat16``/``float16`` dequantize
+    every matrix to that dtype. A float file with ``keep`` stays mapped, as a
+    safetensors checkpoint does.
+    """
+    ckpt = GGUFCheckpoint(path)
+    config = config or load_config(path)
+    span = range(config.num_hidden_layers) if layers is None else layers
+    probe = f"model.layers.{span.start}.self_attn.q_proj.weight"
+    quantized_file = ckpt.kind(probe).view is None
+    if dtype == "keep" and not quantized_file:
+        mapped = StageWeights.load(path, span, dtype="keep", config=config)
+        return TorchStageModel(torch, mapped, dtype=dtype, device=device,
+                               transfer=transfer), mapped  # fmt: skip
+    compute = "bfloat16" if dtype == "keep" else dtype
+    dev = torch.device(device)
+    held = gguf_weights(torch, ckpt, config, span, dtype=getattr(torch, compute), device=dev,
+                        quantized=dtype == "keep")  # fmt: skip
+    forms = held.held_forms()
+    shape = StageWeights(config=config, layers=span, blocks=[], embed=None, norm=None,
+                         lm_head=None, dtype="+".join(sorted(forms)),
+                         tied_head=span.stop == config.num_hidden_layers
+                         and head_is_tied(config, ckpt),
+                         files=ckpt.files_opened())  # fmt: skip
+    model = TorchStageModel(torch, shape, dtype=compute, device=device, transfer=transfer,
+                            held=held)  # fmt: skip
+    return model, shape

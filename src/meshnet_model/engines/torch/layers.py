@@ -26,6 +26,7 @@ import numpy as np
 
 from ...formats.config import ModelConfig
 from ...rope import Rope
+from .qlinear import linear
 
 __all__ = ["RopeTable", "attention", "mlp", "rms_norm"]
 
@@ -80,7 +81,8 @@ class RopeTable:
 
 
 def _linear(torch: Any, x: Any, weight: Any, bias: Any) -> Any:
-    return torch.nn.functional.linear(x, weight, bias)
+    # A dense tensor, or a quantized matrix multiplied by its kernel (qlinear).
+    return linear(torch, x, weight, bias)
 
 
 def attention(

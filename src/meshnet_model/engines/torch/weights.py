@@ -25,9 +25,17 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
-from ...stage.weights import LayerWeights, StageWeights
+from ...errors import CheckpointError
+from ...formats.config import ModelConfig
+from ...formats.gguf.blocks import dequantize_rows, row_chunks
+from ...formats.gguf.checkpoint import GGUFCheckpoint
+from ...formats.gguf.quants import GGMLType
+from ...stage.weights import LayerWeights, StageWeights, head_is_tied, layer_tensors
+from .qlinear import quantized_matrix
 
-__all__ = ["TorchLayer", "TorchStageWeights", "to_torch"]
+__all__ = ["MappedEmbedding", "TorchLayer", "TorchStageWeights", "gguf_weights", "to_torch"]
+
+__all__ = ["MappedEmbedding", "TorchLayer", "TorchStageWeights", "gguf_weights", "to_torch"]
 
 _BF16 = np.dtype(ml_dtypes.bfloat16)
 
@@ -88,8 +96,31 @@ class TorchStageWeights:
         for t in tensors:
             if t is not None and id(t) not in seen:
                 seen.add(id(t))
-                total += t.numel() * t.element_size()
+                total += (
+                    t.nbytes
+                    if hasattr(t, "form") or hasattr(t, "lookup")
+                    else (t.numel() * t.element_size())
+                )
         return total
+
+    def held_forms(self) -> dict[str, int]:
+        """Matrices by the form they are held in (``int4pack``, ``int8-row``,
+        ``mapped-Q8_0`` for a file-form embedding, or a torch dtype's name)."""
+        forms: dict[str, int] = {}
+        tensors = [self.embed, self.lm_head]
+        for block in self.blocks:
+            tensors += [block.q, block.k, block.v, block.o, block.gate, block.up, block.down]
+        for t in tensors:
+            if t is None:
+                continue
+            if hasattr(t, "form"):
+                name = f"{t.form}({t.source})"
+            elif isinstance(t, MappedEmbedding):
+                name = f"mapped({t.kind.name})"
+            else:
+                name = str(t.dtype).removeprefix("torch.")
+            forms[name] = forms.get(name, 0) + 1
+        return forms
 
     @classmethod
     def from_numpy(
@@ -117,3 +148,103 @@ class TorchStageWeights:
         else:
             lm_head = move(weights.lm_head)
         return cls(blocks, embed, move(weights.norm), lm_head, dtype, device, shared)
+
+
+@dataclass(frozen=True, slots=True)
+class MappedEmbedding:
+    """The token embedding in its file form, memory-mapped: a lookup decodes only
+    the rows it asks for, so the stage holds the pages of the tokens it has seen
+    (never a float copy of the whole table)."""
+
+    rows: np.ndarray  # uint8 [vocab, row_bytes], a view of the file's mapping
+    kind: GGMLType
+    shape: tuple[int, int]
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.rows.nbytes)
+
+    def lookup(self, torch: Any, ids: np.ndarray, dtype: Any, device: Any) -> Any:
+        picked = self.rows[ids.reshape(-1)]
+        values = dequantize_rows(picked, self.kind, self.shape[1])
+        tensor = torch.from_numpy(values).to(device=device, dtype=dtype)
+        return tensor.reshape(*ids.shape, self.shape[1])
+
+
+def gguf_weights(
+    torch: Any,
+    ckpt: GGUFCheckpoint,
+    config: ModelConfig,
+    layers: range,
+    *,
+    dtype: Any,
+    device: Any,
+    quantized: bool,
+) -> TorchStageWeights:
+    """One stage of a GGUF file, tensor by tensor, straight from its blocks.
+
+    ``quantized``: every quantized matrix in its held form (``qlinear``), the
+    embedding mapped in its file form; otherwise every matrix dequantized to
+    ``dtype``, a chunk of rows at a time. Either way no tensor is ever widened
+    whole, so the peak of the load is the result plus one tensor's bytes.
+    """
+    c = config
+
+    def matrix(name: str, shape: tuple[int, ...]) -> Any:
+        kind, stored, blocks = ckpt.raw(name)
+        _check_shape(ckpt, name, stored, shape)
+        rows, cols = shape
+        if quantized and kind.view is None and device.type == "cpu":
+            return quantized_matrix(torch, kind, (rows, cols), blocks, compute=dtype)
+        dense = torch.empty((rows, cols), dtype=dtype)
+        for part in row_chunks(rows, 1024):
+            dense[part] = torch.from_numpy(dequantize_rows(blocks[part], kind, cols)).to(dtype)
+        return dense if device.type == "cpu" else dense.to(device)
+
+    def vector(name: str, shape: tuple[int, ...]) -> Any:
+        array = ckpt.tensor(name)
+        _check_shape(ckpt, name, array.shape, shape)
+        values = np.ascontiguousarray(array, dtype=np.float32)
+        return torch.from_numpy(values).to(device=device, dtype=dtype)
+
+    blocks = []
+    for i in layers:
+        fields: dict[str, Any] = {}
+        for spec in layer_tensors(c, i):
+            if not spec.wanted:
+                fields[spec.field] = None
+            elif spec.matrix:
+                fields[spec.field] = matrix(spec.name, spec.shape)
+            else:
+                fields[spec.field] = vector(spec.name, spec.shape)
+        blocks.append(TorchLayer(**fields))
+    first, last = layers.start == 0, layers.stop == c.num_hidden_layers
+    tied = head_is_tied(c, ckpt)
+    embed_name, embed_shape = "model.embed_tokens.weight", (c.vocab_size, c.hidden_size)
+    embed = norm = lm_head = None
+    if first:
+        kind = ckpt.kind(embed_name)
+        if quantized and kind.view is None:
+            mapped = ckpt.mapped_rows(embed_name)
+            _check_shape(ckpt, embed_name, (mapped.shape[0], embed_shape[1]), embed_shape)
+            embed = MappedEmbedding(mapped, kind, embed_shape)
+        else:
+            embed = matrix(embed_name, embed_shape)
+    if last:
+        norm = vector("model.norm.weight", (c.hidden_size,))
+        if tied and isinstance(embed, MappedEmbedding | type(None)):
+            lm_head = matrix(embed_name, embed_shape)
+        elif tied:
+            lm_head = embed  # one dense tensor for both
+        else:
+            lm_head = matrix("lm_head.weight", embed_shape)
+    return TorchStageWeights(blocks, embed, norm, lm_head, dtype, device, 0)
+
+
+def _check_shape(
+    ckpt: GGUFCheckpoint, name: str, stored: tuple[int, ...], shape: tuple[int, ...]
+) -> None:
+    if tuple(stored) != tuple(shape):
+        raise CheckpointError(
+            f"{ckpt.path}: {name}: shape {list(stored)} in the file, {list(shape)} from its config"
+        )

@@ -21,6 +21,7 @@ import numpy as np
 from ...errors import CheckpointError
 from .config import gguf_config
 from .file import GGUFFile
+from .quants import GGMLType
 
 __all__ = ["GGUFCheckpoint", "GGUFFile", "gguf_config", "hf_name", "is_gguf", "unpermute"]
 
@@ -102,22 +103,59 @@ class GGUFCheckpoint:
 
     def tensor(self, name: str, *, mmap: bool = True) -> np.ndarray:
         """The tensor under its HF name; ``mmap=False`` returns a copy."""
+        gguf_name = self._gguf_name(name)
+        array = self.file.array(gguf_name)
+        self._read.add(gguf_name)
+        heads = self._permuted_heads(gguf_name)
+        if heads is not None:
+            array = unpermute(array, heads)
+        if not mmap:
+            array = np.array(array)
+        return array
+
+    def kind(self, name: str) -> GGMLType:
+        """The GGML type the tensor is stored in (under its HF name)."""
+        return self.file.type_of(self._gguf_name(name))
+
+    def raw(self, name: str) -> tuple[GGMLType, tuple[int, ...], np.ndarray]:
+        """The tensor's stored bytes, ``[rows, row_bytes]`` uint8, read from the
+        file, in the transformers row order (the q/k permutation undone on the
+        rows, which are independent of each other in every GGML type)."""
+        gguf_name = self._gguf_name(name)
+        kind, shape, rows = self.file.raw(gguf_name)
+        self._read.add(gguf_name)
+        heads = self._permuted_heads(gguf_name)
+        if heads is not None:
+            rows = np.ascontiguousarray(unpermute(rows, heads))
+        return kind, shape, rows
+
+    def mapped_rows(self, name: str) -> np.ndarray:
+        """The tensor's stored bytes as a read-only ``[rows, row_bytes]`` view of
+        the file's mapping (pages are read when touched, and only those count
+        in the stage's memory). Not for the q/k projections, whose rows the
+        converter permuted."""
+        gguf_name = self._gguf_name(name)
+        if self._permuted_heads(gguf_name) is not None:
+            raise ValueError(f"{name}: permuted rows cannot be used mapped")
+        self._read.add(gguf_name)
+        return self.file.mapped_rows(gguf_name)
+
+    def _gguf_name(self, name: str) -> str:
         try:
-            gguf_name = self._names[name]
+            return self._names[name]
         except KeyError:
             raise CheckpointError(
                 f"{self.path}: the GGUF file has no tensor for {name!r}"
             ) from None
-        array = self.file.array(gguf_name)
-        self._read.add(gguf_name)
+
+    def _permuted_heads(self, gguf_name: str) -> int | None:
+        """The head count llama.cpp permuted this tensor's rows by, or None."""
         if self.permuted and gguf_name.endswith(("attn_q.weight", "attn_q.bias")):
-            array = unpermute(array, int(self.config["num_attention_heads"]))
-        elif self.permuted and gguf_name.endswith(("attn_k.weight", "attn_k.bias")):
+            return int(self.config["num_attention_heads"])
+        if self.permuted and gguf_name.endswith(("attn_k.weight", "attn_k.bias")):
             kv = self.config.get("num_key_value_heads") or self.config["num_attention_heads"]
-            array = unpermute(array, int(kv))
-        if not mmap:
-            array = np.array(array)
-        return array
+            return int(kv)
+        return None
 
     def files_opened(self) -> list[str]:
         return [self.path.name] if self._read else []

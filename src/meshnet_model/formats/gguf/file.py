@@ -24,6 +24,8 @@ from .quants import GGML_TYPES, GGMLType, decode
 __all__ = ["GGUFFile"]
 
 _STRING, _ARRAY = 8, 9  # GGUFValueType ids
+# Float32 bytes decoded at once: bounds the transients of decoding a big tensor.
+_DECODE_CHUNK_BYTES = 32 * 1024 * 1024
 
 
 def _field_value(field: Any) -> Any:
@@ -160,8 +162,8 @@ class GGUFFile:
         """numpy order: ``[rows, columns]`` (GGUF lists the dimensions innermost first)."""
         return tuple(int(d) for d in reversed(self.tensors[name].shape.tolist()))
 
-    def array(self, name: str) -> np.ndarray:
-        """The tensor's values: a view of the file for F32/F16/BF16, else float32."""
+    def _checked(self, name: str) -> tuple[GGMLType, tuple[int, ...], Any]:
+        """The tensor's type, numpy shape and reader entry, its byte count checked."""
         kind = self.type_of(name)
         shape = self.shape(name)
         if shape and shape[-1] % kind.block:
@@ -169,11 +171,48 @@ class GGUFFile:
                 f"{self.path}: tensor {name} has rows of {shape[-1]}, not a multiple of "
                 f"the {kind.name} block of {kind.block}"
             )
-        raw = self.tensors[name].data
+        tensor = self.tensors[name]
         expected = math.prod(shape[:-1]) * kind.row_bytes(shape[-1]) if shape else 0
-        if raw.nbytes != expected:
+        if tensor.data.nbytes != expected:
             raise CheckpointError(
-                f"{self.path}: tensor {name} has {raw.nbytes} bytes in the file, "
+                f"{self.path}: tensor {name} has {tensor.data.nbytes} bytes in the file, "
                 f"{kind.name} {list(shape)} needs {expected} (truncated?)"
             )
-        return decode(np.asarray(raw).view(np.uint8), kind, shape)
+        return kind, shape, tensor
+
+    def array(self, name: str) -> np.ndarray:
+        """The tensor's values: a view of the file for F32/F16/BF16, else float32
+        (decoded a row chunk at a time into the result: no transient copies of
+        the whole tensor beside it)."""
+        kind, shape, tensor = self._checked(name)
+        raw = np.asarray(tensor.data).view(np.uint8)
+        if kind.view is not None or len(shape) < 2:
+            return decode(raw, kind, shape)
+        rows = raw.reshape(-1, kind.row_bytes(shape[-1]))
+        out = np.empty((rows.shape[0], shape[-1]), np.float32)
+        step = max(1, _DECODE_CHUNK_BYTES // max(1, 4 * shape[-1]))
+        for start in range(0, rows.shape[0], step):
+            part = rows[start : start + step]
+            out[start : start + step] = decode(part, kind, (part.shape[0], shape[-1]))
+        return out.reshape(shape)
+
+    def mapped_rows(self, name: str) -> np.ndarray:
+        """The tensor's bytes as ``[rows, row_bytes]`` uint8, a view of the mapping."""
+        kind, shape, tensor = self._checked(name)
+        cols = shape[-1] if shape else 1
+        return np.asarray(tensor.data).view(np.uint8).reshape(-1, kind.row_bytes(cols))
+
+    def raw(self, name: str) -> tuple[GGMLType, tuple[int, ...], np.ndarray]:
+        """The tensor's bytes as uint8 ``[rows, row_bytes]`` (one row per numpy
+        row), *read* from the file, not mapped — for kernels that hold another
+        form of them — with its type and numpy shape."""
+        from .blocks import read_rows
+
+        kind, shape, tensor = self._checked(name)
+        cols = shape[-1] if shape else 1
+        rows = math.prod(shape[:-1]) if len(shape) > 1 else 1
+        try:
+            data = read_rows(self.path, int(tensor.data_offset), rows, kind.row_bytes(cols))
+        except OSError as exc:
+            raise CheckpointError(f"{self.path}: tensor {name}: {exc}") from None
+        return kind, shape, data

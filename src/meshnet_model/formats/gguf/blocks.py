@@ -1,0 +1,102 @@
+"""GGML blocks re-expressed for the kernels that compute on them, row chunk by row chunk.
+
+A quantized tensor is never widened whole: its rows are taken a chunk at a
+time, straight from the file's bytes (``read_rows``), and turned into the
+form a kernel reads.
+
+* ``int4_groups`` — the 4-bit types whose value is an affine map of a nibble
+  per group of 32 values (``Q4_0``, ``Q4_1``, ``Q4_K``): the nibbles ``q``
+  (0..15) and, per group, ``scale`` and ``zero`` such that the value is
+  ``(q - 8) * scale + zero`` — the convention of torch's int4pack kernels.
+  The map is exact in real arithmetic:
+
+  - ``Q4_0``: ``d * (q - 8)`` → ``scale = d``, ``zero = 0``;
+  - ``Q4_1``: ``d * q + m`` → ``scale = d``, ``zero = m + 8 d``;
+  - ``Q4_K``: ``(d * sc) * q - dmin * mn`` per 32-value sub-block →
+    ``scale = d * sc``, ``zero = 8 scale - dmin * mn``.
+
+  Where the kernel holds ``scale``/``zero`` in bfloat16 (it does on the CPU)
+  they are rounded: that rounding is the held form's named loss
+  (docs/models.md, "Quantized compute").
+* ``dequantize_rows`` — float32 values of some rows (``quants.decode``,
+  the bit-exact reference), for the types no 4-bit kernel reads and for
+  embedding lookups.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+
+from .quants import GGMLType, decode
+
+__all__ = ["INT4_TYPES", "dequantize_rows", "int4_groups", "read_rows", "row_chunks"]
+
+F32 = np.float32
+# Types whose values are (q - 8) * scale + zero per 32-value group.
+INT4_TYPES = frozenset({"Q4_0", "Q4_1", "Q4_K"})
+GROUP = 32
+
+
+def read_rows(path: str | Path, offset: int, rows: int, row_bytes: int) -> np.ndarray:
+    """``rows`` rows of ``row_bytes`` bytes at file ``offset``, read (not mapped):
+    the bytes are this process's only while the caller holds them, so a tensor
+    converted to another form leaves no file pages behind in the stage's RSS."""
+    out = np.empty((rows, row_bytes), np.uint8)
+    view = memoryview(out).cast("B")
+    with open(path, "rb", buffering=0) as f:
+        done = 0
+        while done < out.nbytes:
+            n = os.preadv(f.fileno(), [view[done:]], offset + done)
+            if n <= 0:
+                raise OSError(f"{path}: short read at byte {offset + done}")
+            done += n
+    return out
+
+
+def row_chunks(rows: int, chunk: int) -> Iterator[slice]:
+    for start in range(0, rows, chunk):
+        yield slice(start, min(start + chunk, rows))
+
+
+def _half(raw: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(raw).view(np.float16).astype(F32)
+
+
+def int4_groups(blocks: np.ndarray, kind: GGMLType) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``blocks`` uint8 ``[rows, row_bytes]`` of a ``Q4_0``/``Q4_1``/``Q4_K`` tensor →
+    ``(q, scale, zero)``: nibbles uint8 ``[rows, cols]`` in column order, and
+    float32 ``[rows, cols // 32]`` with value ``(q - 8) * scale + zero``."""
+    rows = blocks.shape[0]
+    b = blocks.reshape(-1, kind.nbytes)
+    n = b.shape[0]
+    low, four = np.uint8(0x0F), np.uint8(4)
+    if kind.name in ("Q4_0", "Q4_1"):
+        d = _half(b[:, 0:2])
+        qs = b[:, 2:] if kind.name == "Q4_0" else b[:, 4:]
+        q = np.concatenate([qs & low, qs >> four], axis=1)  # values 0..15, then 16..31
+        scale = d
+        zero = np.zeros_like(d) if kind.name == "Q4_0" else _half(b[:, 2:4]) + F32(8) * d
+        return (q.reshape(rows, -1), scale.reshape(rows, -1), zero.reshape(rows, -1))
+    if kind.name == "Q4_K":
+        from .quants import _k_scales
+
+        d = _half(b[:, 0:2])
+        dmin = _half(b[:, 2:4])
+        scales, mins = _k_scales(b[:, 4:16])
+        qs = b[:, 16:].reshape(n, 4, 32)
+        q = np.stack([qs & low, qs >> four], axis=2).reshape(n, 256)
+        scale = d * scales.astype(F32)  # [n, 8]
+        zero = F32(8) * scale - dmin * mins.astype(F32)
+        return (q.reshape(rows, -1), scale.reshape(rows, -1), zero.reshape(rows, -1))
+    raise ValueError(f"{kind.name} is not a 4-bit affine type ({', '.join(sorted(INT4_TYPES))})")
+
+
+def dequantize_rows(blocks: np.ndarray, kind: GGMLType, cols: int) -> np.ndarray:
+    """float32 ``[rows, cols]`` of ``blocks`` uint8 ``[rows, row_bytes]``: the
+    reference dequantization (bit-exact with llama.cpp's), or a float type widened."""
+    values = decode(np.ascontiguousarray(blocks).reshape(-1), kind, (blocks.shape[0], cols))
+    return values if values.dtype == F32 else values.astype(F32)
