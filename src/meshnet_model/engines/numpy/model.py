@@ -219,6 +219,19 @@ class StageModel:
         final = rms_norm(x[:, -1], self.weights.norm, self.config.rms_norm_eps)
         return linear(final, self.weights.lm_head)
 
+    def score(self, ids: np.ndarray, cache: KVCache) -> np.ndarray:
+        """Every position's next-token logits, float32 ``[batch, tokens, vocab]``, of
+        a whole-model stage (first and last) over a fresh ``cache`` — for
+        measuring one engine against another (``meshnet_model.testing.quality``)."""
+        if not (self.first and self.last):
+            raise StageInvariantError("score needs a stage with every layer")
+        cache.reserve(ids.shape[1])
+        x = self._layers(self.embed(ids), cache, 0)
+        cache.length = ids.shape[1]
+        assert self.weights.norm is not None and self.weights.lm_head is not None
+        return linear(rms_norm(x, self.weights.norm, self.config.rms_norm_eps),
+                      self.weights.lm_head)  # fmt: skip
+
     def _layers(
         self,
         x: np.ndarray,

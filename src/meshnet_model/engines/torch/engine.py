@@ -123,6 +123,25 @@ class TorchStageModel:
                 x = linear(t, final, w.lm_head).float()
             return self.transfer.to_host(x, cache.staging)
 
+    def score(self, ids: np.ndarray, cache: TorchKVCache) -> np.ndarray:
+        """Every position's next-token logits, float32 ``[batch, tokens, vocab]``, of
+        a whole-model stage over a fresh ``cache`` (as ``StageModel.score``)."""
+        if not (self.first and self.last):
+            raise StageInvariantError("score needs a stage with every layer")
+        t = self.torch
+        cache.reserve(ids.shape[1])
+        with t.inference_mode():
+            if isinstance(self.weights.embed, MappedEmbedding):
+                x = self.weights.embed.lookup(t, ids, self.dtype, self.device)
+            else:
+                x = t.nn.functional.embedding(self.transfer.to_device(ids, t.long),
+                                              self.weights.embed)  # fmt: skip
+            x = self._layers(x, cache, 0)
+            cache.length = ids.shape[1]
+            w = self.weights
+            final = rms_norm(t, x, w.norm, self.config.rms_norm_eps)
+            return linear(t, final, w.lm_head).float().cpu().numpy()
+
     def _layers(
         self,
         x: Any,
@@ -224,7 +243,10 @@ def _gguf_model(
         mapped = StageWeights.load(path, span, dtype="keep", config=config)
         return TorchStageModel(torch, mapped, dtype=dtype, device=device,
                                transfer=transfer), mapped  # fmt: skip
-    compute = "bfloat16" if dtype == "keep" else dtype
+    # Quantized: the kernels take bfloat16 inputs; the residual stream, norms,
+    # attention and the KV cache stay float32 (half the KL of an all-bfloat16
+    # stage on the real model, at the same speed: docs/models.md).
+    compute = "float32" if dtype == "keep" else dtype
     dev = torch.device(device)
     held = gguf_weights(torch, ckpt, config, span, dtype=getattr(torch, compute), device=dev,
                         quantized=dtype == "keep")  # fmt: skip

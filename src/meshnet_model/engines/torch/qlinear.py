@@ -29,73 +29,62 @@ from typing import Any
 
 import numpy as np
 
-from ...formats.gguf.blocks import GROUP, INT4_TYPES, dequantize_rows, int4_groups, row_chunks
+from ...formats.gguf.blocks import GROUP, INT4_FORMS, int4_split, row_chunks
 from ...formats.gguf.quants import GGMLType
 
-__all__ = ["HELD_FORMS", "Int4Matrix", "Int8Matrix", "held_form", "linear", "quantized_matrix"]
+__all__ = ["Int4Matrix", "held_form", "int4pack_supported", "linear", "quantized_matrix"]
 
 # Rows converted at once: a multiple of the int4pack kernel's 64-row tiles
 # (its packing is independent between such blocks of rows, checked in tests).
 _ROWS = 1024
-HELD_FORMS = ("int4pack", "int8-row")
 
 
-def held_form(kind: GGMLType) -> str:
-    """The form a quantized GGML type is held in by this engine on the CPU."""
-    return "int4pack" if kind.name in INT4_TYPES else "int8-row"
+def held_form(kind: GGMLType, shape: tuple[int, int]) -> str:
+    """The form this engine holds a quantized matrix of ``kind`` in on the CPU:
+    ``int4pack`` (one or two), or ``dense`` (dequantized to the compute dtype)."""
+    if kind.name in INT4_FORMS and int4pack_supported(shape):
+        return "int4pack" if INT4_FORMS[kind.name] == 1 else f"int4pack x{INT4_FORMS[kind.name]}"
+    return "dense"
 
 
 @dataclass(frozen=True, slots=True)
 class Int4Matrix:
-    """``[out, in]`` weights as int4pack nibbles and bfloat16 (scale, zero) per 32."""
+    """``[out, in]`` weights as one or two int4pack matrices, each with bfloat16
+    (scale, zero) per 32 values; the weights are their sum (two for ``Q8_0``:
+    its high and low nibbles, see ``int4_split``)."""
 
-    packed: Any  # uint8 [out, in // 2], the kernel's layout
-    scale_zero: Any  # bfloat16 [in // 32, out, 2]
+    parts: tuple[tuple[Any, Any], ...]  # (uint8 [out, in // 2] packed, bf16 [in // 32, out, 2])
     shape: tuple[int, int]
     source: str  # the GGML type it came from
 
-    form = "int4pack"
+    @property
+    def form(self) -> str:
+        return "int4pack" if len(self.parts) == 1 else f"int4pack x{len(self.parts)}"
 
     @property
     def nbytes(self) -> int:
-        return int(self.packed.numel() + self.scale_zero.numel() * self.scale_zero.element_size())
+        return sum(int(p.numel() + sz.numel() * sz.element_size()) for p, sz in self.parts)
 
     def matmul(self, torch: Any, x: Any) -> Any:
         lead = x.shape[:-1]
+        packed, scale_zero = self.parts[0]
         flat = x.reshape(-1, self.shape[1])
-        if flat.dtype != self.scale_zero.dtype:
-            flat = flat.to(self.scale_zero.dtype)
-        out = torch.ops.aten._weight_int4pack_mm_for_cpu(flat, self.packed, GROUP, self.scale_zero)
-        return out.reshape(*lead, self.shape[0])
-
-
-@dataclass(frozen=True, slots=True)
-class Int8Matrix:
-    """``[out, in]`` weights as int8 with one bfloat16 scale per row."""
-
-    values: Any  # int8 [out, in]
-    scales: Any  # bfloat16 [out]
-    shape: tuple[int, int]
-    source: str
-
-    form = "int8-row"
-
-    @property
-    def nbytes(self) -> int:
-        return int(self.values.numel() + self.scales.numel() * self.scales.element_size())
-
-    def matmul(self, torch: Any, x: Any) -> Any:
-        lead = x.shape[:-1]
-        flat = x.reshape(-1, self.shape[1])
-        if flat.dtype != self.scales.dtype:
-            flat = flat.to(self.scales.dtype)
-        out = torch._weight_int8pack_mm(flat, self.values, self.scales)
-        return out.reshape(*lead, self.shape[0])
+        if flat.dtype != scale_zero.dtype:
+            flat = flat.to(scale_zero.dtype)
+        mm = torch.ops.aten._weight_int4pack_mm_for_cpu
+        out = mm(flat, packed, GROUP, scale_zero)
+        if len(self.parts) > 1:
+            # Summed in float32: the two halves of a Q8_0 weight are of very
+            # different sizes, and the sum must not round twice in bfloat16.
+            out = out.float()
+            for packed, scale_zero in self.parts[1:]:
+                out += mm(flat, packed, GROUP, scale_zero)
+        return out.reshape(*lead, self.shape[0]).to(x.dtype)
 
 
 def linear(torch: Any, x: Any, weight: Any, bias: Any = None) -> Any:
     """``x @ weight.T (+ bias)`` for a dense tensor or a quantized matrix."""
-    if isinstance(weight, Int4Matrix | Int8Matrix):
+    if isinstance(weight, Int4Matrix):
         out = weight.matmul(torch, x)
         return out if bias is None else out + bias
     return torch.nn.functional.linear(x, weight, bias)
@@ -110,33 +99,30 @@ def int4pack_supported(shape: tuple[int, int]) -> bool:
 
 def quantized_matrix(
     torch: Any, kind: GGMLType, shape: tuple[int, int], blocks: np.ndarray, *, compute: Any
-) -> Int4Matrix | Int8Matrix:
-    """The held form of one quantized matrix from its file bytes ``[rows, row_bytes]``.
+) -> Int4Matrix | None:
+    """The held form of one quantized matrix from its file bytes ``[rows, row_bytes]``,
+    or None when no kernel here reads its type (the caller dequantizes it then).
 
-    ``compute`` is the activations' dtype (bfloat16 on the CPU): the scales are
-    held in it, as the kernels require.
+    ``compute`` is the kernels' activation dtype (bfloat16 on the CPU): the
+    (scale, zero) pairs are held in it, as the kernels require.
     """
     rows, cols = shape
-    if kind.name in INT4_TYPES and int4pack_supported(shape):
-        packed = torch.empty((rows, cols // 2), dtype=torch.uint8)
-        scale_zero = torch.empty((cols // GROUP, rows, 2), dtype=compute)
-        for part in row_chunks(rows, _ROWS):
-            q, scale, zero = int4_groups(blocks[part], kind)
+    if kind.name not in INT4_FORMS or not int4pack_supported(shape):
+        return None
+    count = INT4_FORMS[kind.name]
+    parts = [
+        (
+            torch.empty((rows, cols // 2), dtype=torch.uint8),
+            torch.empty((cols // GROUP, rows, 2), dtype=compute),
+        )  # fmt: skip
+        for _ in range(count)
+    ]
+    for part in row_chunks(rows, _ROWS):
+        for (packed, scale_zero), (q, scale, zero) in zip(
+            parts, int4_split(blocks[part], kind), strict=True
+        ):
             ints = torch.from_numpy(q).to(torch.int32)
             packed[part] = torch.ops.aten._convert_weight_to_int4pack_for_cpu(ints, 1)
             pair = np.stack([scale, zero], axis=-1).transpose(1, 0, 2)  # [groups, rows, 2]
             scale_zero[:, part] = torch.from_numpy(np.ascontiguousarray(pair)).to(compute)
-        return Int4Matrix(packed, scale_zero, shape, kind.name)
-    values = torch.empty((rows, cols), dtype=torch.int8)
-    scales = torch.empty((rows,), dtype=compute)
-    for part in row_chunks(rows, _ROWS):
-        dense = dequantize_rows(blocks[part], kind, cols)
-        peak = np.abs(dense).max(axis=1)
-        # The scale is rounded to the held dtype first, so that q * scale is
-        # the value the kernel will use.
-        step = torch.from_numpy(np.maximum(peak, np.float32(1e-30)) / np.float32(127))
-        step = step.to(compute)
-        q = np.rint(dense / step.float().numpy()[:, None])
-        values[part] = torch.from_numpy(np.clip(q, -127, 127).astype(np.int8))
-        scales[part] = step
-    return Int8Matrix(values, scales, shape, kind.name)
+    return Int4Matrix(tuple(parts), shape, kind.name)

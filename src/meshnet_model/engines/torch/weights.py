@@ -180,6 +180,7 @@ def gguf_weights(
     dtype: Any,
     device: Any,
     quantized: bool,
+    kernel_dtype: Any = None,
 ) -> TorchStageWeights:
     """One stage of a GGUF file, tensor by tensor, straight from its blocks.
 
@@ -189,13 +190,16 @@ def gguf_weights(
     whole, so the peak of the load is the result plus one tensor's bytes.
     """
     c = config
+    kernel_dtype = kernel_dtype or torch.bfloat16
 
     def matrix(name: str, shape: tuple[int, ...]) -> Any:
         kind, stored, blocks = ckpt.raw(name)
         _check_shape(ckpt, name, stored, shape)
         rows, cols = shape
         if quantized and kind.view is None and device.type == "cpu":
-            return quantized_matrix(torch, kind, (rows, cols), blocks, compute=dtype)
+            held = quantized_matrix(torch, kind, (rows, cols), blocks, compute=kernel_dtype)
+            if held is not None:
+                return held
         dense = torch.empty((rows, cols), dtype=dtype)
         for part in row_chunks(rows, 1024):
             dense[part] = torch.from_numpy(dequantize_rows(blocks[part], kind, cols)).to(dtype)
@@ -204,7 +208,7 @@ def gguf_weights(
     def vector(name: str, shape: tuple[int, ...]) -> Any:
         array = ckpt.tensor(name)
         _check_shape(ckpt, name, array.shape, shape)
-        values = np.ascontiguousarray(array, dtype=np.float32)
+        values = np.array(array, dtype=np.float32)  # a writable copy: a few KiB
         return torch.from_numpy(values).to(device=device, dtype=dtype)
 
     blocks = []

@@ -33,12 +33,22 @@ import numpy as np
 
 from .quants import GGMLType, decode
 
-__all__ = ["INT4_TYPES", "dequantize_rows", "int4_groups", "read_rows", "row_chunks"]
+__all__ = [
+    "INT4_FORMS",
+    "INT4_TYPES",
+    "dequantize_rows",
+    "int4_groups",
+    "int4_split",
+    "read_rows",
+    "row_chunks",
+]
 
 F32 = np.float32
 # Types whose values are (q - 8) * scale + zero per 32-value group.
 INT4_TYPES = frozenset({"Q4_0", "Q4_1", "Q4_K"})
 GROUP = 32
+# How many 4-bit affine matrices sum to a tensor of each type, exactly.
+INT4_FORMS = {"Q4_0": 1, "Q4_1": 1, "Q4_K": 1, "Q8_0": 2}
 
 
 def read_rows(path: str | Path, offset: int, rows: int, row_bytes: int) -> np.ndarray:
@@ -93,6 +103,30 @@ def int4_groups(blocks: np.ndarray, kind: GGMLType) -> tuple[np.ndarray, np.ndar
         zero = F32(8) * scale - dmin * mins.astype(F32)
         return (q.reshape(rows, -1), scale.reshape(rows, -1), zero.reshape(rows, -1))
     raise ValueError(f"{kind.name} is not a 4-bit affine type ({', '.join(sorted(INT4_TYPES))})")
+
+
+def int4_split(
+    blocks: np.ndarray, kind: GGMLType
+) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+    """``blocks`` of a type in ``INT4_FORMS`` → 4-bit affine matrices (as
+    ``int4_groups``) whose sum is the tensor, exactly in real arithmetic.
+
+    ``Q8_0``'s ``d * q`` (``q`` int8) splits by nibbles: with ``u = q + 128``
+    (0..255), ``hi = u >> 4`` and ``lo = u & 15``, ``d q = 16 d (hi - 8) + d lo``:
+    a matrix of scale ``16 d``, zero 0, and one of scale ``d``, zero ``8 d``.
+    """
+    if kind.name != "Q8_0":
+        return [int4_groups(blocks, kind)]
+    rows = blocks.shape[0]
+    b = blocks.reshape(-1, kind.nbytes)
+    d = _half(b[:, 0:2])
+    u = (np.ascontiguousarray(b[:, 2:]).view(np.int8).astype(np.int16) + 128).astype(np.uint8)
+    hi, lo = u >> np.uint8(4), u & np.uint8(0x0F)
+    zero = np.zeros_like(d)
+    return [
+        (hi.reshape(rows, -1), (F32(16) * d).reshape(rows, -1), zero.reshape(rows, -1)),
+        (lo.reshape(rows, -1), d.reshape(rows, -1), (F32(8) * d).reshape(rows, -1)),
+    ]
 
 
 def dequantize_rows(blocks: np.ndarray, kind: GGMLType, cols: int) -> np.ndarray:
