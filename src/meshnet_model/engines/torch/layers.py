@@ -103,9 +103,19 @@ def attention(
     b, t, _ = x.shape
     heads, kv_heads, d = config.num_attention_heads, config.num_key_value_heads, config.head_dim
     groups = heads // kv_heads
-    q = _linear(torch, x, block.q, block.q_bias).view(b, t, heads, d)
-    k = _linear(torch, x, block.k, block.k_bias).view(b, t, kv_heads, d)
-    v = _linear(torch, x, block.v, block.v_bias).view(b, t, kv_heads, d)
+    if block.qkv is not None:  # one kernel for the three (a quantized stage)
+        q, k, v = _linear(torch, x, block.qkv, None).split(
+            [heads * d, kv_heads * d, kv_heads * d], dim=-1
+        )
+        q, k, v = (_add(p, bias) for p, bias in ((q, block.q_bias), (k, block.k_bias),
+                                                  (v, block.v_bias)))  # fmt: skip
+    else:
+        q = _linear(torch, x, block.q, block.q_bias)
+        k = _linear(torch, x, block.k, block.k_bias)
+        v = _linear(torch, x, block.v, block.v_bias)
+    q = q.reshape(b, t, heads, d)
+    k = k.reshape(b, t, kv_heads, d)
+    v = v.reshape(b, t, kv_heads, d)
     if block.q_norm is not None:  # qwen3: RMSNorm of each head's vector, before rope
         q = rms_norm(torch, q, block.q_norm, config.rms_norm_eps)
         k = rms_norm(torch, k, block.k_norm, config.rms_norm_eps)
@@ -143,8 +153,16 @@ def attention(
     return _linear(torch, out, block.o, block.o_bias)
 
 
+def _add(x: Any, bias: Any) -> Any:
+    return x if bias is None else x + bias
+
+
 def mlp(torch: Any, x: Any, block: Any) -> Any:
     f = torch.nn.functional
-    gate = _linear(torch, x, block.gate, block.gate_bias)
-    up = _linear(torch, x, block.up, block.up_bias)
+    if block.gate_up is not None:  # one kernel for both (a quantized stage)
+        gate, up = _linear(torch, x, block.gate_up, None).chunk(2, dim=-1)
+        gate, up = _add(gate, block.gate_bias), _add(up, block.up_bias)
+    else:
+        gate = _linear(torch, x, block.gate, block.gate_bias)
+        up = _linear(torch, x, block.up, block.up_bias)
     return _linear(torch, f.silu(gate) * up, block.down, block.down_bias)

@@ -114,7 +114,7 @@ def quantized_matrix(
         (
             torch.empty((rows, cols // 2), dtype=torch.uint8),
             torch.empty((cols // GROUP, rows, 2), dtype=compute),
-        )  # fmt: skip
+        )
         for _ in range(count)
     ]
     for part in row_chunks(rows, _ROWS):

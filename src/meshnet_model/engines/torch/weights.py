@@ -30,8 +30,14 @@ from ...formats.config import ModelConfig
 from ...formats.gguf.blocks import dequantize_rows, row_chunks
 from ...formats.gguf.checkpoint import GGUFCheckpoint
 from ...formats.gguf.quants import GGMLType
-from ...stage.weights import LayerWeights, StageWeights, head_is_tied, layer_tensors
-from .qlinear import quantized_matrix
+from ...stage.weights import (
+    LayerWeights,
+    StageWeights,
+    TensorSpec,
+    head_is_tied,
+    layer_tensors,
+)
+from .qlinear import held_form, quantized_matrix
 
 __all__ = ["MappedEmbedding", "TorchLayer", "TorchStageWeights", "gguf_weights", "to_torch"]
 
@@ -74,6 +80,10 @@ class TorchLayer:
     down_bias: Any = None
     q_norm: Any = None
     k_norm: Any = None
+    # A quantized stage multiplies q, k and v (gate and up) by one kernel call:
+    # their rows stacked in one matrix, and the separate fields None.
+    qkv: Any = None
+    gate_up: Any = None
 
 
 @dataclass(slots=True)
@@ -109,7 +119,8 @@ class TorchStageWeights:
         forms: dict[str, int] = {}
         tensors = [self.embed, self.lm_head]
         for block in self.blocks:
-            tensors += [block.q, block.k, block.v, block.o, block.gate, block.up, block.down]
+            tensors += [block.q, block.k, block.v, block.o, block.gate, block.up, block.down,
+                        block.qkv, block.gate_up]  # fmt: skip
         for t in tensors:
             if t is None:
                 continue
@@ -192,6 +203,25 @@ def gguf_weights(
     c = config
     kernel_dtype = kernel_dtype or torch.bfloat16
 
+    def stacked(specs: list[TensorSpec]) -> Any:
+        """One quantized matrix of the specs' rows stacked, or None when they
+        are not all of one type a kernel reads (each is then held alone)."""
+        if not quantized or device.type != "cpu":
+            return None
+        kinds = {ckpt.kind(spec.name).name for spec in specs}
+        rows = sum(spec.shape[0] for spec in specs)
+        cols = specs[0].shape[1]
+        kind = ckpt.kind(specs[0].name)
+        if len(kinds) != 1 or held_form(kind, (rows, cols)) == "dense":
+            return None
+        parts = []
+        for spec in specs:
+            _, stored, blocks = ckpt.raw(spec.name)
+            _check_shape(ckpt, spec.name, stored, spec.shape)
+            parts.append(blocks)
+        return quantized_matrix(torch, kind, (rows, cols), np.concatenate(parts),
+                                compute=kernel_dtype)  # fmt: skip
+
     def matrix(name: str, shape: tuple[int, ...]) -> Any:
         kind, stored, blocks = ckpt.raw(name)
         _check_shape(ckpt, name, stored, shape)
@@ -214,7 +244,15 @@ def gguf_weights(
     blocks = []
     for i in layers:
         fields: dict[str, Any] = {}
-        for spec in layer_tensors(c, i):
+        specs = {spec.field: spec for spec in layer_tensors(c, i)}
+        for fused, names in (("qkv", ("q", "k", "v")), ("gate_up", ("gate", "up"))):
+            held = stacked([specs[n] for n in names])
+            if held is not None:
+                fields[fused] = held
+                for n in names:
+                    fields[n] = None
+                    del specs[n]
+        for spec in specs.values():
             if not spec.wanted:
                 fields[spec.field] = None
             elif spec.matrix:
