@@ -178,9 +178,14 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument(
         "--dtype", choices=MODEL_DTYPES, default=None, help="weights dtype in memory [the node's]"
     )
-    run.add_argument("--engine", choices=ENGINES, default=None, help="nodes' engine [numpy]")
+    run.add_argument(
+        "--engine", choices=ENGINES, default=None, help="nodes' engine [auto: torch for GGUF]"
+    )
     run.add_argument("--device", default=None, help="nodes' torch device: cpu, cuda, cuda:N [cpu]")
-    run.add_argument("--threads", type=positive_int, default=None, help="torch threads per node")
+    run.add_argument(
+        "--threads", type=positive_int, default=None,
+        help="compute threads per node [the cores split between the stages]",
+    )  # fmt: skip
     run.add_argument("--log-level", choices=LOG_LEVELS, default="warning", help="[warning]")
     run.add_argument("--async-backend", choices=("trio", "asyncio"), default="trio", help="[trio]")
     return parser

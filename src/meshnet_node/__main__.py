@@ -23,6 +23,23 @@ def ready_line(config: ServerConfig, url: str, stage: StageBackend | None = None
     name = stage.name if stage is not None else config.backend
     return (
         f"meshnet-node listening on {url} (wire {WIRE_VERSION}, stage {name}, next: {downstream})"
+        + _model_summary(stage)
+    )
+
+
+def _model_summary(stage: StageBackend | None) -> str:
+    """What a model stage computes with and holds: engine, held forms, bytes, threads."""
+    describe = getattr(stage, "describe", None)
+    info = describe() if callable(describe) else {}
+    if info.get("backend") != "model":
+        return ""
+    held = info.get("weights_held") or {info.get("weights_dtype"): None}
+    forms = "+".join(str(form) for form in held)
+    mib = int(info.get("weights_bytes", 0)) / 2**20
+    engine = f"{info.get('engine')} on {info.get('device')}"
+    return (
+        f" engine {engine}, compute {info.get('compute_dtype')}, weights {forms}"
+        f" {mib:,.1f} MiB, threads {info.get('threads') or 'default'}"
     )
 
 

@@ -53,6 +53,7 @@ from meshnet_model import (
     StageWeights,
     parse_layers,
 )
+from meshnet_model.engines.choice import choose_engine, set_blas_threads
 from meshnet_model.errors import ChunkTooLarge, ComputeDeadlineExceeded, ContextExceeded
 from meshnet_model.formats.config import ModelConfig
 from meshnet_model.source import load_config, model_name
@@ -173,27 +174,34 @@ def load_model_stage(
     model: str | Path,
     layers: str | None = None,
     *,
-    dtype: str = "float32",
+    dtype: str = "auto",
     kv_budget_bytes: int,
     max_chunk_tokens: int = DEFAULT_MAX_CHUNK_TOKENS,
     max_compute_bytes: int = DEFAULT_MAX_COMPUTE_BYTES,
-    engine: str = "numpy",
+    engine: str = "auto",
     device: str = "cpu",
     threads: int | None = None,
 ) -> ModelStage:
     """Load the stage's tensors from a checkpoint directory (the node's flags).
+
+    ``engine``/``dtype`` ``auto``: a GGUF file held quantized on torch when it
+    is installed, else numpy float32 (``engines.choice``). ``threads``: the
+    stage's compute threads (None: the library's default).
 
     Raises ``ValueError`` (``ConfigError``, ``CheckpointError`` among them)
     with a message fit for the command line.
     """
     config = load_config(model)  # a checkpoint directory or a .gguf file
     span = parse_layers(layers, config.num_hidden_layers) if layers else None
+    engine, dtype = choose_engine(model, engine, dtype, device)
     if engine == "torch":
         runner = _torch_runner(model, span, config, dtype=dtype, device=device,
                                threads=threads, kv_budget_bytes=kv_budget_bytes,
                                max_chunk_tokens=max_chunk_tokens,
                                max_compute_bytes=max_compute_bytes)  # fmt: skip
         return ModelStage(runner)
+    if threads is not None:
+        set_blas_threads(threads)  # process-wide: every numpy stage of it shares the pool
     weights = StageWeights.load(model, span, dtype=dtype, config=config)
     runner = StageRunner(weights, kv_budget_bytes=kv_budget_bytes,
                          max_chunk_tokens=max_chunk_tokens, max_compute_bytes=max_compute_bytes,

@@ -42,8 +42,11 @@ Role = Literal["node", "gateway"]
 WIRE_DTYPES = ("keep", "float32", "bfloat16", "float16", "auto-lossless")
 ENCODINGS = ("mirror", "identity", "zstd", "auto")
 BACKENDS = ("echo", "zeros", "count")
-MODEL_DTYPES = ("keep", "float32", "bfloat16", "float16")
-ENGINES = ("numpy", "torch")
+# "auto": the engine's own default (numpy: float32; torch: keep, which holds a
+# quantized GGUF file quantized). See meshnet_model.engines.choice.
+MODEL_DTYPES = ("auto", "keep", "float32", "bfloat16", "float16")
+# "auto": torch for a GGUF file when torch is installed, else numpy.
+ENGINES = ("auto", "numpy", "torch")
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 # What the gateway does with special-token text (e.g. "<|im_start|>") inside
 # chat message content: docs/security.md argues the default.
@@ -95,10 +98,10 @@ class ServerConfig:
     # gateway: the checkpoint whose tokenizer it loads to serve the OpenAI API.
     model: str | None = None
     layers: str | None = None  # "A:B", checked against the model when it loads
-    dtype: str = "float32"  # weights as held in memory (numpy computes in float32, torch in it)
-    engine: str = "numpy"  # what computes the layers: numpy (the reference) or torch
+    dtype: str = "auto"  # weights as held in memory (numpy computes in float32, torch in it)
+    engine: str = "auto"  # what computes the layers: numpy (the reference) or torch
     device: str = "cpu"  # torch engine: cpu, cuda or cuda:N
-    threads: int | None = None  # torch engine: torch.set_num_threads (None: torch's default)
+    threads: int | None = None  # compute threads of the stage (None: the library's default)
     kv_budget_bytes: int = 1024 * 1024 * 1024
     max_chunk_tokens: int = 2048  # rows (batch x tokens) of one chunk a model stage takes
     max_compute_bytes: int = 1024 * 1024 * 1024  # scratch of one chunk's forward pass
@@ -288,9 +291,9 @@ _NODE: list[_Flag] = [
     ("--model", _nonempty, "checkpoint directory (HF layout): run its layers, not --backend"),
     ("--layers", _layers, "with --model: run layers A..B-1, as A:B (default: all)"),
     ("--dtype", _choice(MODEL_DTYPES), "with --model: weights dtype in memory"),
-    ("--engine", _choice(ENGINES), "with --model: compute with numpy or torch"),
+    ("--engine", _choice(ENGINES), "with --model: numpy, torch, or auto (torch for GGUF)"),
     ("--device", _device, "with --engine torch: cpu, cuda or cuda:N"),
-    ("--threads", positive_int, "with --engine torch: torch.set_num_threads"),
+    ("--threads", positive_int, "with --model: compute threads (BLAS or torch) of this stage"),
     (
         "--kv-budget-bytes",
         positive_int,
@@ -367,7 +370,7 @@ def _check_engine(parser: argparse.ArgumentParser, values: dict[str, Any]) -> No
     # Only torch computes elsewhere than the CPU; engine flags need a model.
     if values["engine"] == "numpy" and values["device"] != "cpu":
         parser.error(f"--device {values['device']} needs --engine torch (numpy runs on the CPU)")
-    if values["model"] is None and values["engine"] != "numpy":
+    if values["model"] is None and values["engine"] == "torch":
         parser.error("--engine torch needs --model")
 
 

@@ -165,7 +165,10 @@ class StageModel:
                        kv_heads=c.num_key_value_heads, head_dim=c.head_dim)  # fmt: skip
 
     def describe(self) -> dict[str, Any]:
-        return {"engine": "numpy", "device": "cpu", "compute_dtype": "float32"}
+        from ..choice import blas_threads
+
+        return {"engine": "numpy", "device": "cpu", "compute_dtype": "float32",
+                "threads": blas_threads()}  # fmt: skip
 
     def embed(self, ids: np.ndarray) -> np.ndarray:
         assert self.weights.embed is not None

@@ -45,6 +45,11 @@ __all__ = ["TorchStageModel", "load_torch_runner"]
 class TorchStageModel:
     # scaled_dot_product_attention scores the whole chunk at once (costs.chunk_cost).
     query_block: int | None = None
+    # Compute threads (None: torch's default). Under OpenMP the count is a
+    # setting of the calling thread, so forward() applies it in the worker
+    # thread that runs it; set in the main thread only, a worker would spin
+    # a pool over every core (measured: 2 cores busy with threads=1).
+    threads: int | None = None
 
     def __init__(self, torch: Any, weights: StageWeights, *, dtype: str = "keep",
                  device: str = "cpu", transfer: Transfer | None = None,
@@ -100,6 +105,8 @@ class TorchStageModel:
                 f"the KV cache holds {cache.length} positions, the chunk starts at {position}"
             )
         t = self.torch
+        if self.threads is not None:
+            t.set_num_threads(self.threads)
         tokens = inputs.shape[1]
         cache.reserve(position + tokens)
         with t.inference_mode():
@@ -175,7 +182,8 @@ class TorchStageModel:
             "weights_held": self.weights.held_forms(),
             "weights_bytes": self.weights.nbytes,
             "weights_mapped_bytes": self.weights.shared_with_file,
-            "torch_threads": self.torch.get_num_threads(),
+            "threads": self.threads or self.torch.get_num_threads(),
+            "torch_threads": self.threads or self.torch.get_num_threads(),
         }
 
 
@@ -200,7 +208,7 @@ def load_torch_runner(
     torch = import_torch()
     check_device(torch, device)  # before reading gigabytes of weights
     if threads is not None:
-        torch.set_num_threads(threads)
+        torch.set_num_threads(threads)  # this thread's; forward() sets its worker's
     path = Path(directory)
     if is_gguf(path):
         model, mapped = _gguf_model(torch, path, layers, config, dtype=dtype, device=device,
@@ -208,6 +216,7 @@ def load_torch_runner(
     else:
         mapped = StageWeights.load(path, layers, dtype="keep", config=config)
         model = TorchStageModel(torch, mapped, dtype=dtype, device=device, transfer=transfer)
+    model.threads = threads
     # The runner needs the stage's shape, not the numpy arrays: dropping them
     # lets a converted stage's map go (only the torch tensors hold memory).
     shape_only = dataclasses.replace(mapped, blocks=[], embed=None, norm=None, lm_head=None)
