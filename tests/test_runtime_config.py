@@ -157,7 +157,8 @@ def test_help_lists_the_choices_of_every_choice_flag(capsys: pytest.CaptureFixtu
     text = capsys.readouterr().out
     for shown in (
         "{echo,zeros,count}",
-        "{keep,float32,bfloat16,float16}",
+        "{auto,keep,float32,bfloat16,float16}",
+        "{auto,numpy,torch}",
         "{mirror,identity,zstd,auto}",
         "{keep,float32,bfloat16,float16,auto-lossless}",
     ):

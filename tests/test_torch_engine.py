@@ -86,12 +86,15 @@ def test_device_strings_refused(text: str) -> None:
 
 
 def test_engine_flags_need_torch_and_a_model() -> None:
-    for argv in (["--model", "m", "--device", "cuda"], ["--engine", "torch"]):
+    for argv in (["--model", "m", "--engine", "numpy", "--device", "cuda"], ["--engine", "torch"]):
         with pytest.raises(SystemExit) as exited:
             load_config("node", argv)
         assert exited.value.code == 2
     config = load_config("node", ["--model", "m", "--engine", "torch", "--threads", "2"])
     assert (config.engine, config.device, config.threads) == ("torch", "cpu", 2)
+    # Left to itself the engine is chosen at load (engines.choice): a CUDA
+    # device can only be torch's.
+    assert load_config("node", ["--model", "m", "--device", "cuda"]).engine == "auto"
 
 
 def test_cuda_without_cuda_is_exit_2_in_one_line(

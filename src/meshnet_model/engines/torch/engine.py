@@ -114,7 +114,7 @@ class TorchStageModel:
                 x = self.weights.embed.lookup(t, inputs, self.dtype, self.device)
             elif self.first:
                 ids = self.transfer.to_device(inputs, t.long)
-                x = t.nn.functional.embedding(ids, self.weights.embed)
+                x = t.nn.functional.embedding(ids, self.weights.embed).to(self.dtype)
             else:
                 x = self.transfer.to_device(inputs, self.dtype)
             x = self._layers(x, cache, position, between_layers)
@@ -141,8 +141,8 @@ class TorchStageModel:
             if isinstance(self.weights.embed, MappedEmbedding):
                 x = self.weights.embed.lookup(t, ids, self.dtype, self.device)
             else:
-                x = t.nn.functional.embedding(self.transfer.to_device(ids, t.long),
-                                              self.weights.embed)  # fmt: skip
+                ids_t = self.transfer.to_device(ids, t.long)
+                x = t.nn.functional.embedding(ids_t, self.weights.embed).to(self.dtype)
             x = self._layers(x, cache, 0)
             cache.length = ids.shape[1]
             w = self.weights

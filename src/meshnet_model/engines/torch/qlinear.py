@@ -10,11 +10,16 @@ The kernels were chosen by measurement (docs/models.md, "Quantized compute"):
   block's scales (``formats.gguf.blocks.int4_groups``) rounded to bfloat16, and the
   activations are bfloat16: those two roundings are what this form loses.
   0.625 bytes a value (the file's Q4_0 holds 0.5625).
-* ``Int8Matrix`` — every other quantized type (``Q8_0``, ``Q5_*``, ``Q6_K`` …):
-  the dequantized rows requantized to int8 with one bfloat16 scale per row
-  (``_weight_int8pack_mm``): a requantization, named ``int8-row`` wherever
-  the stage describes itself. 1 byte a value.
-* a dense tensor (``torch.nn.functional.linear``) for float matrices.
+  ``Q8_0`` is held as two such matrices whose sum is exactly its values (its
+  high and low nibbles, ``int4_split``): 1.25 bytes a value, two kernel
+  calls, no requantization. (torch's ``_weight_int8pack_mm`` takes one scale
+  per *row*; requantizing Q8_0's per-32 scales to it cost 8x the KL on the
+  real model's head, measured — so it is not used.)
+* a dense bfloat16 tensor (``torch.nn.functional.linear``) for the types no
+  kernel here reads (``Q6_K``: its scales are per 16 values, int4pack's
+  groups are 32 or more) and for shapes the kernel refuses (rows not in
+  64-row tiles): dequantized a chunk of rows at a time, 2 bytes a value —
+  named ``bfloat16`` in the stage's held forms.
 
 ``linear(torch, x, weight, bias)`` multiplies by any of the three. Every
 conversion runs a chunk of rows at a time (``_ROWS`` rows): no transient
@@ -32,7 +37,14 @@ import numpy as np
 from ...formats.gguf.blocks import GROUP, INT4_FORMS, int4_split, row_chunks
 from ...formats.gguf.quants import GGMLType
 
-__all__ = ["Int4Matrix", "held_form", "int4pack_supported", "linear", "quantized_matrix"]
+__all__ = [
+    "Int4Matrix",
+    "held_form",
+    "held_matrix_bytes",
+    "int4pack_supported",
+    "linear",
+    "quantized_matrix",
+]
 
 # Rows converted at once: a multiple of the int4pack kernel's 64-row tiles
 # (its packing is independent between such blocks of rows, checked in tests).
@@ -87,7 +99,23 @@ def linear(torch: Any, x: Any, weight: Any, bias: Any = None) -> Any:
     if isinstance(weight, Int4Matrix):
         out = weight.matmul(torch, x)
         return out if bias is None else out + bias
+    if weight.dtype != x.dtype:
+        # A matrix no kernel reads, held dequantized in the kernels' dtype
+        # around a float32 stream (``held_form`` "dense").
+        out = torch.nn.functional.linear(x.to(weight.dtype), weight).to(x.dtype)
+        return out if bias is None else out + bias
     return torch.nn.functional.linear(x, weight, bias)
+
+
+def held_matrix_bytes(kind: GGMLType, shape: tuple[int, int]) -> int:
+    """Bytes a quantized matrix of ``kind`` and ``shape`` is held in on the CPU
+    (what ``quantized_matrix`` builds, or its bfloat16 dense fallback)."""
+    rows, cols = shape
+    form = held_form(kind, shape)
+    if form == "dense":
+        return 2 * rows * cols
+    one = rows * cols // 2 + (cols // GROUP) * rows * 4  # nibbles + bf16 (scale, zero)
+    return one * INT4_FORMS[kind.name]
 
 
 def int4pack_supported(shape: tuple[int, int]) -> bool:

@@ -230,9 +230,11 @@ def gguf_weights(
             held = quantized_matrix(torch, kind, (rows, cols), blocks, compute=kernel_dtype)
             if held is not None:
                 return held
-        dense = torch.empty((rows, cols), dtype=dtype)
+        # Dense: what was asked for, or (held quantized) the kernels' dtype.
+        target = kernel_dtype if quantized and kind.view is None else dtype
+        dense = torch.empty((rows, cols), dtype=target)
         for part in row_chunks(rows, 1024):
-            dense[part] = torch.from_numpy(dequantize_rows(blocks[part], kind, cols)).to(dtype)
+            dense[part] = torch.from_numpy(dequantize_rows(blocks[part], kind, cols)).to(target)
         return dense if device.type == "cpu" else dense.to(device)
 
     def vector(name: str, shape: tuple[int, ...]) -> Any:
