@@ -54,6 +54,7 @@ from meshnet_model import (
     parse_layers,
 )
 from meshnet_model.config import ModelConfig
+from meshnet_model.footprint import StageFootprint, fit_process
 from meshnet_model.runner import (
     DEFAULT_MAX_CHUNK_TOKENS,
     DEFAULT_MAX_COMPUTE_BYTES,
@@ -65,6 +66,7 @@ from meshnet_model.runner import (
 from meshnet_model.source import load_config, model_name
 from meshnet_proto import CapacityError, DownstreamError, ProtocolError, SequencingError
 from meshnet_runtime.config import ServerConfig
+from meshnet_runtime.memory import MemoryLimit, memory_limit
 
 from .backends import StageContext
 
@@ -78,13 +80,15 @@ KV_RETRY_AFTER = 5
 class ModelStage:
     """``StageBackend`` over a ``StageRunner`` (see the module docstring)."""
 
-    def __init__(self, runner: StageRunner, *, compute_threads: int = 1) -> None:
+    def __init__(self, runner: StageRunner, *, compute_threads: int = 1,
+                 footprint: StageFootprint | None = None) -> None:  # fmt: skip
         self.runner = runner
         layers = runner.weights.layers
         self.name = f"model[{layers.start}:{layers.stop}]"
         self.calls = 0
         self.compute_seconds = 0.0  # wall time inside the layers, for benchmarks
         self.limiter = anyio.CapacityLimiter(compute_threads)
+        self.footprint = footprint  # what it holds, known before loading
 
     async def __call__(self, tensor: np.ndarray, context: StageContext | None = None) -> np.ndarray:
         if context is None:
@@ -159,7 +163,8 @@ class ModelStage:
         return self.runner.kv_bytes_in_use
 
     def describe(self) -> dict[str, Any]:
-        return {"backend": "model", **self.runner.describe()}
+        footprint = {"footprint": self.footprint.to_dict()} if self.footprint else {}
+        return {"backend": "model", **self.runner.describe(), **footprint}
 
 
 def _input_error(exc: StageInputError) -> ProtocolError:
@@ -176,12 +181,13 @@ def load_model_stage(
     layers: str | None = None,
     *,
     dtype: str = "float32",
-    kv_budget_bytes: int,
+    kv_budget_bytes: int | str,
     max_chunk_tokens: int = DEFAULT_MAX_CHUNK_TOKENS,
     max_compute_bytes: int = DEFAULT_MAX_COMPUTE_BYTES,
     engine: str = "numpy",
     device: str = "cpu",
     threads: int | None = None,
+    limit: MemoryLimit | None = None,
 ) -> ModelStage:
     """Load the stage's tensors from a checkpoint directory (the node's flags).
 
@@ -190,17 +196,25 @@ def load_model_stage(
     """
     config = load_config(model)  # a checkpoint directory or a .gguf file
     span = parse_layers(layers, config.num_hidden_layers) if layers else None
+    # Before any tensor is read: a stage that cannot fit is one line (MemoryShortfall).
+    (footprint,) = fit_process(model, [span or range(config.num_hidden_layers)], engine=engine,
+                               dtype=dtype, kv_budget_bytes=kv_budget_bytes,
+                               max_chunk_tokens=max_chunk_tokens,
+                               max_compute_bytes=max_compute_bytes,
+                               limit=limit.bytes if limit else None,
+                               limit_source=limit.source if limit else "")  # fmt: skip
+    kv_budget_bytes = footprint.kv
     if engine == "torch":
         runner = _torch_runner(model, span, config, dtype=dtype, device=device,
                                threads=threads, kv_budget_bytes=kv_budget_bytes,
                                max_chunk_tokens=max_chunk_tokens,
                                max_compute_bytes=max_compute_bytes)  # fmt: skip
-        return ModelStage(runner)
+        return ModelStage(runner, footprint=footprint)
     weights = StageWeights.load(model, span, dtype=dtype, config=config)
     runner = StageRunner(weights, kv_budget_bytes=kv_budget_bytes,
                          max_chunk_tokens=max_chunk_tokens, max_compute_bytes=max_compute_bytes,
                          name=model_name(model), path=str(model))  # fmt: skip
-    return ModelStage(runner)
+    return ModelStage(runner, footprint=footprint)
 
 
 def _torch_runner(
@@ -232,4 +246,12 @@ def stage_from_config(config: ServerConfig) -> ModelStage:
                             kv_budget_bytes=config.kv_budget_bytes,
                             max_chunk_tokens=config.max_chunk_tokens,
                             max_compute_bytes=config.max_compute_bytes, engine=config.engine,
-                            device=config.device, threads=config.threads)  # fmt: skip
+                            device=config.device, threads=config.threads,
+                            limit=_limit_of(config))  # fmt: skip
+
+
+def _limit_of(config: ServerConfig) -> MemoryLimit:
+    """``--memory-limit``: a number as given, ``auto`` read from the machine."""
+    if isinstance(config.memory_limit, int):
+        return MemoryLimit(config.memory_limit, "--memory-limit")
+    return memory_limit()
