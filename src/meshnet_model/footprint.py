@@ -48,6 +48,7 @@ __all__ = [
     "held_matrix",
     "held_matrix_bytes",
     "model_bytes",
+    "parse_size",
     "plan_split",
     "stage_footprint",
 ]
@@ -234,6 +235,33 @@ def model_bytes(
     return ModelBytes(
         config, engine, dtype, quantized, embed, layers, head, shares, forms, head_form
     )
+
+
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "kib": 1024,
+    "mib": MiB,
+    "gib": GiB,
+    "tib": 1024 * GiB,
+    "kb": 1000,
+    "mb": 1000**2,
+    "gb": 1000**3,
+    "tb": 1000**4,
+}
+
+
+def parse_size(text: str) -> int:
+    """``"16GiB"`` → bytes (``plan --memory``; the node's flags parse theirs in meshnet_runtime)."""
+    number = text.strip().rstrip("BbIiKkMmGgTt")
+    unit = text.strip()[len(number) :].lower()
+    try:
+        value = int(float(number) * _UNITS[unit])
+    except (KeyError, ValueError):
+        raise ValueError(f"expected bytes such as 16GiB, 512MiB or 8GB, got {text!r}") from None
+    if value < 1:
+        raise ValueError(f"expected a positive number of bytes, got {text!r}")
+    return value
 
 
 def format_bytes(n: int) -> str:
