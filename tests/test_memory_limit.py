@@ -198,3 +198,25 @@ def test_a_node_in_a_real_1gib_cgroup_refuses_a_2gib_stage(small_gguf: Path) -> 
         assert_refused(done, "cgroup", name, "1.0 GiB")
     finally:
         path.rmdir()
+
+
+def test_meshnet_run_checks_its_stages_together(
+    small_gguf: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from meshnet_cli.__main__ import main
+
+    assert main(["run", "--model", str(small_gguf), "--memory-limit", "100MiB", "--port", "0"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1
+    assert err.startswith("meshnet run: layers 0:2, 2:4 of small.gguf in one process need ")
+    assert "this process may use 100 MiB (--memory-limit)" in err
+
+
+def test_the_stage_exposes_its_footprint(small_gguf: Path) -> None:
+    from meshnet_node.model_stage import load_model_stage
+
+    stage = load_model_stage(small_gguf, "0:2", kv_budget_bytes="auto",
+                             limit=MemoryLimit(GiB, "--memory-limit"))  # fmt: skip
+    footprint = stage.describe()["footprint"]
+    assert footprint["kv"] == stage.runner.budget.limit < GiB
+    assert footprint["total"] == sum(footprint[k] for k in ("weights", "kv", "scratch", "runtime"))
