@@ -124,3 +124,23 @@ def test_a_quantized_stage_reads_its_tensors_and_maps_only_the_embedding(
     }  # fmt: skip
     # The numpy engine's float32 of the same tensors is 6.4x what is held here.
     assert runner.describe()["compute_dtype"] == "float32"
+
+
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q8_0", "Q4_K+Q6_K"])
+def test_the_footprint_predicts_the_bytes_the_stage_holds(tmp_path: Path, qtype: str) -> None:
+    """engines.footprint reads headers only; what the loader then holds is the
+    same number of bytes, stage by stage (first, middle, last)."""
+    from gguf_support import write_k_quant_gguf
+    from meshnet_model.engines.footprint import stage_footprint
+
+    model = build_model("llama", layers=3, hidden=256)
+    if qtype == "Q4_K+Q6_K":
+        path = write_k_quant_gguf(tmp_path, model)
+    else:
+        path = write_model_gguf(tmp_path, model, qtype)
+    for layers in (range(0, 1), range(1, 2), range(2, 3), range(0, 3)):
+        runner = load_torch_runner(path, layers, dtype="keep")
+        predicted = stage_footprint(path, layers, engine="torch", dtype="keep",
+                                    kv_budget_bytes=0, max_chunk_tokens=128,
+                                    max_compute_bytes=1 << 20)  # fmt: skip
+        assert predicted.weights == runner.model.weights.nbytes, (layers, qtype)

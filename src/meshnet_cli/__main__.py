@@ -19,6 +19,7 @@ from meshnet_runtime.config import (
     positive_int,
     positive_seconds,
 )
+from meshnet_runtime.memory import parse_bytes_or_auto
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -186,6 +187,18 @@ def build_parser() -> argparse.ArgumentParser:
         "--threads", type=positive_int, default=None,
         help="compute threads per node [the cores split between the stages]",
     )  # fmt: skip
+    run.add_argument(
+        "--kv-budget-bytes",
+        type=parse_bytes_or_auto,
+        default="auto",
+        help="KV cache per node, e.g. 256MiB [auto: up to 1GiB of what is left]",
+    )
+    run.add_argument(
+        "--memory-limit",
+        type=parse_bytes_or_auto,
+        default="auto",
+        help="memory all the nodes may use, e.g. 8GiB [auto: cgroup, MemAvailable]",
+    )
     run.add_argument("--log-level", choices=LOG_LEVELS, default="warning", help="[warning]")
     run.add_argument("--async-backend", choices=("trio", "asyncio"), default="trio", help="[trio]")
     return parser

@@ -20,11 +20,13 @@ import anyio
 from meshnet_gateway import open_gateway
 from meshnet_gateway.app import GatewayApp
 from meshnet_model.engines.choice import share_cores
+from meshnet_model.engines.footprint import MemoryShortfall, fit_process
 from meshnet_model.errors import CheckpointError, ConfigError
 from meshnet_model.source import load_config as load_model_config
 from meshnet_node.model_chain import even_splits, start_model_chain
 from meshnet_runtime.config import load_config
 from meshnet_runtime.lifecycle import configure_logging
+from meshnet_runtime.memory import MemoryLimit, memory_limit
 
 __all__ = ["LocalRun", "ready_line", "run_local", "serve_local"]
 
@@ -80,9 +82,9 @@ async def run_local(
     if args.model_name is not None:
         gateway_flags += ["--model-name", args.model_name]
     node_flags = ["--log-level", args.log_level]
-    for flag in ("dtype", "engine", "device", "threads"):  # the nodes validate them
-        if getattr(args, flag, None) is not None:
-            node_flags += [f"--{flag}", str(getattr(args, flag))]
+    for flag in ("dtype", "engine", "device", "threads", "kv_budget_bytes", "memory_limit"):
+        if getattr(args, flag, None) is not None:  # the nodes validate them
+            node_flags += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
     if getattr(args, "threads", None) is None:
         # Every stage lives in this one process: each gets its share of the
         # cores, or their thread pools would oversubscribe them (issue 18:
@@ -109,8 +111,31 @@ def main(args: argparse.Namespace) -> int:
         print(f"meshnet run: cannot load --model {args.model}: {exc}", file=sys.stderr)
         return 2
     try:
+        _fit(args)  # every stage in this one process, before any tensor is read
+    except MemoryShortfall as exc:
+        print(f"meshnet run: {exc}", file=sys.stderr)
+        return 2
+    try:
         anyio.run(run_local, args, backend=args.async_backend)
     except (OSError, ValueError) as exc:
         print(f"meshnet run: {exc}", file=sys.stderr)
         return 1
     return 0
+
+
+def _fit(args: argparse.Namespace) -> None:
+    """The stages together (and one runtime) against the process's memory; the
+    nodes then get the resolved KV budget and limit, which each stage fits."""
+    flags = [f"--{f}={getattr(args, f)}" for f in ("dtype", "engine", "device", "threads")
+             if getattr(args, f, None) is not None]  # fmt: skip
+    node = load_config("node", ["--model", args.model, *flags], {})
+    limit = getattr(args, "memory_limit", "auto")
+    found = memory_limit() if limit == "auto" else MemoryLimit(limit, "--memory-limit")
+    splits = even_splits(_num_layers(args.model), args.stages)
+    stages = fit_process(args.model, [range(a, b) for a, b in splits], engine=node.engine,
+                         dtype=node.dtype, kv_budget_bytes=getattr(args, "kv_budget_bytes", "auto"),
+                         max_chunk_tokens=node.max_chunk_tokens,
+                         max_compute_bytes=node.max_compute_bytes, limit=found.bytes,
+                         limit_source=found.source, who="this process")  # fmt: skip
+    args.kv_budget_bytes = stages[0].kv
+    args.memory_limit = found.bytes  # None: no limit known, each node reads it again

@@ -8,6 +8,7 @@ from collections.abc import Sequence
 
 import anyio
 
+from meshnet_model.engines.footprint import MemoryShortfall
 from meshnet_proto import WIRE_VERSION
 from meshnet_runtime.config import ServerConfig, load_config
 from meshnet_runtime.lifecycle import run_process, serve_until_signalled
@@ -68,6 +69,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         # Loaded before serving, so a bad checkpoint is one clear line and exit 2.
         try:
             stage = stage_from_config(config)
+        except MemoryShortfall as exc:  # before any tensor was read
+            print(f"meshnet-node: {exc}", file=sys.stderr)
+            return 2
         except ValueError as exc:
             print(f"meshnet-node: cannot load --model {config.model}: {exc}", file=sys.stderr)
             return 2

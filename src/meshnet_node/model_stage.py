@@ -54,6 +54,7 @@ from meshnet_model import (
     parse_layers,
 )
 from meshnet_model.engines.choice import choose_engine, set_blas_threads
+from meshnet_model.engines.footprint import StageFootprint, fit_process
 from meshnet_model.errors import ChunkTooLarge, ComputeDeadlineExceeded, ContextExceeded
 from meshnet_model.formats.config import ModelConfig
 from meshnet_model.source import load_config, model_name
@@ -64,6 +65,7 @@ from meshnet_model.stage.runner import (
 )
 from meshnet_proto import CapacityError, DownstreamError, ProtocolError, SequencingError
 from meshnet_runtime.config import ServerConfig
+from meshnet_runtime.memory import MemoryLimit, memory_limit
 
 from .backends import StageContext
 
@@ -77,13 +79,15 @@ KV_RETRY_AFTER = 5
 class ModelStage:
     """``StageBackend`` over a ``StageRunner`` (see the module docstring)."""
 
-    def __init__(self, runner: StageRunner, *, compute_threads: int = 1) -> None:
+    def __init__(self, runner: StageRunner, *, compute_threads: int = 1,
+                 footprint: StageFootprint | None = None) -> None:  # fmt: skip
         self.runner = runner
         layers = runner.weights.layers
         self.name = f"model[{layers.start}:{layers.stop}]"
         self.calls = 0
         self.compute_seconds = 0.0  # wall time inside the layers, for benchmarks
         self.limiter = anyio.CapacityLimiter(compute_threads)
+        self.footprint = footprint  # what it holds, known before loading
 
     async def __call__(self, tensor: np.ndarray, context: StageContext | None = None) -> np.ndarray:
         if context is None:
@@ -158,7 +162,8 @@ class ModelStage:
         return self.runner.kv_bytes_in_use
 
     def describe(self) -> dict[str, Any]:
-        return {"backend": "model", **self.runner.describe()}
+        footprint = {"footprint": self.footprint.to_dict()} if self.footprint else {}
+        return {"backend": "model", **self.runner.describe(), **footprint}
 
 
 def _input_error(exc: StageInputError) -> ProtocolError:
@@ -175,12 +180,13 @@ def load_model_stage(
     layers: str | None = None,
     *,
     dtype: str = "auto",
-    kv_budget_bytes: int,
+    kv_budget_bytes: int | str,
     max_chunk_tokens: int = DEFAULT_MAX_CHUNK_TOKENS,
     max_compute_bytes: int = DEFAULT_MAX_COMPUTE_BYTES,
     engine: str = "auto",
     device: str = "cpu",
     threads: int | None = None,
+    limit: MemoryLimit | None = None,
 ) -> ModelStage:
     """Load the stage's tensors from a checkpoint directory (the node's flags).
 
@@ -194,19 +200,27 @@ def load_model_stage(
     config = load_config(model)  # a checkpoint directory or a .gguf file
     span = parse_layers(layers, config.num_hidden_layers) if layers else None
     engine, dtype = choose_engine(model, engine, dtype, device)
+    # Before any tensor is read: a stage that cannot fit is one line (MemoryShortfall).
+    (footprint,) = fit_process(model, [span or range(config.num_hidden_layers)], engine=engine,
+                               dtype=dtype, kv_budget_bytes=kv_budget_bytes,
+                               max_chunk_tokens=max_chunk_tokens,
+                               max_compute_bytes=max_compute_bytes,
+                               limit=limit.bytes if limit else None,
+                               limit_source=limit.source if limit else "")  # fmt: skip
+    kv_budget_bytes = footprint.kv
     if engine == "torch":
         runner = _torch_runner(model, span, config, dtype=dtype, device=device,
                                threads=threads, kv_budget_bytes=kv_budget_bytes,
                                max_chunk_tokens=max_chunk_tokens,
                                max_compute_bytes=max_compute_bytes)  # fmt: skip
-        return ModelStage(runner)
+        return ModelStage(runner, footprint=footprint)
     if threads is not None:
         set_blas_threads(threads)  # process-wide: every numpy stage of it shares the pool
     weights = StageWeights.load(model, span, dtype=dtype, config=config)
     runner = StageRunner(weights, kv_budget_bytes=kv_budget_bytes,
                          max_chunk_tokens=max_chunk_tokens, max_compute_bytes=max_compute_bytes,
                          name=model_name(model), path=str(model))  # fmt: skip
-    return ModelStage(runner)
+    return ModelStage(runner, footprint=footprint)
 
 
 def _torch_runner(
@@ -238,4 +252,12 @@ def stage_from_config(config: ServerConfig) -> ModelStage:
                             kv_budget_bytes=config.kv_budget_bytes,
                             max_chunk_tokens=config.max_chunk_tokens,
                             max_compute_bytes=config.max_compute_bytes, engine=config.engine,
-                            device=config.device, threads=config.threads)  # fmt: skip
+                            device=config.device, threads=config.threads,
+                            limit=_limit_of(config))  # fmt: skip
+
+
+def _limit_of(config: ServerConfig) -> MemoryLimit:
+    """``--memory-limit``: a number as given, ``auto`` read from the machine."""
+    if isinstance(config.memory_limit, int):
+        return MemoryLimit(config.memory_limit, "--memory-limit")
+    return memory_limit()

@@ -27,6 +27,7 @@ from meshnet_proto import Limits
 
 from .endpoints import Endpoint, parse_endpoint
 from .http_server import ServerSettings
+from .memory import parse_bytes_or_auto
 
 __all__ = [
     "ServerConfig",
@@ -102,7 +103,8 @@ class ServerConfig:
     engine: str = "auto"  # what computes the layers: numpy (the reference) or torch
     device: str = "cpu"  # torch engine: cpu, cuda or cuda:N
     threads: int | None = None  # compute threads of the stage (None: the library's default)
-    kv_budget_bytes: int = 1024 * 1024 * 1024
+    kv_budget_bytes: int | str = "auto"  # bytes, or auto: up to 1 GiB of what the stage leaves
+    memory_limit: int | str = "auto"  # bytes the node may use; auto: cgroup and MemAvailable
     max_chunk_tokens: int = 2048  # rows (batch x tokens) of one chunk a model stage takes
     max_compute_bytes: int = 1024 * 1024 * 1024  # scratch of one chunk's forward pass
     # gateway
@@ -296,8 +298,15 @@ _NODE: list[_Flag] = [
     ("--threads", positive_int, "with --model: compute threads (BLAS or torch) of this stage"),
     (
         "--kv-budget-bytes",
-        positive_int,
-        "with --model: KV cache memory, all sessions together (more get 503)",
+        parse_bytes_or_auto,
+        "with --model: KV cache memory, all sessions together (more get 503); auto: "
+        "up to 1GiB of what the limit leaves",
+    ),
+    (
+        "--memory-limit",
+        parse_bytes_or_auto,
+        "with --model: memory the node may use, e.g. 4GiB (auto: the cgroup's limit "
+        "and MemAvailable); a stage that needs more exits 2 before loading",
     ),
     (
         "--max-chunk-tokens",

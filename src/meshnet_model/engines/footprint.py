@@ -1,0 +1,610 @@
+"""What a stage will hold in memory, computed from the config and the headers alone.
+
+``stage_footprint(path, layers, engine=..., dtype=...)`` adds up, before any
+tensor is read, the bytes a node holding ``layers`` keeps resident:
+
+* ``weights``: every tensor in the form the engine holds it
+  (``held_matrix_bytes`` is the one table of those forms, docs/models.md);
+* ``kv``: the KV cache budget (``--kv-budget-bytes``);
+* ``scratch``: one chunk's compute scratch, ``costs.chunk_cost`` of
+  ``--max-chunk-tokens`` rows over the whole context, capped by
+  ``--max-compute-bytes``;
+* ``runtime``: the process's own baseline (interpreter, libraries).
+
+``fit_process`` checks stages that share one process (a node: one; ``meshnet
+run``: all of them, with one runtime) against a memory limit, resolves
+``--kv-budget-bytes auto``, and raises ``MemoryShortfall`` with one line that
+says what would fit. ``plan_split`` proposes layer ranges for machines of
+given memories. Nothing here reads the machine: the limit is a parameter.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import itertools
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ..formats.config import ModelConfig
+from ..formats.gguf.checkpoint import hf_name, is_gguf
+from ..formats.gguf.file import GGUFFile
+from ..formats.gguf.quants import GGML_TYPES
+from ..formats.safetensors import Checkpoint
+from ..source import load_config
+from ..stage.costs import QUERY_BLOCK, chunk_cost
+from .choice import choose_engine
+from .torch.qlinear import held_form
+from .torch.qlinear import held_matrix_bytes as torch_held_bytes
+
+__all__ = [
+    "KV_AUTO_MAX",
+    "KV_AUTO_MIN",
+    "RUNTIME_BYTES",
+    "MemoryShortfall",
+    "ModelBytes",
+    "StageFootprint",
+    "default_engine",
+    "fit_process",
+    "format_bytes",
+    "held_matrix",
+    "held_matrix_bytes",
+    "model_bytes",
+    "parse_size",
+    "plan_split",
+    "stage_footprint",
+]
+
+MiB, GiB = 1024**2, 1024**3
+# The process's own resident memory before any weight, measured as VmRSS of
+# /proc/PID/status (Linux x86-64, Python 3.11): an idle `meshnet-node
+# --backend echo` 49 MiB, a node serving a 4-layer test GGUF with the numpy
+# engine 55 MiB, with the torch engine (torch 2.13 CPU imported) 237 MiB.
+# Rounded up, for what a real run adds (threads' stacks, allocator arenas).
+RUNTIME_BYTES = {"numpy": 64 * MiB, "torch": 320 * MiB}
+KV_AUTO_MAX = 1 * GiB  # --kv-budget-bytes auto: at most this...
+KV_AUTO_MIN = 64 * MiB  # ...and refused below this
+MARGIN = 0.05  # auto leaves this share of the limit free
+
+ENGINES = ("numpy", "torch")
+DTYPES = ("keep", "float32", "bfloat16", "float16")
+# The torch engine's quantized held forms are engines/torch/qlinear's
+# (``held_form``, ``held_matrix_bytes``): int4pack for Q4_0/Q4_1/Q4_K, two
+# int4pack halves for Q8_0, dense bfloat16 for the rest.
+_GGML = {t.name: t for t in GGML_TYPES.values()}
+_ITEMSIZE = {
+    "F32": 4,
+    "F16": 2,
+    "BF16": 2,
+    "F64": 8,
+    "float32": 4,
+    "float16": 2,
+    "bfloat16": 2,
+    "float64": 8,
+}
+_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+def _is_float(kind: str) -> bool:
+    return kind in _ITEMSIZE
+
+
+def held_matrix(
+    engine: str, dtype: str, kind: str, rows: int, cols: int, *, quantized_file: bool = False
+) -> tuple[str, int]:
+    """(form, bytes) of a ``[rows, cols]`` matrix stored as ``kind`` (a GGML type
+    name such as ``Q4_K``/``F16``, or a numpy float dtype name), held by
+    ``engine`` with ``--dtype dtype``. ``quantized_file``: the file's projection
+    matrices are quantized (torch ``keep`` then holds float matrices as bf16).
+    The single table of held forms (docs/models.md)."""
+    n, k = rows, cols
+    if engine not in ENGINES:
+        raise ValueError(f"engine must be one of {', '.join(ENGINES)}, got {engine!r}")
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    if dtype != "keep":
+        return dtype, _DTYPE_BYTES[dtype] * n * k
+    if engine == "numpy":  # keep: floats as they are, quantized dequantized to float32
+        if _is_float(kind):
+            return kind.lower(), _ITEMSIZE[kind] * n * k
+        return "float32", 4 * n * k
+    if not _is_float(kind):
+        if kind not in _GGML:  # a type no reader here decodes: refused at load
+            return kind, 2 * n * k
+        ggml = _GGML[kind]
+        form = held_form(ggml, (n, k))
+        return ("bfloat16" if form == "dense" else form), torch_held_bytes(ggml, (n, k))
+    if quantized_file:
+        return "bfloat16", 2 * n * k
+    return kind.lower(), _ITEMSIZE[kind] * n * k
+
+
+def held_matrix_bytes(
+    engine: str, dtype: str, kind: str, rows: int, cols: int, *, quantized_file: bool = False
+) -> int:
+    return held_matrix(engine, dtype, kind, rows, cols, quantized_file=quantized_file)[1]
+
+
+@dataclass(frozen=True, slots=True)
+class _Tensor:
+    kind: str  # GGML type name or numpy dtype name
+    shape: tuple[int, ...]  # numpy order: [rows, cols]
+    file_bytes: int
+
+
+def _tensors(path: str | Path) -> dict[str, _Tensor]:
+    """Every tensor's type, shape and stored bytes by HF name, from the headers."""
+    if is_gguf(path):
+        file = GGUFFile(path)
+        found = {}
+        for tensor in file.tensors.values():
+            name = hf_name(tensor.name)
+            if name is not None:
+                kind = getattr(tensor.tensor_type, "name", str(tensor.tensor_type))
+                found[name] = _Tensor(kind, file.shape(tensor.name), int(tensor.n_bytes))
+        return found
+    ckpt = Checkpoint(path)
+    found = {}
+    for name in ckpt.weight_map:
+        f = ckpt.file_for(name)
+        dtype, shape = f.dtype(name), tuple(f.shape(name))
+        found[name] = _Tensor(dtype.name, shape, math.prod(shape) * dtype.itemsize)
+    return found
+
+
+_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+@dataclass(frozen=True, slots=True)
+class ModelBytes:
+    """Held bytes of a model's parts under one engine and dtype."""
+
+    config: ModelConfig
+    engine: str
+    dtype: str
+    quantized: bool  # the file's projection matrices are quantized
+    embed: int  # the first stage's embedding
+    layers: list[int]  # each decoder layer
+    head: int  # the last stage's norm and head
+    head_shares_embed: bool  # on a one-stage model, the head is the embedding's memory
+    forms: list[frozenset[str]]  # each layer's matrix forms
+    head_form: str
+
+    def weights(self, layers: range, *, first: bool | None = None, last: bool | None = None) -> int:
+        first = layers.start == 0 if first is None else first
+        last = layers.stop == self.config.num_hidden_layers if last is None else last
+        total = sum(self.layers[layers.start : layers.stop])
+        total += self.embed if first else 0
+        if last:
+            total += self.head - (self.embed_matrix if first and self.head_shares_embed else 0)
+        return total
+
+    @property
+    def embed_matrix(self) -> int:
+        return self.embed
+
+    def form(self, layers: range) -> str:
+        forms = set().union(*self.forms[layers.start : layers.stop])
+        return "+".join(sorted(forms)) or self.head_form
+
+
+def _stack(parts: list[_Tensor]) -> _Tensor | None:
+    """Matrices of one quantized type stacked by rows, as the torch loader holds
+    q/k/v and gate/up — or None where it holds them apart (mixed types, a
+    stack no kernel reads)."""
+    if not parts or len({t.kind for t in parts}) != 1 or parts[0].kind not in _GGML:
+        return None
+    rows = sum(t.shape[0] for t in parts)
+    shape = (rows, parts[0].shape[1])
+    if held_form(_GGML[parts[0].kind], shape) == "dense":
+        return None
+    return _Tensor(parts[0].kind, shape, sum(t.file_bytes for t in parts))
+
+
+def _vector_bytes(t: _Tensor) -> int:
+    return 4 * math.prod(t.shape)
+
+
+def model_bytes(
+    path: str | Path, engine: str, dtype: str, config: ModelConfig | None = None
+) -> ModelBytes:
+    """The held bytes of every part of the model at ``path`` (headers only)."""
+    config = config or load_config(path)
+    tensors = _tensors(path)
+    quantized = any(
+        not _is_float(t.kind)
+        for name, t in tensors.items()
+        if name.startswith("model.layers.") and any(p in name for p in _PROJECTIONS)
+    )
+
+    def matrix(t: _Tensor) -> tuple[str, int]:
+        rows, cols = t.shape if len(t.shape) == 2 else (math.prod(t.shape), 1)
+        return held_matrix(engine, dtype, t.kind, rows, cols, quantized_file=quantized)
+
+    stacks = engine == "torch" and dtype == "keep" and quantized
+    layers, forms = [], []
+    for i in range(config.num_hidden_layers):
+        prefix = f"model.layers.{i}."
+        total, kinds = 0, set()
+        matrices = {n: t for n, t in tensors.items() if n.startswith(prefix) and len(t.shape) == 2}
+        if stacks:  # the loader stacks q/k/v and gate/up into one matrix when it can
+            for group in (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj")):
+                members = [n for n in matrices if any(f".{g}." in n for g in group)]
+                stacked = _stack([matrices[n] for n in members])
+                if len(members) == len(group) and stacked is not None:
+                    form, size = matrix(stacked)
+                    total += size
+                    kinds.add(form)
+                    for n in members:
+                        del matrices[n]
+        for name, t in tensors.items():
+            if not name.startswith(prefix):
+                continue
+            if len(t.shape) == 2:
+                if name not in matrices:
+                    continue  # held stacked
+                form, size = matrix(t)
+                total += size
+                kinds.add(form)
+            else:  # norm weights and biases: float32
+                total += _vector_bytes(t)
+        layers.append(total)
+        forms.append(frozenset(kinds))
+    embed_t = tensors.get("model.embed_tokens.weight")
+    embed = 0
+    if embed_t is not None:
+        # torch keep maps the embedding in its file form; otherwise a matrix.
+        keep_mapped = engine == "torch" and dtype == "keep"
+        embed = embed_t.file_bytes if keep_mapped else matrix(embed_t)[1]
+    tied = config.tie_word_embeddings or "lm_head.weight" not in tensors
+    head_t = embed_t if tied else tensors["lm_head.weight"]
+    head_form, head = matrix(head_t) if head_t is not None else ("none", 0)
+    norm = tensors.get("model.norm.weight")
+    head += _vector_bytes(norm) if norm is not None else 0
+    # A tied head is the embedding's own memory, except where torch keep holds
+    # the head quantized beside the mapped embedding.
+    shares = tied and not (engine == "torch" and dtype == "keep" and quantized)
+    return ModelBytes(
+        config, engine, dtype, quantized, embed, layers, head, shares, forms, head_form
+    )
+
+
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "kib": 1024,
+    "mib": MiB,
+    "gib": GiB,
+    "tib": 1024 * GiB,
+    "kb": 1000,
+    "mb": 1000**2,
+    "gb": 1000**3,
+    "tb": 1000**4,
+}
+
+
+def parse_size(text: str) -> int:
+    """``"16GiB"`` → bytes (``plan --memory``; the node's flags parse theirs in meshnet_runtime)."""
+    number = text.strip().rstrip("BbIiKkMmGgTt")
+    unit = text.strip()[len(number) :].lower()
+    try:
+        value = int(float(number) * _UNITS[unit])
+    except (KeyError, ValueError):
+        raise ValueError(f"expected bytes such as 16GiB, 512MiB or 8GB, got {text!r}") from None
+    if value < 1:
+        raise ValueError(f"expected a positive number of bytes, got {text!r}")
+    return value
+
+
+def format_bytes(n: int) -> str:
+    """A reader's figure: ``1.0 GiB``, ``256 MiB``, ``12 KiB``."""
+    if n >= GiB:
+        return f"{n / GiB:.1f} GiB"
+    if n >= MiB:
+        return f"{n / MiB:.0f} MiB"
+    if n >= 1024:
+        return f"{n / 1024:.0f} KiB"
+    return f"{n} B"
+
+
+@dataclass(frozen=True, slots=True)
+class StageFootprint:
+    layers: range
+    engine: str
+    dtype: str
+    form: str  # how the matrices are held: int4pack, int8, bf16, float32, ...
+    weights: int
+    kv: int
+    scratch: int
+    runtime: int
+
+    @property
+    def total(self) -> int:
+        return self.weights + self.kv + self.scratch + self.runtime
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "layers": [self.layers.start, self.layers.stop],
+            "engine": self.engine,
+            "dtype": self.dtype,
+            "form": self.form,
+            "weights": self.weights,
+            "kv": self.kv,
+            "scratch": self.scratch,
+            "runtime": self.runtime,
+            "total": self.total,
+        }
+
+    def describe(self) -> str:
+        return (
+            f"weights {format_bytes(self.weights)} {self.form}, KV {format_bytes(self.kv)}, "
+            f"scratch {format_bytes(self.scratch)}, runtime {format_bytes(self.runtime)}"
+        )
+
+
+def _scratch(
+    config: ModelConfig, layers: range, engine: str, max_chunk_tokens: int, max_compute_bytes: int
+) -> int:
+    cost = chunk_cost(
+        config,
+        batch=1,
+        tokens=max_chunk_tokens,
+        context=config.max_position_embeddings,
+        last=layers.stop == config.num_hidden_layers,
+        query_block=QUERY_BLOCK if engine == "numpy" else None,
+    )
+    return min(max_compute_bytes, cost.total)
+
+
+def _footprint(
+    mb: ModelBytes, layers: range, kv: int, max_chunk_tokens: int, max_compute_bytes: int
+) -> StageFootprint:
+    return StageFootprint(
+        layers,
+        mb.engine,
+        mb.dtype,
+        mb.form(layers),
+        mb.weights(layers),
+        kv,
+        _scratch(mb.config, layers, mb.engine, max_chunk_tokens, max_compute_bytes),
+        RUNTIME_BYTES[mb.engine],
+    )
+
+
+def stage_footprint(
+    model_path: str | Path,
+    layers: range,
+    *,
+    engine: str,
+    dtype: str,
+    kv_budget_bytes: int,
+    max_chunk_tokens: int,
+    max_compute_bytes: int,
+) -> StageFootprint:
+    """The resident bytes of a node holding ``layers`` (module doc); headers only."""
+    engine, dtype = choose_engine(model_path, engine, dtype)
+    mb = model_bytes(model_path, engine, dtype)
+    return _footprint(mb, layers, kv_budget_bytes, max_chunk_tokens, max_compute_bytes)
+
+
+def default_engine(model_path: str | Path) -> tuple[str, str]:
+    """(engine, dtype) a node picks by default (``engines.choice``): torch keeping
+    a GGUF file's quantized form when torch is installed, else numpy float32."""
+    return choose_engine(model_path, "auto", "auto")
+
+
+class MemoryShortfall(ValueError):
+    """The stages need more memory than the limit: the message says what would fit."""
+
+
+def _kv_for(limit: int, fixed: int, stages: int) -> int:
+    """``--kv-budget-bytes auto`` under ``limit``: per stage, 0 if none is left."""
+    return max(0, min(KV_AUTO_MAX, (limit - fixed - int(limit * MARGIN)) // stages))
+
+
+def fit_process(
+    model_path: str | Path,
+    ranges: Sequence[range],
+    *,
+    engine: str,
+    dtype: str,
+    kv_budget_bytes: int | str,
+    max_chunk_tokens: int,
+    max_compute_bytes: int,
+    limit: int | None,
+    limit_source: str = "",
+    who: str = "this node",
+) -> list[StageFootprint]:
+    """The footprints of ``ranges`` run in one process (one runtime in all), the
+    KV budget resolved (``"auto"``: module doc); raises ``MemoryShortfall``
+    when they do not fit ``limit`` (None: no limit known, no check)."""
+    engine, dtype = choose_engine(model_path, engine, dtype)
+    mb = model_bytes(model_path, engine, dtype)
+    stages = [_footprint(mb, r, 0, max_chunk_tokens, max_compute_bytes) for r in ranges]
+    n, auto = len(stages), kv_budget_bytes == "auto"
+    fixed = sum(s.weights + s.scratch for s in stages) + RUNTIME_BYTES[engine]
+    if limit is None:
+        kv = KV_AUTO_MAX if auto else int(kv_budget_bytes)
+    elif auto:
+        kv = _kv_for(limit, fixed, n)
+        if kv < KV_AUTO_MIN:
+            raise MemoryShortfall(
+                _shortfall(
+                    mb,
+                    stages,
+                    None,
+                    limit,
+                    limit_source,
+                    who,
+                    model_path,
+                    max_chunk_tokens,
+                    max_compute_bytes,
+                )
+            )
+    else:
+        kv = int(kv_budget_bytes)
+        if fixed + n * kv > limit:
+            raise MemoryShortfall(
+                _shortfall(
+                    mb,
+                    stages,
+                    kv,
+                    limit,
+                    limit_source,
+                    who,
+                    model_path,
+                    max_chunk_tokens,
+                    max_compute_bytes,
+                )
+            )
+    return [dataclasses.replace(s, kv=kv) for s in stages]
+
+
+def _needs(kv: int | None, limit: int, stages: int) -> int:
+    """Bytes needed beside weights, scratch and runtime: the KV (auto: its least, plus margin)."""
+    return stages * kv if kv is not None else stages * KV_AUTO_MIN + int(limit * MARGIN)
+
+
+def _shortfall(
+    mb: ModelBytes,
+    stages: list[StageFootprint],
+    kv: int | None,
+    limit: int,
+    source: str,
+    who: str,
+    model_path: str | Path,
+    max_chunk_tokens: int,
+    max_compute_bytes: int,
+) -> str:
+    n = len(stages)
+    runtime = RUNTIME_BYTES[mb.engine]
+    weights = sum(s.weights for s in stages)
+    scratch = sum(s.scratch for s in stages)
+    fixed = weights + scratch + runtime
+    need = fixed + _needs(kv, limit, n)
+    ranges = ", ".join(f"{s.layers.start}:{s.layers.stop}" for s in stages)
+    kv_text = (
+        format_bytes(n * kv) if kv is not None else f"{format_bytes(n * KV_AUTO_MIN)} at least"
+    )
+    parts = [
+        f"weights {format_bytes(weights)} {'+'.join(sorted({s.form for s in stages}))}",
+        f"KV {kv_text}",
+        f"scratch {format_bytes(scratch)}",
+        f"runtime {format_bytes(runtime)}",
+    ]
+    if kv is None:
+        parts.append(f"{MARGIN:.0%} margin {format_bytes(int(limit * MARGIN))}")
+    where = f" ({source})" if source else ""
+    head = (
+        f"layers {ranges} of {Path(model_path).name}{' in one process' if n > 1 else ''} "
+        f"need {format_bytes(need)} ({', '.join(parts)}) but {who} may use "
+        f"{format_bytes(limit)}{where}"
+    )
+    fits: list[str] = []
+    if n == 1:
+        span = stages[0].layers
+        first, last = span.start == 0, span.stop == mb.config.num_hidden_layers
+        room = limit - scratch - runtime - _needs(kv, limit, 1)
+        count = 0
+        for m in range(len(span) - 1, 0, -1):
+            if mb.weights(range(span.start, span.start + m), first=first, last=last) <= room:
+                count = m
+                break
+        with_kv = " with this KV budget" if kv is not None else ""
+        fits.append(
+            f"{count} layer{'s' if count != 1 else ''} would fit"
+            if count
+            else f"not one layer would fit{with_kv}"
+        )
+    if kv is not None and (limit - fixed) // n >= KV_AUTO_MIN:
+        fits.append(f"--kv-budget-bytes {(limit - fixed) // n // MiB}MiB")
+    torch_ok = importlib.util.find_spec("torch") is not None
+    for engine, dtype in (
+        ("torch", "keep"),
+        ("torch", "bfloat16"),
+        ("numpy", "bfloat16"),
+        ("numpy", "keep"),
+    ):
+        if (engine, dtype) == (mb.engine, mb.dtype) or (engine == "torch" and not torch_ok):
+            continue
+        alt = model_bytes(model_path, engine, dtype, mb.config)
+        alt_fixed = RUNTIME_BYTES[engine] + sum(
+            alt.weights(s.layers)
+            + _scratch(mb.config, s.layers, engine, max_chunk_tokens, max_compute_bytes)
+            for s in stages
+        )
+        if alt_fixed + _needs(kv, limit, n) <= limit:
+            if engine == "torch" and dtype == "keep" and alt.quantized:
+                fits.append("--engine torch (quantized)")
+            else:
+                fits.append(f"--engine {engine} --dtype {dtype}")
+            break
+    return head + (": " + ", or ".join(fits) if fits else "")
+
+
+def plan_split(
+    model_path: str | Path,
+    memories: Sequence[int],
+    *,
+    engine: str,
+    dtype: str,
+    max_chunk_tokens: int,
+    max_compute_bytes: int,
+) -> list[StageFootprint]:
+    """Contiguous layer ranges, one per machine of ``memories`` bytes (in order),
+    each stage's total (KV ``auto`` under that machine) within its machine,
+    the layers' held bytes spread to balance how full the machines are.
+    Raises ``MemoryShortfall`` when no split fits."""
+    mb = model_bytes(model_path, engine, dtype)
+    layers, stages = mb.config.num_hidden_layers, len(memories)
+    if not 1 <= stages <= layers:
+        raise ValueError(f"machines must be 1..{layers} (the model has {layers} layers)")
+
+    def room(k: int, span: range) -> int:  # weights room of machine k holding span
+        scratch = _scratch(mb.config, span, engine, max_chunk_tokens, max_compute_bytes)
+        return memories[k] - scratch - RUNTIME_BYTES[engine] - _needs(None, memories[k], 1)
+
+    def cut(share: float) -> list[int] | None:
+        """Greedy: each machine takes layers up to ``share`` of its room."""
+        bounds = [0]
+        for k in range(stages):
+            start, keep = bounds[-1], stages - 1 - k  # layers left for the machines after
+            stop = layers - keep if k == stages - 1 else start
+            if k < stages - 1:
+                while stop < layers - keep and mb.weights(range(start, stop + 1)) <= share * room(
+                    k, range(start, stop + 1)
+                ):
+                    stop += 1
+            span = range(start, stop)
+            if stop == start or mb.weights(span) > share * room(k, span):
+                return None
+            bounds.append(stop)
+        return bounds
+
+    best = cut(1.0)
+    if best is None:
+        total = mb.weights(range(layers))
+        raise MemoryShortfall(
+            f"no split of the {layers} layers of {Path(model_path).name} fits machines of "
+            f"{', '.join(format_bytes(m) for m in memories)} ({engine} {dtype}: weights "
+            f"{format_bytes(total)} {mb.form(range(layers))} in all, and each machine needs "
+            f"scratch, runtime {format_bytes(RUNTIME_BYTES[engine])} and KV "
+            f"{format_bytes(KV_AUTO_MIN)} at least beside its layers)"
+        )
+    low, high = 0.0, 1.0  # the least share of room at which the greedy split fits
+    for _ in range(40):
+        mid = (low + high) / 2
+        found = cut(mid)
+        if found is None:
+            low = mid
+        else:
+            high, best = mid, found
+    result = []
+    for k, (a, b) in enumerate(itertools.pairwise(best)):
+        fp = _footprint(mb, range(a, b), 0, max_chunk_tokens, max_compute_bytes)
+        kv = _kv_for(memories[k], fp.weights + fp.scratch + fp.runtime, 1)
+        result.append(dataclasses.replace(fp, kv=kv))
+    return result
