@@ -56,6 +56,11 @@ async def serve_local(
     if not 1 <= stages <= layers:
         raise ValueError(f"--stages must be 1..{layers} (the model has {layers} layers)")
     splits = even_splits(layers, stages)
+    if "--threads" not in node_flags:
+        # Every stage lives in this one process: each gets its share of the
+        # cores, or their thread pools would oversubscribe them (issue 18:
+        # 1.0 tok/s against 15.1 with one BLAS thread per stage on 2 cores).
+        node_flags = [*node_flags, "--threads", str(share_cores(stages))]
     async with start_model_chain(model, splits, extra=list(node_flags)) as nodes:
         argv = ["--entry", nodes[0].url, "--model", model, *gateway_flags]
         async with open_gateway(load_config("gateway", argv)) as gateway:
@@ -85,11 +90,6 @@ async def run_local(
     for flag in ("dtype", "engine", "device", "threads", "kv_budget_bytes", "memory_limit"):
         if getattr(args, flag, None) is not None:  # the nodes validate them
             node_flags += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
-    if getattr(args, "threads", None) is None:
-        # Every stage lives in this one process: each gets its share of the
-        # cores, or their thread pools would oversubscribe them (issue 18:
-        # 1.0 tok/s against 15.1 with one BLAS thread per stage on 2 cores).
-        node_flags += ["--threads", str(share_cores(args.stages))]
     with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
         async with serve_local(
             args.model, args.stages, gateway_flags=gateway_flags, node_flags=node_flags
