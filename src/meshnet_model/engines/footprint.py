@@ -35,7 +35,7 @@ from ..formats.gguf.file import GGUFFile
 from ..formats.gguf.quants import GGML_TYPES
 from ..formats.safetensors import Checkpoint
 from ..source import load_config
-from ..stage.costs import QUERY_BLOCK, chunk_cost
+from ..stage.costs import QUERY_BLOCK, chunk_cost, reachable_context
 from .choice import choose_engine
 from .torch.qlinear import held_form
 from .torch.qlinear import held_matrix_bytes as torch_held_bytes
@@ -346,13 +346,23 @@ class StageFootprint:
 
 
 def _scratch(
-    config: ModelConfig, layers: range, engine: str, max_chunk_tokens: int, max_compute_bytes: int
+    config: ModelConfig,
+    layers: range,
+    engine: str,
+    max_chunk_tokens: int,
+    max_compute_bytes: int,
+    kv: int = KV_AUTO_MAX,
 ) -> int:
+    # Scores over the longest context a session can reach: the runner costs
+    # chunks the same way (stage.costs.reachable_context); 2-byte elements
+    # are the longest a budget can reach, so this errs on the large side.
+    context = reachable_context(config, layers=len(layers), batch=1, kv_budget=kv or KV_AUTO_MAX,
+                                kv_itemsize=2)  # fmt: skip
     cost = chunk_cost(
         config,
         batch=1,
         tokens=max_chunk_tokens,
-        context=config.max_position_embeddings,
+        context=context,
         last=layers.stop == config.num_hidden_layers,
         query_block=QUERY_BLOCK if engine == "numpy" else None,
     )
@@ -369,7 +379,7 @@ def _footprint(
         mb.form(layers),
         mb.weights(layers),
         kv,
-        _scratch(mb.config, layers, mb.engine, max_chunk_tokens, max_compute_bytes),
+        _scratch(mb.config, layers, mb.engine, max_chunk_tokens, max_compute_bytes, kv),
         RUNTIME_BYTES[mb.engine],
     )
 

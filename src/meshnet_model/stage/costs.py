@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 from ..formats.config import ModelConfig
 
-__all__ = ["ChunkCost", "chunk_cost", "kv_bytes_per_position"]
+__all__ = ["ChunkCost", "chunk_cost", "kv_bytes_per_position", "reachable_context"]
 
 F32 = 4  # compute dtype's item size: everything is computed in float32
 QUERY_BLOCK = 128  # llama.attention's rows per score block
@@ -50,6 +50,19 @@ class ChunkCost:
 
 def kv_bytes_per_position(config: ModelConfig, layers: int, batch: int) -> int:
     return 2 * layers * batch * config.num_key_value_heads * config.head_dim * F32
+
+
+def reachable_context(
+    config: ModelConfig, *, layers: int, batch: int, kv_budget: int, kv_itemsize: int = F32
+) -> int:
+    """The longest context a session can reach on a stage: the model's
+    ``max_position_embeddings``, or fewer when the KV budget cannot hold that
+    many positions (a Llama 3.2 has 131,072; a 1 GiB budget holds 16,384 of
+    its 16 layers in float32). A chunk's scores are costed over this — not
+    over positions no session can ever have — so a 128-token chunk of a
+    long-context model is not refused for scratch it could never use."""
+    per_position = 2 * layers * batch * config.num_key_value_heads * config.head_dim * kv_itemsize
+    return max(1, min(config.max_position_embeddings, kv_budget // max(1, per_position)))
 
 
 def chunk_cost(

@@ -53,7 +53,7 @@ from ..errors import (
 )
 from ..formats.config import ModelConfig
 from ..source import model_name
-from .costs import chunk_cost
+from .costs import chunk_cost, reachable_context
 from .kv_cache import KVBudget, KVCache
 from .weights import StageWeights
 
@@ -187,7 +187,12 @@ class StageRunner:
                 f"a chunk of {batch} x {tokens} = {batch * tokens} token rows is over this "
                 f"node's limit of {self.max_chunk_tokens} (--max-chunk-tokens)"
             )
-        cost = chunk_cost(self.config, batch=batch, tokens=tokens, context=context,
+        itemsize = getattr(self.model, "kv_itemsize", 4)
+        span = len(self.weights.layers)
+        reachable = reachable_context(
+            self.config, layers=span, batch=batch, kv_budget=self.budget.limit, kv_itemsize=itemsize
+        )
+        cost = chunk_cost(self.config, batch=batch, tokens=tokens, context=reachable,
                           last=self.last, query_block=self.model.query_block)  # fmt: skip
         if cost.total > self.max_compute_bytes:
             raise ChunkTooLarge(

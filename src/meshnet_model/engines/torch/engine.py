@@ -80,6 +80,11 @@ class TorchStageModel:
         self.rope = RopeTable(torch, self.config, self.dtype, self.device)
         self.transfer = transfer or Transfer(torch, self.device)
 
+    @property
+    def kv_itemsize(self) -> int:
+        """Bytes of one cached key or value element (the compute dtype's)."""
+        return int(self.torch.empty((), dtype=self.dtype).element_size())
+
     def new_cache(self, budget: KVBudget, batch: int) -> TorchKVCache:
         c = self.config
         cache = TorchKVCache(self.torch, budget, layers=len(self.layers), batch=batch,
