@@ -144,3 +144,14 @@ def test_the_footprint_predicts_the_bytes_the_stage_holds(tmp_path: Path, qtype:
                                     kv_budget_bytes=0, max_chunk_tokens=128,
                                     max_compute_bytes=1 << 20)  # fmt: skip
         assert predicted.weights == runner.model.weights.nbytes, (layers, qtype)
+
+
+def test_the_numpy_packing_is_the_kernel_s_layout() -> None:
+    from meshnet_model.engines.torch.qlinear import _numpy_packing_matches, pack_int4
+
+    assert _numpy_packing_matches(torch)
+    q = np.random.default_rng(5).integers(0, 16, (192, 576)).astype(np.uint8)
+    theirs = torch.ops.aten._convert_weight_to_int4pack_for_cpu(
+        torch.from_numpy(q.astype(np.int32)), 1
+    )
+    assert np.array_equal(pack_int4(q), theirs.numpy())

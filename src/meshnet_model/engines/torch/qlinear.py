@@ -29,6 +29,7 @@ stays near what the stage holds after it.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,6 +40,7 @@ from ...formats.gguf.quants import GGMLType
 
 __all__ = [
     "Int4Matrix",
+    "pack_int4",
     "held_form",
     "held_matrix_bytes",
     "int4pack_supported",
@@ -138,19 +140,49 @@ def quantized_matrix(
     if kind.name not in INT4_FORMS or not int4pack_supported(shape):
         return None
     count = INT4_FORMS[kind.name]
-    parts = [
-        (
-            torch.empty((rows, cols // 2), dtype=torch.uint8),
-            torch.empty((cols // GROUP, rows, 2), dtype=compute),
-        )
-        for _ in range(count)
-    ]
+    in_numpy = _numpy_packing_matches(torch)
+    # Filled a chunk of rows at a time in numpy (no torch call per chunk), then
+    # handed to torch whole: the nibbles without a copy, the (scale, zero)
+    # pairs in one conversion (float32 for a moment: rows * cols / 4 bytes).
+    packed = [np.empty((rows, cols // 2), np.uint8) for _ in range(count)]
+    pairs = [np.empty((cols // GROUP, rows, 2), np.float32) for _ in range(count)]
     for part in row_chunks(rows, _ROWS):
-        for (packed, scale_zero), (q, scale, zero) in zip(
-            parts, int4_split(blocks[part], kind), strict=True
-        ):
-            ints = torch.from_numpy(q).to(torch.int32)
-            packed[part] = torch.ops.aten._convert_weight_to_int4pack_for_cpu(ints, 1)
-            pair = np.stack([scale, zero], axis=-1).transpose(1, 0, 2)  # [groups, rows, 2]
-            scale_zero[:, part] = torch.from_numpy(np.ascontiguousarray(pair)).to(compute)
-    return Int4Matrix(tuple(parts), shape, kind.name)
+        for i, (q, scale, zero) in enumerate(int4_split(blocks[part], kind)):
+            packed[i][part] = pack_int4(q) if in_numpy else _torch_pack(torch, q)
+            pairs[i][:, part, 0] = scale.T
+            pairs[i][:, part, 1] = zero.T
+    parts = tuple(
+        (torch.from_numpy(nibbles), torch.from_numpy(pair).to(compute))
+        for nibbles, pair in zip(packed, pairs, strict=True)
+    )
+    return Int4Matrix(parts, shape, kind.name)
+
+
+def _torch_pack(torch: Any, q: np.ndarray) -> np.ndarray:
+    ints = torch.from_numpy(q).to(torch.int32)
+    return torch.ops.aten._convert_weight_to_int4pack_for_cpu(ints, 1).numpy()
+
+
+def pack_int4(q: np.ndarray) -> np.ndarray:
+    """Nibbles ``q`` uint8 ``[rows, cols]`` (rows in 64-row tiles) in the CPU
+    kernel's layout, by byte shuffles: each tile of 64 rows is ``[cols / 2,
+    2, 32]`` bytes, the byte at ``(c // 2, c % 2, r % 32)`` holding row ``r``'s
+    value ``c`` in its low nibble (``r < 32``) or high one. torch's own
+    converter computes the same from int32 inputs, 5x slower (measured: 43 ms
+    against 223 ms for an 8192 x 2048 matrix); ``_numpy_packing_matches``
+    checks the two agree on this torch before this is used."""
+    rows, cols = q.shape
+    tiles = q.reshape(rows // 64, 2, 32, cols)
+    byte = tiles[:, 0] | (tiles[:, 1] << np.uint8(4))  # [tiles, 32, cols]
+    shuffled = byte.reshape(rows // 64, 32, cols // 2, 2).transpose(0, 2, 3, 1)
+    return np.ascontiguousarray(shuffled).reshape(rows, cols // 2)
+
+
+@functools.cache
+def _numpy_packing_matches(torch: Any) -> bool:
+    """Whether ``pack_int4`` gives this torch's layout (else its converter is used)."""
+    q = np.random.default_rng(0).integers(0, 16, (128, 256)).astype(np.uint8)
+    theirs = torch.ops.aten._convert_weight_to_int4pack_for_cpu(
+        torch.from_numpy(q.astype(np.int32)), 1
+    )
+    return bool(np.array_equal(pack_int4(q), theirs.numpy()))
