@@ -7,11 +7,11 @@ import argparse
 import os
 import subprocess
 import sys
-import uuid
 from pathlib import Path
 
 import pytest
 
+from cgroup_support import memory_cgroup
 from meshnet_model.testing import random_weights, small_config
 from meshnet_model.testing.gguf import write_gguf
 from meshnet_runtime.config import load_config
@@ -159,45 +159,10 @@ def test_a_node_over_its_memory_limit_exits_2_with_one_line(small_gguf: Path) ->
     assert_refused(node(small_gguf, "--memory-limit", "1MiB"), "(--memory-limit)", "1 MiB")
 
 
-def _make_cgroup() -> tuple[Path, str]:
-    """A fresh cgroup of 1 GiB: v1's memory controller, else v2. (dir, procs file)"""
-    name = f"meshnet-test-{uuid.uuid4().hex[:12]}"
-    errors = []
-    for root, limit_file in ((Path("/sys/fs/cgroup/memory"), "memory.limit_in_bytes"),
-                             (Path("/sys/fs/cgroup"), "memory.max")):  # fmt: skip
-        if limit_file == "memory.max" and not (root / "cgroup.controllers").exists():
-            errors.append(f"{root}: no cgroup v2 hierarchy")
-            continue
-        try:
-            path = root / name
-            path.mkdir()
-        except OSError as exc:
-            errors.append(f"{root}: {exc}")
-            continue
-        try:
-            (path / limit_file).write_text(str(GiB))
-        except OSError as exc:
-            path.rmdir()
-            errors.append(f"{path / limit_file}: {exc}")
-            continue
-        return path, name
-    pytest.fail(
-        "cannot create a memory cgroup (needs root and cgroup v1 or v2): " + "; ".join(errors)
-    )
-
-
 def test_a_node_in_a_real_1gib_cgroup_refuses_a_2gib_stage(small_gguf: Path) -> None:
-    path, name = _make_cgroup()
-    procs = path / "cgroup.procs"
-
-    def join() -> None:  # in the child, before exec: the node starts inside the cgroup
-        procs.write_text(str(os.getpid()))
-
-    try:
+    with memory_cgroup(GiB) as (_, name, join):
         done = node(small_gguf, "--kv-budget-bytes", "2GiB", preexec_fn=join)
         assert_refused(done, "cgroup", name, "1.0 GiB")
-    finally:
-        path.rmdir()
 
 
 def test_meshnet_run_checks_its_stages_together(
