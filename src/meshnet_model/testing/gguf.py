@@ -27,7 +27,9 @@ import numpy as np
 from ..formats.gguf.checkpoint import _GLOBAL_TENSORS, _LAYER_TENSORS
 
 __all__ = [
+    "FILE_TYPES",
     "GGUFVocab",
+    "metadata_writer",
     "permute",
     "random_k_quant",
     "write_gguf",
@@ -96,42 +98,11 @@ def write_gguf(
     for types the ``gguf`` package cannot quantize (``random_k_quant``)."""
     import gguf
 
-    model_type = config.get("model_type", "llama")
-    arch = {"mistral": "llama"}.get(model_type, model_type)
     path = Path(path)
-    heads = int(config["num_attention_heads"])
-    kv_heads = int(config.get("num_key_value_heads") or heads)
-    head_dim = int(config.get("head_dim") or config["hidden_size"] // heads)
-    writer = gguf.GGUFWriter(str(path), arch)
-    writer.add_name(name)
-    writer.add_context_length(int(config.get("max_position_embeddings", 2048)))
-    writer.add_embedding_length(int(config["hidden_size"]))
-    writer.add_block_count(int(config["num_hidden_layers"]))
-    writer.add_feed_forward_length(int(config["intermediate_size"]))
-    writer.add_head_count(heads)
-    writer.add_head_count_kv(kv_heads)
-    writer.add_layer_norm_rms_eps(float(config.get("rms_norm_eps", 1e-6)))
-    writer.add_rope_freq_base(float(config.get("rope_theta", 10000.0)))
-    if arch == "qwen3" or head_dim != int(config["hidden_size"]) // heads:
-        writer.add_key_length(head_dim)
-        writer.add_value_length(head_dim)
-    if arch == "llama":
-        writer.add_rope_dimension_count(head_dim)
-        writer.add_vocab_size(int(config["vocab_size"]))
-    if config.get("sliding_window"):
-        writer.add_sliding_window(int(config["sliding_window"]))
-    writer.add_file_type({"F32": 0, "F16": 1, "Q4_0": 2, "Q4_1": 3, "Q8_0": 7, "BF16": 32}[qtype])
-    for key, value in (extra_metadata or {}).items():
-        if isinstance(value, str):
-            writer.add_string(key, value)
-        elif isinstance(value, float):
-            writer.add_float32(key, value)
-        else:
-            writer.add_uint32(key, int(value))
-    if vocab is not None:
-        _write_vocab(writer, vocab)
-    if chat_template is not None:
-        writer.add_chat_template(chat_template)
+    writer, arch, heads, kv_heads = metadata_writer(
+        path, config, qtype=qtype, vocab=vocab, chat_template=chat_template, name=name,
+        extra_metadata=extra_metadata,
+    )  # fmt: skip
     permuted = arch == "llama"
     kind = gguf.GGMLQuantizationType[qtype]
     if rope_freqs is not None:
@@ -158,6 +129,66 @@ def write_gguf(
     writer.write_tensors_to_file()
     writer.close()
     return path
+
+
+# ggml file types (``general.file_type``) of the encodings written here.
+FILE_TYPES = {"F32": 0, "F16": 1, "Q4_0": 2, "Q4_1": 3, "Q8_0": 7, "Q4_K": 15, "Q6_K": 18,
+              "BF16": 32}  # fmt: skip
+
+
+def metadata_writer(
+    path: str | Path,
+    config: Mapping[str, Any],
+    *,
+    qtype: str = "F32",
+    vocab: GGUFVocab | None = None,
+    chat_template: str | None = None,
+    name: str = "meshnet test model",
+    extra_metadata: Mapping[str, Any] | None = None,
+) -> tuple[Any, str, int, int]:
+    """A ``gguf.GGUFWriter`` for ``path`` holding the metadata of ``config``
+    under llama.cpp's keys (and ``vocab``, ``chat_template``), no tensors yet;
+    with the architecture name and the head counts. ``write_gguf`` and
+    ``random_gguf.write_random_gguf`` add the tensors."""
+    import gguf
+
+    model_type = config.get("model_type", "llama")
+    arch = {"mistral": "llama"}.get(model_type, model_type)
+    path = Path(path)
+    heads = int(config["num_attention_heads"])
+    kv_heads = int(config.get("num_key_value_heads") or heads)
+    head_dim = int(config.get("head_dim") or config["hidden_size"] // heads)
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_name(name)
+    writer.add_context_length(int(config.get("max_position_embeddings", 2048)))
+    writer.add_embedding_length(int(config["hidden_size"]))
+    writer.add_block_count(int(config["num_hidden_layers"]))
+    writer.add_feed_forward_length(int(config["intermediate_size"]))
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(kv_heads)
+    writer.add_layer_norm_rms_eps(float(config.get("rms_norm_eps", 1e-6)))
+    writer.add_rope_freq_base(float(config.get("rope_theta", 10000.0)))
+    if arch == "qwen3" or head_dim != int(config["hidden_size"]) // heads:
+        writer.add_key_length(head_dim)
+        writer.add_value_length(head_dim)
+    if arch == "llama":
+        writer.add_rope_dimension_count(head_dim)
+        writer.add_vocab_size(int(config["vocab_size"]))
+    if config.get("sliding_window"):
+        writer.add_sliding_window(int(config["sliding_window"]))
+    writer.add_file_type(FILE_TYPES[qtype])
+    for key, value in (extra_metadata or {}).items():
+        if isinstance(value, str):
+            writer.add_string(key, value)
+        elif isinstance(value, float):
+            writer.add_float32(key, value)
+        else:
+            writer.add_uint32(key, int(value))
+    if vocab is not None:
+        _write_vocab(writer, vocab)
+    if chat_template is not None:
+        writer.add_chat_template(chat_template)
+    return writer, arch, heads, kv_heads
 
 
 def random_k_quant(
