@@ -60,6 +60,9 @@ CONFIGS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
     ("keep", "torch quantized (keep)", ("--engine", "torch", "--dtype", "keep")),
 )
 THREADS = ("--threads", "1")
+# A 128-token chunk through the 1B shape's 128256-token head is costed at
+# ~2.7 GB of scratch, over the node's default limit of 1 GiB.
+COMPUTE = ("--max-compute-bytes", str(8 << 30))
 
 # The llama.cpp figures (2 threads, this machine kind): quoted.
 LLAMA_CPP: dict[str, dict[str, float]] = {
@@ -191,7 +194,7 @@ def _start_chain(
     stages: list[_Stage] = []
     for a, b in reversed(even_splits(model.layers, 2)):
         argv = ["--port", "0", "--host", "127.0.0.1", "--model", str(model.path),
-                "--layers", f"{a}:{b}", "--log-level", "warning", *flags, *THREADS]  # fmt: skip
+                "--layers", f"{a}:{b}", "--log-level", "warning", *flags, *THREADS, *COMPUTE]  # fmt: skip
         if url is not None:
             argv += ["--next", url]
         started = time.perf_counter()
