@@ -194,7 +194,8 @@ def _start_chain(
     stages: list[_Stage] = []
     for a, b in reversed(even_splits(model.layers, 2)):
         argv = ["--port", "0", "--host", "127.0.0.1", "--model", str(model.path),
-                "--layers", f"{a}:{b}", "--log-level", "warning", *flags, *THREADS, *COMPUTE]  # fmt: skip
+                "--layers", f"{a}:{b}", "--log-level", "warning",
+                *flags, *THREADS, *COMPUTE]  # fmt: skip
         if url is not None:
             argv += ["--next", url]
         started = time.perf_counter()
