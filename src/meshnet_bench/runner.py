@@ -38,6 +38,7 @@ SECTIONS: tuple[str, ...] = (
     "model",
     "failover",
     "engines",
+    "quant",
 )
 
 # key -> (comparison, bound): the floors. Printed next to the figures.
