@@ -34,7 +34,7 @@ from ...stage.runner import (
 from ...stage.weights import StageWeights, head_is_tied
 from ._torch import COMPUTE_DTYPES, check_device, import_torch
 from .kv_cache import TorchKVCache
-from .layers import RopeTable, attention, mlp, rms_norm
+from .layers import RopeTable, attention, fused_rms_norm, mlp, rms_norm
 from .qlinear import linear
 from .transfer import Transfer
 from .weights import MappedEmbedding, TorchStageWeights, gguf_weights
@@ -65,7 +65,13 @@ class TorchStageModel:
         self.layers = weights.layers
         self.first, self.last = weights.first, weights.last
         self.device = torch.device(device)
+        # transformers' order of operations, except in a quantized stage.
+        self.norm: Any = rms_norm
         if held is not None:
+            if held.dtype == torch.float32 and any(
+                "int4pack" in form for form in held.held_forms()
+            ):
+                self.norm = fused_rms_norm
             self.dtype = held.dtype
             self.dtype_name = str(held.dtype).removeprefix("torch.")
             self.weights = held
@@ -131,7 +137,7 @@ class TorchStageModel:
             cache.length = position + tokens
             if self.last:
                 w = self.weights
-                final = rms_norm(t, x[:, -1], w.norm, self.config.rms_norm_eps)
+                final = self.norm(t, x[:, -1], w.norm, self.config.rms_norm_eps)
                 x = linear(t, final, w.lm_head).float()
             return self.transfer.to_host(x, cache.staging)
 
@@ -151,7 +157,7 @@ class TorchStageModel:
             x = self._layers(x, cache, 0)
             cache.length = ids.shape[1]
             w = self.weights
-            final = rms_norm(t, x, w.norm, self.config.rms_norm_eps)
+            final = self.norm(t, x, w.norm, self.config.rms_norm_eps)
             return linear(t, final, w.lm_head).float().cpu().numpy()
 
     def _layers(
@@ -167,12 +173,12 @@ class TorchStageModel:
             if between_layers is not None:
                 between_layers()
             layer = self.layers.start + i
-            h = rms_norm(t, x, block.input_norm, c.rms_norm_eps)
+            h = self.norm(t, x, block.input_norm, c.rms_norm_eps)
             x = x + attention(
                 t, h, block, c, rope if c.layer_rotates(layer) else None,
                 cache.keys[i], cache.values[i], position, c.layer_window(layer),
             )  # fmt: skip
-            h = rms_norm(t, x, block.post_norm, c.rms_norm_eps)
+            h = self.norm(t, x, block.post_norm, c.rms_norm_eps)
             x = x + mlp(t, h, block)
         return x
 

@@ -28,7 +28,15 @@ from ...formats.config import ModelConfig
 from ...rope import Rope
 from .qlinear import linear
 
-__all__ = ["RopeTable", "attention", "mlp", "rms_norm"]
+__all__ = ["RopeTable", "attention", "fused_rms_norm", "mlp", "rms_norm"]
+
+
+def fused_rms_norm(torch: Any, x: Any, weight: Any, eps: float) -> Any:
+    """One kernel instead of eight (float32 in and out): the quantized stages'
+    norm, where a decode step's time is mostly per-op overhead. The same
+    formula; its float32 rounding may differ from ``rms_norm``'s in the last
+    bit, which the quantized path's error budget covers."""
+    return torch.nn.functional.rms_norm(x, (x.shape[-1],), weight, eps)
 
 
 def rms_norm(torch: Any, x: Any, weight: Any, eps: float) -> Any:
