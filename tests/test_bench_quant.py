@@ -20,7 +20,7 @@ def test_quant_section_tiny():
     result = quant.run(BenchOptions(tiny=True, progress=lines.append))
     keys = result.keys
     assert "quant" in SECTIONS
-    for config in ("numpy", "bf16", "keep"):
+    for config in ("numpy", "bf16", "keep", "keep1"):
         prefix = f"quant_tiny_{config}_"
         assert keys[prefix + "decode_tokens_per_s"] > 0
         assert keys[prefix + "prefill_tokens_per_s"] > 0
@@ -35,7 +35,7 @@ def test_quant_section_tiny():
             assert keys[f"quant_tiny_keep_over_{other}_{what}"] > 0
     assert keys["quant_load_average"] >= 0
     assert not any(k.startswith(("quant_smollm2", "quant_llama1b")) for k in keys)
-    assert len(result.rows) == 3
+    assert len(result.rows) == 4
     text = render([result], keys, "header")
     assert "torch quantized (keep)" in text and "numpy float32" in text
     assert any("decode" in line for line in lines)
