@@ -29,6 +29,7 @@ import numpy as np
 import pytest
 
 from cgroup_support import memory_cgroup
+from meshnet_bench._support import current_rss_bytes, peak_rss_bytes
 from meshnet_model.formats.gguf.checkpoint import hf_name
 from meshnet_model.formats.gguf.file import GGUFFile
 from meshnet_model.testing.random_gguf import LLAMA_3_2_1B, LLAMA_3_2_3B, write_random_gguf
@@ -46,14 +47,6 @@ def files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     for name, config in (("1b", LLAMA_3_2_1B), ("3b", LLAMA_3_2_3B)):
         out[name] = write_random_gguf(directory / f"llama-3.2-{name}-q4_0.gguf", config, "Q4_0")
     return out
-
-
-def _status(pid: int, field: str) -> int:
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    raise AssertionError(f"no {field} in /proc/{pid}/status")
 
 
 def _file_share(path: Path, layers: range, num_layers: int) -> int:
@@ -117,7 +110,7 @@ def test_a_1b_file_over_two_nodes_holds_near_its_share(files: dict[str, Path]) -
         assert logits.shape == (1, LLAMA_3_2_1B["vocab_size"]) and np.isfinite(logits).all()
         for pid, span in ((first_pid, range(0, 8)), (last_pid, range(8, 16))):
             share = _file_share(path, span, layers)
-            rss, peak = _status(pid, "VmRSS"), _status(pid, "VmHWM")
+            rss, peak = current_rss_bytes(pid), peak_rss_bytes(pid)
             report = f"{span}: file share {share / MiB:.0f} MiB, RSS {rss / MiB:.0f} MiB, " \
                      f"peak {peak / MiB:.0f} MiB"  # fmt: skip
             assert rss <= 1.3 * share + 450 * MiB, report
@@ -129,7 +122,7 @@ def test_a_3b_file_runs_whole_inside_4_gib(files: dict[str, Path]) -> None:
     with memory_cgroup(4 * GiB) as (_, _, join), _node(path, "0:28", preexec_fn=join) as (pid, url):
         logits = anyio.run(_generate, url, LLAMA_3_2_3B["vocab_size"])
         assert np.isfinite(logits).all()
-        assert _status(pid, "VmHWM") < 4 * GiB
+        assert peak_rss_bytes(pid) < 4 * GiB
 
 
 def test_a_3b_file_inside_1_gib_is_refused_before_loading(files: dict[str, Path]) -> None:

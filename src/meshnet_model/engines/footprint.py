@@ -438,30 +438,15 @@ def fit_process(
     fixed = sum(s.weights + s.scratch for s in stages) + RUNTIME_BYTES[engine]
     if limit is None:
         kv = KV_AUTO_MAX if auto else int(kv_budget_bytes)
-    elif auto:
-        kv = _kv_for(limit, fixed, n)
-        if kv < KV_AUTO_MIN:
-            raise MemoryShortfall(
-                _shortfall(
-                    mb,
-                    stages,
-                    None,
-                    limit,
-                    limit_source,
-                    who,
-                    model_path,
-                    max_chunk_tokens,
-                    max_compute_bytes,
-                )
-            )
     else:
-        kv = int(kv_budget_bytes)
-        if fixed + n * kv > limit:
+        kv = _kv_for(limit, fixed, n) if auto else int(kv_budget_bytes)
+        # auto: too little left for a useful budget; explicit: the sum is over.
+        if (kv < KV_AUTO_MIN) if auto else (fixed + n * kv > limit):
             raise MemoryShortfall(
                 _shortfall(
                     mb,
                     stages,
-                    kv,
+                    None if auto else kv,
                     limit,
                     limit_source,
                     who,
