@@ -35,3 +35,15 @@ def test_a_long_context_model_takes_its_chunks_under_the_default_limits(tmp_path
     tight = StageRunner.load(directory, kv_budget_bytes=64 << 20, max_compute_bytes=1 << 20)
     with pytest.raises(ChunkTooLarge, match="max-compute-bytes"):
         tight.check_head((1, 128), "int32")
+
+
+def test_a_chunk_whose_position_is_known_is_costed_over_its_own_context(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    config = small_config(max_position_embeddings=131072, num_attention_heads=32,
+                          num_key_value_heads=8, hidden_size=256, head_dim=8)  # fmt: skip
+    directory = write_checkpoint(tmp_path / "m", config)
+    runner = StageRunner.load(directory, kv_budget_bytes=1 << 40)  # reaches every position
+    with pytest.raises(ChunkTooLarge):
+        runner.check_head((1, 128), "int32")  # somewhere in 131,072 positions: too costly
+    runner.check_head((1, 128), "int32", position=0)  # the header says: the first chunk
+    with pytest.raises(ChunkTooLarge):
+        runner.check_head((1, 128), "int32", position=120_000)

@@ -178,7 +178,7 @@ class NodeApp:
             Deadline(ctx.started).check()
         stage_check = getattr(self.stage, "check_head", None)
         if stage_check is not None:  # a stage that can refuse by shape and dtype alone
-            stage_check(event.headers.shape, event.headers.dtype)
+            stage_check(event.headers.shape, event.headers.dtype, event.headers.position)
         self.table.check_head(event.headers, anyio.current_time())
 
     async def handle_activation(

@@ -82,8 +82,9 @@ class StageBackend(Protocol):
     chunks is still computing. A stage raising ``MeshnetError`` has it
     answered as is (a 4xx for a chunk it cannot take, 503 when full); any
     other exception is a 500. A stage may also have
-    ``check_head(shape, dtype)``, raising ``MeshnetError`` to refuse a chunk
-    from its headers alone, before the body is read.
+    ``check_head(shape, dtype, position)``, raising ``MeshnetError`` to refuse a
+    chunk from its headers alone, before the body is read (``position``: the
+    header's ``x-meshnet-position``, or None when the chunk has none).
     """
 
     name: str

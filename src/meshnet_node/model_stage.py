@@ -137,11 +137,12 @@ class ModelStage:
         finally:
             self.compute_seconds += time.perf_counter() - started
 
-    def check_head(self, shape: tuple[int, ...], dtype: str) -> None:
+    def check_head(self, shape: tuple[int, ...], dtype: str, position: int | None = None) -> None:
         """Refuse a chunk of the wrong dtype or shape, or one that costs more
-        than the limits allow, before its body is read."""
+        than the limits allow, before its body is read (``position``: the
+        header's, when it has one)."""
         try:
-            self.runner.check_head(shape, dtype)
+            self.runner.check_head(shape, dtype, position)
         except StageInputError as exc:
             raise _input_error(exc) from None
 

@@ -166,13 +166,14 @@ class StageRunner:
                 f"{list(shape)}"
             )
 
-    def check_head(self, shape: tuple[int, ...], dtype: str) -> None:
+    def check_head(self, shape: tuple[int, ...], dtype: str, position: int | None = None) -> None:
         """``check_shape`` and the chunk's cost, from its header alone.
 
         Refuses (``ChunkTooLarge``, ``ContextExceeded``) what would allocate
         or compute more than the limits allow, before a byte of the body is
-        read. The position is not known yet: the scratch is costed for the
-        longest context the model takes.
+        read. The scores are costed over the chunk's own context when its
+        ``position`` is known (the header's, or at run time), else over the
+        longest context a session can reach (``reachable_context``).
         """
         self.check_shape(shape, dtype)
         batch, tokens = shape[0], shape[1]
@@ -192,6 +193,8 @@ class StageRunner:
         reachable = reachable_context(
             self.config, layers=span, batch=batch, kv_budget=self.budget.limit, kv_itemsize=itemsize
         )
+        if position is not None:
+            reachable = min(reachable, position + tokens)
         cost = chunk_cost(self.config, batch=batch, tokens=tokens, context=reachable,
                           last=self.last, query_block=self.model.query_block)  # fmt: skip
         if cost.total > self.max_compute_bytes:
@@ -209,9 +212,9 @@ class StageRunner:
                 f"of {context} positions (max_position_embeddings)"
             )
 
-    def check_input(self, inputs: np.ndarray) -> None:
+    def check_input(self, inputs: np.ndarray, position: int | None = None) -> None:
         """Raise ``StageInputError`` unless ``inputs`` is what this stage takes."""
-        self.check_head(inputs.shape, inputs.dtype.name)
+        self.check_head(inputs.shape, inputs.dtype.name, position)
         vocab = self.config.vocab_size
         if self.first and inputs.size and (inputs.min() < 0 or inputs.max() >= vocab):
             raise StageInputError(
@@ -257,7 +260,7 @@ class StageRunner:
         between layers (``ComputeDeadlineExceeded``)."""
         if life is None:
             life = self.admit(session)
-        self.check_input(inputs)
+        self.check_input(inputs, position)
         self.check_position(position, inputs.shape[1])
         cache = self._cache_for(life, batch=inputs.shape[0])
         if cache.batch != inputs.shape[0]:
