@@ -38,9 +38,15 @@ def _model_summary(stage: StageBackend | None) -> str:
     forms = "+".join(str(form) for form in held)
     mib = int(info.get("weights_bytes", 0)) / 2**20
     engine = f"{info.get('engine')} on {info.get('device')}"
+    footprint = info.get("footprint") or {}
+    resident = (
+        f", resident at most {int(footprint['total']) / 2**20:,.0f} MiB with the KV budget"
+        if "total" in footprint
+        else ""
+    )
     return (
         f" engine {engine}, compute {info.get('compute_dtype')}, weights {forms}"
-        f" {mib:,.1f} MiB, threads {info.get('threads') or 'default'}"
+        f" {mib:,.1f} MiB{resident}, threads {info.get('threads') or 'default'}"
     )
 
 

@@ -122,6 +122,20 @@ class SafetensorsFile:
     def dtype(self, name: str) -> np.dtype:
         return self._entries[name].dtype
 
+    def read(self, name: str) -> np.ndarray:
+        """The tensor *read* into memory of this process's own (``pread``), not
+        mapped: for a loader that converts it and drops it, so that no page of
+        the file stays counted in the stage's RSS."""
+        from .gguf.blocks import read_rows
+
+        entry = self._entries[name]
+        size = entry.end - entry.begin
+        try:
+            raw = read_rows(self.path, self._data_start + entry.begin, 1, size)
+        except OSError as exc:
+            raise CheckpointError(f"{self.path}: tensor {name!r}: {exc}") from None
+        return raw.reshape(-1).view(entry.dtype).reshape(entry.shape)
+
     def tensor(self, name: str, *, mmap: bool = True) -> np.ndarray:
         """The tensor, read-only: a view on the file's mapping, or (``mmap=False``)
         a copy read through ``safetensors.safe_open``."""
@@ -193,6 +207,10 @@ class Checkpoint:
 
     def tensor(self, name: str, *, mmap: bool = True) -> np.ndarray:
         return self.file_for(name).tensor(name, mmap=mmap)
+
+    def read(self, name: str) -> np.ndarray:
+        """The tensor read, not mapped (``SafetensorsFile.read``)."""
+        return self.file_for(name).read(name)
 
     def files_opened(self) -> list[str]:
         """Shard files this checkpoint has opened so far (a stage opens only its own)."""

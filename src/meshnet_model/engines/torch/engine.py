@@ -23,6 +23,7 @@ import numpy as np
 from ...errors import StageInvariantError
 from ...formats.config import ModelConfig
 from ...formats.gguf.checkpoint import GGUFCheckpoint
+from ...formats.safetensors import Checkpoint
 from ...source import is_gguf, load_config, model_name
 from ...stage.kv_cache import KVBudget
 from ...stage.runner import (
@@ -37,7 +38,7 @@ from .kv_cache import TorchKVCache
 from .layers import RopeTable, attention, fused_rms_norm, mlp, rms_norm
 from .qlinear import linear
 from .transfer import Transfer
-from .weights import MappedEmbedding, TorchStageWeights, gguf_weights
+from .weights import MappedEmbedding, TorchStageWeights, converted_weights, gguf_weights
 
 __all__ = ["TorchStageModel", "load_torch_runner"]
 
@@ -226,7 +227,19 @@ def load_torch_runner(
                                     transfer=transfer)  # fmt: skip
     else:
         mapped = StageWeights.load(path, layers, dtype="keep", config=config)
-        model = TorchStageModel(torch, mapped, dtype=dtype, device=device, transfer=transfer)
+        held = mapped.blocks[0].q.dtype.name
+        if dtype not in ("keep", held):
+            # Converted: read tensor by tensor instead of from the mapping (whose
+            # touched pages would stay in the RSS beside the converted copy).
+            span = mapped.layers
+            mapped = dataclasses.replace(mapped, blocks=[], embed=None, norm=None, lm_head=None)
+            dev = torch.device(device)
+            weights = converted_weights(torch, Checkpoint(path), mapped.config, span,
+                                        dtype=getattr(torch, dtype), device=dev)  # fmt: skip
+            model = TorchStageModel(torch, mapped, dtype=dtype, device=device,
+                                    transfer=transfer, held=weights)  # fmt: skip
+        else:
+            model = TorchStageModel(torch, mapped, dtype=dtype, device=device, transfer=transfer)
     model.threads = threads
     # The runner needs the stage's shape, not the numpy arrays: dropping them
     # lets a converted stage's map go (only the torch tensors hold memory).

@@ -30,6 +30,7 @@ from ...formats.config import ModelConfig
 from ...formats.gguf.blocks import dequantize_rows, row_chunks
 from ...formats.gguf.checkpoint import GGUFCheckpoint
 from ...formats.gguf.quants import GGMLType
+from ...formats.safetensors import Checkpoint
 from ...stage.weights import (
     LayerWeights,
     StageWeights,
@@ -39,9 +40,23 @@ from ...stage.weights import (
 )
 from .qlinear import held_form, quantized_matrix
 
-__all__ = ["MappedEmbedding", "TorchLayer", "TorchStageWeights", "gguf_weights", "to_torch"]
+__all__ = [
+    "MappedEmbedding",
+    "TorchLayer",
+    "TorchStageWeights",
+    "converted_weights",
+    "gguf_weights",
+    "to_torch",
+]
 
-__all__ = ["MappedEmbedding", "TorchLayer", "TorchStageWeights", "gguf_weights", "to_torch"]
+__all__ = [
+    "MappedEmbedding",
+    "TorchLayer",
+    "TorchStageWeights",
+    "converted_weights",
+    "gguf_weights",
+    "to_torch",
+]
 
 _BF16 = np.dtype(ml_dtypes.bfloat16)
 
@@ -292,3 +307,38 @@ def _check_shape(
         raise CheckpointError(
             f"{ckpt.path}: {name}: shape {list(stored)} in the file, {list(shape)} from its config"
         )
+
+
+def converted_weights(
+    torch: Any, ckpt: Checkpoint, config: ModelConfig, layers: range, *, dtype: Any, device: Any
+) -> TorchStageWeights:
+    """A safetensors stage converted to ``dtype``, tensor by tensor: each is read
+    (not mapped), converted and dropped before the next. Converting views of
+    the file's mapping instead leaves every page it touched counted in the
+    stage's RSS while the mapping lives — a float32 checkpoint held as
+    bfloat16 then costs both."""
+
+    def read(name: str, shape: tuple[int, ...]) -> Any:
+        array = ckpt.read(name)
+        if tuple(array.shape) != tuple(shape):
+            raise CheckpointError(
+                f"{name}: shape {list(array.shape)} in the checkpoint, {list(shape)} "
+                "from config.json"
+            )
+        return to_torch(torch, array).to(device=device, dtype=dtype)
+
+    c = config
+    blocks = []
+    for i in layers:
+        fields = {spec.field: read(spec.name, spec.shape) if spec.wanted else None
+                  for spec in layer_tensors(c, i)}  # fmt: skip
+        blocks.append(TorchLayer(**fields))
+    first, last = layers.start == 0, layers.stop == c.num_hidden_layers
+    tied = head_is_tied(c, ckpt)
+    shape = (c.vocab_size, c.hidden_size)
+    embed = read("model.embed_tokens.weight", shape) if first or (last and tied) else None
+    norm = lm_head = None
+    if last:
+        norm = read("model.norm.weight", (c.hidden_size,))
+        lm_head = embed if tied else read("lm_head.weight", shape)
+    return TorchStageWeights(blocks, embed if first else None, norm, lm_head, dtype, device, 0)
