@@ -141,19 +141,18 @@ def quantized_matrix(
         return None
     count = INT4_FORMS[kind.name]
     in_numpy = _numpy_packing_matches(torch)
-    # Filled a chunk of rows at a time in numpy (no torch call per chunk), then
-    # handed to torch whole: the nibbles without a copy, the (scale, zero)
-    # pairs in one conversion (float32 for a moment: rows * cols / 4 bytes).
+    # Filled a chunk of rows at a time: the nibbles in numpy (handed to torch
+    # without a copy), the (scale, zero) pairs converted to ``compute`` chunk by
+    # chunk, so no float32 copy of a whole tensor's pairs is made either.
     packed = [np.empty((rows, cols // 2), np.uint8) for _ in range(count)]
-    pairs = [np.empty((cols // GROUP, rows, 2), np.float32) for _ in range(count)]
+    pairs = [torch.empty((cols // GROUP, rows, 2), dtype=compute) for _ in range(count)]
     for part in row_chunks(rows, _ROWS):
         for i, (q, scale, zero) in enumerate(int4_split(blocks[part], kind)):
             packed[i][part] = pack_int4(q) if in_numpy else _torch_pack(torch, q)
-            pairs[i][:, part, 0] = scale.T
-            pairs[i][:, part, 1] = zero.T
+            pair = np.stack([scale.T, zero.T], axis=-1)  # [groups, chunk rows, 2]
+            pairs[i][:, part] = torch.from_numpy(pair).to(compute)
     parts = tuple(
-        (torch.from_numpy(nibbles), torch.from_numpy(pair).to(compute))
-        for nibbles, pair in zip(packed, pairs, strict=True)
+        (torch.from_numpy(nibbles), pair) for nibbles, pair in zip(packed, pairs, strict=True)
     )
     return Int4Matrix(parts, shape, kind.name)
 

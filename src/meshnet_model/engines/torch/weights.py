@@ -238,7 +238,7 @@ def gguf_weights(
                                 compute=kernel_dtype)  # fmt: skip
 
     def matrix(name: str, shape: tuple[int, ...]) -> Any:
-        kind, stored, blocks = ckpt.raw(name)
+        kind, stored, blocks = ckpt.rows(name)  # read a chunk of rows at a time
         _check_shape(ckpt, name, stored, shape)
         rows, cols = shape
         if quantized and kind.view is None and device.type == "cpu":

@@ -36,6 +36,7 @@ from .quants import GGMLType, decode
 __all__ = [
     "INT4_FORMS",
     "INT4_TYPES",
+    "RowReader",
     "dequantize_rows",
     "int4_groups",
     "int4_split",
@@ -65,6 +66,23 @@ def read_rows(path: str | Path, offset: int, rows: int, row_bytes: int) -> np.nd
                 raise OSError(f"{path}: short read at byte {offset + done}")
             done += n
     return out
+
+
+class RowReader:
+    """A tensor's rows read from the file when sliced (``reader[a:b]`` → uint8
+    ``[b - a, row_bytes]``): a loader that converts a chunk of rows at a time
+    then never holds more than a chunk of the file's bytes."""
+
+    def __init__(self, path: str | Path, offset: int, rows: int, row_bytes: int) -> None:
+        self.path, self.offset, self.row_bytes = path, offset, row_bytes
+        self.shape = (rows, row_bytes)
+
+    def __getitem__(self, rows: slice) -> np.ndarray:
+        start, stop, step = rows.indices(self.shape[0])
+        if step != 1:
+            raise ValueError("rows are read in contiguous ranges")
+        return read_rows(self.path, self.offset + start * self.row_bytes,
+                         max(0, stop - start), self.row_bytes)  # fmt: skip
 
 
 def row_chunks(rows: int, chunk: int) -> Iterator[slice]:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -128,6 +129,16 @@ class GGUFCheckpoint:
         if heads is not None:
             rows = np.ascontiguousarray(unpermute(rows, heads))
         return kind, shape, rows
+
+    def rows(self, name: str) -> tuple[GGMLType, tuple[int, ...], Any]:
+        """The tensor's stored rows, read a range at a time when sliced
+        (``blocks.RowReader``) — or, for the q/k projections whose rows the
+        converter permuted (a permutation within each head), read whole."""
+        gguf_name = self._gguf_name(name)
+        if self._permuted_heads(gguf_name) is not None:
+            return self.raw(name)
+        self._read.add(gguf_name)
+        return self.file.rows(gguf_name)
 
     def mapped_rows(self, name: str) -> np.ndarray:
         """The tensor's stored bytes as a read-only ``[rows, row_bytes]`` view of

@@ -202,6 +202,17 @@ class GGUFFile:
         cols = shape[-1] if shape else 1
         return np.asarray(tensor.data).view(np.uint8).reshape(-1, kind.row_bytes(cols))
 
+    def rows(self, name: str) -> tuple[GGMLType, tuple[int, ...], Any]:
+        """As ``raw``, but the rows are read only when a range of them is asked
+        for (``blocks.RowReader``)."""
+        from .blocks import RowReader
+
+        kind, shape, tensor = self._checked(name)
+        cols = shape[-1] if shape else 1
+        rows = math.prod(shape[:-1]) if len(shape) > 1 else 1
+        return kind, shape, RowReader(self.path, int(tensor.data_offset), rows,
+                                      kind.row_bytes(cols))  # fmt: skip
+
     def raw(self, name: str) -> tuple[GGMLType, tuple[int, ...], np.ndarray]:
         """The tensor's bytes as uint8 ``[rows, row_bytes]`` (one row per numpy
         row), *read* from the file, not mapped — for kernels that hold another
