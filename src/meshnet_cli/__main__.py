@@ -18,6 +18,7 @@ from meshnet_runtime.config import (
     WIRE_DTYPES,
     positive_int,
     positive_seconds,
+    threads_count,
 )
 from meshnet_runtime.memory import parse_bytes_or_auto
 
@@ -184,7 +185,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     run.add_argument("--device", default=None, help="nodes' torch device: cpu, cuda, cuda:N [cpu]")
     run.add_argument(
-        "--threads", type=positive_int, default=None,
+        "--threads", type=threads_count, default=None,
         help="compute threads per node [the cores split between the stages]",
     )  # fmt: skip
     run.add_argument(

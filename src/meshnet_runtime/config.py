@@ -160,6 +160,18 @@ def positive_int(text: str) -> int:
     return int(text)
 
 
+# Compute threads a stage may ask for: far above any machine's cores, far
+# below what overflows the C int that BLAS and torch take.
+MAX_THREADS = 4096
+
+
+def threads_count(text: str) -> int:
+    count = positive_int(text)
+    if count > MAX_THREADS:
+        raise argparse.ArgumentTypeError(f"expected 1..{MAX_THREADS} threads, got {text!r}")
+    return count
+
+
 def _nonnegative_int(text: str) -> int:
     if not (text.isascii() and text.isdigit()):
         raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}")
@@ -295,7 +307,7 @@ _NODE: list[_Flag] = [
     ("--dtype", _choice(MODEL_DTYPES), "with --model: weights dtype in memory"),
     ("--engine", _choice(ENGINES), "with --model: numpy, torch, or auto (torch for GGUF)"),
     ("--device", _device, "with --engine torch: cpu, cuda or cuda:N"),
-    ("--threads", positive_int, "with --model: compute threads (BLAS or torch) of this stage"),
+    ("--threads", threads_count, "with --model: compute threads (BLAS or torch) of this stage"),
     (
         "--kv-budget-bytes",
         parse_bytes_or_auto,

@@ -305,7 +305,7 @@ def _check_shape(
 ) -> None:
     if tuple(stored) != tuple(shape):
         raise CheckpointError(
-            f"{ckpt.path}: {name}: shape {list(stored)} in the file, {list(shape)} from its config"
+            f"{name}: shape {list(stored)} in the file, {list(shape)} from its config"
         )
 
 
