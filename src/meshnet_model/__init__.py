@@ -16,10 +16,13 @@ The modules, each layer importing only those before it:
   ``rope`` — the RoPE math the engines and the GGUF config reader share;
 * ``source`` — what ``--model PATH`` names (``load_config``, ``open_checkpoint``);
 * ``stage`` — ``weights``, ``kv_cache``, ``costs``, ``runner``: one stage, any engine;
-* ``engines`` — ``base.Engine``, ``numpy.model`` (the default), ``torch`` (optional);
+* ``engines`` — ``base.Engine``, ``numpy.model`` (the float32 reference), ``torch``
+  (optional; holds a GGUF file quantized: ``torch.qlinear``), ``choice`` (the
+  defaults: ``--engine/--dtype auto``, threads), ``footprint`` (what a stage will hold);
 * ``plan`` — ``python -m meshnet_model plan``; ``testing`` — helpers for tests and benches.
 
-numpy, safetensors and ml_dtypes only. docs/models.md has the details.
+numpy, safetensors, ml_dtypes, gguf and threadpoolctl; torch only for the torch
+engine. docs/models.md has the details.
 """
 
 from .engines.numpy.model import StageModel

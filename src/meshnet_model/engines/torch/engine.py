@@ -262,8 +262,9 @@ def _gguf_model(
     """A GGUF stage read tensor by tensor from its blocks (``gguf_weights``).
 
     ``keep`` on a file whose projections are quantized holds them quantized
-    (``qlinear``: int4pack or int8-row) and computes in bfloat16, the
-    kernels' activation dtype; ``float32``/``bfloat16``/``float16`` dequantize
+    (``qlinear``: int4pack, two halves for Q8_0, bfloat16 where no kernel
+    reads them), the kernels taking bfloat16 inputs around a float32 stream;
+    ``float32``/``bfloat16``/``float16`` dequantize
     every matrix to that dtype. A float file with ``keep`` stays mapped, as a
     safetensors checkpoint does.
     """

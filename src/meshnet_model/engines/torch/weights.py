@@ -129,8 +129,9 @@ class TorchStageWeights:
         return total
 
     def held_forms(self) -> dict[str, int]:
-        """Matrices by the form they are held in (``int4pack``, ``int8-row``,
-        ``mapped-Q8_0`` for a file-form embedding, or a torch dtype's name)."""
+        """Matrices by the form they are held in (``int4pack(Q4_1)``,
+        ``int4pack x2(Q8_0)``, ``mapped(Q8_0)`` for a file-form embedding, or a
+        torch dtype's name), a stacked q/k/v or gate/up counting once."""
         forms: dict[str, int] = {}
         tensors = [self.embed, self.lm_head]
         for block in self.blocks:
