@@ -49,15 +49,6 @@ __all__ = [
     "to_torch",
 ]
 
-__all__ = [
-    "MappedEmbedding",
-    "TorchLayer",
-    "TorchStageWeights",
-    "converted_weights",
-    "gguf_weights",
-    "to_torch",
-]
-
 _BF16 = np.dtype(ml_dtypes.bfloat16)
 
 
