@@ -28,6 +28,7 @@ import ml_dtypes
 import numpy as np
 
 from ..errors import CheckpointError
+from .reading import read_rows
 
 __all__ = ["Checkpoint", "CheckpointError", "SafetensorsFile"]
 
@@ -126,14 +127,8 @@ class SafetensorsFile:
         """The tensor *read* into memory of this process's own (``pread``), not
         mapped: for a loader that converts it and drops it, so that no page of
         the file stays counted in the stage's RSS."""
-        from .gguf.blocks import read_rows
-
         entry = self._entries[name]
-        size = entry.end - entry.begin
-        try:
-            raw = read_rows(self.path, self._data_start + entry.begin, 1, size)
-        except OSError as exc:
-            raise CheckpointError(f"{self.path}: tensor {name!r}: {exc}") from None
+        raw = read_rows(self.path, self._data_start + entry.begin, 1, entry.end - entry.begin)
         return raw.reshape(-1).view(entry.dtype).reshape(entry.shape)
 
     def tensor(self, name: str, *, mmap: bool = True) -> np.ndarray:

@@ -1,7 +1,7 @@
 """GGML blocks re-expressed for the kernels that compute on them, row chunk by row chunk.
 
 A quantized tensor is never widened whole: its rows are taken a chunk at a
-time, straight from the file's bytes (``read_rows``), and turned into the
+time, straight from the file's bytes (``formats.reading``), and turned into the
 form a kernel reads.
 
 * ``int4_groups`` — the 4-bit types whose value is an affine map of a nibble
@@ -25,22 +25,18 @@ form a kernel reads.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator
-from pathlib import Path
 
 import numpy as np
 
-from .quants import GGMLType, decode
+from .quants import GGMLType, _half, _k_scales, _nibbles, decode
 
 __all__ = [
     "INT4_FORMS",
     "INT4_TYPES",
-    "RowReader",
     "dequantize_rows",
     "int4_groups",
     "int4_split",
-    "read_rows",
     "row_chunks",
 ]
 
@@ -52,46 +48,9 @@ GROUP = 32
 INT4_FORMS = {"Q4_0": 1, "Q4_1": 1, "Q4_K": 1, "Q8_0": 2}
 
 
-def read_rows(path: str | Path, offset: int, rows: int, row_bytes: int) -> np.ndarray:
-    """``rows`` rows of ``row_bytes`` bytes at file ``offset``, read (not mapped):
-    the bytes are this process's only while the caller holds them, so a tensor
-    converted to another form leaves no file pages behind in the stage's RSS."""
-    out = np.empty((rows, row_bytes), np.uint8)
-    view = memoryview(out).cast("B")
-    with open(path, "rb", buffering=0) as f:
-        done = 0
-        while done < out.nbytes:
-            n = os.preadv(f.fileno(), [view[done:]], offset + done)
-            if n <= 0:
-                raise OSError(f"{path}: short read at byte {offset + done}")
-            done += n
-    return out
-
-
-class RowReader:
-    """A tensor's rows read from the file when sliced (``reader[a:b]`` → uint8
-    ``[b - a, row_bytes]``): a loader that converts a chunk of rows at a time
-    then never holds more than a chunk of the file's bytes."""
-
-    def __init__(self, path: str | Path, offset: int, rows: int, row_bytes: int) -> None:
-        self.path, self.offset, self.row_bytes = path, offset, row_bytes
-        self.shape = (rows, row_bytes)
-
-    def __getitem__(self, rows: slice) -> np.ndarray:
-        start, stop, step = rows.indices(self.shape[0])
-        if step != 1:
-            raise ValueError("rows are read in contiguous ranges")
-        return read_rows(self.path, self.offset + start * self.row_bytes,
-                         max(0, stop - start), self.row_bytes)  # fmt: skip
-
-
 def row_chunks(rows: int, chunk: int) -> Iterator[slice]:
     for start in range(0, rows, chunk):
         yield slice(start, min(start + chunk, rows))
-
-
-def _half(raw: np.ndarray) -> np.ndarray:
-    return np.ascontiguousarray(raw).view(np.float16).astype(F32)
 
 
 def int4_groups(blocks: np.ndarray, kind: GGMLType) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -105,13 +64,11 @@ def int4_groups(blocks: np.ndarray, kind: GGMLType) -> tuple[np.ndarray, np.ndar
     if kind.name in ("Q4_0", "Q4_1"):
         d = _half(b[:, 0:2])
         qs = b[:, 2:] if kind.name == "Q4_0" else b[:, 4:]
-        q = np.concatenate([qs & low, qs >> four], axis=1)  # values 0..15, then 16..31
+        q = _nibbles(qs)  # values 0..15, then 16..31
         scale = d
         zero = np.zeros_like(d) if kind.name == "Q4_0" else _half(b[:, 2:4]) + F32(8) * d
         return (q.reshape(rows, -1), scale.reshape(rows, -1), zero.reshape(rows, -1))
     if kind.name == "Q4_K":
-        from .quants import _k_scales
-
         d = _half(b[:, 0:2])
         dmin = _half(b[:, 2:4])
         scales, mins = _k_scales(b[:, 4:16])

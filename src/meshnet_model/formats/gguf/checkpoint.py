@@ -132,7 +132,7 @@ class GGUFCheckpoint:
 
     def rows(self, name: str) -> tuple[GGMLType, tuple[int, ...], Any]:
         """The tensor's stored rows, read a range at a time when sliced
-        (``blocks.RowReader``) — or, for the q/k projections whose rows the
+        (``formats.reading.RowReader``) — or, for the q/k projections whose rows the
         converter permuted (a permutation within each head), read whole."""
         gguf_name = self._gguf_name(name)
         if self._permuted_heads(gguf_name) is not None:

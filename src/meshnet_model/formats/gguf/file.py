@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 
 from ...errors import CheckpointError
+from ..reading import RowReader
 from .quants import GGML_TYPES, GGMLType, decode
 
 __all__ = ["GGUFFile"]
@@ -202,11 +203,10 @@ class GGUFFile:
         cols = shape[-1] if shape else 1
         return np.asarray(tensor.data).view(np.uint8).reshape(-1, kind.row_bytes(cols))
 
-    def rows(self, name: str) -> tuple[GGMLType, tuple[int, ...], Any]:
-        """As ``raw``, but the rows are read only when a range of them is asked
-        for (``blocks.RowReader``)."""
-        from .blocks import RowReader
-
+    def rows(self, name: str) -> tuple[GGMLType, tuple[int, ...], RowReader]:
+        """The tensor's type, numpy shape and stored rows, ``[rows, row_bytes]``
+        uint8 *read* from the file (not mapped) a range at a time when sliced —
+        for kernels that hold another form of them."""
         kind, shape, tensor = self._checked(name)
         cols = shape[-1] if shape else 1
         rows = math.prod(shape[:-1]) if len(shape) > 1 else 1
@@ -214,16 +214,6 @@ class GGUFFile:
                                       kind.row_bytes(cols))  # fmt: skip
 
     def raw(self, name: str) -> tuple[GGMLType, tuple[int, ...], np.ndarray]:
-        """The tensor's bytes as uint8 ``[rows, row_bytes]`` (one row per numpy
-        row), *read* from the file, not mapped — for kernels that hold another
-        form of them — with its type and numpy shape."""
-        from .blocks import read_rows
-
-        kind, shape, tensor = self._checked(name)
-        cols = shape[-1] if shape else 1
-        rows = math.prod(shape[:-1]) if len(shape) > 1 else 1
-        try:
-            data = read_rows(self.path, int(tensor.data_offset), rows, kind.row_bytes(cols))
-        except OSError as exc:
-            raise CheckpointError(f"{self.path}: tensor {name}: {exc}") from None
-        return kind, shape, data
+        """As ``rows``, every row read at once."""
+        kind, shape, reader = self.rows(name)
+        return kind, shape, reader.all()
