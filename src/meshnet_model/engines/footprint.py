@@ -21,7 +21,6 @@ given memories. Nothing here reads the machine: the limit is a parameter.
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import itertools
 import math
 from collections.abc import Sequence
@@ -36,8 +35,8 @@ from ..formats.gguf.quants import GGML_TYPES
 from ..formats.safetensors import Checkpoint
 from ..source import load_config
 from ..stage.costs import QUERY_BLOCK, chunk_cost, reachable_context
-from .choice import choose_engine
-from .torch.qlinear import held_form
+from .choice import choose_engine, torch_installed
+from .torch.qlinear import held_form, stacks
 from .torch.qlinear import held_matrix_bytes as torch_held_bytes
 
 __all__ = [
@@ -195,11 +194,10 @@ def _stack(parts: list[_Tensor]) -> _Tensor | None:
     """Matrices of one quantized type stacked by rows, as the torch loader holds
     q/k/v and gate/up — or None where it holds them apart (mixed types, a
     stack no kernel reads)."""
-    if not parts or len({t.kind for t in parts}) != 1 or parts[0].kind not in _GGML:
+    if not parts or any(t.kind not in _GGML for t in parts):
         return None
-    rows = sum(t.shape[0] for t in parts)
-    shape = (rows, parts[0].shape[1])
-    if held_form(_GGML[parts[0].kind], shape) == "dense":
+    shape = (sum(t.shape[0] for t in parts), parts[0].shape[1])
+    if not stacks([_GGML[t.kind] for t in parts], shape):
         return None
     return _Tensor(parts[0].kind, shape, sum(t.file_bytes for t in parts))
 
@@ -555,7 +553,7 @@ def _shortfall(
         if weights + smaller + runtime + _needs(kv, limit, n) <= limit:
             fits.append(f"--max-chunk-tokens {tokens}")
             break
-    torch_ok = importlib.util.find_spec("torch") is not None
+    torch_ok = torch_installed()
     for engine, dtype in (
         ("torch", "keep"),
         ("torch", "bfloat16"),

@@ -136,11 +136,7 @@ class StageWeights:
 
         def read(name: str, shape: tuple[int, ...], matrix: bool = True) -> np.ndarray:
             array = ckpt.tensor(name, mmap=mmap)
-            if array.shape != shape:
-                raise CheckpointError(
-                    f"{name}: shape {list(array.shape)} in the checkpoint, {list(shape)} "
-                    "from config.json"
-                )
+            check_shape(name, array.shape, shape)
             if array.dtype not in _FLOAT_DTYPES:
                 raise CheckpointError(f"{name}: dtype {array.dtype} is not a float type")
             if not matrix:
@@ -226,6 +222,15 @@ def layer_tensors(c: ModelConfig, i: int) -> list[TensorSpec]:
         TensorSpec("q_norm", a + "q_norm.weight", (d,), False, c.qk_norm),
         TensorSpec("k_norm", a + "k_norm.weight", (d,), False, c.qk_norm),
     ]
+
+
+def check_shape(name: str, stored: tuple[int, ...], shape: tuple[int, ...]) -> None:
+    """Refuse a tensor whose stored shape is not the one the config implies
+    (every loader, both engines)."""
+    if tuple(stored) != tuple(shape):
+        raise CheckpointError(
+            f"{name}: shape {list(stored)} in the checkpoint, {list(shape)} from its config"
+        )
 
 
 def head_is_tied(c: ModelConfig, ckpt: object) -> bool:

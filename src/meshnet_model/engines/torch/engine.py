@@ -76,11 +76,13 @@ class TorchStageModel:
             self.dtype = held.dtype
             self.dtype_name = str(held.dtype).removeprefix("torch.")
             self.weights = held
+            self.weights_dtype = "+".join(sorted(held.held_forms()))
         else:
             if dtype == "keep":
                 kept = weights.blocks[0].q.dtype.name
                 dtype = kept if kept in ("bfloat16", "float16") else "float32"
             self.dtype_name = dtype
+            self.weights_dtype = dtype
             self.dtype = getattr(torch, dtype)
             self.weights = TorchStageWeights.from_numpy(torch, weights, dtype=self.dtype,
                                                         device=self.device)  # fmt: skip
@@ -122,13 +124,8 @@ class TorchStageModel:
         tokens = inputs.shape[1]
         cache.reserve(position + tokens)
         with t.inference_mode():
-            if self.first and isinstance(self.weights.embed, MappedEmbedding):
-                x = self.weights.embed.lookup(t, inputs, self.dtype, self.device)
-            elif self.first:
-                ids = self.transfer.to_device(inputs, t.long)
-                x = t.nn.functional.embedding(ids, self.weights.embed).to(self.dtype)
-            else:
-                x = self.transfer.to_device(inputs, self.dtype)
+            first = self.first
+            x = self._embed(inputs) if first else self.transfer.to_device(inputs, self.dtype)
             x = self._layers(x, cache, position, between_layers)
             if x.shape[:2] != inputs.shape[:2]:  # the seed's invariant, as in the numpy engine
                 raise StageInvariantError(
@@ -150,16 +147,20 @@ class TorchStageModel:
         t = self.torch
         cache.reserve(ids.shape[1])
         with t.inference_mode():
-            if isinstance(self.weights.embed, MappedEmbedding):
-                x = self.weights.embed.lookup(t, ids, self.dtype, self.device)
-            else:
-                ids_t = self.transfer.to_device(ids, t.long)
-                x = t.nn.functional.embedding(ids_t, self.weights.embed).to(self.dtype)
-            x = self._layers(x, cache, 0)
+            x = self._layers(self._embed(ids), cache, 0)
             cache.length = ids.shape[1]
             w = self.weights
             final = self.norm(t, x, w.norm, self.config.rms_norm_eps)
             return linear(t, final, w.lm_head).float().cpu().numpy()
+
+    def _embed(self, ids: np.ndarray) -> Any:
+        """Token ids → hidden states in the compute dtype (a mapped file-form
+        embedding decodes only the rows asked for)."""
+        t = self.torch
+        if isinstance(self.weights.embed, MappedEmbedding):
+            return self.weights.embed.lookup(t, ids, self.dtype, self.device)
+        on_device = self.transfer.to_device(ids, t.long)
+        return t.nn.functional.embedding(on_device, self.weights.embed).to(self.dtype)
 
     def _layers(
         self,
@@ -190,7 +191,7 @@ class TorchStageModel:
             "engine": "torch",
             "device": str(self.device),
             "compute_dtype": self.dtype_name,
-            "weights_dtype": self.dtype_name,
+            "weights_dtype": self.weights_dtype,
             "weights_held": self.weights.held_forms(),
             "weights_bytes": self.weights.nbytes,
             "weights_mapped_bytes": self.weights.shared_with_file,
@@ -284,9 +285,8 @@ def _gguf_model(
     dev = torch.device(device)
     held = gguf_weights(torch, ckpt, config, span, dtype=getattr(torch, compute), device=dev,
                         quantized=dtype == "keep")  # fmt: skip
-    forms = held.held_forms()
     shape = StageWeights(config=config, layers=span, blocks=[], embed=None, norm=None,
-                         lm_head=None, dtype="+".join(sorted(forms)),
+                         lm_head=None, dtype="+".join(sorted(held.held_forms())),
                          tied_head=span.stop == config.num_hidden_layers
                          and head_is_tied(config, ckpt),
                          files=ckpt.files_opened())  # fmt: skip

@@ -39,7 +39,9 @@ from ...formats.gguf.blocks import GROUP, INT4_FORMS, int4_split, row_chunks
 from ...formats.gguf.quants import GGMLType
 
 __all__ = [
+    "KERNEL_DTYPE",
     "Int4Matrix",
+    "stacks",
     "pack_int4",
     "held_form",
     "held_matrix_bytes",
@@ -59,6 +61,17 @@ def held_form(kind: GGMLType, shape: tuple[int, int]) -> str:
     if kind.name in INT4_FORMS and int4pack_supported(shape):
         return "int4pack" if INT4_FORMS[kind.name] == 1 else f"int4pack x{INT4_FORMS[kind.name]}"
     return "dense"
+
+
+def stacks(kinds: list[GGMLType], shape: tuple[int, int]) -> bool:
+    """Whether matrices of these types, stacked by rows into ``shape``, are held as
+    one quantized matrix (q/k/v, gate/up: one kernel call instead of three or
+    two) — the loader and the footprint both ask this."""
+    return len({k.name for k in kinds}) == 1 and held_form(kinds[0], shape) != "dense"
+
+
+# The kernels' activation dtype on the CPU, in which they hold (scale, zero) too.
+KERNEL_DTYPE = "bfloat16"
 
 
 @dataclass(frozen=True, slots=True)
@@ -137,7 +150,7 @@ def quantized_matrix(
     (scale, zero) pairs are held in it, as the kernels require.
     """
     rows, cols = shape
-    if kind.name not in INT4_FORMS or not int4pack_supported(shape):
+    if held_form(kind, shape) == "dense":
         return None
     count = INT4_FORMS[kind.name]
     in_numpy = _numpy_packing_matches(torch)

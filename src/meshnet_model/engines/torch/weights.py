@@ -1,8 +1,18 @@
 """One stage's tensors as torch tensors on the target device, in the target dtype.
 
-The checkpoint is read by the numpy loader with ``dtype="keep"``: every
-matrix a read-only view on the file's memory map, never converted there. A
-matrix is then handed to torch:
+Three loaders:
+
+* ``gguf_weights`` — a GGUF file, tensor by tensor from its blocks: held
+  quantized (``qlinear``) or dequantized to a dense dtype, a chunk of rows at
+  a time, the embedding kept mapped in its file form (``MappedEmbedding``);
+* ``converted_weights`` — a safetensors checkpoint converted to another
+  dtype, tensor by tensor, read (not mapped) and dropped;
+* ``TorchStageWeights.from_numpy`` — a checkpoint already in the target
+  dtype (or on another device), below.
+
+For ``from_numpy`` the checkpoint is read by the numpy loader with
+``dtype="keep"``: every matrix a read-only view on the file's memory map,
+never converted there. A matrix is then handed to torch:
 
 * already in the target dtype on the CPU: ``torch.from_numpy`` over the map —
   no copy at all, the pages are loaded when first touched (a bf16 checkpoint
@@ -25,7 +35,6 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
-from ...errors import CheckpointError
 from ...formats.config import ModelConfig
 from ...formats.gguf.blocks import dequantize_rows, row_chunks
 from ...formats.gguf.checkpoint import GGUFCheckpoint
@@ -35,10 +44,11 @@ from ...stage.weights import (
     LayerWeights,
     StageWeights,
     TensorSpec,
+    check_shape,
     head_is_tied,
     layer_tensors,
 )
-from .qlinear import held_form, quantized_matrix
+from .qlinear import KERNEL_DTYPE, Int4Matrix, quantized_matrix, stacks
 
 __all__ = [
     "MappedEmbedding",
@@ -112,11 +122,8 @@ class TorchStageWeights:
         for t in tensors:
             if t is not None and id(t) not in seen:
                 seen.add(id(t))
-                total += (
-                    t.nbytes
-                    if hasattr(t, "form") or hasattr(t, "lookup")
-                    else (t.numel() * t.element_size())
-                )
+                held = isinstance(t, Int4Matrix | MappedEmbedding)
+                total += t.nbytes if held else t.numel() * t.element_size()
         return total
 
     def held_forms(self) -> dict[str, int]:
@@ -131,7 +138,7 @@ class TorchStageWeights:
         for t in tensors:
             if t is None:
                 continue
-            if hasattr(t, "form"):
+            if isinstance(t, Int4Matrix):
                 name = f"{t.form}({t.source})"
             elif isinstance(t, MappedEmbedding):
                 name = f"mapped({t.kind.name})"
@@ -198,7 +205,6 @@ def gguf_weights(
     dtype: Any,
     device: Any,
     quantized: bool,
-    kernel_dtype: Any = None,
 ) -> TorchStageWeights:
     """One stage of a GGUF file, tensor by tensor, straight from its blocks.
 
@@ -208,30 +214,28 @@ def gguf_weights(
     whole, so the peak of the load is the result plus one tensor's bytes.
     """
     c = config
-    kernel_dtype = kernel_dtype or torch.bfloat16
+    kernel_dtype = getattr(torch, KERNEL_DTYPE)
 
     def stacked(specs: list[TensorSpec]) -> Any:
         """One quantized matrix of the specs' rows stacked, or None when they
         are not all of one type a kernel reads (each is then held alone)."""
         if not quantized or device.type != "cpu":
             return None
-        kinds = {ckpt.kind(spec.name).name for spec in specs}
-        rows = sum(spec.shape[0] for spec in specs)
-        cols = specs[0].shape[1]
-        kind = ckpt.kind(specs[0].name)
-        if len(kinds) != 1 or held_form(kind, (rows, cols)) == "dense":
+        kinds = [ckpt.kind(spec.name) for spec in specs]
+        shape = (sum(spec.shape[0] for spec in specs), specs[0].shape[1])
+        if not stacks(kinds, shape):
             return None
         parts = []
         for spec in specs:
             _, stored, blocks = ckpt.raw(spec.name)
-            _check_shape(ckpt, spec.name, stored, spec.shape)
+            check_shape(spec.name, stored, spec.shape)
             parts.append(blocks)
-        return quantized_matrix(torch, kind, (rows, cols), np.concatenate(parts),
+        return quantized_matrix(torch, kinds[0], shape, np.concatenate(parts),
                                 compute=kernel_dtype)  # fmt: skip
 
     def matrix(name: str, shape: tuple[int, ...]) -> Any:
         kind, stored, blocks = ckpt.rows(name)  # read a chunk of rows at a time
-        _check_shape(ckpt, name, stored, shape)
+        check_shape(name, stored, shape)
         rows, cols = shape
         if quantized and kind.view is None and device.type == "cpu":
             held = quantized_matrix(torch, kind, (rows, cols), blocks, compute=kernel_dtype)
@@ -246,7 +250,7 @@ def gguf_weights(
 
     def vector(name: str, shape: tuple[int, ...]) -> Any:
         array = ckpt.tensor(name)
-        _check_shape(ckpt, name, array.shape, shape)
+        check_shape(name, array.shape, shape)
         values = np.array(array, dtype=np.float32)  # a writable copy: a few KiB
         return torch.from_numpy(values).to(device=device, dtype=dtype)
 
@@ -277,7 +281,7 @@ def gguf_weights(
         kind = ckpt.kind(embed_name)
         if quantized and kind.view is None:
             mapped = ckpt.mapped_rows(embed_name)
-            _check_shape(ckpt, embed_name, (mapped.shape[0], embed_shape[1]), embed_shape)
+            check_shape(embed_name, (mapped.shape[0], embed_shape[1]), embed_shape)
             embed = MappedEmbedding(mapped, kind, embed_shape)
         else:
             embed = matrix(embed_name, embed_shape)
@@ -292,15 +296,6 @@ def gguf_weights(
     return TorchStageWeights(blocks, embed, norm, lm_head, dtype, device, 0)
 
 
-def _check_shape(
-    ckpt: GGUFCheckpoint, name: str, stored: tuple[int, ...], shape: tuple[int, ...]
-) -> None:
-    if tuple(stored) != tuple(shape):
-        raise CheckpointError(
-            f"{name}: shape {list(stored)} in the file, {list(shape)} from its config"
-        )
-
-
 def converted_weights(
     torch: Any, ckpt: Checkpoint, config: ModelConfig, layers: range, *, dtype: Any, device: Any
 ) -> TorchStageWeights:
@@ -312,11 +307,7 @@ def converted_weights(
 
     def read(name: str, shape: tuple[int, ...]) -> Any:
         array = ckpt.read(name)
-        if tuple(array.shape) != tuple(shape):
-            raise CheckpointError(
-                f"{name}: shape {list(array.shape)} in the checkpoint, {list(shape)} "
-                "from config.json"
-            )
+        check_shape(name, array.shape, shape)
         return to_torch(torch, array).to(device=device, dtype=dtype)
 
     c = config
