@@ -26,7 +26,7 @@ from meshnet_model.source import load_config as load_model_config
 from meshnet_node.model_chain import even_splits, start_model_chain
 from meshnet_runtime.config import load_config
 from meshnet_runtime.lifecycle import configure_logging
-from meshnet_runtime.memory import MemoryLimit, memory_limit
+from meshnet_runtime.memory import limit_from_flag
 
 __all__ = ["LocalRun", "ready_line", "run_local", "serve_local"]
 
@@ -129,8 +129,7 @@ def _fit(args: argparse.Namespace) -> None:
     flags = [f"--{f}={getattr(args, f)}" for f in ("dtype", "engine", "device", "threads")
              if getattr(args, f, None) is not None]  # fmt: skip
     node = load_config("node", ["--model", args.model, *flags], {})
-    limit = getattr(args, "memory_limit", "auto")
-    found = memory_limit() if limit == "auto" else MemoryLimit(limit, "--memory-limit")
+    found = limit_from_flag(getattr(args, "memory_limit", "auto"))
     splits = even_splits(_num_layers(args.model), args.stages)
     stages = fit_process(args.model, [range(a, b) for a, b in splits], engine=node.engine,
                          dtype=node.dtype, kv_budget_bytes=getattr(args, "kv_budget_bytes", "auto"),

@@ -65,7 +65,7 @@ from meshnet_model.stage.runner import (
 )
 from meshnet_proto import CapacityError, DownstreamError, ProtocolError, SequencingError
 from meshnet_runtime.config import ServerConfig
-from meshnet_runtime.memory import MemoryLimit, memory_limit
+from meshnet_runtime.memory import MemoryLimit, limit_from_flag
 
 from .backends import StageContext
 
@@ -254,11 +254,4 @@ def stage_from_config(config: ServerConfig) -> ModelStage:
                             max_chunk_tokens=config.max_chunk_tokens,
                             max_compute_bytes=config.max_compute_bytes, engine=config.engine,
                             device=config.device, threads=config.threads,
-                            limit=_limit_of(config))  # fmt: skip
-
-
-def _limit_of(config: ServerConfig) -> MemoryLimit:
-    """``--memory-limit``: a number as given, ``auto`` read from the machine."""
-    if isinstance(config.memory_limit, int):
-        return MemoryLimit(config.memory_limit, "--memory-limit")
-    return memory_limit()
+                            limit=limit_from_flag(config.memory_limit))  # fmt: skip

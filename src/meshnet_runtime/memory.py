@@ -28,7 +28,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["MemoryLimit", "memory_limit", "parse_bytes", "parse_bytes_or_auto"]
+__all__ = ["MemoryLimit", "limit_from_flag", "memory_limit", "parse_bytes", "parse_bytes_or_auto"]
 
 UNLIMITED_V1 = 2**62  # cgroup v1 writes "no limit" as a page-rounded 2**63 - 1
 
@@ -202,3 +202,11 @@ def memory_limit(
         return MemoryLimit(None, "unknown")
     value, source = min(candidates, key=lambda c: c[0])
     return MemoryLimit(max(value, 0), source)
+
+
+def limit_from_flag(value: int | str | None) -> MemoryLimit:
+    """``--memory-limit``: a number of bytes as given, ``auto`` (or none) read
+    from the machine (``memory_limit``) — for the node and ``meshnet run`` alike."""
+    if isinstance(value, int):
+        return MemoryLimit(value, "--memory-limit")
+    return memory_limit()
