@@ -91,8 +91,9 @@ class TorchStageModel:
 
     @property
     def kv_itemsize(self) -> int:
-        """Bytes of one cached key or value element (the compute dtype's)."""
-        return int(self.torch.empty((), dtype=self.dtype).element_size())
+        """Bytes of one cached key or value element (the compute dtype's): asked
+        at every chunk's head check, so read off the dtype, not a tensor."""
+        return int(self.dtype.itemsize)
 
     def new_cache(self, budget: KVBudget, batch: int) -> TorchKVCache:
         c = self.config
