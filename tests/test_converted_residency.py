@@ -9,16 +9,13 @@ mapping of the checkpoint's files, after the stage has loaded and computed a pro
 
 from __future__ import annotations
 
-import os
-import select
-import subprocess
-import sys
 from pathlib import Path
 
 import anyio
 import numpy as np
 import pytest
 
+from meshnet_bench._support import server_process
 from meshnet_model.testing import small_config, write_checkpoint
 from meshnet_node.model_chain import ModelSession
 from meshnet_runtime.downstream import DownstreamPool
@@ -51,22 +48,11 @@ async def _compute(url: str) -> None:
 
 
 def _loaded_node_mapped_rss(directory: Path, *flags: str) -> int:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("MESHNET_")}
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "meshnet_node", "--model", str(directory), "--engine", "torch",
-         "--port", "0", "--log-level", "warning", *flags],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
-    )  # fmt: skip
-    try:
-        assert proc.stdout is not None
-        ready, _, _ = select.select([proc.stdout], [], [], 120)
-        line = proc.stdout.readline() if ready else ""
-        assert " listening on " in line, line
-        anyio.run(_compute, line.split(" listening on ", 1)[1].split()[0])
+    argv = ["--model", str(directory), "--engine", "torch", "--port", "0",
+            "--log-level", "warning", *flags]  # fmt: skip
+    with server_process("meshnet_node", *argv, timeout=120) as (proc, url):
+        anyio.run(_compute, url)
         return _mapped_rss(proc.pid, directory)
-    finally:
-        proc.terminate()
-        proc.wait(30)
 
 
 def test_a_float32_checkpoint_held_as_bfloat16_maps_nothing(tmp_path: Path) -> None:

@@ -17,7 +17,6 @@ Memory is read from /proc/PID/status, never estimated; nothing is timed.
 from __future__ import annotations
 
 import os
-import select
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -29,7 +28,7 @@ import numpy as np
 import pytest
 
 from cgroup_support import memory_cgroup
-from meshnet_bench._support import current_rss_bytes, peak_rss_bytes
+from meshnet_bench._support import current_rss_bytes, peak_rss_bytes, server_process
 from meshnet_model.formats.gguf.checkpoint import hf_name
 from meshnet_model.formats.gguf.file import GGUFFile
 from meshnet_model.testing.random_gguf import LLAMA_3_2_1B, LLAMA_3_2_3B, write_random_gguf
@@ -66,26 +65,10 @@ def _file_share(path: Path, layers: range, num_layers: int) -> int:
 
 @contextmanager
 def _node(model: Path, layers: str, *flags: str, preexec_fn=None) -> Iterator[tuple[int, str]]:  # type: ignore[no-untyped-def]
-    env = {k: v for k, v in os.environ.items() if not k.startswith("MESHNET_")}
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "meshnet_node", "--model", str(model), "--layers", layers,
-         "--port", "0", "--log-level", "warning", *flags],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
-        preexec_fn=preexec_fn,
-    )  # fmt: skip
-    try:
-        assert proc.stdout is not None
-        ready, _, _ = select.select([proc.stdout], [], [], 600)
-        line = proc.stdout.readline() if ready else ""
-        assert " listening on " in line, (line, proc.stderr.read() if proc.poll() else "")
-        yield proc.pid, line.split(" listening on ", 1)[1].split()[0]
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+    argv = ["--model", str(model), "--layers", layers, "--port", "0", "--log-level", "warning",
+            *flags]  # fmt: skip
+    with server_process("meshnet_node", *argv, timeout=600, preexec_fn=preexec_fn) as (proc, url):
+        yield proc.pid, url
 
 
 async def _generate(url: str, vocab: int) -> np.ndarray:

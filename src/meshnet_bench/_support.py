@@ -113,10 +113,14 @@ def _child_env() -> dict[str, str]:
 
 @contextlib.contextmanager
 def server_process(
-    module: str, *args: str, timeout: float = 60.0
+    module: str,
+    *args: str,
+    timeout: float = 60.0,
+    preexec_fn: Callable[[], None] | None = None,
 ) -> Iterator[tuple[subprocess.Popen[str], str]]:
     """``python -m module args`` until the block ends; yields it and the URL of
     its ready line (``… listening on URL``). Always stopped, killed if need be.
+    ``preexec_fn`` runs in the child before it execs (joining a cgroup, say).
 
     Its stderr goes to a temporary file, quoted when it fails to start. The
     generous start-up timeout is for a loaded machine (imports take seconds).
@@ -128,6 +132,7 @@ def server_process(
             stderr=errors,
             text=True,
             env=_child_env(),
+            preexec_fn=preexec_fn,
         )
         try:
             assert proc.stdout is not None
