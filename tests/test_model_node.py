@@ -318,8 +318,8 @@ async def test_a_stage_computing_a_suffix_is_a_500_never_a_short_frame(
     from meshnet_runtime.config import load_config
 
     class SuffixOnly(StageModel):
-        def _layers(self, x, cache, position, *rest):  # type: ignore[no-untyped-def]
-            return super()._layers(x, cache, position, *rest)[:, 1:]
+        def _layers(self, x, batch):  # type: ignore[no-untyped-def]
+            return super()._layers(x, batch)[1:]  # one position short
 
     runner = StageRunner(StageWeights.load(checkpoint, range(2, 4)))
     runner.model = SuffixOnly(runner.weights)

@@ -334,8 +334,8 @@ def test_a_leftover_of_a_cancelled_chunk_is_dropped_on_retry(checkpoint: Path) -
 
 def test_non_first_stage_computing_a_suffix_is_refused_by_name(checkpoint: Path) -> None:
     class SuffixOnly(StageModel):
-        def _layers(self, x, cache, position, *rest):  # type: ignore[no-untyped-def]
-            return super()._layers(x, cache, position, *rest)[:, 1:]  # drops the first position
+        def _layers(self, x, batch):  # type: ignore[no-untyped-def]
+            return super()._layers(x, batch)[1:]  # drops the first position
 
     model = SuffixOnly(StageWeights.load(checkpoint, range(2, 4)))
     hidden = np.zeros((1, 4, 64), np.float32)

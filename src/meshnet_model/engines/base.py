@@ -9,11 +9,12 @@ what ``KVCache`` has (``batch``, ``length``, ``truncate``, ``close``).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol, TypeVar, runtime_checkable
 
 import numpy as np
 
+from ..stage.batch import BatchEntry, PackedBatch
 from ..stage.kv_cache import KVBudget, KVCache
 
 __all__ = ["CacheT", "Engine"]
@@ -38,6 +39,11 @@ class Engine(Protocol[CacheT]):
         *,
         between_layers: Callable[[], None] | None = None,
     ) -> np.ndarray: ...
+
+    def forward_batch(self, entries: Sequence[BatchEntry[CacheT]]) -> PackedBatch[CacheT]:
+        """Several sessions' chunks in one pass (``stage.batch``); each entry
+        ends with its ``output`` or its ``error``."""
+        ...
 
     def describe(self) -> dict[str, Any]: ...
 

@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -53,6 +53,7 @@ from ..errors import (
 )
 from ..formats.config import ModelConfig
 from ..source import model_name
+from .batch import BatchEntry
 from .costs import chunk_cost, reachable_context
 from .kv_cache import KVBudget, KVCache
 from .weights import StageWeights
@@ -68,6 +69,7 @@ __all__ = [
     "SessionLife",
     "StageInputError",
     "StageRunner",
+    "StageWork",
 ]
 
 DEFAULT_KV_BUDGET = 1024 * 1024 * 1024
@@ -79,6 +81,26 @@ DEFAULT_MAX_CHUNK_TOKENS = 2048
 # could ask for. meshnet-node --max-compute-bytes.
 DEFAULT_MAX_COMPUTE_BYTES = 1024 * 1024 * 1024
 _FLOAT_WIRE = ("float32", "float16", "bfloat16")
+
+
+@dataclass(eq=False, slots=True)
+class StageWork:
+    """One chunk of one session for ``run_batch``; ``deadline`` on the
+    ``time.monotonic()`` clock. After the step exactly one of ``output`` and
+    ``error`` is set."""
+
+    life: SessionLife
+    position: int
+    inputs: np.ndarray
+    deadline: float | None = None
+    output: np.ndarray | None = None
+    error: BaseException | None = None
+
+    def result(self) -> np.ndarray:
+        if self.error is not None:
+            raise self.error
+        assert self.output is not None
+        return self.output
 
 
 @dataclass(eq=False, slots=True)
@@ -258,29 +280,52 @@ class StageRunner:
         """Run a chunk. ``life``: from ``admit`` (default: admitted now);
         ``deadline``: a ``time.monotonic()`` after which the compute stops
         between layers (``ComputeDeadlineExceeded``)."""
-        if life is None:
-            life = self.admit(session)
+        work = StageWork(life or self.admit(session), position, inputs, deadline)
+        self.run_batch([work])
+        return work.result()
+
+    def run_batch(self, works: Sequence[StageWork]) -> None:
+        """Run several sessions' chunks as one step (``stage.batch``): each
+        work ends with its ``output`` or its ``error``, as ``run`` would have
+        returned or raised it alone. One work per session in a step (the
+        node's sequencer hands a session's chunks out one at a time)."""
+        entries = []
+        for work in works:
+            try:
+                entries.append(self._entry(work))
+            except Exception as exc:  # the chunk's own fault: it alone fails
+                work.error = exc
+        batch = self.model.forward_batch([entry for _, entry in entries])
+        del batch  # each entry carries its outcome
+        for work, entry in entries:
+            if entry.error is not None:
+                work.error = entry.error
+            elif work.life.ended:  # ended while computing: its output must not travel on
+                work.error = SessionEnded(
+                    f"session {work.life.session} ended while its chunk was computing"
+                )
+            else:
+                work.output = entry.output
+
+    def _entry(self, work: StageWork) -> tuple[StageWork, BatchEntry[Any]]:
+        """Check one chunk and bring its session's cache to its position."""
+        life, position, inputs = work.life, work.position, work.inputs
         self.check_input(inputs, position)
         self.check_position(position, inputs.shape[1])
         cache = self._cache_for(life, batch=inputs.shape[0])
         if cache.batch != inputs.shape[0]:
             raise StageInputError(
-                f"session {session} started with batch {cache.batch}, this chunk has "
+                f"session {life.session} started with batch {cache.batch}, this chunk has "
                 f"{inputs.shape[0]}"
             )
         if cache.length > position:
             cache.truncate(position)
         elif cache.length < position:
             raise CacheMismatch(
-                f"session {session}: this stage's KV cache holds {cache.length} positions, "
-                f"the chunk starts at {position}"
+                f"session {life.session}: this stage's KV cache holds {cache.length} "
+                f"positions, the chunk starts at {position}"
             )
-        output = self.model.forward(
-            inputs, cache, position, between_layers=_stopper(life, deadline)
-        )
-        if life.ended:  # ended while computing: its output must not travel on
-            raise SessionEnded(f"session {session} ended while its chunk was computing")
-        return output
+        return work, BatchEntry(inputs, cache, position, _stopper(life, work.deadline))
 
     def _cache_for(self, life: SessionLife, *, batch: int) -> KVCache:
         with self._lock:

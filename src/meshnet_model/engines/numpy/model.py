@@ -24,7 +24,7 @@ position, ``[batch, vocab]`` float32.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import ml_dtypes
@@ -33,10 +33,19 @@ import numpy as np
 from ...errors import StageInvariantError
 from ...formats.config import ModelConfig
 from ...rope import Rope, apply_rope
+from ...stage.batch import BatchEntry, PackedBatch
 from ...stage.kv_cache import KVCache
 from ...stage.weights import LayerWeights, StageWeights
 
-__all__ = ["StageModel", "StageInvariantError", "linear", "rms_norm", "silu"]
+__all__ = [
+    "StageInvariantError",
+    "StageModel",
+    "attend",
+    "linear",
+    "project_qkv",
+    "rms_norm",
+    "silu",
+]
 
 F32 = np.float32
 # Queries per attention block: bounds the score matrix to
@@ -77,36 +86,54 @@ def silu(x: np.ndarray) -> np.ndarray:
     return x * (F32(0.5) * (F32(1.0) + np.tanh(F32(0.5) * x)))
 
 
-def attention(
-    x: np.ndarray,
+def project_qkv(x: np.ndarray, block: LayerWeights) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The query, key and value projections of packed rows ``[rows, hidden]``:
+    one matrix product each, however many chunks the rows come from."""
+    return (
+        linear(x, block.q, block.q_bias),
+        linear(x, block.k, block.k_bias),
+        linear(x, block.v, block.v_bias),
+    )
+
+
+def attend(
+    q: np.ndarray,
+    k: np.ndarray,
+    v: np.ndarray,
     block: LayerWeights,
     config: ModelConfig,
     rope: tuple[np.ndarray, np.ndarray] | None,
     keys: np.ndarray,
     values: np.ndarray,
     past: int,
-    window: int | None = None,
+    window: int | None,
+    *,
+    batch: int,
 ) -> np.ndarray:
-    """Grouped-query causal self-attention of ``x`` (positions ``past ..``),
-    writing this chunk's rotated keys and values into ``keys``/``values``
-    (``[batch, kv_heads, capacity, head_dim]``) at ``past``.
+    """Grouped-query causal self-attention of one chunk at positions ``past ..``
+    from its projected rows (``[batch * t, heads * d]``
+    queries, ``[batch * t, kv_heads * d]`` keys and values) over its own cache;
+    returns the heads' outputs ``[batch * t, heads * d]``, before ``o``. Writes
+    the chunk's rotated keys and values into ``keys``/``values`` (``[batch,
+    kv_heads, capacity, head_dim]``) at ``past``.
 
     ``rope``: this chunk's (cos, sin), or None on a layer without rope
     (smollm3). ``window``: a sliding window — the query at position ``p``
     sees keys ``p - window < k <= p``, transformers' sliding mask; the cache
     keeps every key, so chunking and decode see exactly those keys.
     """
-    b, t, _ = x.shape
+    b = batch
+    t = q.shape[0] // b
     heads, kv_heads, d = config.num_attention_heads, config.num_key_value_heads, config.head_dim
     groups = heads // kv_heads
-    q = linear(x, block.q, block.q_bias).reshape(b, t, heads, d)
-    k = linear(x, block.k, block.k_bias).reshape(b, t, kv_heads, d)
+    q = q.reshape(b, t, heads, d)
+    k = k.reshape(b, t, kv_heads, d)
     if block.q_norm is not None and block.k_norm is not None:
         # qwen3: RMSNorm over each head's vector, before rope.
         q = rms_norm(q, block.q_norm, config.rms_norm_eps)
         k = rms_norm(k, block.k_norm, config.rms_norm_eps)
     q, k = q.transpose(0, 2, 1, 3), k.transpose(0, 2, 1, 3)
-    v = linear(x, block.v, block.v_bias).reshape(b, t, kv_heads, d).transpose(0, 2, 1, 3)
+    v = v.reshape(b, t, kv_heads, d).transpose(0, 2, 1, 3)
     if rope is not None:
         q, k = apply_rope(q, *rope), apply_rope(k, *rope)
     keys[:, :, past : past + t] = k
@@ -131,8 +158,7 @@ def attention(
         np.exp(scores, out=scores)
         scores /= scores.sum(axis=-1, keepdims=True)
         out[:, :, :, lo:hi] = scores @ v_all
-    out = out.reshape(b, heads, t, d).transpose(0, 2, 1, 3).reshape(b, t, heads * d)
-    return linear(out, block.o, block.o_bias)
+    return out.reshape(b, heads, t, d).transpose(0, 2, 1, 3).reshape(b * t, heads * d)
 
 
 def mlp(x: np.ndarray, block: LayerWeights) -> np.ndarray:
@@ -191,36 +217,48 @@ class StageModel:
         ``position`` positions; it holds ``position + tokens`` after.
         ``between_layers`` is called before each layer and may raise to stop
         the compute (a spent deadline, an ended session); the cache then keeps
-        ``position`` positions.
+        ``position`` positions. A batch of one ``forward_batch``: one code path.
         """
-        if cache.length != position:
-            raise StageInvariantError(
-                f"the KV cache holds {cache.length} positions, the chunk starts at {position}"
-            )
-        tokens = inputs.shape[1]
-        # The KV growth is checked against its budget before the embedding
-        # (tokens x hidden floats) is built: a refused chunk allocates nothing.
-        cache.reserve(position + tokens)
-        x = self.embed(inputs) if self.first else _f32(inputs)
-        x = self._layers(x, cache, position, between_layers)
+        entry = BatchEntry(inputs, cache, position, between_layers)
+        return self.forward_batch([entry]).result()
+
+    def forward_batch(self, entries: Sequence[BatchEntry[KVCache]]) -> PackedBatch[KVCache]:
+        """Several sessions' chunks in one pass (``stage.batch``): every matrix
+        product over all their rows, attention per chunk over its own cache.
+        Each entry ends with its ``output`` or its ``error``."""
+        batch = PackedBatch(entries)
+        if not batch.running:
+            return batch
+        hidden = self.config.hidden_size
+        rows = [self.embed(e.inputs) if self.first else _f32(e.inputs) for e in batch.running]
+        x = _pack([r.reshape(-1, hidden) for r in rows])
+        x = self._layers(x, batch)
+        if not batch.running:  # every entry stopped between layers
+            return batch
         # The invariant of shared/seeds/003: a stage must compute every position
         # it received, never a suffix — else the next stage would attend over a
         # prefix it never got. The seed allows a short output on the stage that
         # owns layer 0 (suffix-only prefill after a prefix-cache hit); this
         # implementation has no prefix cache, so it holds every stage to it.
         # Checked explicitly, not with ``assert``: it must hold under ``-O`` too.
-        if x.shape[:2] != inputs.shape[:2]:
+        if x.shape[0] != batch.rows:
             raise StageInvariantError(
                 f"layers {self.weights.layers.start}..{self.weights.layers.stop - 1} computed "
-                f"{x.shape[1]} positions for {tokens} tokens received; non-first stages must "
-                "execute the full range"
+                f"{x.shape[0]} positions for {batch.rows} tokens received; non-first stages "
+                "must execute the full range"
             )
-        cache.length = position + tokens
         if not self.last:
-            return x
+            batch.finish([x[lo:hi].reshape(e.batch, e.tokens, hidden)
+                          for e, lo, hi in batch.spans()])  # fmt: skip
+            return batch
         assert self.weights.norm is not None and self.weights.lm_head is not None
-        final = rms_norm(x[:, -1], self.weights.norm, self.config.rms_norm_eps)
-        return linear(final, self.weights.lm_head)
+        # Each chunk's last position of each of its rows: one head product for all.
+        ends = np.concatenate([np.arange(lo, hi)[e.tokens - 1 :: e.tokens]
+                               for e, lo, hi in batch.spans()])  # fmt: skip
+        final = rms_norm(x[ends], self.weights.norm, self.config.rms_norm_eps)
+        logits = linear(final, self.weights.lm_head)
+        batch.finish(np.split(logits, np.cumsum([e.batch for e in batch.running])[:-1]))
+        return batch
 
     def score(self, ids: np.ndarray, cache: KVCache) -> np.ndarray:
         """Every position's next-token logits, float32 ``[batch, tokens, vocab]``, of
@@ -228,31 +266,43 @@ class StageModel:
         measuring one engine against another (``meshnet_model.testing.quality``)."""
         if not (self.first and self.last):
             raise StageInvariantError("score needs a stage with every layer")
-        cache.reserve(ids.shape[1])
-        x = self._layers(self.embed(ids), cache, 0)
+        batch = PackedBatch([BatchEntry(ids, cache, 0)])
+        if not batch.running:
+            batch.result()  # its error
+        x = self._layers(self.embed(ids).reshape(-1, self.config.hidden_size), batch)
         cache.length = ids.shape[1]
         assert self.weights.norm is not None and self.weights.lm_head is not None
-        return linear(rms_norm(x, self.weights.norm, self.config.rms_norm_eps),
-                      self.weights.lm_head)  # fmt: skip
+        logits = linear(rms_norm(x, self.weights.norm, self.config.rms_norm_eps),
+                        self.weights.lm_head)  # fmt: skip
+        return logits.reshape(*ids.shape, -1)
 
-    def _layers(
-        self,
-        x: np.ndarray,
-        cache: KVCache,
-        position: int,
-        between_layers: Callable[[], None] | None = None,
-    ) -> np.ndarray:
+    def _layers(self, x: np.ndarray, batch: PackedBatch[KVCache]) -> np.ndarray:
+        """The layers over packed rows ``[rows, hidden]``; an entry that must stop
+        (``check_stops``) leaves with its rows."""
         c = self.config
-        rope = self.rope.cos_sin(position, x.shape[1])
+        ropes = [self.rope.cos_sin(e.position, e.tokens) for e in batch.running]
         for i, block in enumerate(self.weights.blocks):
-            if between_layers is not None:
-                between_layers()
+            kept = batch.check_stops()
+            if kept is not None:
+                if not batch.running:
+                    return x[:0]
+                x = _pack([x[lo:hi] for lo, hi in kept])
+                ropes = [self.rope.cos_sin(e.position, e.tokens) for e in batch.running]
             layer = self.weights.layers.start + i
+            rotates, window = c.layer_rotates(layer), c.layer_window(layer)
             h = rms_norm(x, block.input_norm, c.rms_norm_eps)
-            x = x + attention(
-                h, block, c, rope if c.layer_rotates(layer) else None,
-                cache.keys[i], cache.values[i], position, c.layer_window(layer),
-            )  # fmt: skip
+            q, k, v = project_qkv(h, block)
+            heads = [
+                attend(q[lo:hi], k[lo:hi], v[lo:hi], block, c, rope if rotates else None,
+                       e.cache.keys[i], e.cache.values[i], e.position, window, batch=e.batch)
+                for (e, lo, hi), rope in zip(batch.spans(), ropes, strict=True)
+            ]  # fmt: skip
+            x = x + linear(_pack(heads), block.o, block.o_bias)
             h = rms_norm(x, block.post_norm, c.rms_norm_eps)
             x = x + mlp(h, block)
         return x
+
+
+def _pack(parts: list[np.ndarray]) -> np.ndarray:
+    """Rows one after another (no copy for a single part)."""
+    return parts[0] if len(parts) == 1 else np.concatenate(parts)

@@ -14,7 +14,7 @@ reads them and as the numpy engine returns them.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +25,7 @@ from ...formats.config import ModelConfig
 from ...formats.gguf.checkpoint import GGUFCheckpoint
 from ...formats.safetensors import Checkpoint
 from ...source import is_gguf, load_config, model_name
+from ...stage.batch import BatchEntry, PackedBatch
 from ...stage.kv_cache import KVBudget
 from ...stage.runner import (
     DEFAULT_KV_BUDGET,
@@ -35,7 +36,7 @@ from ...stage.runner import (
 from ...stage.weights import StageWeights, head_is_tied
 from ._torch import COMPUTE_DTYPES, check_device, import_torch
 from .kv_cache import TorchKVCache
-from .layers import RopeTable, attention, fused_rms_norm, mlp, rms_norm
+from .layers import RopeTable, attend, fused_rms_norm, mlp, project_qkv, rms_norm
 from .qlinear import linear
 from .transfer import Transfer
 from .weights import MappedEmbedding, TorchStageWeights, converted_weights, gguf_weights
@@ -114,31 +115,55 @@ class TorchStageModel:
         """As ``StageModel.forward``: the chunk's layers at ``position``; the
         cache holds ``position + tokens`` after. ``between_layers`` is called
         before each layer and may raise to stop the compute (the runner's
-        deadline and session-life check); the cache then keeps ``position``."""
-        if cache.length != position:
-            raise StageInvariantError(
-                f"the KV cache holds {cache.length} positions, the chunk starts at {position}"
-            )
+        deadline and session-life check); the cache then keeps ``position``.
+        A batch of one ``forward_batch``."""
+        entry = BatchEntry(inputs, cache, position, between_layers)
+        return self.forward_batch([entry]).result()
+
+    def forward_batch(
+        self, entries: Sequence[BatchEntry[TorchKVCache]]
+    ) -> PackedBatch[TorchKVCache]:
+        """As ``StageModel.forward_batch``: several sessions' chunks in one pass,
+        every kernel over all their rows, attention per chunk."""
         t = self.torch
         if self.threads is not None:
             t.set_num_threads(self.threads)
-        tokens = inputs.shape[1]
-        cache.reserve(position + tokens)
+        batch = PackedBatch(entries)
+        if not batch.running:
+            return batch
+        hidden = self.config.hidden_size
         with t.inference_mode():
-            first = self.first
-            x = self._embed(inputs) if first else self.transfer.to_device(inputs, self.dtype)
-            x = self._layers(x, cache, position, between_layers)
-            if x.shape[:2] != inputs.shape[:2]:  # the seed's invariant, as in the numpy engine
+            rows = [
+                self._embed(e.inputs) if self.first
+                else self.transfer.to_device(e.inputs, self.dtype)
+                for e in batch.running
+            ]  # fmt: skip
+            x = _pack(t, [r.reshape(-1, hidden) for r in rows])
+            x = self._layers(x, batch)
+            if not batch.running:  # every entry stopped between layers
+                return batch
+            if x.shape[0] != batch.rows:  # the seed's invariant, as in the numpy engine
                 raise StageInvariantError(
-                    f"layers {self.layers.start}..{self.layers.stop - 1} computed {x.shape[1]} "
-                    f"positions for {tokens} tokens received"
+                    f"layers {self.layers.start}..{self.layers.stop - 1} computed {x.shape[0]} "
+                    f"positions for {batch.rows} tokens received"
                 )
-            cache.length = position + tokens
-            if self.last:
-                w = self.weights
-                final = self.norm(t, x[:, -1], w.norm, self.config.rms_norm_eps)
-                x = linear(t, final, w.lm_head).float()
-            return self.transfer.to_host(x, cache.staging)
+            if not self.last:
+                batch.finish([
+                    self.transfer.to_host(x[lo:hi].reshape(e.batch, e.tokens, hidden),
+                                          e.cache.staging)
+                    for e, lo, hi in batch.spans()
+                ])  # fmt: skip
+                return batch
+            w = self.weights
+            # Each chunk's last position of each of its rows: one head product for all.
+            ends = [i for e, lo, hi in batch.spans()
+                    for i in range(lo + e.tokens - 1, hi, e.tokens)]  # fmt: skip
+            final = self.norm(t, x[ends], w.norm, self.config.rms_norm_eps)
+            logits = linear(t, final, w.lm_head).float()
+            parts = logits.split([e.batch for e in batch.running])
+            batch.finish([self.transfer.to_host(part, e.cache.staging)
+                          for part, e in zip(parts, batch.running, strict=True)])  # fmt: skip
+        return batch
 
     def score(self, ids: np.ndarray, cache: TorchKVCache) -> np.ndarray:
         """Every position's next-token logits, float32 ``[batch, tokens, vocab]``, of
@@ -146,13 +171,16 @@ class TorchStageModel:
         if not (self.first and self.last):
             raise StageInvariantError("score needs a stage with every layer")
         t = self.torch
-        cache.reserve(ids.shape[1])
+        batch = PackedBatch([BatchEntry(ids, cache, 0)])
+        if not batch.running:
+            batch.result()  # its error
         with t.inference_mode():
-            x = self._layers(self._embed(ids), cache, 0)
+            x = self._layers(self._embed(ids).reshape(-1, self.config.hidden_size), batch)
             cache.length = ids.shape[1]
             w = self.weights
             final = self.norm(t, x, w.norm, self.config.rms_norm_eps)
-            return linear(t, final, w.lm_head).float().cpu().numpy()
+            logits = linear(t, final, w.lm_head).float().cpu().numpy()
+            return logits.reshape(*ids.shape, -1)
 
     def _embed(self, ids: np.ndarray) -> Any:
         """Token ids → hidden states in the compute dtype (a mapped file-form
@@ -163,24 +191,28 @@ class TorchStageModel:
         on_device = self.transfer.to_device(ids, t.long)
         return t.nn.functional.embedding(on_device, self.weights.embed).to(self.dtype)
 
-    def _layers(
-        self,
-        x: Any,
-        cache: TorchKVCache,
-        position: int,
-        between_layers: Callable[[], None] | None = None,
-    ) -> Any:
+    def _layers(self, x: Any, batch: PackedBatch[TorchKVCache]) -> Any:
+        """The layers over packed rows ``[rows, hidden]``; an entry that must stop
+        (``check_stops``) leaves with its rows."""
         c, t = self.config, self.torch
-        rope = self.rope.get(position, x.shape[1])
+        ropes = [self.rope.get(e.position, e.tokens) for e in batch.running]
         for i, block in enumerate(self.weights.blocks):
-            if between_layers is not None:
-                between_layers()
+            kept = batch.check_stops()
+            if kept is not None:
+                if not batch.running:
+                    return x[:0]
+                x = _pack(t, [x[lo:hi] for lo, hi in kept])
+                ropes = [self.rope.get(e.position, e.tokens) for e in batch.running]
             layer = self.layers.start + i
+            rotates, window = c.layer_rotates(layer), c.layer_window(layer)
             h = self.norm(t, x, block.input_norm, c.rms_norm_eps)
-            x = x + attention(
-                t, h, block, c, rope if c.layer_rotates(layer) else None,
-                cache.keys[i], cache.values[i], position, c.layer_window(layer),
-            )  # fmt: skip
+            q, k, v = project_qkv(t, h, block, c)
+            heads = [
+                attend(t, q[lo:hi], k[lo:hi], v[lo:hi], block, c, rope if rotates else None,
+                       e.cache.keys[i], e.cache.values[i], e.position, window, batch=e.batch)
+                for (e, lo, hi), rope in zip(batch.spans(), ropes, strict=True)
+            ]  # fmt: skip
+            x = x + linear(t, _pack(t, heads), block.o, block.o_bias)
             h = self.norm(t, x, block.post_norm, c.rms_norm_eps)
             x = x + mlp(t, h, block)
         return x
@@ -294,3 +326,8 @@ def _gguf_model(
     model = TorchStageModel(torch, shape, dtype=compute, device=device, transfer=transfer,
                             held=held)  # fmt: skip
     return model, shape
+
+
+def _pack(torch: Any, parts: list[Any]) -> Any:
+    """Rows one after another (no copy for a single part)."""
+    return parts[0] if len(parts) == 1 else torch.cat(parts)

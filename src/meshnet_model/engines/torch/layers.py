@@ -28,7 +28,7 @@ from ...formats.config import ModelConfig
 from ...rope import Rope
 from .qlinear import linear
 
-__all__ = ["RopeTable", "attention", "fused_rms_norm", "mlp", "rms_norm"]
+__all__ = ["RopeTable", "attend", "fused_rms_norm", "mlp", "project_qkv", "rms_norm"]
 
 
 def fused_rms_norm(torch: Any, x: Any, weight: Any, eps: float) -> Any:
@@ -93,9 +93,28 @@ def _linear(torch: Any, x: Any, weight: Any, bias: Any) -> Any:
     return linear(torch, x, weight, bias)
 
 
-def attention(
+def project_qkv(torch: Any, x: Any, block: Any, config: ModelConfig) -> tuple[Any, Any, Any]:
+    """The query, key and value projections of packed rows ``[rows, hidden]``:
+    one kernel call each (one for the three in a quantized stage), however
+    many chunks the rows come from."""
+    heads, kv_heads, d = config.num_attention_heads, config.num_key_value_heads, config.head_dim
+    if block.qkv is not None:  # one kernel for the three (a quantized stage)
+        q, k, v = _linear(torch, x, block.qkv, None).split(
+            [heads * d, kv_heads * d, kv_heads * d], dim=-1
+        )
+        return _add(q, block.q_bias), _add(k, block.k_bias), _add(v, block.v_bias)
+    return (
+        _linear(torch, x, block.q, block.q_bias),
+        _linear(torch, x, block.k, block.k_bias),
+        _linear(torch, x, block.v, block.v_bias),
+    )
+
+
+def attend(
     torch: Any,
-    x: Any,
+    q: Any,
+    k: Any,
+    v: Any,
     block: Any,
     config: ModelConfig,
     rope: tuple[Any, Any] | None,
@@ -103,24 +122,19 @@ def attention(
     values: Any,
     past: int,
     window: int | None,
+    *,
+    batch: int,
 ) -> Any:
-    """Causal grouped-query attention of ``x`` ``[b, t, hidden]`` at positions
-    ``past ..``, writing its rotated keys and values into the cache tensors
-    ``[b, kv_heads, capacity, d]`` at ``past``. ``window``: the query at ``p``
-    sees keys ``p - window < k <= p`` (transformers' sliding mask)."""
-    b, t, _ = x.shape
+    """Causal grouped-query attention of one chunk at positions ``past ..``
+    from its projected rows (``[batch * t, ...]``), writing its rotated keys
+    and values into the cache tensors ``[b, kv_heads, capacity, d]`` at
+    ``past``; returns the heads' outputs ``[batch * t, heads * d]``, before
+    ``o``. ``window``: the query at ``p`` sees keys ``p - window < k <= p``
+    (transformers' sliding mask)."""
+    b = batch
+    t = q.shape[0] // b
     heads, kv_heads, d = config.num_attention_heads, config.num_key_value_heads, config.head_dim
     groups = heads // kv_heads
-    if block.qkv is not None:  # one kernel for the three (a quantized stage)
-        q, k, v = _linear(torch, x, block.qkv, None).split(
-            [heads * d, kv_heads * d, kv_heads * d], dim=-1
-        )
-        q, k, v = (_add(p, bias) for p, bias in ((q, block.q_bias), (k, block.k_bias),
-                                                  (v, block.v_bias)))  # fmt: skip
-    else:
-        q = _linear(torch, x, block.q, block.q_bias)
-        k = _linear(torch, x, block.k, block.k_bias)
-        v = _linear(torch, x, block.v, block.v_bias)
     q = q.reshape(b, t, heads, d)
     k = k.reshape(b, t, kv_heads, d)
     v = v.reshape(b, t, kv_heads, d)
@@ -142,8 +156,8 @@ def attention(
         if window is not None:
             first_key = max(0, total - window)
     else:
-        query_pos = torch.arange(past, total, device=x.device)[:, None]
-        key_pos = torch.arange(total, device=x.device)[None, :]
+        query_pos = torch.arange(past, total, device=q.device)[:, None]
+        key_pos = torch.arange(total, device=q.device)[None, :]
         mask = key_pos <= query_pos
         if window is not None:
             mask &= key_pos > query_pos - window
@@ -157,8 +171,7 @@ def attention(
         attn_mask=mask,
         scale=1.0 / math.sqrt(d),
     )
-    out = out.view(b, heads, t, d).transpose(1, 2).reshape(b, t, heads * d)
-    return _linear(torch, out, block.o, block.o_bias)
+    return out.view(b, heads, t, d).transpose(1, 2).reshape(b * t, heads * d)
 
 
 def _add(x: Any, bias: Any) -> Any:

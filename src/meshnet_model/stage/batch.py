@@ -1,0 +1,135 @@
+"""Several sessions' chunks in one forward pass: the rows, packed.
+
+A batched step runs the chunks of different sessions through the stage's
+layers together. Every matrix product takes all their rows at once — the
+weights are read once per step, not once per session, which is what makes
+decoding many streams cost little more than one — while attention stays per
+session, each chunk's queries over its own cache at its own positions. The
+rows are *packed*: chunk after chunk along one axis, ``[rows, hidden]``, so
+chunks of different lengths at different positions batch without padding.
+
+``BatchEntry`` is one chunk; ``PackedBatch`` is the bookkeeping an engine
+needs around its arrays: which entries are still running, where each one's
+rows are, and the per-entry stop checks between layers. An entry that stops
+(its session ended, its deadline passed) or fails before the compute (its KV
+budget) gets its error and leaves the batch; the others go on, and none of
+them sees the difference — a row's numbers never depend on another entry's
+rows, except through the last bits a matrix product of another height may
+round differently (docs/models.md, "Batched steps").
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Generic, TypeVar
+
+import numpy as np
+
+from ..errors import StageInvariantError
+from .kv_cache import KVCache
+
+__all__ = ["BatchEntry", "PackedBatch"]
+
+CacheT = TypeVar("CacheT", bound=KVCache)
+
+
+@dataclass(eq=False, slots=True)
+class BatchEntry(Generic[CacheT]):
+    """One session's chunk in a step: ``inputs`` (``[batch, tokens]`` ids or
+    ``[batch, tokens, hidden]``) at ``position`` of ``cache``; ``stop`` is
+    called before each layer and raises to stop this entry alone. After the
+    step exactly one of ``output`` and ``error`` is set."""
+
+    inputs: np.ndarray
+    cache: CacheT
+    position: int
+    stop: Callable[[], None] | None = None
+    output: np.ndarray | None = None
+    error: BaseException | None = None
+
+    @property
+    def batch(self) -> int:
+        return int(self.inputs.shape[0])
+
+    @property
+    def tokens(self) -> int:
+        return int(self.inputs.shape[1])
+
+    @property
+    def rows(self) -> int:
+        return self.batch * self.tokens
+
+
+class PackedBatch(Generic[CacheT]):
+    """The running entries of a step and where their rows lie in the packing."""
+
+    def __init__(self, entries: Sequence[BatchEntry[CacheT]]) -> None:
+        self.entries = list(entries)
+        self.running: list[BatchEntry[CacheT]] = []
+        for entry in self.entries:
+            if entry.cache.length != entry.position:
+                entry.error = StageInvariantError(
+                    f"the KV cache holds {entry.cache.length} positions, the chunk starts at "
+                    f"{entry.position}"
+                )
+                continue
+            try:
+                # The KV growth is checked against its budget before any
+                # compute: a refused entry allocates nothing, and leaves.
+                entry.cache.reserve(entry.position + entry.tokens)
+            except Exception as exc:  # KVBudgetExceeded, SessionEnded
+                entry.error = exc
+                continue
+            self.running.append(entry)
+
+    @property
+    def rows(self) -> int:
+        return sum(entry.rows for entry in self.running)
+
+    def spans(self) -> Iterator[tuple[BatchEntry[CacheT], int, int]]:
+        """Each running entry with its rows' ``[lo, hi)`` in the packing."""
+        lo = 0
+        for entry in self.running:
+            yield entry, lo, lo + entry.rows
+            lo += entry.rows
+
+    def check_stops(self) -> list[tuple[int, int]] | None:
+        """Ask every running entry whether it must stop; None when all go on,
+        else the row spans (of the packing as it was) of those that do — the
+        engine keeps just those rows."""
+        kept: list[tuple[int, int]] = []
+        stopped = False
+        survivors = []
+        for entry, lo, hi in self.spans():
+            try:
+                if entry.stop is not None:
+                    entry.stop()
+            except Exception as exc:  # SessionEnded, ComputeDeadlineExceeded
+                entry.error = exc
+                stopped = True
+                continue
+            survivors.append(entry)
+            kept.append((lo, hi))
+        if not stopped:
+            return None
+        self.running = survivors
+        return kept
+
+    def finish(self, outputs: Sequence[np.ndarray]) -> None:
+        """Hand each running entry its output; their caches now hold the chunk."""
+        if len(outputs) != len(self.running):
+            raise StageInvariantError(
+                f"the step computed {len(outputs)} outputs for {len(self.running)} chunks"
+            )
+        for entry, output in zip(self.running, outputs, strict=True):
+            entry.cache.length = entry.position + entry.tokens
+            entry.output = output
+
+    def result(self, index: int = 0) -> np.ndarray:
+        """Entry ``index``'s output, or its error raised (a batch of one: ``forward``)."""
+        entry = self.entries[index]
+        if entry.error is not None:
+            raise entry.error
+        assert entry.output is not None
+        return entry.output
