@@ -36,7 +36,7 @@ from ...stage.runner import (
 from ...stage.weights import StageWeights, head_is_tied
 from ._torch import COMPUTE_DTYPES, check_device, import_torch
 from .kv_cache import TorchKVCache
-from .layers import RopeTable, attend, fused_rms_norm, mlp, project_qkv, rms_norm
+from .layers import RopeTable, attend, fused_rms_norm, mlp, project_qkv, rms_norm, rotate
 from .qlinear import linear
 from .transfer import Transfer
 from .weights import MappedEmbedding, TorchStageWeights, converted_weights, gguf_weights
@@ -195,27 +195,45 @@ class TorchStageModel:
         """The layers over packed rows ``[rows, hidden]``; an entry that must stop
         (``check_stops``) leaves with its rows."""
         c, t = self.config, self.torch
-        ropes = [self.rope.get(e.position, e.tokens) for e in batch.running]
+        heads, kv_heads, d = c.num_attention_heads, c.num_key_value_heads, c.head_dim
+        rope = self._rope_rows(batch)
         for i, block in enumerate(self.weights.blocks):
             kept = batch.check_stops()
             if kept is not None:
                 if not batch.running:
                     return x[:0]
                 x = _pack(t, [x[lo:hi] for lo, hi in kept])
-                ropes = [self.rope.get(e.position, e.tokens) for e in batch.running]
+                rope = self._rope_rows(batch)
             layer = self.layers.start + i
-            rotates, window = c.layer_rotates(layer), c.layer_window(layer)
+            window = c.layer_window(layer)
             h = self.norm(t, x, block.input_norm, c.rms_norm_eps)
             q, k, v = project_qkv(t, h, block, c)
-            heads = [
-                attend(t, q[lo:hi], k[lo:hi], v[lo:hi], block, c, rope if rotates else None,
-                       e.cache.keys[i], e.cache.values[i], e.position, window, batch=e.batch)
-                for (e, lo, hi), rope in zip(batch.spans(), ropes, strict=True)
+            rows = q.shape[0]
+            # Norm and rope of every chunk's rows at once: per-op overhead is most
+            # of a decode step's attention, and these are element by element.
+            q, k = rotate(t, q.reshape(rows, heads, d), k.reshape(rows, kv_heads, d), block, c,
+                          rope if c.layer_rotates(layer) else None)  # fmt: skip
+            v = v.reshape(rows, kv_heads, d)
+            outs = [
+                attend(t, q[lo:hi], k[lo:hi], v[lo:hi], c, e.cache.keys[i], e.cache.values[i],
+                       e.position, window, batch=e.batch)
+                for e, lo, hi in batch.spans()
             ]  # fmt: skip
-            x = x + linear(t, _pack(t, heads), block.o, block.o_bias)
+            x = x + linear(t, _pack(t, outs), block.o, block.o_bias)
             h = self.norm(t, x, block.post_norm, c.rms_norm_eps)
             x = x + mlp(t, h, block)
         return x
+
+    def _rope_rows(self, batch: PackedBatch[TorchKVCache]) -> tuple[Any, Any]:
+        """Each packed row's (cos, sin) ``[rows, 1, d]``: its chunk's positions,
+        repeated over the chunk's batch rows."""
+        t = self.torch
+        cos, sin = [], []
+        for e in batch.running:
+            c, s = self.rope.get(e.position, e.tokens)
+            cos.append(c.repeat(e.batch, 1) if e.batch > 1 else c)
+            sin.append(s.repeat(e.batch, 1) if e.batch > 1 else s)
+        return _pack(t, cos)[:, None, :], _pack(t, sin)[:, None, :]
 
     def describe(self) -> dict[str, Any]:
         hidden = f"{self.dtype_name} hidden [batch, tokens, {self.config.hidden_size}]"

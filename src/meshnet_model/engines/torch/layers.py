@@ -28,7 +28,7 @@ from ...formats.config import ModelConfig
 from ...rope import Rope
 from .qlinear import linear
 
-__all__ = ["RopeTable", "attend", "fused_rms_norm", "mlp", "project_qkv", "rms_norm"]
+__all__ = ["RopeTable", "attend", "fused_rms_norm", "mlp", "project_qkv", "rms_norm", "rotate"]
 
 
 def fused_rms_norm(torch: Any, x: Any, weight: Any, eps: float) -> Any:
@@ -110,14 +110,35 @@ def project_qkv(torch: Any, x: Any, block: Any, config: ModelConfig) -> tuple[An
     )
 
 
+def rotate(
+    torch: Any,
+    q: Any,
+    k: Any,
+    block: Any,
+    config: ModelConfig,
+    rope: tuple[Any, Any] | None,
+) -> tuple[Any, Any]:
+    """Packed rows' queries ``[rows, heads, d]`` and keys ``[rows, kv_heads, d]``
+    made ready to attend: qwen3's per-head RMSNorm, then rope with each row's
+    own (cos, sin) ``[rows, 1, d]`` (None on a layer without rope). Element by
+    element, so one call for every chunk of a step gives each row exactly the
+    numbers it gets alone."""
+    if block.q_norm is not None:  # qwen3: RMSNorm of each head's vector, before rope
+        q = rms_norm(torch, q, block.q_norm, config.rms_norm_eps)
+        k = rms_norm(torch, k, block.k_norm, config.rms_norm_eps)
+    if rope is not None:
+        cos, sin = rope
+        q = q * cos + rotate_half(torch, q) * sin
+        k = k * cos + rotate_half(torch, k) * sin
+    return q, k
+
+
 def attend(
     torch: Any,
     q: Any,
     k: Any,
     v: Any,
-    block: Any,
     config: ModelConfig,
-    rope: tuple[Any, Any] | None,
     keys: Any,
     values: Any,
     past: int,
@@ -126,29 +147,20 @@ def attend(
     batch: int,
 ) -> Any:
     """Causal grouped-query attention of one chunk at positions ``past ..``
-    from its projected rows (``[batch * t, ...]``), writing its rotated keys
-    and values into the cache tensors ``[b, kv_heads, capacity, d]`` at
-    ``past``; returns the heads' outputs ``[batch * t, heads * d]``, before
-    ``o``. ``window``: the query at ``p`` sees keys ``p - window < k <= p``
-    (transformers' sliding mask)."""
+    from its rotated rows (``[batch * t, heads, d]`` queries, ``[batch * t,
+    kv_heads, d]`` keys and values), writing its keys and values into the
+    cache tensors ``[b, kv_heads, capacity, d]`` at ``past``; returns the
+    heads' outputs ``[batch * t, heads * d]``, before ``o``. ``window``: the
+    query at ``p`` sees keys ``p - window < k <= p`` (transformers' sliding
+    mask)."""
     b = batch
     t = q.shape[0] // b
     heads, kv_heads, d = config.num_attention_heads, config.num_key_value_heads, config.head_dim
     groups = heads // kv_heads
-    q = q.reshape(b, t, heads, d)
-    k = k.reshape(b, t, kv_heads, d)
-    v = v.reshape(b, t, kv_heads, d)
-    if block.q_norm is not None:  # qwen3: RMSNorm of each head's vector, before rope
-        q = rms_norm(torch, q, block.q_norm, config.rms_norm_eps)
-        k = rms_norm(torch, k, block.k_norm, config.rms_norm_eps)
-    q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-    if rope is not None:
-        cos, sin = rope
-        q = q * cos + rotate_half(torch, q) * sin
-        k = k * cos + rotate_half(torch, k) * sin
+    q = q.reshape(b, t, heads, d).transpose(1, 2)
     total = past + t
-    keys[:, :, past:total] = k
-    values[:, :, past:total] = v
+    keys[:, :, past:total] = k.reshape(b, t, kv_heads, d).transpose(1, 2)
+    values[:, :, past:total] = v.reshape(b, t, kv_heads, d).transpose(1, 2)
     first_key = 0
     mask = None
     if t == 1:
