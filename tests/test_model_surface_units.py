@@ -137,15 +137,15 @@ async def test_a_node_drops_a_queued_chunk_whose_session_was_deleted(checkpoint:
     stage = ModelStage(runner)
     release = threading.Event()
     started = threading.Event()
-    real_run = runner.run
+    real_run_batch = runner.run_batch
 
-    def run(session, position, inputs, **kw):  # type: ignore[no-untyped-def]
-        if session == "a" * 8 + "-0000-4000-8000-" + "0" * 12:
+    def run_batch(works):  # type: ignore[no-untyped-def]
+        if any(work.life.session == "a" * 8 + "-0000-4000-8000-" + "0" * 12 for work in works):
             started.set()
             release.wait(30)
-        return real_run(session, position, inputs, **kw)
+        real_run_batch(works)
 
-    runner.run = run  # type: ignore[method-assign]
+    runner.run_batch = run_batch  # type: ignore[method-assign]
     a = "a" * 8 + "-0000-4000-8000-" + "0" * 12
     b = "b" * 8 + "-0000-4000-8000-" + "0" * 12
     config = load_config("node", ["--port", "0", "--log-level", "warning"], {})

@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 from meshnet_model import StageRunner
+from meshnet_model.stage.runner import StageWork
 from meshnet_model.engines.torch import load_torch_runner
 from meshnet_model.testing import small_config, write_checkpoint
 from meshnet_node.model_chain import ChainError, ModelSession, start_model_chain
@@ -34,14 +35,14 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def record_inputs(stage: object, seen: list[str]) -> None:
     runner = stage.runner  # type: ignore[attr-defined]
-    run = runner.run
+    run_batch = runner.run_batch
 
-    # The node hands its session's life and the request's deadline on (issue 13).
-    def recording(session: str, position: int, inputs: np.ndarray, **kw: object) -> np.ndarray:
-        seen.append(inputs.dtype.name)
-        return run(session, position, inputs, **kw)
+    # The node's scheduler runs every chunk through run_batch, one work each.
+    def recording(works: list[StageWork]) -> None:
+        seen.extend(work.inputs.dtype.name for work in works)
+        run_batch(works)
 
-    runner.run = recording
+    runner.run_batch = recording
 
 
 async def test_numpy_torch_numpy_chain_sends_bf16_and_equals_in_process(checkpoint: Path) -> None:

@@ -36,13 +36,11 @@ a session ended while its chunk computed is 409 ``session_unknown``.
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 from typing import Any
 
-import anyio
 import numpy as np
-from prometheus_client import CollectorRegistry, Gauge
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from meshnet_model import (
     CacheMismatch,
@@ -61,33 +59,51 @@ from meshnet_model.source import load_config, model_name
 from meshnet_model.stage.runner import (
     DEFAULT_MAX_CHUNK_TOKENS,
     DEFAULT_MAX_COMPUTE_BYTES,
-    SessionLife,
 )
 from meshnet_proto import CapacityError, DownstreamError, ProtocolError, SequencingError
 from meshnet_runtime.config import ServerConfig
 from meshnet_runtime.memory import MemoryLimit, limit_from_flag
 
 from .backends import StageContext
+from .scheduler import (
+    DEFAULT_MAX_BATCH_TOKENS,
+    DEFAULT_MAX_QUEUED_TOKENS,
+    StageScheduler,
+    micro_batches_for,
+)
 
 __all__ = ["KV_RETRY_AFTER", "ModelStage", "load_model_stage", "stage_from_config"]
 
 # Seconds a client is told to wait when the KV budget is full: sessions free
 # their caches when they end, typically within a generation's time.
 KV_RETRY_AFTER = 5
+_ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048)
+_CHUNK_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
 
 
 class ModelStage:
-    """``StageBackend`` over a ``StageRunner`` (see the module docstring)."""
+    """``StageBackend`` over a ``StageRunner`` (see the module docstring), its
+    chunks batched across sessions by a ``StageScheduler``."""
 
-    def __init__(self, runner: StageRunner, *, compute_threads: int = 1,
-                 footprint: StageFootprint | None = None) -> None:  # fmt: skip
+    def __init__(self, runner: StageRunner, *, footprint: StageFootprint | None = None,
+                 max_batch_tokens: int = DEFAULT_MAX_BATCH_TOKENS,
+                 max_queued_tokens: int = DEFAULT_MAX_QUEUED_TOKENS,
+                 micro_batches: int = 0) -> None:  # fmt: skip
+        """``micro_batches`` 0: the chain's stage count, from this stage's layer share."""
         self.runner = runner
         layers = runner.weights.layers
         self.name = f"model[{layers.start}:{layers.stop}]"
         self.calls = 0
-        self.compute_seconds = 0.0  # wall time inside the layers, for benchmarks
-        self.limiter = anyio.CapacityLimiter(compute_threads)
         self.footprint = footprint  # what it holds, known before loading
+        groups = micro_batches or micro_batches_for(layers, runner.config.num_hidden_layers)
+        self.scheduler = StageScheduler(runner, max_batch_tokens=max_batch_tokens,
+                                        max_queued_tokens=max_queued_tokens,
+                                        micro_batches=groups)  # fmt: skip
+
+    @property
+    def compute_seconds(self) -> float:
+        """Wall time inside the layers (batched steps), for benchmarks."""
+        return self.scheduler.busy_seconds
 
     async def __call__(self, tensor: np.ndarray, context: StageContext | None = None) -> np.ndarray:
         if context is None:
@@ -100,9 +116,7 @@ class ModelStage:
         try:
             # The value checks (ids in the vocabulary, finite hidden states)
             # are O(tensor): in the worker thread with the compute.
-            output = await anyio.to_thread.run_sync(
-                self._timed_run, life, context, tensor, limiter=self.limiter
-            )
+            output = await self.scheduler.run(life, context.position, tensor, context.deadline)
         except StageInputError as exc:
             raise _input_error(exc) from None
         except ComputeDeadlineExceeded as exc:
@@ -126,17 +140,6 @@ class ModelStage:
             ) from None
         return output
 
-    def _timed_run(
-        self, life: SessionLife, context: StageContext, tensor: np.ndarray
-    ) -> np.ndarray:
-        # Timed inside the worker thread: the layers' time, not the wait for the limiter.
-        started = time.perf_counter()
-        try:
-            return self.runner.run(context.session, context.position, tensor, life=life,
-                                   deadline=context.deadline)  # fmt: skip
-        finally:
-            self.compute_seconds += time.perf_counter() - started
-
     def check_head(self, shape: tuple[int, ...], dtype: str, position: int | None = None) -> None:
         """Refuse a chunk of the wrong dtype or shape, or one that costs more
         than the limits allow, before its body is read (``position``: the
@@ -150,13 +153,34 @@ class ModelStage:
         self.runner.end_session(session)
 
     def bind_metrics(self, registry: CollectorRegistry) -> None:
-        """``meshnet_kv_cache_bytes`` and ``meshnet_kv_budget_bytes`` on ``/metrics``."""
+        """The KV cache's gauges and the scheduler's on ``/metrics``: busy
+        seconds (utilisation = its rate), steps, rows and chunks per step, and
+        the rows waiting for compute."""
         used = Gauge("meshnet_kv_cache_bytes", "KV cache bytes allocated, all sessions",
                      registry=registry)  # fmt: skip
         used.set_function(lambda: self.runner.kv_bytes_in_use)
         limit = Gauge("meshnet_kv_budget_bytes", "KV cache budget (--kv-budget-bytes)",
                       registry=registry)  # fmt: skip
         limit.set(self.runner.budget.limit)
+        busy = Counter("meshnet_stage_busy_seconds",
+                       "Seconds the stage computed (its utilisation is this counter's rate)",
+                       registry=registry)  # fmt: skip
+        steps = Counter("meshnet_stage_steps", "Batched steps the stage ran", registry=registry)
+        rows = Histogram("meshnet_stage_step_rows", "Token rows per batched step",
+                         buckets=_ROW_BUCKETS, registry=registry)  # fmt: skip
+        chunks = Histogram("meshnet_stage_step_chunks", "Sessions' chunks per batched step",
+                           buckets=_CHUNK_BUCKETS, registry=registry)  # fmt: skip
+        queued = Gauge("meshnet_stage_queued_rows", "Token rows waiting for the stage's compute",
+                       registry=registry)  # fmt: skip
+        queued.set_function(lambda: self.scheduler.queued_rows)
+
+        def on_step(step_chunks: int, step_rows: int, seconds: float) -> None:
+            busy.inc(seconds)
+            steps.inc()
+            rows.observe(step_rows)
+            chunks.observe(step_chunks)
+
+        self.scheduler.on_step = on_step
 
     @property
     def kv_bytes_in_use(self) -> int:
@@ -188,12 +212,16 @@ def load_model_stage(
     device: str = "cpu",
     threads: int | None = None,
     limit: MemoryLimit | None = None,
+    max_batch_tokens: int = DEFAULT_MAX_BATCH_TOKENS,
+    max_queued_tokens: int = DEFAULT_MAX_QUEUED_TOKENS,
+    micro_batches: int = 0,
 ) -> ModelStage:
     """Load the stage's tensors from a checkpoint directory (the node's flags).
 
     ``engine``/``dtype`` ``auto``: a GGUF file held quantized on torch when it
     is installed, else numpy float32 (``engines.choice``). ``threads``: the
-    stage's compute threads (None: the library's default).
+    stage's compute threads (None: the library's default). ``max_batch_tokens``,
+    ``max_queued_tokens``, ``micro_batches``: the scheduler's (``scheduler``).
 
     Raises ``ValueError`` (``ConfigError``, ``CheckpointError`` among them)
     with a message fit for the command line.
@@ -209,19 +237,21 @@ def load_model_stage(
                                limit=limit.bytes if limit else None,
                                limit_source=limit.source if limit else "")  # fmt: skip
     kv_budget_bytes = footprint.kv
+    scheduling = {"max_batch_tokens": max_batch_tokens, "max_queued_tokens": max_queued_tokens,
+                  "micro_batches": micro_batches}  # fmt: skip
     if engine == "torch":
         runner = _torch_runner(model, span, config, dtype=dtype, device=device,
                                threads=threads, kv_budget_bytes=kv_budget_bytes,
                                max_chunk_tokens=max_chunk_tokens,
                                max_compute_bytes=max_compute_bytes)  # fmt: skip
-        return ModelStage(runner, footprint=footprint)
+        return ModelStage(runner, footprint=footprint, **scheduling)
     if threads is not None:
         set_blas_threads(threads)  # process-wide: every numpy stage of it shares the pool
     weights = StageWeights.load(model, span, dtype=dtype, config=config)
     runner = StageRunner(weights, kv_budget_bytes=kv_budget_bytes,
                          max_chunk_tokens=max_chunk_tokens, max_compute_bytes=max_compute_bytes,
                          name=model_name(model), path=str(model))  # fmt: skip
-    return ModelStage(runner, footprint=footprint)
+    return ModelStage(runner, footprint=footprint, **scheduling)
 
 
 def _torch_runner(
@@ -254,4 +284,7 @@ def stage_from_config(config: ServerConfig) -> ModelStage:
                             max_chunk_tokens=config.max_chunk_tokens,
                             max_compute_bytes=config.max_compute_bytes, engine=config.engine,
                             device=config.device, threads=config.threads,
-                            limit=limit_from_flag(config.memory_limit))  # fmt: skip
+                            limit=limit_from_flag(config.memory_limit),
+                            max_batch_tokens=config.max_batch_tokens,
+                            max_queued_tokens=config.max_queued_tokens,
+                            micro_batches=config.micro_batches)  # fmt: skip

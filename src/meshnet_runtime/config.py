@@ -107,6 +107,9 @@ class ServerConfig:
     memory_limit: int | str = "auto"  # bytes the node may use; auto: cgroup and MemAvailable
     max_chunk_tokens: int = 2048  # rows (batch x tokens) of one chunk a model stage takes
     max_compute_bytes: int = 1024 * 1024 * 1024  # scratch of one chunk's forward pass
+    max_batch_tokens: int = 256  # rows of one batched step, all sessions (meshnet_node.scheduler)
+    max_queued_tokens: int = 32768  # rows waiting for compute before more get 503 stage_busy
+    micro_batches: int = 0  # decode groups in flight along the chain; 0: auto (its stage count)
     # gateway
     entry: Endpoint | None = None
     entry_replicas: tuple[Endpoint, ...] = ()  # every URL of --entry
@@ -169,6 +172,20 @@ def threads_count(text: str) -> int:
     count = positive_int(text)
     if count > MAX_THREADS:
         raise argparse.ArgumentTypeError(f"expected 1..{MAX_THREADS} threads, got {text!r}")
+    return count
+
+
+# Decode groups a stage may split its sessions into: one per stage of a chain.
+MAX_MICRO_BATCHES = 1024
+
+
+def _micro_batches(text: str) -> int:
+    """``auto`` (0: the chain's stage count, from the node's layer share) or 1..1024."""
+    if text == "auto":
+        return 0
+    count = positive_int(text)
+    if count > MAX_MICRO_BATCHES:
+        raise argparse.ArgumentTypeError(f"expected auto or 1..{MAX_MICRO_BATCHES}, got {text!r}")
     return count
 
 
@@ -329,6 +346,22 @@ _NODE: list[_Flag] = [
         "--max-compute-bytes",
         positive_int,
         "with --model: scratch memory one chunk's compute may need (more get 413)",
+    ),
+    (
+        "--max-batch-tokens",
+        positive_int,
+        "with --model: token rows one batched step computes, all sessions together",
+    ),
+    (
+        "--max-queued-tokens",
+        positive_int,
+        "with --model: token rows waiting for compute before more get 503 stage_busy",
+    ),
+    (
+        "--micro-batches",
+        _micro_batches,
+        "with --model: groups the decoding sessions are stepped in, so every stage of a "
+        "chain computes at once (auto: the chain's stage count, from this node's layers)",
     ),
 ]
 _GATEWAY: list[_Flag] = [

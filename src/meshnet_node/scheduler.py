@@ -1,0 +1,287 @@
+"""The stage scheduler: every step, the ready chunks of different sessions run
+as one forward pass (continuous batching).
+
+A node is handed chunks one request at a time, each on its own task; the
+scheduler queues them and runs *steps*. A step takes queued work under a row
+budget and runs it through ``StageRunner.run_batch`` in a worker thread, so
+the stage's weights are read once for the whole step (decode is
+memory-bound: sixteen sessions' decode steps cost little more than one).
+
+Which work a step takes (``plan_step``, pure):
+
+1. Decode steps (chunks of one token) first, oldest first, up to the
+   micro-batch cap (below) and the row budget (``--max-batch-tokens``).
+2. Prefill: the chunks of prompts, oldest first, in pieces. A chunk may be
+   split across steps (chunked prefill): its rows then compute a piece per
+   step, and it is answered when its last piece is done. With decode steps
+   in the step, prefill gets at most as many rows as they have (at least
+   ``MIN_PREFILL_ROWS``), so a long prompt arriving at most doubles the
+   running streams' step; alone, prefill gets the whole budget.
+3. At least one piece of work per step, so nothing starves.
+
+Micro-batches: with S stages in a chain, a stage that takes every ready
+session at once leaves the other S-1 idle while it computes, and then idles
+itself. A step takes at most ``ceil(active / S)`` decode steps, ``active``
+being the sessions that decoded in the last few steps, so S groups of
+sessions are in flight and every stage computes one while the others compute
+the rest (``--micro-batches``, ``auto``: the chain's stage count as this
+node's layer share implies it).
+
+Leadership, not a background task: the task of some queued work runs each
+step; the others wait for the step's end and find their work done, or one of
+them runs the next step. So the scheduler needs no task group of its own,
+and a cancelled request leaves the queue at once (or, if its work is in the
+step being computed, when the step ends: the thread cannot be interrupted).
+
+Admission: the queue is bounded (``--max-queued-tokens`` rows); work beyond
+it is refused at once, before any compute, 503 ``stage_busy`` with a
+``Retry-After`` from the queue's size and the measured rate.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import anyio
+import numpy as np
+
+from meshnet_model.stage.runner import SessionLife, StageRunner, StageWork
+from meshnet_proto import CapacityError
+
+__all__ = [
+    "DEFAULT_MAX_BATCH_TOKENS",
+    "DEFAULT_MAX_QUEUED_TOKENS",
+    "MIN_PREFILL_ROWS",
+    "StageScheduler",
+    "Work",
+    "micro_batches_for",
+    "plan_step",
+]
+
+# Rows of one step: a few chunks of prefill, or that many decode steps.
+DEFAULT_MAX_BATCH_TOKENS = 256
+# Rows waiting for compute before new work is refused (503 stage_busy).
+DEFAULT_MAX_QUEUED_TOKENS = 32768
+# Prefill rows a step always may take beside its decode steps.
+MIN_PREFILL_ROWS = 16
+# Steps a session counts as decoding after its last decode step.
+_ACTIVE_STEPS = 4
+
+
+@dataclass(eq=False, slots=True)
+class Work:
+    """One chunk of one session, queued; computed in one or more pieces."""
+
+    life: SessionLife
+    start: int  # the chunk's position in the session
+    tensor: np.ndarray
+    deadline: float | None = None
+    done: int = 0  # tokens computed so far
+    parts: list[np.ndarray] = field(default_factory=list)
+    error: BaseException | None = None
+    finished: bool = False
+    queued: bool = True  # in the scheduler's queue, its rows counted there
+
+    @property
+    def batch(self) -> int:
+        return int(self.tensor.shape[0])
+
+    @property
+    def tokens(self) -> int:
+        return int(self.tensor.shape[1])
+
+    @property
+    def remaining(self) -> int:
+        return self.tokens - self.done
+
+    @property
+    def decode(self) -> bool:
+        return self.tokens == 1
+
+    def result(self) -> np.ndarray:
+        if self.error is not None:
+            raise self.error
+        if len(self.parts) == 1 or self.parts[-1].ndim == 2:
+            return self.parts[-1]  # whole, or a last stage's logits: its last piece's
+        return np.concatenate(self.parts, axis=1)
+
+
+def plan_step(
+    queue: Sequence[Work], *, budget: int, decode_cap: int | None = None
+) -> list[tuple[Work, int]]:
+    """The step's work and how many tokens of each (see the module docstring)."""
+    taken: list[tuple[Work, int]] = []
+    rows = 0
+    for work in queue:
+        if not work.decode:
+            continue
+        if decode_cap is not None and len(taken) >= decode_cap:
+            break
+        if rows + work.batch > budget and taken:
+            break
+        taken.append((work, 1))
+        rows += work.batch
+    # Alone, prefill has the budget; beside decode steps, as many rows as they
+    # have (never fewer than MIN_PREFILL_ROWS: a prompt always progresses).
+    share = budget - rows if not rows else max(MIN_PREFILL_ROWS, min(budget - rows, rows))
+    for work in queue:
+        if work.decode:
+            continue
+        tokens = min(work.remaining, share // work.batch) if share > 0 else 0
+        if tokens == 0:
+            if taken:
+                break
+            tokens = 1  # a chunk wider than the budget, alone in the step: progress
+        taken.append((work, tokens))
+        share -= tokens * work.batch
+    return taken
+
+
+def micro_batches_for(layers: range, total_layers: int) -> int:
+    """The stage count of a chain with this node's share of the layers."""
+    return max(1, round(total_layers / max(len(layers), 1)))
+
+
+class StageScheduler:
+    """Queues a node's chunks and runs them in batched steps (module docstring)."""
+
+    def __init__(
+        self,
+        runner: StageRunner,
+        *,
+        max_batch_tokens: int = DEFAULT_MAX_BATCH_TOKENS,
+        max_queued_tokens: int = DEFAULT_MAX_QUEUED_TOKENS,
+        micro_batches: int = 1,
+        on_step: Callable[[int, int, float], None] | None = None,
+    ) -> None:
+        self.runner = runner
+        self.max_batch_tokens = max_batch_tokens
+        self.max_queued_tokens = max_queued_tokens
+        self.micro_batches = micro_batches
+        self.on_step = on_step  # (chunks, rows, seconds) of each step: metrics
+        self.queue: deque[Work] = deque()
+        self.queued_rows = 0
+        self.steps = 0
+        self.busy_seconds = 0.0
+        self._rows_per_second = 0.0  # measured, for Retry-After
+        self._recent: dict[str, int] = {}  # session -> step of its last decode
+        self._leading = False
+        self._step_over = anyio.Event()
+
+    async def run(
+        self, life: SessionLife, position: int, tensor: np.ndarray, deadline: float | None
+    ) -> np.ndarray:
+        """Queue one chunk and return its output when its last piece has run."""
+        work = Work(life, position, tensor, deadline)
+        self._admit(work)
+        try:
+            while not work.finished:
+                if self._leading:
+                    await self._step_over.wait()
+                    continue
+                await self._lead()
+        except BaseException:
+            if not work.finished:
+                self._drop(work)
+            raise
+        return work.result()
+
+    def _admit(self, work: Work) -> None:
+        rows = work.batch * work.tokens
+        if self.queue and self.queued_rows + rows > self.max_queued_tokens:
+            rate = self._rows_per_second or 1.0
+            raise CapacityError(
+                f"{self.queued_rows} rows already wait for this stage's compute "
+                f"(--max-queued-tokens {self.max_queued_tokens})",
+                code="stage_busy",
+                retry_after=max(1, math.ceil(self.queued_rows / rate)),
+            )
+        self.queue.append(work)
+        self.queued_rows += rows
+
+    def _drop(self, work: Work) -> None:
+        """Out of the queue: finished, failed, or its request gone (cancelled)."""
+        if not work.queued:
+            return
+        work.queued = False
+        self.queue.remove(work)
+        self.queued_rows -= work.batch * work.remaining
+
+    async def _lead(self) -> None:
+        """Run one step (this task leads it), then wake everyone waiting."""
+        self._leading = True
+        try:
+            plan = plan_step(self.queue, budget=self.max_batch_tokens,
+                             decode_cap=self._decode_cap())  # fmt: skip
+            started = time.perf_counter()
+            # A worker thread cannot be interrupted: the step is seen through to
+            # its accounting even if this task's request is cancelled meanwhile.
+            with anyio.CancelScope(shield=True):
+                pieces = await anyio.to_thread.run_sync(self._compute, plan)
+                self._account(plan, pieces, time.perf_counter() - started)
+        finally:
+            self._leading = False
+            over, self._step_over = self._step_over, anyio.Event()
+            over.set()
+
+    def _decode_cap(self) -> int | None:
+        if self.micro_batches <= 1:
+            return None
+        floor = self.steps - _ACTIVE_STEPS * self.micro_batches
+        for session in [s for s, step in self._recent.items() if step < floor]:
+            del self._recent[session]
+        active = len(self._recent) or 1
+        return math.ceil(active / self.micro_batches)
+
+    def _compute(self, plan: list[tuple[Work, int]]) -> list[StageWork]:
+        """The step, in the worker thread: each piece its own ``StageWork``.
+        Touches no ``Work`` (the event loop may drop one meanwhile)."""
+        pieces = []
+        for work, tokens in plan:
+            rows = work.tensor[:, work.done : work.done + tokens]
+            piece = StageWork(work.life, work.start + work.done, rows, work.deadline)
+            pieces.append(piece)
+            if work.done == 0 and tokens < work.tokens:
+                try:  # a chunk in pieces: its values are checked whole, before the first
+                    self.runner.check_input(work.tensor, work.start)
+                except Exception as exc:
+                    piece.error = exc
+        try:
+            self.runner.run_batch([piece for piece in pieces if piece.error is None])
+        except Exception as exc:  # the step itself failed (an engine invariant): all of it
+            for piece in pieces:
+                piece.error = piece.error or exc
+        return pieces
+
+    def _account(self, plan: list[tuple[Work, int]], pieces: list[StageWork],
+                 elapsed: float) -> None:  # fmt: skip
+        """After a step, in the event loop: each work takes its piece's outcome;
+        what is done or failed leaves the queue."""
+        self.steps += 1
+        self.busy_seconds += elapsed
+        rows = sum(work.batch * tokens for work, tokens in plan)
+        if elapsed > 0:
+            rate = rows / elapsed
+            self._rows_per_second = rate if not self._rows_per_second else (
+                0.8 * self._rows_per_second + 0.2 * rate)  # fmt: skip
+        for (work, tokens), piece in zip(plan, pieces, strict=True):
+            if not work.queued:  # its request went away while the step computed
+                continue
+            if work.decode:
+                self._recent[work.life.session] = self.steps
+            if piece.error is not None:
+                work.error = piece.error
+            else:
+                assert piece.output is not None
+                work.parts.append(piece.output)
+                work.done += tokens
+                self.queued_rows -= work.batch * tokens  # computed: no longer waiting
+            if work.error is not None or work.remaining == 0:
+                self._drop(work)  # what it had left no longer waits either
+                work.finished = True
+        if self.on_step is not None:
+            self.on_step(len(plan), rows, elapsed)
