@@ -39,6 +39,7 @@ SECTIONS: tuple[str, ...] = (
     "failover",
     "engines",
     "quant",
+    "serve",
 )
 
 # key -> (comparison, bound): the floors. Printed next to the figures.
