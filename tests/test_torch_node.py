@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 
 from meshnet_model import StageRunner
-from meshnet_model.stage.runner import StageWork
 from meshnet_model.engines.torch import load_torch_runner
+from meshnet_model.stage.runner import StageWork
 from meshnet_model.testing import small_config, write_checkpoint
 from meshnet_node.model_chain import ChainError, ModelSession, start_model_chain
 from meshnet_runtime.downstream import DownstreamPool
