@@ -9,7 +9,8 @@ The driver's side of the contract is in ``docs/sessions.md``.
 Per session it keeps the position (tokens taken in), the run in progress
 (its total, dtype and trailing shape, the next index to run), one record per
 chunk that ran — bounded to the reorder window, see ``_trim`` — for the
-current run and the last finished run, and the waiters. Nothing grows with
+current run and the last finished run, when a chunk last left the stage
+(the waiters' reorder timer, see ``_until``), and the waiters. Nothing grows with
 the length of a run or the age of a session.
 """
 
@@ -476,7 +477,7 @@ class SessionTable:
         return Wait(waiter, until)
 
     def _until(self, waiter: Waiter) -> float:
-        """Where the wait is over unless the session progresses first (wire-2 §3.3).
+        """When the wait is over unless the session progresses first (wire-2 §3.3).
 
         The reorder timeout is there to find a predecessor lost on its way;
         while a chunk of the session is in the stage (computing, or queued
