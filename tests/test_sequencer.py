@@ -316,21 +316,38 @@ def test_records_are_bounded_by_the_window() -> None:
 # -- waiters: timeouts, ending, bounds ---------------------------------------------------------
 
 
-def test_give_up_names_the_chunk_waited_for() -> None:
+def test_a_wait_that_runs_out_names_the_chunk_waited_for() -> None:
     node = Node()
     node.finish(node.process(0, position=0))
     node.finish(node.process(1, position=4))
     wait = node.offer(3, position=12)
-    node.now = 10.0
-    err = node.table.give_up(wait.waiter, node.now)
-    assert isinstance(err, SequencingError)
+    node.now = 10.0  # offered again at its until: the offer ends the wait
+    with pytest.raises(SequencingError) as raised:
+        node.offer(3, position=12, waiter=wait.waiter)
+    err = raised.value
     assert (err.status, err.code, err.header) == (
         409,
         "chunk_wait_timeout",
         "x-meshnet-chunk-index",
     )
-    assert err.message == f"session {S1}: chunk 3 waited 10 s for chunk 2"
-    # Once given up, the waiter is gone: its slot is free, its session unknown to it.
+    assert err.message == (
+        f"session {S1}: chunk 3 waited 10 s for chunk 2, the last 10 s without progress"
+    )
+    # The wait is over, the waiter gone: its slot is free, its session unknown to it.
+    assert node.table.give_up(wait.waiter, node.now).code == "session_unknown"
+
+
+def test_give_up_names_the_chunk_waited_for() -> None:
+    node = Node()
+    node.finish(node.process(0, position=0))
+    node.finish(node.process(1, position=4))
+    wait = node.offer(3, position=12)
+    node.now = 4.0  # a driver cancelled before the wait ran out
+    err = node.table.give_up(wait.waiter, node.now)
+    assert (err.status, err.code) == (409, "chunk_wait_timeout")
+    assert err.message == (
+        f"session {S1}: chunk 3 waited 4 s for chunk 2, the last 4 s without progress"
+    )
     assert node.table.give_up(wait.waiter, node.now).code == "session_unknown"
 
 

@@ -48,7 +48,7 @@ def test_a_record_moves_exactly_as_the_table_says(phase: ChunkPhase, event: str)
 
 
 def _waiter(session: str, serial: int, until: float = 10.0) -> Waiter:
-    return Waiter(session=session, index=1, since=0.0, until=until, serial=serial)
+    return Waiter(session=session, index=1, since=0.0, until=until, end=until, serial=serial)
 
 
 def test_waiters_of_unknown_sessions_are_counted_apart() -> None:

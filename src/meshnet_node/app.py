@@ -194,11 +194,23 @@ class NodeApp:
         deadline = Deadline.start(ctx.started, self.config.timeout, headers.deadline_ms)
         fingerprint = await self.codecs.run(headers.nbytes, tensor_fingerprint, event.tensor)
         waiter = None
+        timed_out = False
         while True:
             now = anyio.current_time()
-            decision = self.table.offer(
-                headers, fingerprint, now, waiter=waiter, deadline=deadline.at
-            )
+            try:
+                decision = self.table.offer(
+                    headers, fingerprint, now, waiter=waiter, deadline=deadline.at
+                )
+            except MeshnetError:
+                if timed_out:  # the table ended the wait (wire-2 §3.3)
+                    self._count("wait_timeout")
+                    # Wake the session's other waiters (they re-offer and wait
+                    # again on a fresh event) so its wake-up event is not left
+                    # behind: for a session that never starts, nothing else
+                    # would ever pop it, and those would pile up.
+                    assert headers.session is not None
+                    self._wake(headers.session)
+                raise
             if isinstance(decision, Wait):
                 waiter = decision.waiter
                 assert headers.session is not None
@@ -211,14 +223,10 @@ class NodeApp:
                     # table must not keep a place for a chunk nobody will offer.
                     self.table.give_up(waiter, anyio.current_time())
                     raise
-                if timer.cancelled_caught:
-                    self._count("wait_timeout")
-                    # Wake the session's other waiters (they re-offer and wait
-                    # again on a fresh event) so its wake-up event is not left
-                    # behind: for a session that never starts, nothing else
-                    # would ever pop it, and those would pile up.
-                    self._wake(headers.session)
-                    raise self.table.give_up(waiter, anyio.current_time())
+                # At until, offer again rather than give up: the table knows
+                # whether the session progressed meanwhile (its predecessor
+                # may be in the stage now), which stops the reorder timer.
+                timed_out = timer.cancelled_caught
                 continue
             if isinstance(decision, Process):
                 self._count("processed")

@@ -9,7 +9,8 @@ The driver's side of the contract is in ``docs/sessions.md``.
 Per session it keeps the position (tokens taken in), the run in progress
 (its total, dtype and trailing shape, the next index to run), one record per
 chunk that ran — bounded to the reorder window, see ``_trim`` — for the
-current run and the last finished run, and the waiters. Nothing grows with
+current run and the last finished run, when a chunk last left the stage
+(the waiters' reorder timer, see ``_until``), and the waiters. Nothing grows with
 the length of a run or the age of a session.
 """
 
@@ -18,7 +19,7 @@ from __future__ import annotations
 import itertools
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, TypeAlias
 
 import numpy as np
@@ -110,7 +111,8 @@ class Process:
 
 @dataclass(frozen=True, slots=True)
 class Wait:
-    """Wait for a wake-up of this session or ``until``, then offer again."""
+    """Wait for a wake-up of this session or ``until``, then offer again with
+    ``waiter``: that offer decides whether the wait is over (wire-2 §3.3)."""
 
     waiter: Waiter
     until: float
@@ -162,6 +164,13 @@ def _unknown(message: str) -> SequencingError:
     return SequencingError(message, code="session_unknown", header=_SESSION)
 
 
+def _in_stage(s: Session) -> bool:
+    """Whether a chunk of the session is in the stage (admitted, not yet done
+    or failed): only its next index can be, and a record there is RUNNING —
+    ``stage_done`` moves the next index on, ``stage_failed`` drops the record."""
+    return s.next_index in s.records
+
+
 class SessionTable:
     """The sessions of one node and the order of their chunks (wire-2 §3).
 
@@ -199,6 +208,9 @@ class SessionTable:
         self._serials = itertools.count(1)
         # Answers and outputs kept for retransmissions, held to max_stored_bytes.
         self._store = ReplayStore(self.limits.max_stored_bytes)
+        # When a chunk of each known session last left the stage (done or
+        # failed): a waiter's reorder timer counts from then (wire-2 §3.3).
+        self._left_stage: dict[str, float] = {}
         # _make_room's last verdict on a full table (see there).
         self._full_rescan_at = -math.inf
         self._full_soonest_at = -math.inf
@@ -246,9 +258,11 @@ class SessionTable:
         """Decide what to do with a decoded chunk (see the decision classes).
 
         ``waiter`` is the one from an earlier ``Wait`` for this same request;
-        ``deadline`` (absolute, same clock as ``now``) shortens a new wait.
-        Raises ``SequencingError`` (409), ``CapacityError`` (503) or, for
-        headers missing the sequencing fields, ``ProtocolError`` (400).
+        ``deadline`` (absolute, same clock as ``now``) is where a new wait
+        ends at the latest. Raises ``SequencingError`` (409) — also
+        ``chunk_wait_timeout`` for a waiter whose time is up, see ``_until`` —
+        ``CapacityError`` (503) or, for headers missing the sequencing fields,
+        ``ProtocolError`` (400).
         """
         sid, index, _ = _require(headers)
         if waiter is not None:
@@ -273,25 +287,13 @@ class SessionTable:
         return self._process(s, headers, fingerprint)
 
     def give_up(self, waiter: Waiter, now: float) -> SequencingError:
-        """The waiter's time is up: forget it and return the error to answer."""
-        registered = self._waiters.remove(waiter, known=waiter.session in self._sessions)
-        s = self._sessions.get(waiter.session)
-        waited = f"{now - waiter.since:.3g} s"
-        if not registered:
+        """The driver abandons the wait (it was cancelled): forget the waiter
+        and return the error to answer. A wait that runs out ends in ``offer``."""
+        if not self._waiters.remove(waiter, known=waiter.session in self._sessions):
             return _unknown(
                 f"session {waiter.session}: ended or expired while chunk {waiter.index} waited"
             )
-        if s is None:
-            return _unknown(
-                f"session {waiter.session} never started: chunk {waiter.index} "
-                f"waited {waited} for chunk 0"
-            )
-        return SequencingError(
-            f"session {waiter.session}: chunk {waiter.index} waited {waited} "
-            f"for chunk {s.next_index}",
-            code="chunk_wait_timeout",
-            header=_INDEX,
-        )
+        return self._wait_over(waiter, now)
 
     # -- a ticket's outcome --------------------------------------------------------
 
@@ -308,6 +310,7 @@ class SessionTable:
         move(record, "stage_done")
         record.stage_output = stage_output
         s.touched = now
+        self._left_stage[s.id] = now
         s.position += ticket.tokens
         s.next_index += 1
         assert s.shape is not None
@@ -328,6 +331,9 @@ class SessionTable:
         if ticket.index == 0:  # the run never started after all
             s.shape = None
         s.touched = now
+        # Not progress, but the time it spent in the stage was no stall: the
+        # retransmission a sender owes gets a whole reorder timeout.
+        self._left_stage[s.id] = now
 
     def response_ready(self, ticket: Ticket, response: Any, now: float, *, nbytes: int = 0) -> None:
         """Keep a success response for replay; the stage output is no longer needed.
@@ -448,14 +454,70 @@ class SessionTable:
     ) -> Wait:
         if waiter is None:  # a new waiter; a returning one was counted already
             self._check_room_to_wait(sid, index)
-            until = now + self.limits.reorder_timeout
-            if deadline is not None:
-                until = min(until, deadline)
+            if deadline is None:
+                # The core allows no deadline (a node always has one, its
+                # --timeout); a wait must still end, progress or not: a
+                # session whose short runs keep finishing while this chunk's
+                # turn never comes would otherwise hold it for ever.
+                limits = self.limits
+                deadline = now + max(limits.session_ttl, limits.reorder_timeout)
             waiter = Waiter(
-                session=sid, index=index, since=now, until=until, serial=next(self._serials)
+                session=sid,
+                index=index,
+                since=now,
+                until=deadline,
+                end=deadline,
+                serial=next(self._serials),
             )
+        until = self._until(waiter)
+        if now >= until:
+            raise self._wait_over(waiter, now)
+        waiter = replace(waiter, until=until)
         self._waiters.add(waiter, known=sid in self._sessions)
-        return Wait(waiter, waiter.until)
+        return Wait(waiter, until)
+
+    def _until(self, waiter: Waiter) -> float:
+        """When the wait is over unless the session progresses first (wire-2 §3.3).
+
+        The reorder timeout is there to find a predecessor lost on its way;
+        while a chunk of the session is in the stage (computing, or queued
+        behind other sessions' work) none is lost, so the timer stops and only
+        ``end`` bounds the wait. Otherwise it runs from the later of the wait's
+        start and the last time a chunk of the session left the stage. A pure
+        function of the table: a waiter woken for nothing gets the same
+        ``until`` again, and one offered at ``until`` sees any change it was
+        not woken for (an admission, say) — so the driver need not wake
+        waiters when a chunk is admitted.
+        """
+        s = self._sessions.get(waiter.session)
+        if s is not None and _in_stage(s):
+            return waiter.end
+        return min(self._stall_start(waiter) + self.limits.reorder_timeout, waiter.end)
+
+    def _stall_start(self, waiter: Waiter) -> float:
+        return max(waiter.since, self._left_stage.get(waiter.session, waiter.since))
+
+    def _wait_over(self, waiter: Waiter, now: float) -> SequencingError:
+        """The error for a wait that ended at ``now`` (its waiter already forgotten)."""
+        s = self._sessions.get(waiter.session)
+        waited = f"{now - waiter.since:.3g} s"
+        if s is None:
+            return _unknown(
+                f"session {waiter.session} never started: chunk {waiter.index} "
+                f"waited {waited} for chunk 0"
+            )
+        if now >= waiter.end:
+            why = "until its deadline"
+        elif _in_stage(s):  # only a driver that gives up early gets here
+            why = f"while chunk {s.next_index} was in the stage"
+        else:
+            why = f"the last {now - self._stall_start(waiter):.3g} s without progress"
+        return SequencingError(
+            f"session {waiter.session}: chunk {waiter.index} waited {waited} "
+            f"for chunk {s.next_index}, {why}",
+            code="chunk_wait_timeout",
+            header=_INDEX,
+        )
 
     def _check_room_to_wait(self, sid: str, index: int) -> None:
         window = self.limits.reorder_window
@@ -484,6 +546,7 @@ class SessionTable:
 
     def _drop(self, sid: str) -> None:
         s = self._sessions.pop(sid, None)
+        self._left_stage.pop(sid, None)
         self._waiters.drop(sid, known=s is not None)
         if s is not None:
             self._store.forget(itertools.chain(s.records.values(), s.last_records.values()))

@@ -16,12 +16,19 @@ __all__ = ["Waiter", "WaiterRegistry"]
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Waiter:
-    """A chunk waiting for its predecessor; pass it back to ``offer``/``give_up``."""
+    """A chunk waiting for its predecessor; pass it back to ``offer``/``give_up``.
+
+    ``since`` is when it began waiting; ``until`` when it must be offered
+    again at the latest (each ``Wait`` hands back a copy with it renewed);
+    ``end`` the latest its wait may last, whatever the session does (the
+    request's deadline). ``serial`` names it across those copies.
+    """
 
     session: str
     index: int
     since: float
     until: float
+    end: float
     serial: int
 
 
