@@ -70,6 +70,10 @@ DEFAULT_MAX_QUEUED_TOKENS = 32768
 MIN_PREFILL_ROWS = 16
 # Steps a session counts as decoding after its last decode step.
 _ACTIVE_STEPS = 4
+# A step waits for the rest of its micro-batch at most this share of a step's
+# time, and never longer than this many seconds.
+_GATHER_SHARE = 0.25
+_MAX_GATHER = 0.01
 
 
 @dataclass(eq=False, slots=True)
@@ -171,6 +175,8 @@ class StageScheduler:
         self._recent: dict[str, int] = {}  # session -> step of its last decode
         self._leading = False
         self._step_over = anyio.Event()
+        self._arrived = anyio.Event()  # set (and replaced) whenever work is queued
+        self._step_seconds = 0.0  # a step's time, smoothed: the gather window
 
     async def run(
         self, life: SessionLife, position: int, tensor: np.ndarray, deadline: float | None
@@ -202,6 +208,8 @@ class StageScheduler:
             )
         self.queue.append(work)
         self.queued_rows += rows
+        arrived, self._arrived = self._arrived, anyio.Event()
+        arrived.set()
 
     def _drop(self, work: Work) -> None:
         """Out of the queue: finished, failed, or its request gone (cancelled)."""
@@ -215,8 +223,12 @@ class StageScheduler:
         """Run one step (this task leads it), then wake everyone waiting."""
         self._leading = True
         try:
+            cap = self._decode_cap()
+            expected = min(cap or self._active(), self._active())
+            if expected > 1 and self._step_seconds:
+                await self._gather(expected)
             plan = plan_step(self.queue, budget=self.max_batch_tokens,
-                             decode_cap=self._decode_cap())  # fmt: skip
+                             decode_cap=cap)  # fmt: skip
             started = time.perf_counter()
             # A worker thread cannot be interrupted: the step is seen through to
             # its accounting even if this task's request is cancelled meanwhile.
@@ -229,13 +241,26 @@ class StageScheduler:
             over.set()
 
     def _decode_cap(self) -> int | None:
+        """At most ``ceil(active / micro_batches)`` decode steps (None: no cap)."""
         if self.micro_batches <= 1:
             return None
-        floor = self.steps - _ACTIVE_STEPS * self.micro_batches
+        return math.ceil(self._active() / self.micro_batches)
+
+    def _active(self) -> int:
+        """Sessions that decoded in the last few rounds of micro-batches."""
+        floor = self.steps - _ACTIVE_STEPS * max(self.micro_batches, 1)
         for session in [s for s, step in self._recent.items() if step < floor]:
             del self._recent[session]
-        active = len(self._recent) or 1
-        return math.ceil(active / self.micro_batches)
+        return len(self._recent) or 1
+
+    async def _gather(self, expected: int) -> None:
+        """Wait a moment for the rest of a micro-batch (its chunks come one
+        request at a time from the stage above): until ``expected`` decode
+        steps are queued, or a quarter of a step's time has passed."""
+        window = min(_MAX_GATHER, _GATHER_SHARE * self._step_seconds)
+        with anyio.move_on_after(window):
+            while sum(1 for w in self.queue if w.decode) < expected:
+                await self._arrived.wait()
 
     def _compute(self, plan: list[tuple[Work, int]]) -> list[StageWork]:
         """The step, in the worker thread: each piece its own ``StageWork``.
@@ -264,6 +289,8 @@ class StageScheduler:
         self.steps += 1
         self.busy_seconds += elapsed
         rows = sum(work.batch * tokens for work, tokens in plan)
+        self._step_seconds = elapsed if not self._step_seconds else (
+            0.8 * self._step_seconds + 0.2 * elapsed)  # fmt: skip
         if elapsed > 0:
             rate = rows / elapsed
             self._rows_per_second = rate if not self._rows_per_second else (
