@@ -329,6 +329,24 @@ async def test_cancelled_in_the_tick_it_was_admitted_gives_the_ticket_back() -> 
     assert (adm.queued, adm.running, adm.prefill_tokens) == (0, 0, 0)
 
 
+@pytest.mark.anyio
+async def test_a_stream_whose_producer_never_starts_gives_its_ticket_back(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from meshnet_gateway.openai import api
+
+    monkeypatch.setattr(api, "STREAM_START_GRACE", 0.01)
+    adm = Admission(max_running=2, max_prefill_tokens=100, max_queued=8, queue_timeout=LIMIT)
+    lost, started = await adm.admit(5), await adm.admit(6)
+    began = anyio.Event()
+    began.set()  # this one's producer ran: its own finally releases it
+    with anyio.fail_after(LIMIT):
+        await api._reclaim_unstarted(lost, anyio.Event())
+        await api._reclaim_unstarted(started, began)
+    assert lost.released and not started.released
+    assert (adm.running, adm.prefill_tokens) == (1, 6)
+
+
 # ---------------------------------------------------------------- flags
 
 
