@@ -523,3 +523,56 @@ async def test_a_client_leaving_the_queue_frees_its_place(model_dir: Path) -> No
             await running.aclose()
         await settled(served)
         assert (admission.running, admission.prefill_tokens, admission.queued) == (0, 0, 0)
+
+
+def post_ids(url: str, ids: list[int]) -> tuple[int, dict[str, str], bytes]:
+    host, port = url.removeprefix("http://").rsplit(":", 1)
+    conn = http.client.HTTPConnection(host, int(port), timeout=LIMIT * 4)
+    try:
+        body = {"model": "tiny-model", "prompt": ids, "max_tokens": 4}
+        conn.request("POST", "/v1/completions", body=json.dumps(body),
+                     headers={"Content-Type": "application/json"})  # fmt: skip
+        response = conn.getresponse()
+        return response.status, {k.lower(): v for k, v in response.getheaders()}, response.read()
+    finally:
+        conn.close()
+
+
+@pytest.mark.slow
+@pytest.mark.anyio
+async def test_the_issues_burst_through_meshnet_run_with_its_defaults(tmp_path: Path) -> None:
+    """Issue 19's acceptance, on the tiny model: ``meshnet run --stages 2``'s
+    own code path and defaults; 16 concurrent 1,200-token prompts all
+    answered, 64 each answered or refused with Retry-After, never 409/504."""
+    from meshnet_cli.run import serve_local
+
+    model = write_model_dir(tmp_path / "tiny-model", context=2048)
+    prompts = [[2 + (7 * i + j) % 300 for j in range(1200)] for i in range(64)]
+    threads = anyio.CapacityLimiter(64)
+    async with serve_local(str(model), 2, gateway_flags=["--port", "0"]) as run:
+
+        async def burst(count: int) -> list[tuple[int, dict[str, str], bytes]]:
+            results: list[tuple[int, dict[str, str], bytes]] = []
+
+            async def one(ids: list[int]) -> None:
+                call = functools.partial(post_ids, run.url, ids)
+                results.append(await anyio.to_thread.run_sync(call, limiter=threads))
+
+            with anyio.fail_after(LIMIT * 8):
+                async with anyio.create_task_group() as tg:
+                    for ids in prompts[:count]:
+                        tg.start_soon(one, ids)
+            return results
+
+        sixteen = await burst(16)
+        assert [status for status, _, _ in sixteen] == [200] * 16
+        # 16 x 1,200 tokens over a 4,096-token prefill budget: most waited their turn.
+        registry = run.gateway.metrics.registry
+        waited = registry.get_sample_value("meshnet_openai_admission_wait_seconds_count")
+        assert waited is not None and waited >= 10
+        for status, headers, body in await burst(64):
+            assert status in (200, 429, 503), body
+            if status != 200:
+                assert int(headers["retry-after"]) >= 1
+        admission = run.gateway.admission
+        assert (admission.running, admission.prefill_tokens, admission.queued) == (0, 0, 0)
