@@ -53,6 +53,7 @@ from meshnet_runtime.wire_encoder import WireEncoder
 
 from ._pipeline import run_chunks
 from ._retry import RetryPolicy
+from .admission import Admission
 from .openai import OpenAIService, ServedModel
 from .openai.api import OPENAI_ROUTES
 from .openai.generation import ChainSettings
@@ -123,7 +124,14 @@ class GatewayApp:
         # Sessions with a request in progress: checked on the head, before
         # the body is read (wire-2 §2 order: header-only sequencing first).
         self._active: set[str] = set()
-        # --model: the OpenAI API (/v1) over the same chain.
+        # --model: the OpenAI API (/v1) over the same chain, behind admission
+        # control (issue 19): generations wait or are refused before any work.
+        self.admission = Admission(
+            max_running=config.max_running,
+            max_prefill_tokens=config.max_prefill_tokens,
+            max_queued=config.max_queued,
+            queue_timeout=config.queue_timeout,
+        )
         self.openai: OpenAIService | None = None
         if config.model is not None:
             self.openai = _openai_service(self)
@@ -282,6 +290,12 @@ class GatewayApp:
         a generation nobody waits for would hold every node's KV to the end."""
         return self.openai is not None and event.path.startswith("/v1/")
 
+    def _spawn(self, fn: Any, *args: Any) -> None:
+        """A background task outliving its request (the OpenAI surface's
+        reclaim of a stream's ticket); outside ``running()``, none is started."""
+        if self._background is not None:
+            self._background.start_soon(fn, *args)
+
     def _count_retry(self, index: int, error: MeshnetError) -> None:
         self.metrics.chunks.labels("retried").inc()
 
@@ -353,6 +367,7 @@ class GatewayApp:
             "limits": config.limits_info(),
             "auth": config.token is not None,
             "model": self.openai.model.name if self.openai is not None else None,
+            "admission": self.admission.describe() if self.openai is not None else None,
         }
 
 
@@ -418,6 +433,8 @@ def _openai_service(app: GatewayApp) -> OpenAIService:
         max_prompt_chars=config.max_prompt_chars,
         special_tokens_in_content=config.special_tokens_in_content,
         metrics=GenerationMetrics(app.metrics.registry),
+        admission=app.admission,
+        spawn=app._spawn,
     )
 
 

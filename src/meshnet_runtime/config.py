@@ -122,6 +122,19 @@ class ServerConfig:
     retry_backoff_ms: float = 50.0
     max_prompt_chars: int = 0  # 0: 32 characters per token of context
     special_tokens_in_content: str = "escape"
+    # gateway admission (issue 19, docs/openai-api.md#admission): budgets a
+    # /v1 generation must fit before any chunk is sent; more wait (FIFO) or
+    # get 429/503 + Retry-After. 128 running: the bench's 64 concurrent
+    # decode streams run at once, with room. 4096 prefill tokens: a few
+    # prompts' worth, seconds of prefill on a CPU chain, so no chunk waits at
+    # a node anywhere near its --reorder-timeout. 128 queued: with 128
+    # running, the 256 connections (--max-connections) the server takes.
+    # 120 s in the queue: 16 prompts of 1,200 tokens on a 2-node CPU chain
+    # (~200 prompt tokens/s) are ~100 s of prefill, and the last must not time out.
+    max_running: int = 128
+    max_prefill_tokens: int = 4096
+    max_queued: int = 128
+    queue_timeout: float = 120.0
 
     # The core's limits, built (and so validated) once, with the config.
     limits: Limits = field(init=False, repr=False, compare=False)
@@ -385,6 +398,14 @@ _GATEWAY: list[_Flag] = [
         _choice(SPECIAL_TOKEN_POLICIES),
         "special-token text in chat content: escape (plain text), refuse (400) or keep",
     ),
+    ("--max-running", positive_int, "/v1 generations admitted at once (more wait in the queue)"),
+    (
+        "--max-prefill-tokens",
+        positive_int,
+        "prompt tokens of admitted /v1 generations still prefilling (a larger prompt goes alone)",
+    ),
+    ("--max-queued", _nonnegative_int, "/v1 requests waiting for admission (more get 429)"),
+    ("--queue-timeout", positive_seconds, "seconds a /v1 request may wait in the queue (then 503)"),
 ]
 
 

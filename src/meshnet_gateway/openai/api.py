@@ -13,6 +13,12 @@ thread (``_prepare``, at most ``PREPARE_THREADS`` at once), after a
 character cap that bounds what the tokenizer is given; sampling runs in a
 worker thread too (``generation.generate``). A refused request is answered
 with the OpenAI error body and logged in one line, without a traceback.
+
+A checked request then passes the gateway's admission control
+(``meshnet_gateway.admission``) before any chunk goes down the chain: it
+starts, waits its turn in a FIFO queue, or is refused with 429
+``queue_full`` / 503 ``queue_timeout`` and ``Retry-After``. Its ticket is
+given back on every way the generation ends.
 """
 
 from __future__ import annotations
@@ -35,6 +41,7 @@ from meshnet_runtime.codec_pool import CodecPool
 from meshnet_runtime.downstream import DownstreamPool
 from meshnet_runtime.http_server import Reply, StreamReply, StreamSend
 
+from ..admission import Admission, AdmissionRefused, Ticket
 from .defaults import GenerationDefaults
 from .errors import OpenAIError, from_meshnet, invalid
 from .generation import ChainSession, ChainSettings, GenerationResult, generate
@@ -75,6 +82,15 @@ SSE_HEADERS = [
 # An SSE comment: every client skips it. The server writes it to learn
 # whether a client that half-closed its side is still there to read.
 SSE_HEARTBEAT = b": still generating\n\n"
+# A streamed answer is admitted before its 200 head is written and its
+# producer runs after: if the driver never starts the producer (the head
+# could not be written, the client being gone), the ticket is reclaimed this
+# long after admission (the client may also leave in the instant between the
+# two). Writing a head of a few hundred bytes takes far less; a producer that
+# does start later still ends well, only without holding a ticket.
+STREAM_START_GRACE = 2.0
+
+Spawn = Callable[..., None]  # start_soon of a task group that outlives requests
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -122,6 +138,8 @@ class OpenAIService:
         max_prompt_chars: int = 0,
         special_tokens_in_content: str = "escape",
         metrics: GenerationMetrics | None = None,
+        admission: Admission | None = None,
+        spawn: Spawn | None = None,
     ) -> None:
         self.model = model
         self.prompt_limits = PromptLimits.for_context(model.context_length, max_prompt_chars)
@@ -134,8 +152,17 @@ class OpenAIService:
         self.max_prompt_tokens = max_prompt_tokens
         self.active: set[str] = set()  # chain sessions of requests in progress
         self.metrics = metrics
+        # None: every request starts at once (tests of the surface alone).
+        self.admission = admission
+        self.spawn = spawn
         if metrics is not None:
             metrics.active.set_function(lambda: len(self.active))
+            if admission is not None:
+                metrics.admitted.set_function(lambda: admission.running)
+                metrics.queued.set_function(lambda: admission.queued)
+                metrics.prefill_tokens_admitted.set_function(lambda: admission.prefill_tokens)
+                admission.on_refused = lambda reason: metrics.refused.labels(reason).inc()
+                admission.on_waited = metrics.queue_wait_seconds.observe
 
     async def handle(self, event: EndpointRequest) -> Reply | StreamReply:
         try:
@@ -256,6 +283,10 @@ class OpenAIService:
         sampling = self.model.defaults.sampling(options.sampling, options.explicit)
         sampler = Sampler(sampling, options.seed)
         chain = ChainSession(self.pool, self.codecs, self.chain_settings(), metrics=self.metrics)
+        # Last before the work: nothing between here and run()'s (or
+        # produce()'s) ``finally`` can fail or be cancelled without the
+        # ticket going back.
+        ticket = await self._admit(len(ids))
 
         async def run(on_text: Callable[[str], Any] | None) -> GenerationResult:
             self.active.add(chain.session)
@@ -269,6 +300,7 @@ class OpenAIService:
                     sampler=sampler,
                     stop=options.stop,
                     on_text=on_text,
+                    on_prefilled=None if ticket is None else ticket.prefilled,
                 )
                 outcome = result.finish_reason
                 if self.metrics is not None:
@@ -279,6 +311,8 @@ class OpenAIService:
                 raise
             finally:
                 # Every exit: done, failed, or cancelled by a client that left.
+                if ticket is not None:
+                    ticket.release()  # before the DELETE: the chain work is over
                 await chain.close()
                 self.active.discard(chain.session)
                 if self.metrics is not None:
@@ -292,29 +326,64 @@ class OpenAIService:
                 raise from_meshnet(exc) from None
             return Reply.json(200, fmt.whole(result))
 
+        started = anyio.Event()
+
         async def produce(send: StreamSend) -> None:
+            started.set()
+
             async def event(document: dict[str, Any]) -> None:
                 await send(b"data: " + json.dumps(document).encode() + b"\n\n")
-
-            first = fmt.first_chunk()
-            if first is not None:
-                await event(first)
 
             async def on_text(piece: str) -> None:
                 await event(fmt.chunk(piece))
 
             try:
-                result = await run(on_text)
-            except MeshnetError as exc:
-                # The 200 head is out: the failure travels as an error event.
-                await event(from_meshnet(exc).body())
-                return
+                first = fmt.first_chunk()
+                if first is not None:
+                    await event(first)  # may be cancelled: the client left
+                try:
+                    result = await run(on_text)
+                except MeshnetError as exc:
+                    # The 200 head is out: the failure travels as an error event.
+                    await event(from_meshnet(exc).body())
+                    return
+            finally:
+                if ticket is not None:
+                    ticket.release()  # run() did, unless it never started
             await event(fmt.last_chunk(result))
             if options.include_usage:
                 await event(fmt.usage_chunk(result))
             await send(b"data: [DONE]\n\n")
 
+        if ticket is not None and self.spawn is not None:
+            self.spawn(_reclaim_unstarted, ticket, started)
         return StreamReply(200, SSE_HEADERS, produce, heartbeat=SSE_HEARTBEAT)
+
+    async def _admit(self, tokens: int) -> Ticket | None:
+        """Wait for admission; a refusal as the OpenAI error it is answered with."""
+        if self.admission is None:
+            return None
+        try:
+            return await self.admission.admit(tokens)
+        except AdmissionRefused as exc:
+            full = exc.reason == "queue_full"
+            raise OpenAIError(
+                exc.message,
+                status=429 if full else 503,
+                type="rate_limit_error" if full else "server_error",
+                code=exc.reason,
+                retry_after=exc.retry_after,
+            ) from None
+
+
+async def _reclaim_unstarted(ticket: Ticket, started: anyio.Event) -> None:
+    """A stream's ticket back if its producer never started (see STREAM_START_GRACE)."""
+    with anyio.move_on_after(STREAM_START_GRACE):
+        await started.wait()
+        return
+    if not ticket.released:
+        log.warning("a streamed answer never started; its admission ticket is reclaimed")
+        ticket.release()
 
 
 # ---------------------------------------------------------------- formats

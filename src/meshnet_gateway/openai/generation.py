@@ -212,9 +212,12 @@ async def generate(
     sampler: Sampler,
     stop: Sequence[str] = (),
     on_text: Callable[[str], Awaitable[None]] | None = None,
+    on_prefilled: Callable[[], None] | None = None,
 ) -> GenerationResult:
     """Generate up to ``max_tokens`` after ``prompt_ids``; ``on_text`` gets each new piece.
 
+    ``on_prefilled``: called once the prompt's last chunk is answered (the
+    admission control's prefill budget gets the prompt's tokens back then).
     Does not close ``chain``: the caller does, in a ``finally``.
     """
     result = GenerationResult(prompt_tokens=len(prompt_ids))
@@ -231,6 +234,8 @@ async def generate(
                 await on_text(piece)
 
     logits = await chain.prefill(prompt_ids)
+    if on_prefilled is not None:
+        on_prefilled()
     stopped = False
     for produced in range(1, max_tokens + 1):
         try:

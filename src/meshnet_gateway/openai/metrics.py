@@ -2,7 +2,10 @@
 
 Counts per outcome (``stop``, ``length``, ``error``, ``cancelled`` — the
 client left), tokens in and out, and the two latencies users feel: the
-prefill (prompt in, first token's logits back) and one decode step.
+prefill (prompt in, first token's logits back) and one decode step; and the
+admission control's state (``meshnet_gateway.admission``): generations
+admitted, requests queued, prompt tokens admitted and still prefilling,
+refusals by reason, and how long admitted requests waited.
 """
 
 from __future__ import annotations
@@ -37,5 +40,30 @@ class GenerationMetrics:
         )  # fmt: skip
         self.step_seconds = Histogram(
             "meshnet_openai_decode_step_seconds", "One generated token through the chain",
+            buckets=_LATENCY_BUCKETS, registry=registry,
+        )  # fmt: skip
+        # Admission (docs/openai-api.md#admission): the gauges read the
+        # Admission object itself (bound in OpenAIService), never a copy.
+        self.admitted = Gauge(
+            "meshnet_openai_admission_running",
+            "Generations admitted and not yet ended (--max-running)", registry=registry,
+        )  # fmt: skip
+        self.queued = Gauge(
+            "meshnet_openai_admission_queued",
+            "Requests waiting for admission (--max-queued)", registry=registry,
+        )  # fmt: skip
+        self.prefill_tokens_admitted = Gauge(
+            "meshnet_openai_admission_prefill_tokens",
+            "Prompt tokens of admitted generations still prefilling (--max-prefill-tokens)",
+            registry=registry,
+        )  # fmt: skip
+        self.refused = Counter(
+            "meshnet_openai_admission_refused",
+            "Requests refused before any work: queue_full (429), queue_timeout (503)",
+            ["reason"], registry=registry,
+        )  # fmt: skip
+        self.queue_wait_seconds = Histogram(
+            "meshnet_openai_admission_wait_seconds",
+            "Time queued requests waited, admitted or timed out",
             buckets=_LATENCY_BUCKETS, registry=registry,
         )  # fmt: skip
