@@ -14,6 +14,7 @@ import pytest
 
 from meshnet_model import KVBudget, KVCache, StageModel, StageRunner
 from meshnet_model.engines.base import Engine
+from meshnet_model.stage.batch import ATTENTION_BLOCK
 from meshnet_model.testing import small_config, write_checkpoint
 
 
@@ -50,7 +51,7 @@ def test_the_torch_engine_is_an_engine(checkpoint: Path) -> None:
     torch_runner = load_torch_runner(checkpoint, dtype="float32")
     assert isinstance(torch_runner.model, TorchStageModel)
     engine: Engine[TorchKVCache] = torch_runner.model
-    assert engine.query_block is None
+    assert engine.query_block == ATTENTION_BLOCK  # aligned query blocks, as numpy's
     assert isinstance(engine.new_cache(KVBudget(1 << 24), 1), TorchKVCache)
     _check(engine)
     assert runner.config == torch_runner.config

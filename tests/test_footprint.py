@@ -23,7 +23,7 @@ from meshnet_model.engines.footprint import (
     plan_split,
     stage_footprint,
 )
-from meshnet_model.stage.costs import chunk_cost
+from meshnet_model.stage.costs import QUERY_BLOCK, chunk_cost
 from meshnet_model.testing import random_weights, small_config, write_checkpoint
 from meshnet_model.testing.gguf import write_gguf
 
@@ -124,10 +124,11 @@ def test_float_checkpoints_keep_their_own_dtype(tmp_path: Path) -> None:
     assert fp(directory, range(0, 1), "numpy", "float32").weights == 4 * EMBED + F32_LAYER
 
 
-def test_scratch_is_the_chunk_cost_capped_and_engine_shaped(tmp_path: Path) -> None:
+def test_scratch_is_the_chunk_cost_capped_and_block_shaped(tmp_path: Path) -> None:
+    # Both engines attend in aligned blocks of QUERY_BLOCK queries (stage.batch).
     path = gguf(tmp_path, "Q8_0")
     config = small_config()
-    for engine, block in (("numpy", 128), ("torch", None)):
+    for engine, block in (("numpy", QUERY_BLOCK), ("torch", QUERY_BLOCK)):
         for span, last in ((range(0, 2), False), (range(2, 4), True)):
             want = chunk_cost(config, batch=1, tokens=64, context=512, last=last,
                               query_block=block).total  # fmt: skip

@@ -12,7 +12,9 @@ import anyio
 import numpy as np
 import pytest
 
+from gguf_support import build_model, write_model_gguf
 from meshnet_model import StageRunner
+from meshnet_model.engines.torch.engine import load_torch_runner
 from meshnet_model.stage.runner import SessionLife
 from meshnet_model.testing import small_config, write_checkpoint
 from meshnet_node.backends import StageContext
@@ -35,12 +37,13 @@ def test_decode_steps_go_first_and_prefill_gets_as_many_rows_as_they_have() -> N
     decodes = [work(1, name=f"d{i}") for i in range(20)]
     plan = plan_step([prefill, *decodes], budget=256)
     assert [w for w, _ in plan[:20]] == decodes
-    assert plan[20] == (prefill, 20)  # as many prefill rows as decode rows
+    # As many prefill rows as decode rows, cut back to an aligned query block.
+    assert plan[20] == (prefill, 16)
 
 
 def test_prefill_alone_gets_the_whole_budget_and_a_chunk_is_split() -> None:
     a, b = work(200, name="a"), work(200, name="b")
-    assert plan_step([a, b], budget=256) == [(a, 200), (b, 56)]
+    assert plan_step([a, b], budget=256) == [(a, 200), (b, 48)]  # 56 cut back to 48
 
 
 def test_a_few_decode_steps_still_leave_the_minimum_to_prefill() -> None:
@@ -56,8 +59,18 @@ def test_prefill_progresses_when_decode_steps_fill_the_budget() -> None:
 
 
 def test_a_chunk_wider_than_the_budget_still_makes_progress() -> None:
-    wide = work(8, batch=300)
-    assert plan_step([wide], budget=256) == [(wide, 1)]
+    # 300 rows a token: past the budget, alone in the step, one aligned block.
+    wide = work(40, batch=300)
+    assert plan_step([wide], budget=256) == [(wide, 16)]
+
+
+def test_pieces_end_on_aligned_positions() -> None:
+    w = Work(SessionLife("s"), 37, np.zeros((1, 100), np.int32))  # positions 37..136
+    assert plan_step([w], budget=20) == [(w, 11)]  # to 48
+    w.done = 11
+    assert plan_step([w], budget=40) == [(w, 32)]  # 48..80
+    w.done = 95
+    assert plan_step([w], budget=40) == [(w, 5)]  # the chunk's end, 137
 
 
 def test_the_rest_of_a_split_chunk_is_taken_next() -> None:
@@ -111,35 +124,48 @@ async def test_concurrent_chunks_are_batched_and_equal_their_runs_alone(
             tg.start_soon(one, i)
     assert stage.scheduler.steps < 8  # some shared a step
     for i in range(8):
-        assert np.max(np.abs(got[i] - want[i])) <= 1e-4
-        assert int(np.argmax(got[i])) == int(np.argmax(want[i]))
+        assert np.array_equal(got[i], want[i])
     assert stage.scheduler.queued_rows == 0 and not stage.scheduler.queue
 
 
+@pytest.fixture(scope="module")
+def q4_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_model_gguf(tmp_path_factory.mktemp("q4"), build_model("llama", layers=4), "Q4_0")
+
+
 @pytest.mark.anyio
-@pytest.mark.parametrize("layers", [range(0, 2), range(0, 4)])
-async def test_a_chunk_split_across_steps_equals_the_chunk_whole(
-    checkpoint: Path, layers: range
-) -> None:
-    """Chunked prefill: 40 rows through steps of 16 (a middle stage returns
-    every position's hidden state, a last stage the last position's logits)."""
-    whole = StageRunner.load(checkpoint, layers).run("w", 0, ids(40, 3))
-    stage = ModelStage(StageRunner.load(checkpoint, layers), max_batch_tokens=16)
+async def test_a_chunk_split_across_steps_equals_the_chunk_whole(q4_gguf: Path) -> None:
+    """Chunked prefill on a row-invariant (int4pack) stage: 40 rows through
+    steps of 16, every position's hidden state the very bits of the chunk
+    whole (test_batching has the last stage's logits on the real model)."""
+    layers = range(0, 2)
+    whole = load_torch_runner(q4_gguf, layers, threads=1).run("w", 0, ids(40, 3))
+    stage = ModelStage(load_torch_runner(q4_gguf, layers, threads=1), max_batch_tokens=16)
     got = await stage(ids(40, 3), ctx("s", 0, 40))
     assert stage.scheduler.steps == 3
-    assert got.shape == whole.shape
-    assert np.max(np.abs(got - whole)) <= 1e-4
+    assert np.array_equal(got, whole)
     # The session continues where the pieces left it.
     assert stage.runner._lives["s"].cache.length == 40
 
 
 @pytest.mark.anyio
-async def test_a_chunk_with_a_bad_id_in_a_later_piece_fails_before_any_piece(
+async def test_a_stage_that_is_not_row_invariant_takes_its_chunks_whole(
     checkpoint: Path,
+) -> None:
+    whole = StageRunner.load(checkpoint).run("w", 0, ids(40, 3))
+    stage = ModelStage(StageRunner.load(checkpoint), max_batch_tokens=16)
+    got = await stage(ids(40, 3), ctx("s", 0, 40))
+    assert stage.scheduler.steps == 1
+    assert np.array_equal(got, whole)
+
+
+@pytest.mark.anyio
+async def test_a_chunk_with_a_bad_id_in_a_later_piece_fails_before_any_piece(
+    q4_gguf: Path,
 ) -> None:
     from meshnet_proto import ProtocolError
 
-    stage = ModelStage(StageRunner.load(checkpoint), max_batch_tokens=16)
+    stage = ModelStage(load_torch_runner(q4_gguf, range(0, 2), threads=1), max_batch_tokens=16)
     bad = ids(40, 3)
     bad[0, 30] = 10**6
     with pytest.raises(ProtocolError) as refused:
@@ -177,10 +203,10 @@ async def test_a_full_queue_is_503_stage_busy_with_retry_after_before_any_work(
 
 
 @pytest.mark.anyio
-async def test_a_request_cancelled_while_queued_leaves_the_queue(checkpoint: Path) -> None:
+async def test_a_request_cancelled_while_queued_leaves_the_queue(q4_gguf: Path) -> None:
     """Its rows leave the count at once; the others finish; the cancelled
     session's next chunk starts clean (whatever pieces ran are dropped)."""
-    stage = ModelStage(StageRunner.load(checkpoint), max_batch_tokens=8)
+    stage = ModelStage(load_torch_runner(q4_gguf, range(0, 2), threads=1), max_batch_tokens=16)
     results: dict[str, np.ndarray] = {}
     victim = anyio.CancelScope()
 
@@ -202,8 +228,8 @@ async def test_a_request_cancelled_while_queued_leaves_the_queue(checkpoint: Pat
     assert set(results) == {"a", "b"}
     assert stage.scheduler.queued_rows == 0 and not stage.scheduler.queue
     again = await stage(ids(200, 9), ctx("gone", 0, 200))
-    want = StageRunner.load(checkpoint).run("w", 0, ids(200, 9))
-    assert np.max(np.abs(again - want)) <= 1e-4
+    want = load_torch_runner(q4_gguf, range(0, 2), threads=1).run("w", 0, ids(200, 9))
+    assert np.array_equal(again, want)
 
 
 @pytest.mark.anyio

@@ -22,7 +22,7 @@ from gguf_support import build_model, write_model_gguf
 from meshnet_model import SessionEnded, StageRunner
 from meshnet_model.engines.torch import load_torch_runner
 from meshnet_model.errors import ChunkTooLarge, ComputeDeadlineExceeded
-from meshnet_model.stage.costs import chunk_cost
+from meshnet_model.stage.costs import QUERY_BLOCK, chunk_cost
 from meshnet_model.testing import small_config, write_checkpoint
 
 
@@ -93,19 +93,21 @@ def test_a_session_ended_mid_torch_compute_stops_and_frees_all(checkpoint: Path)
     assert (runner.kv_bytes_in_use, runner.sessions) == (0, 0)
 
 
-def test_the_torch_engine_is_costed_for_scoring_the_whole_chunk(checkpoint: Path) -> None:
+def test_both_engines_are_costed_for_their_aligned_query_blocks(checkpoint: Path) -> None:
+    """Both attend QUERY_BLOCK queries at a time (stage.batch): a limit below
+    the cost of scoring a 512-token chunk at once takes it on either engine."""
     config = small_config()
     blocked = chunk_cost(config, batch=1, tokens=512, context=512, last=True)
     whole = chunk_cost(config, batch=1, tokens=512, context=512, last=True, query_block=None)
     heads = config.num_attention_heads
-    assert whole.attention - blocked.attention == heads * (512 - 128) * 512 * 5
-    # A limit between the two: numpy's blocked attention fits, torch's does not.
+    assert whole.attention - blocked.attention == heads * (512 - QUERY_BLOCK) * 512 * 5
     limit = (blocked.total + whole.total) // 2
     StageRunner.load(checkpoint, max_compute_bytes=limit).check_head((1, 512), "int32")
     torch_runner = load_torch_runner(checkpoint, dtype="float32", max_compute_bytes=limit)
+    torch_runner.check_head((1, 512), "int32")
+    tight = load_torch_runner(checkpoint, dtype="float32", max_compute_bytes=blocked.total - 1)
     with pytest.raises(ChunkTooLarge, match="--max-compute-bytes"):
-        torch_runner.check_head((1, 512), "int32")
-    torch_runner.check_head((1, 128), "int32")  # one block: the same cost as numpy's
+        tight.check_head((1, 512), "int32")
 
 
 @pytest.mark.parametrize("engine", ["numpy", "torch"])
@@ -116,7 +118,7 @@ def test_costs_of_a_gguf_stage_use_its_config_head_dim(qwen3_gguf: Path, engine:
         runner = StageRunner.load(qwen3_gguf)
     c = runner.config
     assert (c.model_type, c.head_dim, c.hidden_size // c.num_attention_heads) == ("qwen3", 128, 16)
-    block = None if engine == "torch" else 128
+    block = QUERY_BLOCK  # both engines
     cost = chunk_cost(c, batch=1, tokens=256, context=c.max_position_embeddings, last=True,
                       query_block=block)  # fmt: skip
     qkv = 256 * (2 * c.num_attention_heads + 2 * c.num_key_value_heads) * 128 * 4

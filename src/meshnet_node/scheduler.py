@@ -12,8 +12,12 @@ Which work a step takes (``plan_step``, pure):
 1. Decode steps (chunks of one token) first, oldest first, up to the
    micro-batch cap (below) and the row budget (``--max-batch-tokens``).
 2. Prefill: the chunks of prompts, oldest first, in pieces. A chunk may be
-   split across steps (chunked prefill): its rows then compute a piece per
-   step, and it is answered when its last piece is done. With decode steps
+   split across steps (chunked prefill, on stages whose products are
+   row-invariant: the int4pack quantized ones): its rows then compute a piece per
+   step, and it is answered when its last piece is done. Pieces end on the
+   engines' aligned query blocks (``stage.batch``): the chunk's numbers are
+   the same bits whole or in pieces, whatever the load, so a replica that
+   recomputes it (failover by replay) sends exactly what the first one did. With decode steps
    in the step, prefill gets at most as many rows as they have (at least
    ``MIN_PREFILL_ROWS``), so a long prompt arriving at most doubles the
    running streams' step; alone, prefill gets the whole budget.
@@ -49,6 +53,7 @@ from dataclasses import dataclass, field
 import anyio
 import numpy as np
 
+from meshnet_model.stage.batch import ATTENTION_BLOCK
 from meshnet_model.stage.runner import SessionLife, StageRunner, StageWork
 from meshnet_proto import CapacityError
 
@@ -67,7 +72,7 @@ DEFAULT_MAX_BATCH_TOKENS = 256
 # Rows waiting for compute before new work is refused (503 stage_busy).
 DEFAULT_MAX_QUEUED_TOKENS = 32768
 # Prefill rows a step always may take beside its decode steps.
-MIN_PREFILL_ROWS = 16
+MIN_PREFILL_ROWS = ATTENTION_BLOCK  # one aligned query block
 # Steps a session counts as decoding after its last decode step.
 _ACTIVE_STEPS = 4
 # A step waits for the rest of its micro-batch at most this share of a step's
@@ -115,9 +120,19 @@ class Work:
 
 
 def plan_step(
-    queue: Sequence[Work], *, budget: int, decode_cap: int | None = None
+    queue: Sequence[Work],
+    *,
+    budget: int,
+    decode_cap: int | None = None,
+    align: int = ATTENTION_BLOCK,
+    split: bool = True,
 ) -> list[tuple[Work, int]]:
-    """The step's work and how many tokens of each (see the module docstring)."""
+    """The step's work and how many tokens of each (see the module docstring).
+    A piece of a chunk ends at a multiple of ``align`` (or at the chunk's end):
+    the engines' query blocks, so its numbers are the chunk's whole. With
+    ``split`` False (a stage whose products are not row-invariant) a chunk is
+    taken whole or not at all, past the share only when it is the step's
+    first piece of work."""
     taken: list[tuple[Work, int]] = []
     rows = 0
     for work in queue:
@@ -136,13 +151,25 @@ def plan_step(
         if work.decode:
             continue
         tokens = min(work.remaining, share // work.batch) if share > 0 else 0
-        if tokens == 0:
-            if taken:
-                break
-            tokens = 1  # a chunk wider than the budget, alone in the step: progress
-        taken.append((work, tokens))
-        share -= tokens * work.batch
+        if not split and tokens < work.remaining:
+            tokens = work.remaining if not taken else 0
+        if tokens == 0 and taken:
+            break
+        taken.append((work, _aligned(work, tokens, align)))
+        share -= taken[-1][1] * work.batch
     return taken
+
+
+def _aligned(work: Work, tokens: int, align: int) -> int:
+    """``tokens`` cut back to end on an aligned position — at least to the
+    next one (or the chunk's end), so the piece is never empty."""
+    if tokens >= work.remaining:
+        return work.remaining
+    here = work.start + work.done
+    end = (here + tokens) // align * align
+    if end <= here:
+        end = (here // align + 1) * align
+    return min(end - here, work.remaining)
 
 
 def micro_batches_for(layers: range, total_layers: int) -> int:
@@ -166,6 +193,8 @@ class StageScheduler:
         self.max_batch_tokens = max_batch_tokens
         self.max_queued_tokens = max_queued_tokens
         self.micro_batches = micro_batches
+        # Chunks are cut into pieces only where that changes no bit (stage.batch).
+        self.split = runner.model.row_invariant
         self.on_step = on_step  # (chunks, rows, seconds) of each step: metrics
         self.queue: deque[Work] = deque()
         self.queued_rows = 0
@@ -227,8 +256,8 @@ class StageScheduler:
             expected = min(cap or self._active(), self._active())
             if expected > 1 and self._step_seconds:
                 await self._gather(expected)
-            plan = plan_step(self.queue, budget=self.max_batch_tokens,
-                             decode_cap=cap)  # fmt: skip
+            plan = plan_step(self.queue, budget=self.max_batch_tokens, decode_cap=cap,
+                             split=self.split)  # fmt: skip
             started = time.perf_counter()
             # A worker thread cannot be interrupted: the step is seen through to
             # its accounting even if this task's request is cancelled meanwhile.

@@ -49,3 +49,6 @@ class Engine(Protocol[CacheT]):
 
     # Query rows scored at once (costs.chunk_cost; None: the whole chunk).
     query_block: int | None
+    # Whether every product computes each row on its own, so batched entries
+    # share them and chunks may be cut into pieces (stage.batch).
+    row_invariant: bool

@@ -371,7 +371,7 @@ def _scratch(
         tokens=max_chunk_tokens,
         context=context,
         last=layers.stop == config.num_hidden_layers,
-        query_block=QUERY_BLOCK if engine == "numpy" else None,
+        query_block=QUERY_BLOCK,
     )
     return min(max_compute_bytes, cost.total)
 

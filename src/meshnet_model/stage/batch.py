@@ -13,9 +13,25 @@ needs around its arrays: which entries are still running, where each one's
 rows are, and the per-entry stop checks between layers. An entry that stops
 (its session ended, its deadline passed) or fails before the compute (its KV
 budget) gets its error and leaves the batch; the others go on, and none of
-them sees the difference — a row's numbers never depend on another entry's
-rows, except through the last bits a matrix product of another height may
-round differently (docs/models.md, "Batched steps").
+them sees the difference.
+
+Bit for bit, whatever the step: a replica that recomputes a session (failover
+by replay) must produce the very bits the first computation sent, or the next
+hop sees a conflicting retransmission. So a chunk's numbers must not depend
+on the step it ran in, nor on how the scheduler cut it:
+
+* a matrix product is shared by the entries only where its kernel is
+  row-invariant — each row's result depends on that row alone: torch's
+  int4pack kernel is (a stage holding only such matrices is
+  ``row_invariant``). BLAS and oneDNN are not (their small-matrix and
+  blocked kernels are picked by the number of rows and sum in another order:
+  measured), so a dense product runs per entry, on exactly the rows the
+  entry has alone (``entry_rows``);
+* attention runs in query blocks aligned to absolute positions
+  (``query_blocks``): the queries ``[a, b)`` attend to keys ``[0, b)``
+  whatever chunk or piece they arrived in, so in a row-invariant stage a
+  chunk computed whole and in pieces cut at block boundaries give the same
+  numbers — the only stages whose chunks the scheduler cuts.
 """
 
 from __future__ import annotations
@@ -29,7 +45,24 @@ import numpy as np
 from ..errors import StageInvariantError
 from .kv_cache import KVCache
 
-__all__ = ["BatchEntry", "PackedBatch"]
+__all__ = ["ATTENTION_BLOCK", "BatchEntry", "PackedBatch", "query_blocks"]
+
+# Query rows attended at once, in blocks aligned to multiples of this
+# position; a step splits a chunk only at these boundaries.
+ATTENTION_BLOCK = 16
+
+
+def query_blocks(past: int, tokens: int, size: int = ATTENTION_BLOCK) -> list[tuple[int, int]]:
+    """The chunk's query blocks as ``[lo, hi)`` offsets into it: cut at every
+    absolute position that is a multiple of ``size``."""
+    blocks = []
+    start, end = past, past + tokens
+    while start < end:
+        stop = min(end, (start // size + 1) * size)
+        blocks.append((start - past, stop - past))
+        start = stop
+    return blocks
+
 
 CacheT = TypeVar("CacheT", bound=KVCache)
 
@@ -93,6 +126,21 @@ class PackedBatch(Generic[CacheT]):
         for entry in self.running:
             yield entry, lo, lo + entry.rows
             lo += entry.rows
+
+    def entry_rows(self) -> list[tuple[int, int]]:
+        """Each running entry's rows ``[lo, hi)``: where a product that is not
+        row-invariant is cut, so each entry's part of it is the product it
+        has alone, whatever else the step holds."""
+        return [(lo, hi) for _, lo, hi in self.spans()]
+
+    def head_rows(self) -> list[tuple[int, int]]:
+        """``entry_rows`` of the last positions alone (one row per batch row of
+        each entry): the head's product, per entry."""
+        rows, lo = [], 0
+        for entry in self.running:
+            rows.append((lo, lo + entry.batch))
+            lo += entry.batch
+        return rows
 
     def check_stops(self) -> list[tuple[int, int]] | None:
         """Ask every running entry whether it must stop; None when all go on,

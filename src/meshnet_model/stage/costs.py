@@ -15,11 +15,11 @@ allocator counts; they err on the large side.
 The shapes come from ``ModelConfig`` (every family): ``head_dim`` is the
 config's, not ``hidden / heads`` (qwen3 differs). A sliding window (mistral)
 does not shrink the scores: both engines score every cached key and mask
-the ones outside the window. The engines differ in how many query rows they
-score at once: numpy 128 per block, torch's ``scaled_dot_product_attention``
-the whole chunk (its math path materialises ``[heads, tokens, context]``), so
-the engine passes its ``query_block`` (``None``: the whole chunk). Float32
-sizes are used for both: torch's half-precision stages stay within them.
+the ones outside the window. Both engines score ``QUERY_BLOCK`` query rows at
+once, in blocks aligned to absolute positions (``stage.batch.query_blocks``:
+what makes a chunk's numbers independent of how a step split it); the engine
+passes its ``query_block`` (``None``: the whole chunk at once). Float32 sizes
+are used for both: torch's half-precision stages stay within them.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from ..formats.config import ModelConfig
 __all__ = ["ChunkCost", "chunk_cost", "kv_bytes_per_position", "reachable_context"]
 
 F32 = 4  # compute dtype's item size: everything is computed in float32
-QUERY_BLOCK = 128  # llama.attention's rows per score block
+QUERY_BLOCK = 16  # query rows per attention block (stage.batch.ATTENTION_BLOCK)
 
 
 @dataclass(frozen=True, slots=True)

@@ -33,7 +33,7 @@ import numpy as np
 from ...errors import StageInvariantError
 from ...formats.config import ModelConfig
 from ...rope import Rope, apply_rope
-from ...stage.batch import BatchEntry, PackedBatch
+from ...stage.batch import ATTENTION_BLOCK, BatchEntry, PackedBatch, query_blocks
 from ...stage.kv_cache import KVCache
 from ...stage.weights import LayerWeights, StageWeights
 
@@ -48,9 +48,6 @@ __all__ = [
 ]
 
 F32 = np.float32
-# Queries per attention block: bounds the score matrix to
-# heads x 128 x context floats whatever the chunk size.
-_QUERY_BLOCK = 128
 
 
 _BF16 = np.dtype(ml_dtypes.bfloat16)
@@ -67,10 +64,22 @@ def _f32(w: np.ndarray) -> np.ndarray:
     return w.astype(F32)
 
 
-def linear(x: np.ndarray, weight: np.ndarray, bias: np.ndarray | None = None) -> np.ndarray:
-    """``x @ weight.T (+ bias)`` with ``weight`` ``[out, in]``, as one 2-D matmul."""
+def linear(
+    x: np.ndarray,
+    weight: np.ndarray,
+    bias: np.ndarray | None = None,
+    blocks: list[tuple[int, int]] | None = None,
+) -> np.ndarray:
+    """``x @ weight.T (+ bias)`` with ``weight`` ``[out, in]``, as 2-D matmuls:
+    one, or one per block of rows (``blocks``: each batched entry's, so its
+    numbers are those it has alone — BLAS is not row-invariant, ``stage.batch``)."""
     lead = x.shape[:-1]
-    out = x.reshape(-1, x.shape[-1]) @ _f32(weight).T
+    rows = x.reshape(-1, x.shape[-1])
+    w = _f32(weight).T
+    if blocks is None or len(blocks) == 1:
+        out = rows @ w
+    else:
+        out = np.concatenate([rows[lo:hi] @ w for lo, hi in blocks])
     if bias is not None:
         out += bias
     return out.reshape(*lead, weight.shape[0])
@@ -86,13 +95,15 @@ def silu(x: np.ndarray) -> np.ndarray:
     return x * (F32(0.5) * (F32(1.0) + np.tanh(F32(0.5) * x)))
 
 
-def project_qkv(x: np.ndarray, block: LayerWeights) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """The query, key and value projections of packed rows ``[rows, hidden]``:
-    one matrix product each, however many chunks the rows come from."""
+def project_qkv(
+    x: np.ndarray, block: LayerWeights, blocks: list[tuple[int, int]] | None = None
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The query, key and value projections of packed rows ``[rows, hidden]``
+    (one product per entry: ``blocks``)."""
     return (
-        linear(x, block.q, block.q_bias),
-        linear(x, block.k, block.k_bias),
-        linear(x, block.v, block.v_bias),
+        linear(x, block.q, block.q_bias, blocks),
+        linear(x, block.k, block.k_bias, blocks),
+        linear(x, block.v, block.v_bias, blocks),
     )
 
 
@@ -138,17 +149,18 @@ def attend(
         q, k = apply_rope(q, *rope), apply_rope(k, *rope)
     keys[:, :, past : past + t] = k
     values[:, :, past : past + t] = v
-    total = past + t
-    k_all = keys[:, :, None, :total]  # [b, kv, 1, total, d]: broadcast over the group
-    v_all = values[:, :, None, :total]
     q = q.reshape(b, kv_heads, groups, t, d)
     scale = F32(1.0 / math.sqrt(d))
     out = np.empty((b, kv_heads, groups, t, d), F32)
-    key_pos = np.arange(total)
-    for lo in range(0, t, _QUERY_BLOCK):
-        hi = min(lo + _QUERY_BLOCK, t)
-        scores = (q[:, :, :, lo:hi] @ k_all.swapaxes(-1, -2)) * scale  # [b,kv,g,rows,total]
-        # Causal over the whole context: the query at position past+i sees keys 0..past+i.
+    # Aligned query blocks (stage.batch.query_blocks): the queries [a, b) see the
+    # keys [0, b), so a chunk's numbers do not depend on how it was split.
+    for lo, hi in query_blocks(past, t):
+        end = past + hi
+        k_all = keys[:, :, None, :end]  # [b, kv, 1, end, d]: broadcast over the group
+        v_all = values[:, :, None, :end]
+        scores = (q[:, :, :, lo:hi] @ k_all.swapaxes(-1, -2)) * scale  # [b,kv,g,rows,end]
+        # Causal: the query at position past+i sees keys 0..past+i.
+        key_pos = np.arange(end)
         query_pos = (past + np.arange(lo, hi))[:, None]
         hidden = key_pos[None, :] > query_pos
         if window is not None:
@@ -161,16 +173,21 @@ def attend(
     return out.reshape(b, heads, t, d).transpose(0, 2, 1, 3).reshape(b * t, heads * d)
 
 
-def mlp(x: np.ndarray, block: LayerWeights) -> np.ndarray:
-    gate = linear(x, block.gate, block.gate_bias)
-    up = linear(x, block.up, block.up_bias)
-    return linear(silu(gate) * up, block.down, block.down_bias)
+def mlp(
+    x: np.ndarray, block: LayerWeights, blocks: list[tuple[int, int]] | None = None
+) -> np.ndarray:
+    gate = linear(x, block.gate, block.gate_bias, blocks)
+    up = linear(x, block.up, block.up_bias, blocks)
+    return linear(silu(gate) * up, block.down, block.down_bias, blocks)
 
 
 class StageModel:
     """The forward pass of one stage's layers, over a session's ``KVCache``."""
 
-    query_block: int | None = _QUERY_BLOCK  # attention scores this many query rows at once
+    query_block: int | None = ATTENTION_BLOCK  # attention scores this many query rows at once
+    # BLAS products are not row-invariant: each batched entry's run apart, and
+    # the scheduler never cuts a chunk into pieces (stage.batch).
+    row_invariant = False
 
     def __init__(self, weights: StageWeights) -> None:
         self.weights = weights
@@ -256,7 +273,7 @@ class StageModel:
         ends = np.concatenate([np.arange(lo, hi)[e.tokens - 1 :: e.tokens]
                                for e, lo, hi in batch.spans()])  # fmt: skip
         final = rms_norm(x[ends], self.weights.norm, self.config.rms_norm_eps)
-        logits = linear(final, self.weights.lm_head)
+        logits = linear(final, self.weights.lm_head, None, batch.head_rows())
         batch.finish(np.split(logits, np.cumsum([e.batch for e in batch.running])[:-1]))
         return batch
 
@@ -281,6 +298,7 @@ class StageModel:
         (``check_stops``) leaves with its rows."""
         c = self.config
         ropes = [self.rope.cos_sin(e.position, e.tokens) for e in batch.running]
+        blocks = batch.entry_rows()
         for i, block in enumerate(self.weights.blocks):
             kept = batch.check_stops()
             if kept is not None:
@@ -288,18 +306,19 @@ class StageModel:
                     return x[:0]
                 x = _pack([x[lo:hi] for lo, hi in kept])
                 ropes = [self.rope.cos_sin(e.position, e.tokens) for e in batch.running]
+                blocks = batch.entry_rows()
             layer = self.weights.layers.start + i
             rotates, window = c.layer_rotates(layer), c.layer_window(layer)
             h = rms_norm(x, block.input_norm, c.rms_norm_eps)
-            q, k, v = project_qkv(h, block)
+            q, k, v = project_qkv(h, block, blocks)
             heads = [
                 attend(q[lo:hi], k[lo:hi], v[lo:hi], block, c, rope if rotates else None,
                        e.cache.keys[i], e.cache.values[i], e.position, window, batch=e.batch)
                 for (e, lo, hi), rope in zip(batch.spans(), ropes, strict=True)
             ]  # fmt: skip
-            x = x + linear(_pack(heads), block.o, block.o_bias)
+            x = x + linear(_pack(heads), block.o, block.o_bias, blocks)
             h = rms_norm(x, block.post_norm, c.rms_norm_eps)
-            x = x + mlp(h, block)
+            x = x + mlp(h, block, blocks)
         return x
 
 

@@ -25,7 +25,7 @@ from ...formats.config import ModelConfig
 from ...formats.gguf.checkpoint import GGUFCheckpoint
 from ...formats.safetensors import Checkpoint
 from ...source import is_gguf, load_config, model_name
-from ...stage.batch import BatchEntry, PackedBatch
+from ...stage.batch import ATTENTION_BLOCK, BatchEntry, PackedBatch
 from ...stage.kv_cache import KVBudget
 from ...stage.runner import (
     DEFAULT_KV_BUDGET,
@@ -36,7 +36,7 @@ from ...stage.runner import (
 from ...stage.weights import StageWeights, head_is_tied
 from ._torch import COMPUTE_DTYPES, check_device, import_torch
 from .kv_cache import TorchKVCache
-from .layers import RopeTable, attend, fused_rms_norm, mlp, project_qkv, rms_norm, rotate
+from .layers import RopeTable, attend, fused_rms_norm, mlp, output, project_qkv, rms_norm, rotate
 from .qlinear import linear
 from .transfer import Transfer
 from .weights import MappedEmbedding, TorchStageWeights, converted_weights, gguf_weights
@@ -45,8 +45,8 @@ __all__ = ["TorchStageModel", "load_torch_runner"]
 
 
 class TorchStageModel:
-    # scaled_dot_product_attention scores the whole chunk at once (costs.chunk_cost).
-    query_block: int | None = None
+    # Query rows scored at once, in aligned blocks (stage.batch, costs.chunk_cost).
+    query_block: int | None = ATTENTION_BLOCK
     # Compute threads (None: torch's default). Under OpenMP the count is a
     # setting of the calling thread, so forward() applies it in the worker
     # thread that runs it; set in the main thread only, a worker would spin
@@ -88,6 +88,9 @@ class TorchStageModel:
             self.weights = TorchStageWeights.from_numpy(torch, weights, dtype=self.dtype,
                                                         device=self.device)  # fmt: skip
         self.rope = RopeTable(torch, self.config, self.dtype, self.device)
+        # Every product by the int4pack kernel, which computes each row on its
+        # own: batched entries share them, and chunks may be cut into pieces.
+        self.row_invariant = self.weights.all_int4()
         self.transfer = transfer or Transfer(torch, self.device)
 
     @property
@@ -159,7 +162,7 @@ class TorchStageModel:
             ends = [i for e, lo, hi in batch.spans()
                     for i in range(lo + e.tokens - 1, hi, e.tokens)]  # fmt: skip
             final = self.norm(t, x[ends], w.norm, self.config.rms_norm_eps)
-            logits = linear(t, final, w.lm_head).float()
+            logits = output(t, final, w.lm_head, None, batch.head_rows()).float()
             parts = logits.split([e.batch for e in batch.running])
             batch.finish([self.transfer.to_host(part, e.cache.staging)
                           for part, e in zip(parts, batch.running, strict=True)])  # fmt: skip
@@ -197,6 +200,7 @@ class TorchStageModel:
         c, t = self.config, self.torch
         heads, kv_heads, d = c.num_attention_heads, c.num_key_value_heads, c.head_dim
         rope = self._rope_rows(batch)
+        blocks = batch.entry_rows()
         for i, block in enumerate(self.weights.blocks):
             kept = batch.check_stops()
             if kept is not None:
@@ -204,10 +208,11 @@ class TorchStageModel:
                     return x[:0]
                 x = _pack(t, [x[lo:hi] for lo, hi in kept])
                 rope = self._rope_rows(batch)
+                blocks = batch.entry_rows()
             layer = self.layers.start + i
             window = c.layer_window(layer)
             h = self.norm(t, x, block.input_norm, c.rms_norm_eps)
-            q, k, v = project_qkv(t, h, block, c)
+            q, k, v = project_qkv(t, h, block, c, blocks)
             rows = q.shape[0]
             # Norm and rope of every chunk's rows at once: per-op overhead is most
             # of a decode step's attention, and these are element by element.
@@ -219,9 +224,9 @@ class TorchStageModel:
                        e.position, window, batch=e.batch)
                 for e, lo, hi in batch.spans()
             ]  # fmt: skip
-            x = x + linear(t, _pack(t, outs), block.o, block.o_bias)
+            x = x + output(t, _pack(t, outs), block.o, block.o_bias, blocks)
             h = self.norm(t, x, block.post_norm, c.rms_norm_eps)
-            x = x + mlp(t, h, block)
+            x = x + mlp(t, h, block, blocks)
         return x
 
     def _rope_rows(self, batch: PackedBatch[TorchKVCache]) -> tuple[Any, Any]:

@@ -26,9 +26,19 @@ import numpy as np
 
 from ...formats.config import ModelConfig
 from ...rope import Rope
-from .qlinear import linear
+from ...stage.batch import query_blocks
+from .qlinear import Int4Matrix, linear
 
-__all__ = ["RopeTable", "attend", "fused_rms_norm", "mlp", "project_qkv", "rms_norm", "rotate"]
+__all__ = [
+    "RopeTable",
+    "attend",
+    "fused_rms_norm",
+    "mlp",
+    "output",
+    "project_qkv",
+    "rms_norm",
+    "rotate",
+]
 
 
 def fused_rms_norm(torch: Any, x: Any, weight: Any, eps: float) -> Any:
@@ -88,25 +98,38 @@ class RopeTable:
         return self.cos[start:end], self.sin[start:end]
 
 
-def _linear(torch: Any, x: Any, weight: Any, bias: Any) -> Any:
-    # A dense tensor, or a quantized matrix multiplied by its kernel (qlinear).
-    return linear(torch, x, weight, bias)
+def _linear(torch: Any, x: Any, weight: Any, bias: Any, blocks: RowBlocks = None) -> Any:
+    """A dense tensor, or a quantized matrix multiplied by its kernel (qlinear).
+
+    Row-invariant (``stage.batch``): the int4pack kernel computes each row on
+    its own; a dense product (oneDNN, MKL) picks its kernel by the number of
+    rows and sums in another order, so with ``blocks`` (each batched entry's
+    rows) it runs per entry, on exactly the rows the entry has alone."""
+    if blocks is None or isinstance(weight, Int4Matrix) or len(blocks) == 1:
+        return linear(torch, x, weight, bias)
+    return torch.cat([linear(torch, x[lo:hi], weight, bias) for lo, hi in blocks])
 
 
-def project_qkv(torch: Any, x: Any, block: Any, config: ModelConfig) -> tuple[Any, Any, Any]:
+# Each batched entry's rows (PackedBatch.entry_rows), or None: one product.
+RowBlocks = list[tuple[int, int]] | None
+
+
+def project_qkv(
+    torch: Any, x: Any, block: Any, config: ModelConfig, blocks: RowBlocks = None
+) -> tuple[Any, Any, Any]:
     """The query, key and value projections of packed rows ``[rows, hidden]``:
     one kernel call each (one for the three in a quantized stage), however
     many chunks the rows come from."""
     heads, kv_heads, d = config.num_attention_heads, config.num_key_value_heads, config.head_dim
     if block.qkv is not None:  # one kernel for the three (a quantized stage)
-        q, k, v = _linear(torch, x, block.qkv, None).split(
+        q, k, v = _linear(torch, x, block.qkv, None, blocks).split(
             [heads * d, kv_heads * d, kv_heads * d], dim=-1
         )
         return _add(q, block.q_bias), _add(k, block.k_bias), _add(v, block.v_bias)
     return (
-        _linear(torch, x, block.q, block.q_bias),
-        _linear(torch, x, block.k, block.k_bias),
-        _linear(torch, x, block.v, block.v_bias),
+        _linear(torch, x, block.q, block.q_bias, blocks),
+        _linear(torch, x, block.k, block.k_bias, blocks),
+        _linear(torch, x, block.v, block.v_bias, blocks),
     )
 
 
@@ -161,41 +184,49 @@ def attend(
     total = past + t
     keys[:, :, past:total] = k.reshape(b, t, kv_heads, d).transpose(1, 2)
     values[:, :, past:total] = v.reshape(b, t, kv_heads, d).transpose(1, 2)
-    first_key = 0
-    mask = None
-    if t == 1:
-        # Decode: the one query sees every key up to itself — or the window's.
-        if window is not None:
-            first_key = max(0, total - window)
-    else:
-        query_pos = torch.arange(past, total, device=q.device)[:, None]
-        key_pos = torch.arange(total, device=q.device)[None, :]
-        mask = key_pos <= query_pos
-        if window is not None:
-            mask &= key_pos > query_pos - window
-        mask = mask.repeat(groups, 1)  # the folded query axis is (group, token)
-    # [b, heads, t, d] -> [b, kv_heads, groups * t, d]: head h uses kv head h // groups.
-    q = q.reshape(b, kv_heads, groups * t, d)
-    out = torch.nn.functional.scaled_dot_product_attention(
-        q,
-        keys[:, :, first_key:total],
-        values[:, :, first_key:total],
-        attn_mask=mask,
-        scale=1.0 / math.sqrt(d),
-    )
-    return out.view(b, heads, t, d).transpose(1, 2).reshape(b * t, heads * d)
+    outs = []
+    # Aligned query blocks (stage.batch.query_blocks): the queries [a, b) see the
+    # keys up to b, so a chunk's numbers do not depend on how a step split it.
+    for lo, hi in query_blocks(past, t):
+        rows, end = hi - lo, past + hi
+        first_key = 0 if window is None else max(0, past + lo - window + 1)
+        mask = None
+        if rows > 1:
+            query_pos = torch.arange(past + lo, end, device=q.device)[:, None]
+            key_pos = torch.arange(first_key, end, device=q.device)[None, :]
+            mask = key_pos <= query_pos
+            if window is not None:
+                mask &= key_pos > query_pos - window
+            mask = mask.repeat(groups, 1)  # the folded query axis is (group, token)
+        # [b, heads, rows, d] -> [b, kv_heads, groups * rows, d]: head h uses kv head h // groups.
+        block = q[:, :, lo:hi].reshape(b, kv_heads, groups * rows, d)
+        out = torch.nn.functional.scaled_dot_product_attention(
+            block,
+            keys[:, :, first_key:end],
+            values[:, :, first_key:end],
+            attn_mask=mask,
+            scale=1.0 / math.sqrt(d),
+        )
+        outs.append(out.view(b, heads, rows, d))
+    out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
+    return out.transpose(1, 2).reshape(b * t, heads * d)
 
 
 def _add(x: Any, bias: Any) -> Any:
     return x if bias is None else x + bias
 
 
-def mlp(torch: Any, x: Any, block: Any) -> Any:
+def mlp(torch: Any, x: Any, block: Any, blocks: RowBlocks = None) -> Any:
     f = torch.nn.functional
     if block.gate_up is not None:  # one kernel for both (a quantized stage)
-        gate, up = _linear(torch, x, block.gate_up, None).chunk(2, dim=-1)
+        gate, up = _linear(torch, x, block.gate_up, None, blocks).chunk(2, dim=-1)
         gate, up = _add(gate, block.gate_bias), _add(up, block.up_bias)
     else:
-        gate = _linear(torch, x, block.gate, block.gate_bias)
-        up = _linear(torch, x, block.up, block.up_bias)
-    return _linear(torch, f.silu(gate) * up, block.down, block.down_bias)
+        gate = _linear(torch, x, block.gate, block.gate_bias, blocks)
+        up = _linear(torch, x, block.up, block.up_bias, blocks)
+    return _linear(torch, f.silu(gate) * up, block.down, block.down_bias, blocks)
+
+
+def output(torch: Any, x: Any, block: Any, bias: Any, blocks: RowBlocks = None) -> Any:
+    """A product of packed rows (``o``, the head) under the same rule."""
+    return _linear(torch, x, block, bias, blocks)

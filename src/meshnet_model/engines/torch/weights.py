@@ -126,6 +126,16 @@ class TorchStageWeights:
                 total += t.nbytes if held else t.numel() * t.element_size()
         return total
 
+    def all_int4(self) -> bool:
+        """Whether every product of the stage (its layers' and its head) is by
+        the int4pack kernel, which computes each row on its own (``stage.batch``)."""
+        products = [self.lm_head] if self.lm_head is not None else []
+        for block in self.blocks:
+            matrices = (block.q, block.k, block.v, block.o, block.gate, block.up, block.down,
+                        block.qkv, block.gate_up)  # fmt: skip
+            products += [m for m in matrices if m is not None]
+        return bool(products) and all(isinstance(m, Int4Matrix) for m in products)
+
     def held_forms(self) -> dict[str, int]:
         """Matrices by the form they are held in (``int4pack(Q4_1)``,
         ``int4pack x2(Q8_0)``, ``mapped(Q8_0)`` for a file-form embedding, or a
