@@ -196,10 +196,9 @@ def _micro_batches(text: str) -> int:
     """``auto`` (0: the chain's stage count, from the node's layer share) or 1..1024."""
     if text == "auto":
         return 0
-    count = positive_int(text)
-    if count > MAX_MICRO_BATCHES:
+    if not (text.isascii() and text.isdigit()) or not 1 <= int(text) <= MAX_MICRO_BATCHES:
         raise argparse.ArgumentTypeError(f"expected auto or 1..{MAX_MICRO_BATCHES}, got {text!r}")
-    return count
+    return int(text)
 
 
 def _nonnegative_int(text: str) -> int:
