@@ -41,9 +41,9 @@ def test_a_chunk_whose_position_is_known_is_costed_over_its_own_context(tmp_path
     config = small_config(max_position_embeddings=131072, num_attention_heads=32,
                           num_key_value_heads=8, hidden_size=256, head_dim=8)  # fmt: skip
     directory = write_checkpoint(tmp_path / "m", config)
-    # Reaches every position; 256 MiB of scratch: a 128-token chunk near the end
-    # of 131,072 positions needs ~640 MiB, the first chunk ~1.3 MiB.
-    runner = StageRunner.load(directory, kv_budget_bytes=1 << 40, max_compute_bytes=256 << 20)
+    # Reaches every position; 64 MiB of scratch: a 128-token chunk near the end
+    # of 131,072 positions needs ~150 MiB, the first chunk under 1 MiB.
+    runner = StageRunner.load(directory, kv_budget_bytes=1 << 40, max_compute_bytes=64 << 20)
     with pytest.raises(ChunkTooLarge):
         runner.check_head((1, 128), "int32")  # somewhere in 131,072 positions: too costly
     runner.check_head((1, 128), "int32", position=0)  # the header says: the first chunk

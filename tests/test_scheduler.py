@@ -37,13 +37,13 @@ def test_decode_steps_go_first_and_prefill_gets_as_many_rows_as_they_have() -> N
     decodes = [work(1, name=f"d{i}") for i in range(20)]
     plan = plan_step([prefill, *decodes], budget=256)
     assert [w for w, _ in plan[:20]] == decodes
-    # As many prefill rows as decode rows, cut back to an aligned query block.
+    # As many prefill rows as decode rows, cut back to an aligned end.
     assert plan[20] == (prefill, 16)
 
 
 def test_prefill_alone_gets_the_whole_budget_and_a_chunk_is_split() -> None:
     a, b = work(200, name="a"), work(200, name="b")
-    assert plan_step([a, b], budget=256) == [(a, 200), (b, 48)]  # 56 cut back to 48
+    assert plan_step([a, b], budget=256) == [(a, 200), (b, 56)]  # 56: an aligned end
 
 
 def test_a_few_decode_steps_still_leave_the_minimum_to_prefill() -> None:
@@ -61,14 +61,14 @@ def test_prefill_progresses_when_decode_steps_fill_the_budget() -> None:
 def test_a_chunk_wider_than_the_budget_still_makes_progress() -> None:
     # 300 rows a token: past the budget, alone in the step, one aligned block.
     wide = work(40, batch=300)
-    assert plan_step([wide], budget=256) == [(wide, 16)]
+    assert plan_step([wide], budget=256) == [(wide, 8)]
 
 
 def test_pieces_end_on_aligned_positions() -> None:
     w = Work(SessionLife("s"), 37, np.zeros((1, 100), np.int32))  # positions 37..136
-    assert plan_step([w], budget=20) == [(w, 11)]  # to 48
-    w.done = 11
-    assert plan_step([w], budget=40) == [(w, 32)]  # 48..80
+    assert plan_step([w], budget=20) == [(w, 19)]  # to 56, not 57
+    w.done = 19
+    assert plan_step([w], budget=44) == [(w, 40)]  # 56..96, not 100
     w.done = 95
     assert plan_step([w], budget=40) == [(w, 5)]  # the chunk's end, 137
 

@@ -49,7 +49,7 @@ __all__ = ["ATTENTION_BLOCK", "BatchEntry", "PackedBatch", "query_blocks"]
 
 # Query rows attended at once, in blocks aligned to multiples of this
 # position; a step splits a chunk only at these boundaries.
-ATTENTION_BLOCK = 16
+ATTENTION_BLOCK = 8
 
 
 def query_blocks(past: int, tokens: int, size: int = ATTENTION_BLOCK) -> list[tuple[int, int]]:

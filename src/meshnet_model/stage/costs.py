@@ -31,7 +31,7 @@ from ..formats.config import ModelConfig
 __all__ = ["ChunkCost", "chunk_cost", "kv_bytes_per_position", "reachable_context"]
 
 F32 = 4  # compute dtype's item size: everything is computed in float32
-QUERY_BLOCK = 16  # query rows per attention block (stage.batch.ATTENTION_BLOCK)
+QUERY_BLOCK = 8  # query rows per attention block (stage.batch.ATTENTION_BLOCK)
 
 
 @dataclass(frozen=True, slots=True)
