@@ -46,6 +46,15 @@ def test_prefill_alone_gets_the_whole_budget_and_a_chunk_is_split() -> None:
     assert plan_step([a, b], budget=256) == [(a, 200), (b, 56)]  # 56: an aligned end
 
 
+def test_sessions_decoding_elsewhere_keep_prefill_to_their_share() -> None:
+    """Between micro-batches the queue may hold only a prompt: it still gets
+    the decoding group's share, not the budget, or the group about to land
+    waits behind a whole chunk."""
+    prefill = work(128, name="p")
+    assert plan_step([prefill], budget=256, decoding=8) == [(prefill, 8)]
+    assert plan_step([prefill], budget=256, decoding=0) == [(prefill, 128)]
+
+
 def test_a_few_decode_steps_still_leave_the_minimum_to_prefill() -> None:
     prefill, decode = work(128, name="p"), work(1, name="d")
     assert plan_step([decode, prefill], budget=256) == [(decode, 1), (prefill, MIN_PREFILL_ROWS)]

@@ -124,6 +124,7 @@ def plan_step(
     *,
     budget: int,
     decode_cap: int | None = None,
+    decoding: int = 0,
     align: int = ATTENTION_BLOCK,
     split: bool = True,
 ) -> list[tuple[Work, int]]:
@@ -132,7 +133,8 @@ def plan_step(
     the engines' query blocks, so its numbers are the chunk's whole. With
     ``split`` False (a stage whose products are not row-invariant) a chunk is
     taken whole or not at all, past the share only when it is the step's
-    first piece of work."""
+    first piece of work. ``decoding``: the decode steps a step of this node
+    usually has (its micro-batch), queued now or not."""
     taken: list[tuple[Work, int]] = []
     rows = 0
     for work in queue:
@@ -146,7 +148,10 @@ def plan_step(
         rows += work.batch
     # Alone, prefill has the budget; beside decode steps, as many rows as they
     # have (never fewer than MIN_PREFILL_ROWS: a prompt always progresses).
-    share = budget - rows if not rows else max(MIN_PREFILL_ROWS, min(budget - rows, rows))
+    # Sessions decoding but not queued this instant (their group is at another
+    # stage) count too: a step must not take a whole chunk just before they land.
+    beside = max(rows, decoding)
+    share = budget - rows if not beside else max(MIN_PREFILL_ROWS, min(budget - rows, beside))
     for work in queue:
         if work.decode:
             continue
@@ -253,10 +258,12 @@ class StageScheduler:
         self._leading = True
         try:
             cap = self._decode_cap()
-            expected = min(cap or self._active(), self._active())
+            active = self._active()
+            expected = min(cap or active, active)
             if expected > 1 and self._step_seconds:
                 await self._gather(expected)
             plan = plan_step(self.queue, budget=self.max_batch_tokens, decode_cap=cap,
+                             decoding=expected,
                              split=self.split)  # fmt: skip
             started = time.perf_counter()
             # A worker thread cannot be interrupted: the step is seen through to
@@ -273,14 +280,14 @@ class StageScheduler:
         """At most ``ceil(active / micro_batches)`` decode steps (None: no cap)."""
         if self.micro_batches <= 1:
             return None
-        return math.ceil(self._active() / self.micro_batches)
+        return math.ceil(max(self._active(), 1) / self.micro_batches)
 
     def _active(self) -> int:
         """Sessions that decoded in the last few rounds of micro-batches."""
         floor = self.steps - _ACTIVE_STEPS * max(self.micro_batches, 1)
         for session in [s for s, step in self._recent.items() if step < floor]:
             del self._recent[session]
-        return len(self._recent) or 1
+        return len(self._recent)
 
     async def _gather(self, expected: int) -> None:
         """Wait a moment for the rest of a micro-batch (its chunks come one
