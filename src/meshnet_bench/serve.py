@@ -469,6 +469,16 @@ def _judge(value: Any, op: str, bound: float) -> str:
     return "ok" if (value >= bound if op == ">=" else value <= bound) else "MISS"
 
 
+def _load_cells(r: _Round) -> dict[str, str]:
+    """A row's columns of what the round cost: utilisation, CPU, cuts, errors."""
+    return {
+        "util 1 / 2": " / ".join(_cell(u, digits=2) for u in r.util),
+        "cpu 1 / 2 / gw": " / ".join(_cell(c, digits=2) for c in r.cpu),
+        "cut": str(r.cut),
+        "errors": _errors_text(r.errors),
+    }
+
+
 def _report(measured: _Measured, plan: _Plan, long_tokens: int, result: SectionResult) -> None:
     keys = result.keys
     one = measured.plain[plan.levels[0]]
@@ -499,10 +509,7 @@ def _report(measured: _Measured, plan: _Plan, long_tokens: int, result: SectionR
             "TTFT p99": _cell(values["ttft_p99_ms"], " ms"),
             "gap p50": _cell(values["gap_p50_ms"], " ms"),
             "gap p99": _cell(values["gap_p99_ms"], " ms"),
-            "gap p50 vs 1": _cell(values["gap_p50_over_1"], "x", 2),
-            "util 1 / 2": " / ".join(_cell(u, digits=2) for u in r.util),
-            "cpu 1 / 2 / gw": " / ".join(_cell(c, digits=2) for c in r.cpu),
-            "cut": str(r.cut), "errors": _errors_text(r.errors),
+            "gap p50 vs 1": _cell(values["gap_p50_over_1"], "x", 2), **_load_cells(r),
         })  # fmt: skip
     for n, r in measured.mid.items():
         every_error += r.errors
@@ -527,10 +534,7 @@ def _report(measured: _Measured, plan: _Plan, long_tokens: int, result: SectionR
             "tok/s": f"{r.tok_s:.2f}", "vs 1": _cell(ratio(r.tok_s, one.tok_s), "x", 2),
             "gap p50": _cell(values["gap_p50_ms"], " ms"),
             "gap p99": _cell(values["gap_p99_ms"], " ms"),
-            "gap p99 vs plain": _cell(values["p99_over_plain"], "x", 2),
-            "util 1 / 2": " / ".join(_cell(u, digits=2) for u in r.util),
-            "cpu 1 / 2 / gw": " / ".join(_cell(c, digits=2) for c in r.cpu),
-            "cut": str(r.cut), "errors": _errors_text(r.errors),
+            "gap p99 vs plain": _cell(values["p99_over_plain"], "x", 2), **_load_cells(r),
         })  # fmt: skip
         result.notes.append(
             f"{n} streams + long prompt: {len(inside)} gaps in its flight "
