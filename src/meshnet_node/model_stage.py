@@ -12,10 +12,11 @@ builds one of these. The contract every node of a chain keeps (docs/models.md):
 Each session has a KV cache that grows chunk by chunk at the positions the
 node's sequencer hands out, so a run after a finished run continues the
 context (a decode step is a run of one ``[1, 1]`` chunk). The cache goes when
-the node forgets the session (``end_session``). The numpy work runs in a
-worker thread so the event loop keeps serving; one chunk computes at a time
-per node (``compute_threads``), since BLAS already spreads one matmul over
-the cores and two at once would only fight for them.
+the node forgets the session (``end_session``). The compute runs in a
+worker thread so the event loop keeps serving, one batched step at a time
+(``scheduler``: the ready chunks of different sessions together), since BLAS
+and torch already spread a product over the stage's threads and two steps at
+once would only fight for them.
 
 A session's cache lives exactly as long as the session on this node: the
 stage ``admit``s the session when the sequencer hands it a chunk, and a

@@ -3,9 +3,10 @@ as one forward pass (continuous batching).
 
 A node is handed chunks one request at a time, each on its own task; the
 scheduler queues them and runs *steps*. A step takes queued work under a row
-budget and runs it through ``StageRunner.run_batch`` in a worker thread, so
-the stage's weights are read once for the whole step (decode is
-memory-bound: sixteen sessions' decode steps cost little more than one).
+budget and runs it through ``StageRunner.run_batch`` in a worker thread: one
+hand-off, one pass of per-layer overhead for all of it, and on a stage whose
+products are row-invariant (int4pack) each weight read once for the step
+(``stage.batch``; what that buys on a CPU: docs/models.md).
 
 Which work a step takes (``plan_step``, pure):
 
@@ -13,12 +14,13 @@ Which work a step takes (``plan_step``, pure):
    micro-batch cap (below) and the row budget (``--max-batch-tokens``).
 2. Prefill: the chunks of prompts, oldest first, in pieces. A chunk may be
    split across steps (chunked prefill, on stages whose products are
-   row-invariant: the int4pack quantized ones): its rows then compute a piece per
-   step, and it is answered when its last piece is done. Pieces end on the
-   engines' aligned query blocks (``stage.batch``): the chunk's numbers are
-   the same bits whole or in pieces, whatever the load, so a replica that
-   recomputes it (failover by replay) sends exactly what the first one did. With decode steps
-   in the step, prefill gets at most as many rows as they have (at least
+   row-invariant: the int4pack quantized ones): its rows then compute a
+   piece per step, and it is answered when its last piece is done. Pieces
+   end on the engines' aligned query blocks (``stage.batch``): the chunk's
+   numbers are the same bits whole or in pieces, whatever the load, so a
+   replica that recomputes it (failover by replay) sends exactly what the
+   first one did. Beside decode steps — queued, or decoding at another stage
+   — prefill gets at most as many rows as they have (at least
    ``MIN_PREFILL_ROWS``), so a long prompt arriving at most doubles the
    running streams' step; alone, prefill gets the whole budget.
 3. At least one piece of work per step, so nothing starves.
@@ -177,6 +179,11 @@ def _aligned(work: Work, tokens: int, align: int) -> int:
     return min(end - here, work.remaining)
 
 
+def _smoothed(previous: float, value: float) -> float:
+    """An exponential moving average (the first value taken as is)."""
+    return value if not previous else 0.8 * previous + 0.2 * value
+
+
 def micro_batches_for(layers: range, total_layers: int) -> int:
     """The stage count of a chain with this node's share of the layers."""
     return max(1, round(total_layers / max(len(layers), 1)))
@@ -257,8 +264,8 @@ class StageScheduler:
         """Run one step (this task leads it), then wake everyone waiting."""
         self._leading = True
         try:
-            cap = self._decode_cap()
             active = self._active()
+            cap = self._decode_cap(active)
             expected = min(cap or active, active)
             if expected > 1 and self._step_seconds:
                 await self._gather(expected)
@@ -276,11 +283,11 @@ class StageScheduler:
             over, self._step_over = self._step_over, anyio.Event()
             over.set()
 
-    def _decode_cap(self) -> int | None:
+    def _decode_cap(self, active: int) -> int | None:
         """At most ``ceil(active / micro_batches)`` decode steps (None: no cap)."""
         if self.micro_batches <= 1:
             return None
-        return math.ceil(max(self._active(), 1) / self.micro_batches)
+        return math.ceil(max(active, 1) / self.micro_batches)
 
     def _active(self) -> int:
         """Sessions that decoded in the last few rounds of micro-batches."""
@@ -325,12 +332,9 @@ class StageScheduler:
         self.steps += 1
         self.busy_seconds += elapsed
         rows = sum(work.batch * tokens for work, tokens in plan)
-        self._step_seconds = elapsed if not self._step_seconds else (
-            0.8 * self._step_seconds + 0.2 * elapsed)  # fmt: skip
+        self._step_seconds = _smoothed(self._step_seconds, elapsed)
         if elapsed > 0:
-            rate = rows / elapsed
-            self._rows_per_second = rate if not self._rows_per_second else (
-                0.8 * self._rows_per_second + 0.2 * rate)  # fmt: skip
+            self._rows_per_second = _smoothed(self._rows_per_second, rows / elapsed)
         for (work, tokens), piece in zip(plan, pieces, strict=True):
             if not work.queued:  # its request went away while the step computed
                 continue

@@ -133,9 +133,15 @@ class PackedBatch(Generic[CacheT]):
         has alone, whatever else the step holds."""
         return [(lo, hi) for _, lo, hi in self.spans()]
 
+    def last_rows(self) -> list[int]:
+        """Where each running entry's last position lies, for each of its batch
+        rows: the rows a last stage's head takes, in ``head_rows`` order."""
+        return [row for entry, lo, hi in self.spans()
+                for row in range(lo + entry.tokens - 1, hi, entry.tokens)]  # fmt: skip
+
     def head_rows(self) -> list[tuple[int, int]]:
-        """``entry_rows`` of the last positions alone (one row per batch row of
-        each entry): the head's product, per entry."""
+        """``entry_rows`` of the ``last_rows`` alone (one row per batch row of
+        each entry): the head's product and output, per entry."""
         rows, lo = [], 0
         for entry in self.running:
             rows.append((lo, lo + entry.batch))

@@ -295,8 +295,7 @@ class StageRunner:
                 entries.append(self._entry(work))
             except Exception as exc:  # the chunk's own fault: it alone fails
                 work.error = exc
-        batch = self.model.forward_batch([entry for _, entry in entries])
-        del batch  # each entry carries its outcome
+        self.model.forward_batch([entry for _, entry in entries])  # each entry: its outcome
         for work, entry in entries:
             if entry.error is not None:
                 work.error = entry.error

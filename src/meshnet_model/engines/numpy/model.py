@@ -240,9 +240,10 @@ class StageModel:
         return self.forward_batch([entry]).result()
 
     def forward_batch(self, entries: Sequence[BatchEntry[KVCache]]) -> PackedBatch[KVCache]:
-        """Several sessions' chunks in one pass (``stage.batch``): every matrix
-        product over all their rows, attention per chunk over its own cache.
-        Each entry ends with its ``output`` or its ``error``."""
+        """Several sessions' chunks in one pass (``stage.batch``): one step, each
+        chunk's products on its own rows (BLAS is not row-invariant) and its
+        attention over its own cache. Each entry ends with its ``output`` or
+        its ``error``."""
         batch = PackedBatch(entries)
         if not batch.running:
             return batch
@@ -269,12 +270,10 @@ class StageModel:
                           for e, lo, hi in batch.spans()])  # fmt: skip
             return batch
         assert self.weights.norm is not None and self.weights.lm_head is not None
-        # Each chunk's last position of each of its rows: one head product for all.
-        ends = np.concatenate([np.arange(lo, hi)[e.tokens - 1 :: e.tokens]
-                               for e, lo, hi in batch.spans()])  # fmt: skip
-        final = rms_norm(x[ends], self.weights.norm, self.config.rms_norm_eps)
-        logits = linear(final, self.weights.lm_head, None, batch.head_rows())
-        batch.finish(np.split(logits, np.cumsum([e.batch for e in batch.running])[:-1]))
+        final = rms_norm(x[batch.last_rows()], self.weights.norm, self.config.rms_norm_eps)
+        heads = batch.head_rows()
+        logits = linear(final, self.weights.lm_head, None, heads)
+        batch.finish([logits[lo:hi] for lo, hi in heads])
         return batch
 
     def score(self, ids: np.ndarray, cache: KVCache) -> np.ndarray:

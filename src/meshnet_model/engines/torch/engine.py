@@ -36,7 +36,16 @@ from ...stage.runner import (
 from ...stage.weights import StageWeights, head_is_tied
 from ._torch import COMPUTE_DTYPES, check_device, import_torch
 from .kv_cache import TorchKVCache
-from .layers import RopeTable, attend, fused_rms_norm, mlp, output, project_qkv, rms_norm, rotate
+from .layers import (
+    RopeTable,
+    attend,
+    fused_rms_norm,
+    mlp,
+    product,
+    project_qkv,
+    rms_norm,
+    rotate,
+)
 from .qlinear import linear
 from .transfer import Transfer
 from .weights import MappedEmbedding, TorchStageWeights, converted_weights, gguf_weights
@@ -127,7 +136,8 @@ class TorchStageModel:
         self, entries: Sequence[BatchEntry[TorchKVCache]]
     ) -> PackedBatch[TorchKVCache]:
         """As ``StageModel.forward_batch``: several sessions' chunks in one pass,
-        every kernel over all their rows, attention per chunk."""
+        each int4pack product over all their rows, a dense one per chunk (not
+        row-invariant, ``stage.batch``), attention per chunk."""
         t = self.torch
         if self.threads is not None:
             t.set_num_threads(self.threads)
@@ -158,14 +168,11 @@ class TorchStageModel:
                 ])  # fmt: skip
                 return batch
             w = self.weights
-            # Each chunk's last position of each of its rows: one head product for all.
-            ends = [i for e, lo, hi in batch.spans()
-                    for i in range(lo + e.tokens - 1, hi, e.tokens)]  # fmt: skip
-            final = self.norm(t, x[ends], w.norm, self.config.rms_norm_eps)
-            logits = output(t, final, w.lm_head, None, batch.head_rows()).float()
-            parts = logits.split([e.batch for e in batch.running])
-            batch.finish([self.transfer.to_host(part, e.cache.staging)
-                          for part, e in zip(parts, batch.running, strict=True)])  # fmt: skip
+            final = self.norm(t, x[batch.last_rows()], w.norm, self.config.rms_norm_eps)
+            heads = batch.head_rows()
+            logits = product(t, final, w.lm_head, None, heads).float()
+            batch.finish([self.transfer.to_host(logits[lo:hi], e.cache.staging)
+                          for (lo, hi), e in zip(heads, batch.running, strict=True)])  # fmt: skip
         return batch
 
     def score(self, ids: np.ndarray, cache: TorchKVCache) -> np.ndarray:
@@ -224,7 +231,7 @@ class TorchStageModel:
                        e.position, window, batch=e.batch)
                 for e, lo, hi in batch.spans()
             ]  # fmt: skip
-            x = x + output(t, _pack(t, outs), block.o, block.o_bias, blocks)
+            x = x + product(t, _pack(t, outs), block.o, block.o_bias, blocks)
             h = self.norm(t, x, block.post_norm, c.rms_norm_eps)
             x = x + mlp(t, h, block, blocks)
         return x

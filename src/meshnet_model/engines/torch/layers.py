@@ -34,7 +34,7 @@ __all__ = [
     "attend",
     "fused_rms_norm",
     "mlp",
-    "output",
+    "product",
     "project_qkv",
     "rms_norm",
     "rotate",
@@ -98,8 +98,8 @@ class RopeTable:
         return self.cos[start:end], self.sin[start:end]
 
 
-def _linear(torch: Any, x: Any, weight: Any, bias: Any, blocks: RowBlocks = None) -> Any:
-    """A dense tensor, or a quantized matrix multiplied by its kernel (qlinear).
+def product(torch: Any, x: Any, weight: Any, bias: Any, blocks: RowBlocks = None) -> Any:
+    """Packed rows times a dense tensor or a quantized matrix (by its kernel, qlinear).
 
     Row-invariant (``stage.batch``): the int4pack kernel computes each row on
     its own; a dense product (oneDNN, MKL) picks its kernel by the number of
@@ -122,14 +122,14 @@ def project_qkv(
     many chunks the rows come from."""
     heads, kv_heads, d = config.num_attention_heads, config.num_key_value_heads, config.head_dim
     if block.qkv is not None:  # one kernel for the three (a quantized stage)
-        q, k, v = _linear(torch, x, block.qkv, None, blocks).split(
+        q, k, v = product(torch, x, block.qkv, None, blocks).split(
             [heads * d, kv_heads * d, kv_heads * d], dim=-1
         )
         return _add(q, block.q_bias), _add(k, block.k_bias), _add(v, block.v_bias)
     return (
-        _linear(torch, x, block.q, block.q_bias, blocks),
-        _linear(torch, x, block.k, block.k_bias, blocks),
-        _linear(torch, x, block.v, block.v_bias, blocks),
+        product(torch, x, block.q, block.q_bias, blocks),
+        product(torch, x, block.k, block.k_bias, blocks),
+        product(torch, x, block.v, block.v_bias, blocks),
     )
 
 
@@ -219,14 +219,9 @@ def _add(x: Any, bias: Any) -> Any:
 def mlp(torch: Any, x: Any, block: Any, blocks: RowBlocks = None) -> Any:
     f = torch.nn.functional
     if block.gate_up is not None:  # one kernel for both (a quantized stage)
-        gate, up = _linear(torch, x, block.gate_up, None, blocks).chunk(2, dim=-1)
+        gate, up = product(torch, x, block.gate_up, None, blocks).chunk(2, dim=-1)
         gate, up = _add(gate, block.gate_bias), _add(up, block.up_bias)
     else:
-        gate = _linear(torch, x, block.gate, block.gate_bias, blocks)
-        up = _linear(torch, x, block.up, block.up_bias, blocks)
-    return _linear(torch, f.silu(gate) * up, block.down, block.down_bias, blocks)
-
-
-def output(torch: Any, x: Any, block: Any, bias: Any, blocks: RowBlocks = None) -> Any:
-    """A product of packed rows (``o``, the head) under the same rule."""
-    return _linear(torch, x, block, bias, blocks)
+        gate = product(torch, x, block.gate, block.gate_bias, blocks)
+        up = product(torch, x, block.up, block.up_bias, blocks)
+    return product(torch, f.silu(gate) * up, block.down, block.down_bias, blocks)
