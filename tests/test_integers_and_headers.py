@@ -153,6 +153,7 @@ def test_parse_every_field_any_case_str_or_bytes() -> None:
         ("X-Meshnet-Encoding", "zstd"),
         ("X-Meshnet-Position", "1024"),
         ("X-Meshnet-Deadline-Ms", "59000"),
+        ("X-Meshnet-Stage", "stub-echo/0"),
         ("Content-Length", "12"),
         ("X-Meshnet-Future-Thing", "whatever"),
         ("X-Meshnet-Future-Thing", "twice is fine: unknown"),
@@ -167,6 +168,7 @@ def test_parse_every_field_any_case_str_or_bytes() -> None:
         encoding="zstd",
         position=1024,
         deadline_ms=59000,
+        stage="stub-echo/0",
     )
     assert headers.tokens == 3
     assert headers.nbytes == 12
@@ -251,6 +253,7 @@ def test_to_pairs_is_canonical_and_parses_back() -> None:
         encoding="zstd",
         position=384,
         deadline_ms=1500,
+        stage="0123456789abcdef0123456789abcdef/14",
     )
     out = headers.to_pairs()
     assert out == [
@@ -264,6 +267,7 @@ def test_to_pairs_is_canonical_and_parses_back() -> None:
         (b"X-Meshnet-Encoding", b"zstd"),
         (b"X-Meshnet-Position", b"384"),
         (b"X-Meshnet-Deadline-Ms", b"1500"),
+        (b"X-Meshnet-Stage", b"0123456789abcdef0123456789abcdef/14"),
     ]
     assert not any(name.lower() == b"content-length" for name, _ in out)
     assert parse_wire_headers(out) == headers
@@ -282,6 +286,11 @@ def test_to_pairs_omits_unset_fields() -> None:
 
 uuids = st.uuids().map(str)
 uints = st.integers(min_value=0, max_value=10**19 - 1)
+stages = st.builds(
+    lambda model, layer: f"{model}/{layer}",
+    st.from_regex(r"[a-z0-9][a-z0-9._-]{0,63}", fullmatch=True),
+    uints,
+)
 
 
 @st.composite
@@ -298,6 +307,7 @@ def wire_headers(draw: st.DrawFn) -> WireHeaders:
         encoding=draw(st.sampled_from(["identity", "zstd"])),
         position=draw(st.none() | uints),
         deadline_ms=draw(st.none() | uints),
+        stage=draw(st.none() | stages),
     )
 
 
@@ -381,6 +391,10 @@ def test_shape_is_normalised_to_a_tuple_of_ints() -> None:
         {"position": -1},
         {"position": 10**19},
         {"deadline_ms": 1.0},
+        {"stage": "Model/0"},
+        {"stage": "m/01"},
+        {"stage": "é/0"},
+        {"stage": 5},
     ],
 )
 def test_hand_built_headers_validate(fields: dict[str, object]) -> None:
@@ -402,6 +416,7 @@ _KNOWN_NAMES = [
     "x-meshnet-encoding",
     "x-meshnet-position",
     "x-meshnet-deadline-ms",
+    "x-meshnet-stage",
 ]
 _PLAUSIBLE_VALUES = [
     "application/octet-stream",
@@ -421,6 +436,8 @@ _PLAUSIBLE_VALUES = [
     "1",
     "65537",
     "٤",
+    "stub-echo/0",
+    "stub-echo/",
 ]
 
 
@@ -476,3 +493,60 @@ def test_mutating_one_valid_header_never_escapes(data: st.DataObject) -> None:
         assert error.header == name.decode()
     else:
         assert isinstance(result, WireHeaders)
+
+
+# ------------------------------------------------------- X-Meshnet-Stage
+
+
+@pytest.mark.parametrize(
+    "value",
+    [
+        "stub-echo/0",
+        "a/9999999999999999999",
+        "0" * 64 + "/12",
+        "m.v2_x-y/3",
+    ],
+)
+def test_stage_accepts(value: str) -> None:
+    assert parse_wire_headers(pairs(x_meshnet_stage=value)).stage == value
+
+
+@pytest.mark.parametrize(
+    "value",
+    [
+        "",
+        "/0",
+        "stub-echo",
+        "stub-echo/",
+        "Stub-echo/0",
+        "-stub/0",
+        ".stub/0",
+        "stub echo/0",
+        "stub/echo/0",
+        "stub/-1",
+        "stub/01",
+        "stub/+1",
+        "stub/10000000000000000000",
+        "stub/\u0664",
+        "a" * 65 + "/0",
+        "stub/0\n",
+    ],
+)
+def test_stage_rejects(value: str) -> None:
+    with pytest.raises(ProtocolError) as info:
+        parse_wire_headers(pairs(x_meshnet_stage=value))
+    assert (info.value.status, info.value.code, info.value.header) == (
+        400,
+        "bad_stage",
+        "x-meshnet-stage",
+    )
+
+
+def test_stage_is_checked_after_the_deadline_and_duplicates_are_refused() -> None:
+    with pytest.raises(ProtocolError) as info:
+        parse_wire_headers(pairs(x_meshnet_deadline_ms="01", x_meshnet_stage="bad"))
+    assert info.value.header == "x-meshnet-deadline-ms"
+    twice = [*pairs(x_meshnet_stage="m/0"), (b"X-Meshnet-Stage", b"m/0")]
+    with pytest.raises(ProtocolError) as info:
+        parse_wire_headers(twice)
+    assert (info.value.code, info.value.header) == ("duplicate_header", "x-meshnet-stage")

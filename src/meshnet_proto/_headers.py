@@ -43,6 +43,7 @@ H_CHUNK_TOTAL = b"x-meshnet-chunk-total"
 H_ENCODING = b"x-meshnet-encoding"
 H_POSITION = b"x-meshnet-position"
 H_DEADLINE = b"x-meshnet-deadline-ms"
+H_STAGE = b"x-meshnet-stage"
 
 KNOWN_MESHNET_HEADERS: frozenset[bytes] = frozenset(
     {
@@ -55,6 +56,7 @@ KNOWN_MESHNET_HEADERS: frozenset[bytes] = frozenset(
         H_ENCODING,
         H_POSITION,
         H_DEADLINE,
+        H_STAGE,
     }
 )
 
@@ -71,6 +73,10 @@ _UINT_CEILING = 10**MAX_UINT_DIGITS
 # and two spellings of one session would be two sessions to a peer that
 # compares strings.
 _SESSION = re.compile(rb"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}")
+# X-Meshnet-Stage (wire-2 §2.3): ``model-id "/" uint``, the stage a sender
+# expects to enter — the model id of its identity and the first layer.
+# Bounded (64 + 1 + 19 bytes) and lowercase so one stage has one spelling.
+_STAGE = re.compile(rb"[a-z0-9][a-z0-9._-]{0,63}/(?:0|[1-9][0-9]{0,18})")
 # Optional whitespace around a media type (RFC 9110 OWS).
 _OWS = b" \t"
 # Error messages quote at most this much of a rejected value.
@@ -107,7 +113,8 @@ class WireHeaders:
     ``shape`` and ``dtype`` describe the tensor; ``session``, ``chunk_index``
     and ``chunk_total`` place it in a run (optional only on the gateway's
     input); ``encoding`` is the body's (``identity`` or ``zstd``);
-    ``position`` and ``deadline_ms`` are optional.
+    ``position``, ``deadline_ms`` and ``stage`` (``"<model>/<first layer>"``,
+    request-only) are optional.
     """
 
     shape: tuple[int, ...]
@@ -118,6 +125,7 @@ class WireHeaders:
     encoding: str = "identity"
     position: int | None = None
     deadline_ms: int | None = None
+    stage: str | None = None
 
     def __post_init__(self) -> None:
         # Accept any sequence of integer-likes for convenience (numpy shapes
@@ -148,6 +156,12 @@ class WireHeaders:
             raise ValueError(
                 f"session must be a canonical lowercase 8-4-4-4-12 UUID, got {self.session!r}"
             )
+        if self.stage is not None and (
+            not isinstance(self.stage, str)
+            or not self.stage.isascii()
+            or _STAGE.fullmatch(self.stage.encode("ascii")) is None
+        ):
+            raise ValueError(f"stage must be '<model-id>/<first layer>', got {self.stage!r}")
         for field in ("chunk_index", "chunk_total", "position", "deadline_ms"):
             value = getattr(self, field)
             if value is not None and not _is_uint(value):
@@ -227,6 +241,8 @@ class WireHeaders:
             pairs.append((b"X-Meshnet-Position", str(self.position).encode("ascii")))
         if self.deadline_ms is not None:
             pairs.append((b"X-Meshnet-Deadline-Ms", str(self.deadline_ms).encode("ascii")))
+        if self.stage is not None:
+            pairs.append((b"X-Meshnet-Stage", self.stage.encode("ascii")))
         return pairs
 
 
@@ -467,6 +483,20 @@ def parse_wire_headers(
     position = _optional_uint(values, H_POSITION, required=False)
     deadline_ms = _optional_uint(values, H_DEADLINE, required=False)
 
+    stage: str | None = None
+    raw_stage = values.get(H_STAGE)
+    if raw_stage is not None:
+        if _STAGE.fullmatch(raw_stage) is None:
+            raise ProtocolError(
+                f"x-meshnet-stage: {_quote(raw_stage)} is not '<model-id>/<first layer>' "
+                "(model id: 1-64 of a-z 0-9 . _ -, starting with a letter or digit; "
+                "layer: a canonical unsigned integer)",
+                code="bad_stage",
+                status=400,
+                header=_name(H_STAGE),
+            )
+        stage = raw_stage.decode("ascii")
+
     headers = WireHeaders._trusted(
         shape=shape,
         dtype=dtype,
@@ -476,6 +506,7 @@ def parse_wire_headers(
         encoding=encoding,
         position=position,
         deadline_ms=deadline_ms,
+        stage=stage,
     )
     # Python ints: 8 dimensions of 19 digits cannot overflow anything here,
     # and nothing has been allocated for the body yet.
