@@ -109,6 +109,11 @@ class NodeApp:
         self.config = config
         self.limits = config.limits
         self.stage: StageBackend = stage or make_stage(config.backend, config.delay_ms)
+        # (model, first layer, stop layer) of what this node serves, or None
+        # (a stub, a stage without layers): what X-Meshnet-Stage is checked
+        # against on the way in and what it says on the way down (wire-2 §3.2
+        # step 0). Read once: a stage's identity is fixed at load.
+        self.stage_key: tuple[str, int, int] | None = _stage_key(self.stage)
         # Whenever the table forgets a session (DELETE, TTL, expiry to make
         # room), the stage frees what it keeps for it (a model's KV cache).
         self.table = SessionTable(self.limits, on_forget=self._forgotten)
@@ -176,10 +181,31 @@ class NodeApp:
     async def handle_activation_head(self, event: ActivationHead, ctx: RequestContext) -> None:
         if event.headers.deadline_ms == 0:
             Deadline(ctx.started).check()
+        if event.headers.stage is not None:
+            self._check_stage(event.headers.stage)
         stage_check = getattr(self.stage, "check_head", None)
         if stage_check is not None:  # a stage that can refuse by shape and dtype alone
             stage_check(event.headers.shape, event.headers.dtype, event.headers.position)
         self.table.check_head(event.headers, anyio.current_time())
+
+    def _check_stage(self, expected: str) -> None:
+        """409 ``stage_mismatch`` unless this node is the stage the sender
+        expects to enter (wire-2 §3.2 step 0): checked before anything about
+        the chunk, so a chunk meant for another stage changes nothing here."""
+        key = self.stage_key
+        if key is not None and expected == f"{key[0]}/{key[1]}":
+            return
+        here = (
+            "a stage without layers (a stub)"
+            if key is None
+            else f"{key[0]}/{key[1]} (layers {key[1]}:{key[2]})"
+        )
+        raise MeshnetError(
+            f"x-meshnet-stage: the sender expects stage {expected}, this node is {here}",
+            code="stage_mismatch",
+            status=409,
+            header="x-meshnet-stage",
+        )
 
     async def handle_activation(
         self, event: ActivationReceived, ctx: RequestContext
@@ -355,16 +381,21 @@ class NodeApp:
         replay: bool = False,
     ) -> ActivationReply:
         dtype, encoding, body = await self.encoder.encode(output, headers.encoding)
+        # X-Meshnet-Stage is request-only: the answer never carries one, and
+        # what goes down names the stage that starts where ours stops.
+        key = self.stage_key
         out = headers.replace(
             shape=tuple(output.shape),
             dtype=dtype,
             encoding=encoding,
             position=ticket.position,
             deadline_ms=None,
+            stage=None,
         )
+        down = out if key is None else out.replace(stage=f"{key[0]}/{key[2]}")
         if replay and isinstance(self.downstream, ReplicaSet):
             # Kept as if sent: a failover of the hop below replays it.
-            self.downstream.record_replayed(ticket.session, out, body)
+            self.downstream.record_replayed(ticket.session, down, body)
         if self.downstream is None or replay:
             reply = ActivationReply(out, body)
             self.table.response_ready(
@@ -375,15 +406,19 @@ class NodeApp:
         # stored-bytes budget while it is kept.
         kept = output.nbytes  # an ndarray: Stage checks what a stage returns
         try:
-            response = await self.downstream.forward(out, body, deadline)
+            response = await self.downstream.forward(down, body, deadline)
         except BaseException:
             self.table.forward_failed(ticket, anyio.current_time(), nbytes=kept)
             raise
         if isinstance(response, ErrorResponse):
             self.table.forward_failed(ticket, anyio.current_time(), nbytes=kept)
             raise response.to_error(hop=self.downstream.url)
-        # Relayed unchanged: the last node's headers and body as received.
-        reply = ActivationReply(response.headers, response.body)
+        # Relayed unchanged: the last node's headers and body as received —
+        # but for a stage header a peer should not have answered with.
+        answer = response.headers
+        if answer.stage is not None:
+            answer = answer.replace(stage=None)
+        reply = ActivationReply(answer, response.body)
         self.table.response_ready(
             ticket, reply, anyio.current_time(), nbytes=memoryview(reply.body).nbytes
         )
@@ -460,6 +495,23 @@ class NodeApp:
     async def aclose(self) -> None:
         if self.downstream is not None:
             await self.downstream.aclose()
+
+
+def _stage_key(stage: StageBackend) -> tuple[str, int, int] | None:
+    """``(model, start, stop)`` from the stage's identity, when it has one with layers."""
+    identity = getattr(stage, "identity", None)
+    if identity is None:
+        return None
+    facts = identity()
+    layers = facts.get("layers")
+    if layers is None:
+        return None
+    start, stop = layers
+    key = (str(facts["model"]), int(start), int(stop))
+    # A model id X-Meshnet-Stage cannot carry is a bug of the stage: say so
+    # at start, not on every chunk.
+    WireHeaders(shape=(1,), dtype="int32", stage=f"{key[0]}/{key[2]}")
+    return key
 
 
 def _starts(headers: WireHeaders) -> bool:
