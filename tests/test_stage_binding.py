@@ -15,6 +15,7 @@ import uuid
 from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import anyio
@@ -22,12 +23,14 @@ import numpy as np
 import pytest
 
 from gateway_support import spawn, stop
+from meshnet_gateway import open_gateway
 from meshnet_node import RunningNode, Stage, serve_node
 from meshnet_node.app import NodeApp
 from meshnet_node.backends import echo
 from meshnet_runtime.config import load_config
 from meshnet_runtime.replicas import ReplicaSet
-from wire_support import exchange, forward_request
+from openai_support import fake_embed, fake_head, serve_openai, write_model_dir
+from wire_support import exchange, forward_request, http_request
 
 MODEL = "0123456789abcdef0123456789abcdef"
 
@@ -202,6 +205,69 @@ async def test_replica_history_keeps_the_stage_a_replay_sends() -> None:
         assert isinstance(entry.app.downstream, ReplicaSet)
         sent = entry.app.downstream.history.chunks(session)
         assert [c.headers.stage for c in sent] == [f"{MODEL}/7"]
+
+
+# ---------------------------------------------------------------- gateway
+
+
+@asynccontextmanager
+async def gateway_over(*stages: Stage, flags: list[str] | None = None) -> AsyncIterator[Any]:
+    async with chain(*stages) as nodes:
+        argv = ["--port", "0", "--log-level", "warning", "--entry", nodes[0].url, *(flags or [])]
+        async with open_gateway(load_config("gateway", argv)) as gateway:
+            suspects: list[int] = []
+            gateway.app.on_chain_suspect = lambda: suspects.append(1)  # type: ignore[method-assign]
+            yield gateway, nodes, suspects
+
+
+@pytest.mark.anyio
+async def test_the_gateway_names_the_entry_stage_and_relays_a_mismatch() -> None:
+    async with gateway_over(layered(0, 7), layered(7, 14)) as (gateway, (entry, last), suspects):
+        gateway.app.expected_entry = f"{MODEL}/0"
+        session = str(uuid.uuid4())
+        status, headers, body = await exchange(gateway.url, chunk(session))
+        assert status == 200, body
+        assert "x-meshnet-stage" not in headers
+        assert last.app.table.position(session) == 2 and suspects == []
+        # The entry was swapped for a stage starting elsewhere.
+        gateway.app.expected_entry = f"{MODEL}/3"
+        session = str(uuid.uuid4())
+        status, _, body = await exchange(gateway.url, chunk(session))
+        error = error_of(body)
+        assert (status, error["code"], error["header"], error["hop"]) == (
+            409,
+            "stage_mismatch",
+            "x-meshnet-stage",
+            entry.url,
+        )
+        assert suspects == [1]  # the chain is to be checked again
+        assert session not in gateway.app.sessions and session not in entry.app.table
+
+
+@pytest.mark.anyio
+async def test_the_openai_path_sends_the_stage_and_never_answers_200_on_a_mismatch(
+    tmp_path: Path,
+) -> None:
+    model_dir = write_model_dir(tmp_path / "tiny", context=256)
+    stages = [
+        LayeredStage("fake-embed", fake_embed, layers=(0, 2)),
+        LayeredStage("fake-head", fake_head, layers=(2, 4)),
+    ]
+    async with serve_openai(model_dir, stages=stages) as served:  # type: ignore[arg-type]
+        suspects: list[int] = []
+        served.gateway.on_chain_suspect = lambda: suspects.append(1)  # type: ignore[method-assign]
+        request = json.dumps({"model": "tiny", "prompt": "hello", "max_tokens": 2}).encode()
+        raw = http_request("POST", "/v1/completions", {"Content-Type": "application/json"}, request)
+        served.gateway.expected_entry = f"{MODEL}/0"
+        status, _, body = await exchange(served.url, raw)
+        assert status == 200, body
+        served.gateway.expected_entry = "fedcba9876543210fedcba9876543210/0"
+        status, _, body = await exchange(served.url, raw)
+        error = json.loads(body)["error"]
+        assert (status, error["code"]) == (409, "stage_mismatch")
+        assert served.node_urls[0] in error["message"]
+        assert suspects == [1]
+        assert all(node.info()["sessions"] == 0 for node in served.nodes)
 
 
 # -------------------------------------------------------------- processes

@@ -94,6 +94,7 @@ async def run_chunks(
     on_retry: Callable[[int, MeshnetError], None] | None = None,
     on_send: Callable[[WireHeaders], None] | None = None,
     last_only: bool = False,
+    stage: str | None = None,
 ) -> RunResult:
     """Send ``array`` (already in its wire dtype) as one run; return the answers.
 
@@ -119,6 +120,8 @@ async def run_chunks(
     again, identical, after ``retry.delay``, up to ``retry.retries`` times
     and never past the deadline; ``on_retry(index, error)`` is told of each.
     ``on_send(headers)`` is told of each chunk just before it goes.
+    ``stage``: the ``X-Meshnet-Stage`` every chunk carries (``"<model>/0"``,
+    the stage the entry must be), or none.
     """
     if inflight < 1:
         raise ValueError(f"inflight must be >= 1, got {inflight}")
@@ -179,6 +182,7 @@ async def run_chunks(
                     chunk_total=chunk.total,
                     encoding=encoding,
                     position=base_position + chunk.position,
+                    stage=stage,
                 )
                 encode_s = time.perf_counter() - started
                 await slots.acquire()

@@ -120,6 +120,10 @@ class GatewayApp:
         self.entry_window: int | None = None  # the entry node's reorder window, once known
         self.entry_info_read = False  # its /info answered (a window may still be absent)
         self._refreshing = False
+        # "<model>/0": the stage the entry must be, sent as X-Meshnet-Stage on
+        # every chunk to it (wire-2 §3.2 step 0) once the chain check knows
+        # the model; None sends no stage header.
+        self.expected_entry: str | None = None
         self._background: anyio.abc.TaskGroup | None = None
         # Sessions with a request in progress: checked on the head, before
         # the body is read (wire-2 §2 order: header-only sequencing first).
@@ -270,9 +274,12 @@ class GatewayApp:
                 deadline=deadline,
                 retry=self.retry,
                 on_retry=self._count_retry,
+                stage=self.expected_entry,
             )
             dtype, encoding, body = await self.to_clients.encode(result.output, request.encoding)
         except BaseException as exc:
+            if isinstance(exc, MeshnetError) and exc.code == "stage_mismatch":
+                self.on_chain_suspect()  # a stage changed since the chain was checked
             if sent:
                 self._fail(lease, exc)
             else:
@@ -284,6 +291,11 @@ class GatewayApp:
             self._active.discard(lease.session)
         self.metrics.chunks.labels("ok").inc(len(result.chunks))
         return ActivationReply(_response_headers(result.output, dtype, encoding, lease), body)
+
+    def on_chain_suspect(self) -> None:
+        """A node answered that it is not the stage expected (409
+        ``stage_mismatch``): the chain may have changed since it was checked.
+        A hook for the chain check to re-check it; nothing to do without one."""
 
     def cancel_on_disconnect(self, event: EndpointRequest) -> bool:
         """The serving loop cancels these requests when their client leaves:
@@ -419,6 +431,8 @@ def _openai_service(app: GatewayApp) -> OpenAIService:
             zstd_level=config.zstd_level,
             timeout=config.timeout,
             retry=app.retry,
+            stage=app.expected_entry,
+            on_stage_mismatch=lambda: app.on_chain_suspect(),
         )
 
     # Prompts the chain can take as one run: no more chunks than a run may have.

@@ -61,6 +61,10 @@ class ChainSettings:
     # (--retries): every chunk carries session and position, so a node that
     # already ran it replays its answer (wire-2 §3) and no KV entry is doubled.
     retry: RetryPolicy | None = None
+    # X-Meshnet-Stage for the entry (the gateway's ``expected_entry``), and
+    # who to tell when a node answers that it is not the stage expected.
+    stage: str | None = None
+    on_stage_mismatch: Callable[[], None] | None = None
 
 
 class ChainSession:
@@ -124,7 +128,12 @@ class ChainSession:
                 retry=settings.retry,
                 on_send=count,
                 last_only=True,
+                stage=settings.stage,
             )
+        except MeshnetError as exc:
+            if exc.code == "stage_mismatch" and settings.on_stage_mismatch is not None:
+                settings.on_stage_mismatch()  # the chain changed under us: re-check it
+            raise
         finally:
             # Whatever reached the nodes is in their caches now: the position
             # moves even on failure, though a failed session is only deleted.
