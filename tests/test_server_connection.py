@@ -198,6 +198,26 @@ def test_100_continue() -> None:
     assert isinstance(events[-1], ActivationReceived)
 
 
+def test_reading_body_tells_a_slow_head_from_a_slow_body() -> None:
+    """An endpoint's request is one event, so ``reading_body`` is how a
+    driver knows its head is done and the body timeout applies."""
+    conn = ServerConnection(routes={"/v1/completions": ("POST",)})
+    body = b'{"prompt": "hi"}'
+    request = b"POST /v1/completions HTTP/1.1\r\nHost: g\r\nContent-Length: %d\r\n\r\n" % len(body)
+    assert feed(conn, request[:10]) == [] and not conn.reading_body  # half a head
+    assert feed(conn, request[10:]) == [] and conn.reading_body  # head whole, body to come
+    events = feed(conn, body)
+    assert isinstance(events[0], EndpointRequest) and not conn.reading_body
+    activation = ServerConnection()
+    whole = activation_request()
+    head_end = whole.index(b"\r\n\r\n") + 4
+    assert not activation.reading_body
+    assert isinstance(feed(activation, whole[:head_end])[0], ActivationHead)
+    assert activation.reading_body
+    assert isinstance(feed(activation, whole[head_end:])[-1], ActivationReceived)
+    assert not activation.reading_body
+
+
 def test_no_continue_without_expect() -> None:
     conn = ServerConnection()
     events = feed(conn, activation_request())

@@ -298,6 +298,16 @@ class ServerConnection:
         )
 
     @property
+    def reading_body(self) -> bool:
+        """True once a request's head is accepted and its body is being read.
+
+        From then on a driver times the body (its body timeout), not the
+        head: an endpoint's request comes out whole, so without this the
+        driver could not tell a slow head from a slow body (wire-2 §2.6).
+        """
+        return self._phase in (_Phase.ACTIVATION_BODY, _Phase.ENDPOINT_BODY)
+
+    @property
     def needs_drain(self) -> bool:
         """True when an answer went out before the request was fully read.
 

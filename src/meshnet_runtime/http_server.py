@@ -354,6 +354,7 @@ async def _read_event(
     counter: list[int] | None = None,
     offload: CodecPool | None = None,
     read_size: int = READ_SIZE,
+    on_body: Callable[[], None] | None = None,
 ) -> Any:
     """The next event, reading as needed; EOF is fed as ``b""``.
 
@@ -361,6 +362,10 @@ async def _read_event(
     (decompresses) the body inside the call that sees its last byte, and a
     large zstd body must not stall the event loop. Reads are larger then, to
     keep the thread hops few.
+
+    ``on_body()`` is called once, when the core has taken a head and reads
+    its body (an endpoint's request is one event: only this tells the
+    driver that the head is done and the body timeout applies).
     """
     if offload is not None:
         read_size = max(read_size, OFFLOAD_READ_SIZE)
@@ -371,6 +376,9 @@ async def _read_event(
             event = await offload.run(offload.inline_bytes, conn.next_event)
         if event is not NEED_DATA:
             return event
+        if on_body is not None and conn.reading_body:
+            on_body()
+            on_body = None
         try:
             data = await stream.receive(read_size)
         except DEAD_STREAM:
@@ -450,13 +458,22 @@ class _Connection:
         self.closed_idle = False
         with anyio.move_on_after(settings.head_timeout) as head_scope:
             self.idle_scope = head_scope
+
+            def body_started() -> None:
+                # An endpoint's body (a /v1 prompt) gets the body timeout
+                # from the end of its head, as a /forward body does.
+                head_scope.deadline = anyio.current_time() + settings.body_timeout
+
             if self.server.draining:
                 self.close_if_idle()  # checked here too: shutdown may precede this cycle
-            event = await _read_event(self.conn, self.stream, self.cycle_bytes)
+            event = await _read_event(
+                self.conn, self.stream, self.cycle_bytes, on_body=body_started
+            )
         self.idle_scope = None
         if head_scope.cancelled_caught:
             if self.cycle_bytes[0] and not self.closed_idle:
-                await self._error("other", _request_timeout("head"))
+                what = "body" if self.conn.reading_body else "head"
+                await self._error("other", _request_timeout(what))
             return False
         ctx = RequestContext(started=anyio.current_time(), path=event_path(event))
 
