@@ -297,9 +297,13 @@ class GatewayApp:
         ``stage_mismatch``): the chain may have changed since it was checked.
         A hook for the chain check to re-check it; nothing to do without one."""
 
-    def cancel_on_disconnect(self, event: EndpointRequest) -> bool:
+    def cancel_on_disconnect(self, event: EndpointRequest | ActivationReceived) -> bool:
         """The serving loop cancels these requests when their client leaves:
-        a generation nobody waits for would hold every node's KV to the end."""
+        a generation nobody waits for would hold every node's KV to the end,
+        and a wire-2 run would go on computing on every node (wire-2 §3.7);
+        cancelled, the run ends as a failed one: forgotten, DELETEd below."""
+        if isinstance(event, ActivationReceived):
+            return True
         return self.openai is not None and event.path.startswith("/v1/")
 
     def _spawn(self, fn: Any, *args: Any) -> None:

@@ -148,6 +148,9 @@ class Application(Protocol):
         self, event: EndpointRequest, ctx: RequestContext
     ) -> ActivationReply | Reply | StreamReply: ...
 
+    # Optional: ``cancel_on_disconnect(event) -> bool`` (an EndpointRequest
+    # or an ActivationReceived): cancel the handler when the client leaves.
+
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class ServerSettings:
@@ -558,7 +561,9 @@ class _Connection:
             self.server.metrics.labelled(self.server.metrics.bytes_in, "upstream").inc(
                 received.body_nbytes
             )
-        return await self._handle(self.server.app.handle_activation, received, ctx)
+        wants = getattr(self.server.app, "cancel_on_disconnect", None)
+        watch = bool(wants is not None and wants(received))
+        return await self._handle(self.server.app.handle_activation, received, ctx, watch=watch)
 
     async def _handle(
         self, handler: Any, event: Any, ctx: RequestContext, *, watch: bool = False
@@ -651,10 +656,20 @@ class _Connection:
     ) -> ActivationReply | Reply | StreamReply | None:
         """``handler(event, ctx)``, or None once it was cancelled because the client left."""
 
+        failure: list[Exception] = []
+
         async def work(leave: Callable[[], None]) -> Any:
-            return await handler(event, ctx)
+            try:
+                return await handler(event, ctx)
+            except Exception as exc:
+                # Raised out of the watching task group it would come out as
+                # an ExceptionGroup; re-raised bare, it is answered as usual.
+                failure.append(exc)
+                return None
 
         reply, client_gone = await self._watching_client(work, self._interim_probe)
+        if failure and not client_gone:
+            raise failure[0]
         return None if client_gone else reply
 
     async def _stream(self, path: str, reply: StreamReply) -> None:
