@@ -67,6 +67,15 @@ def _duplicate(ctx: Context) -> None:
     )  # fmt: skip
 
 
+def _stage_duplicate(ctx: Context) -> None:
+    stage = ("X-Meshnet-Stage", "meshnet-conformance/0")
+    headers = [*ctx.forward_headers(2), stage, stage]
+    expect_error(
+        ctx.send(ctx.forward(headers, float32_body(2))), 400, "duplicate_header",
+        header="x-meshnet-stage",
+    )  # fmt: skip
+
+
 def _too_large(ctx: Context) -> None:
     headers = replace_header(ctx.forward_headers(2), "X-Meshnet-Shape", "1,1000000000000,4")
     expect_error(
@@ -143,6 +152,11 @@ CASES: list[Case] = [
              INDEX, "1", 400, "bad_chunk_index", roles=NODE),
     _refused("2.total-zero", "chunk total 0 is 400 bad_chunk_index",
              "X-Meshnet-Chunk-Total", "0", 400, "bad_chunk_index", roles=NODE),
+    _refused("2.stage.bad-grammar", "an X-Meshnet-Stage that is not '<model-id>/<first "
+             "layer>' (uppercase, a leading zero: 'Stub/01') is 400 bad_stage",
+             "X-Meshnet-Stage", "Stub/01", 400, "bad_stage"),
+    Case("2.stage.duplicate", SECTION, "X-Meshnet-Stage given twice (equal values) is 400 "
+         "duplicate_header", _stage_duplicate),
     Case("2.gateway-one-sequence", SECTION, "a gateway takes one whole sequence: total other "
          "than 1 is 400 bad_chunk_index", _gateway_whole_sequence, roles=frozenset({"gateway"})),
     Case("2.tensor-too-large", SECTION, "a shape over the tensor limit is 413 tensor_too_large "

@@ -94,6 +94,21 @@ def _unknown_session(ctx: Context) -> None:
     expect_error(response, 409, "session_unknown")
 
 
+# No stage is this one: a model id nobody serves (a stub has no layers at all).
+_NO_SUCH_STAGE = "meshnet-conformance-no-such-model/0"
+
+
+def _stage_mismatch(ctx: Context) -> None:
+    session = new_session()
+    headers = [*ctx.forward_headers(2, session=session, position=0),
+               ("X-Meshnet-Stage", _NO_SUCH_STAGE)]  # fmt: skip
+    response = ctx.send(ctx.forward(headers, float32_body(2)))
+    expect_error(response, 409, "stage_mismatch", header="x-meshnet-stage")
+    # Refused before anything changed: the session starts afresh at 0 (had
+    # the chunk been taken, another tensor at 0 would be 409 position_mismatch).
+    _expect_at(ctx.send(_chunk(ctx, session, position=0, seed=1)), 0)
+
+
 def _run_mismatch(ctx: Context) -> None:
     session = new_session()
     expect_status(ctx.send(_chunk(ctx, session, 0, 3, position=0)), 200)
@@ -214,6 +229,9 @@ CASES: list[Case] = [
          "position_mismatch", _position_mismatch, NODE),
     Case("3.unknown-session", SECTION, "index 0 at position > 0 of an unknown session is 409 "
          "session_unknown at once", _unknown_session, NODE),
+    Case("3.stage-mismatch", SECTION, "a chunk whose X-Meshnet-Stage names a stage this node "
+         "is not is 409 stage_mismatch, from the head, and changes nothing",
+         _stage_mismatch, NODE),
     Case("3.run-mismatch", SECTION, "a changed dtype or total within a run is 409 "
          "run_mismatch", _run_mismatch, NODE),
     Case("3.out-of-window", SECTION, "an index a whole reorder window ahead is 409 "
