@@ -41,8 +41,8 @@ from ._events import (
     ProtocolErrorReceived,
 )
 from ._headers import WireHeaders, parse_wire_headers
-from ._topology import is_deep_health
 from ._limits import KiB, Limits
+from ._topology import is_deep_health
 
 __all__ = ["DEFAULT_MAX_ENDPOINT_BODY", "DEFAULT_ROUTES", "ServerConnection"]
 

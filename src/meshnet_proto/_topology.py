@@ -13,6 +13,7 @@ Stubs (``layers`` null) have no layers to check: only their wire is compared.
 
 from __future__ import annotations
 
+import itertools
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -229,9 +230,7 @@ def chain_from_health(document: Any, url: str | None = None) -> list[list[StageR
     return hops
 
 
-def _level(
-    url: str | None, doc: Any, hop: int
-) -> tuple[StageReport, list[tuple[str | None, Any]]]:
+def _level(url: str | None, doc: Any, hop: int) -> tuple[StageReport, list[tuple[str | None, Any]]]:
     """One replica's report, and what it shows of the hop below."""
     if not isinstance(doc, dict):
         raise IdentityError("a deep health level must be an object")
@@ -340,7 +339,8 @@ def check_chain(
                     index,
                     report.url,
                 ))  # fmt: skip
-    if require_logits and hops and stages and stages[-1][0] == len(hops) - 1:
+    said = any(p.code == "no_last_stage" for p in problems)  # by the layers: once is enough
+    if require_logits and not said and stages and stages[-1][0] == len(hops) - 1:
         index, last = stages[-1]
         if _identity(last).output == "hidden":
             problems.append(ChainProblem(
@@ -385,7 +385,7 @@ def _layers_of(stages: list[tuple[int, StageReport]], problems: list[ChainProble
     ranged = [(i, r, _identity(r)) for i, r in stages if _identity(r).layers is not None]
     if not ranged:
         return
-    for (i, _, a), (j, r, b) in zip(ranged, ranged[1:], strict=False):
+    for (i, _, a), (j, r, b) in itertools.pairwise(ranged):
         assert a.layers is not None and b.layers is not None
         if b.layers[0] < a.layers[0]:
             problems.append(ChainProblem(
@@ -406,7 +406,7 @@ def _layers_of(stages: list[tuple[int, StageReport]], problems: list[ChainProble
             first_index,
             first.url,
         ))  # fmt: skip
-    for (i, _, a), (j, r, b) in zip(ordered, ordered[1:], strict=False):
+    for (i, _, a), (j, r, b) in itertools.pairwise(ordered):
         stop, start = _span(a)[1], _span(b)[0]
         if stop < start:
             problems.append(ChainProblem(
