@@ -171,6 +171,8 @@ class NodeApp:
             timeout=config.timeout,
             info=self.info,
             end_here=self._end_here,
+            identity=self.identity,
+            reorder_window=self.limits.reorder_window,
         )
 
     def make_connection(self) -> ServerConnection:
