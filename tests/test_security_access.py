@@ -165,9 +165,7 @@ def test_token_chain_of_processes_guards_everything_but_health() -> None:
         deep = send(stranger_url, requests_for(b"Bearer other")["health_deep"])
         health = json.loads(deep.raw.partition(b"\r\n\r\n")[2])
         assert deep.status == 200 and health["status"] == "cannot_serve", deep.raw[:400]
-        assert [(p["code"], p["url"]) for p in health["problems"]] == [
-            ("token_mismatch", last_url)
-        ]
+        assert [(p["code"], p["url"]) for p in health["problems"]] == [("token_mismatch", last_url)]
         for proc in procs:
             assert proc.poll() is None
 
