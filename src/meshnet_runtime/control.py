@@ -23,11 +23,13 @@ import anyio
 
 from meshnet_proto import (
     DEFAULT_ROUTES,
+    ChainProblem,
     DownstreamError,
     EndpointRequest,
     ErrorResponse,
     MeshnetError,
     ProtocolError,
+    StageReport,
     chain_from_health,
     check_chain,
     is_deep_health,
@@ -88,6 +90,9 @@ class ControlEndpoints:
         self.health_cache = health_cache
         self._health_cache: tuple[float, int, dict[str, Any] | MeshnetError] | None = None
         self._health_walk: anyio.Event | None = None
+        # What the last walk that got an answer found (the gateway reads them).
+        self.hops: list[list[StageReport]] = []
+        self.problems: list[ChainProblem] | None = None
         self.handlers: dict[str, Handler] = {
             "/health": self.health,
             "/info": self.describe,
@@ -171,6 +176,7 @@ class ControlEndpoints:
                 problems = check_chain(hops, **self.check_facts())
             except ValueError as exc:
                 raise _bad_health(pool.url, f"is not a wire-2 §6.2 document: {exc}") from None
+            self.hops, self.problems = hops, problems
             document["problems"] = [p.to_json() for p in problems]
             if problems:
                 document["status"] = "cannot_serve"
