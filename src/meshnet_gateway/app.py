@@ -246,13 +246,13 @@ class GatewayApp:
         """What ``check_chain`` is told about the gateway (wire-2 §6.2)."""
         return {**self.facts, "inflight": self.config.inflight}
 
-    async def check_chain(
-        self, *, quiet: bool = False, fresh: bool = True
-    ) -> list[ChainProblem] | None:
+    async def check_chain(self, *, quiet: bool = False) -> list[ChainProblem] | None:
         """Walk the chain by deep health and check it; the problems, or None
         when the walk got no answer (the state stays what it was)."""
         try:
-            await self.control.deep_health(anyio.current_time(), fresh=fresh)
+            # Its own walk: a client's deep health must not wait on (or be
+            # answered by) a check that started before the chain changed.
+            await self.control.walk(anyio.current_time())
         except MeshnetError as exc:
             level = logging.DEBUG if quiet else logging.WARNING
             log.log(level, "cannot check the chain at %s: %s", self.pool.url, exc)
@@ -295,9 +295,8 @@ class GatewayApp:
             assert self._recheck is not None
             with anyio.move_on_after(self.config.health_interval):
                 await self._recheck.wait()
-            kicked = self._recheck.is_set()
             self._recheck = anyio.Event()
-            await self.check_chain(quiet=True, fresh=kicked)
+            await self.check_chain(quiet=True)
 
     def _refuse_if_mismatched(self) -> None:
         problems = self.chain_problems

@@ -89,7 +89,7 @@ class ControlEndpoints:
         self.check_facts = check_facts or (lambda: {"inflight": reorder_window or 1})
         self.health_cache = health_cache
         self._health_cache: tuple[float, int, dict[str, Any] | MeshnetError] | None = None
-        self._health_walk: anyio.Event | None = None
+        self._health_walk: tuple[anyio.Event, int] | None = None
         # What the last walk that got an answer found (the gateway reads them).
         self.hops: list[list[StageReport]] = []
         self.problems: list[ChainProblem] | None = None
@@ -109,41 +109,46 @@ class ControlEndpoints:
             return Reply.json(200, {"status": "ok", "role": self.role})
         return Reply.json(200, await self.deep_health(ctx.started))
 
-    async def deep_health(self, started: float, *, fresh: bool = False) -> dict[str, Any]:
+    async def deep_health(self, started: float) -> dict[str, Any]:
         """The deep health document (wire-2 §6.2), from a short cache.
 
         One walk at a time: concurrent callers wait for the walk in flight
         and share its answer (a 502 too), so N calls cost each hop below one
         request, not N. The cache ends early when the replica set below
-        changes (a replica down, back, taken out). ``fresh``: walk anyway
-        (the gateway's re-check after a change).
+        changes (a replica down, back, taken out), and a walk that started
+        before such a change is not joined.
         """
         while True:
             version = getattr(self.downstream, "version", 0)
             cached = self._health_cache
             now = anyio.current_time()
-            if not fresh and cached is not None and cached[0] > now and cached[1] == version:
+            if cached is not None and cached[0] > now and cached[1] == version:
                 return _outcome(cached[2])
-            if self._health_walk is None:
+            walking = self._health_walk
+            if walking is None or walking[1] != version:
+                # None in flight, or one that started before the replicas
+                # below changed (it may be waiting on one now known down).
                 break
-            walk = self._health_walk
-            await walk.wait()
-            fresh = False  # a walk finished just now is fresh enough
-        done = self._health_walk = anyio.Event()
+            await walking[0].wait()
+        done = anyio.Event()
+        self._health_walk = (done, version)
         outcome: dict[str, Any] | MeshnetError | None = None
         try:
             try:
-                outcome = await self._walk(started)
+                outcome = await self.walk(started)
             except MeshnetError as exc:
                 outcome = exc
             self._health_cache = (anyio.current_time() + self.health_cache, version, outcome)
         finally:
             # Cancelled (its caller left): the waiters find no answer and walk themselves.
-            self._health_walk = None
+            if self._health_walk is not None and self._health_walk[0] is done:
+                self._health_walk = None
             done.set()
         return _outcome(outcome)
 
-    async def _walk(self, started: float) -> dict[str, Any]:
+    async def walk(self, started: float) -> dict[str, Any]:
+        """One walk of the chain below, uncached: the deep health document;
+        ``hops`` and ``problems`` keep what it found."""
         document: dict[str, Any] = {"status": "ok", "role": self.role}
         if self.identity is not None:
             document["identity"] = self.identity
