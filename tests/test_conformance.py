@@ -91,8 +91,8 @@ def test_the_table_is_grouped_by_section_and_exit_0() -> None:
     assert proc.returncode == 0, proc.stdout
     lines = proc.stdout.splitlines()
     assert any(line.startswith("§6 ") for line in lines)
-    assert sum(line.strip().startswith("PASS  6.") for line in lines) == 6
-    assert "6 passed, 0 failed" in proc.stdout
+    assert sum(line.strip().startswith("PASS  6.") for line in lines) == 7
+    assert "7 passed, 0 failed" in proc.stdout
 
 
 # ------------------------------------------------------------ broken servers

@@ -8,6 +8,7 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import hmac
+import json
 import signal
 import ssl
 import subprocess
@@ -136,8 +137,8 @@ def test_token_chain_of_processes_guards_everything_but_health() -> None:
                 for name, data in endpoints.items():
                     answer = send(url, data)
                     assert_no_hint(answer.raw)
-                    if name.startswith("health"):
-                        assert answer.status == 200, (url, label, name)  # deep: presented below
+                    if name == "health":  # open; the deep one shows the chain: guarded
+                        assert answer.status == 200, (url, label, name)
                         continue
                     assert (answer.status, answer.code) == (401, "unauthorized"), (
                         url,
@@ -160,6 +161,11 @@ def test_token_chain_of_processes_guards_everything_but_health() -> None:
         assert (answer.status, answer.code) == (401, "unauthorized")
         assert answer.error["hop"] == last_url  # the downstream refused the relay's token
         assert_no_hint(answer.raw)
+        # Its deep health names that, as a chain problem (wire-2 §6.2), not a 401.
+        deep = send(stranger_url, requests_for(b"Bearer other")["health_deep"])
+        health = json.loads(deep.raw.partition(b"\r\n\r\n")[2])
+        assert deep.status == 200 and health["status"] == "cannot_serve", deep.raw[:400]
+        assert [(p["code"], p["url"]) for p in health["problems"]] == [("token_mismatch", last_url)]
         for proc in procs:
             assert proc.poll() is None
 
@@ -231,7 +237,7 @@ def test_tls_chain_gateway_node_node_end_to_end(pki: dict[str, str], tmp_path: P
 
         for url in (gateway_url, relay_url, last_url):
             valid_chunk_round_trip(url, token=TOKEN, ssl_context=trusted)
-        deep = get(gateway_url, "/health?deep=1", ssl_context=trusted)
+        deep = get(gateway_url, "/health?deep=1", token=TOKEN, ssl_context=trusted)
         assert deep.status == 200 and b"downstream" in deep.body
 
         # `meshnet send` over TLS with --tls-ca and --token, through the whole chain.

@@ -598,6 +598,21 @@ def test_token_protects_everything_but_health() -> None:
     assert isinstance(feed(conn, request)[-1], ActivationReceived)
 
 
+@pytest.mark.parametrize("query", ["deep=1", "deep=true", "x=1&deep=1"])
+def test_deep_health_needs_the_token(query: str) -> None:
+    """wire-2 §7: only a plain /health is open; the deep one shows the chain."""
+    conn = ServerConnection(token="s3cret-token")
+    events = feed(conn, f"GET /health?{query} HTTP/1.1\r\nHost: n\r\n\r\n".encode())
+    assert (events[0].error.status, events[0].error.code) == (401, "unauthorized")
+    conn = ServerConnection(token="s3cret-token")
+    events = feed(conn, f"GET /health?{query} HTTP/1.1\r\nHost: n\r\n"
+                        "Authorization: Bearer s3cret-token\r\n\r\n".encode())  # fmt: skip
+    assert isinstance(events[0], EndpointRequest)
+    conn = ServerConnection(token="s3cret-token")
+    events = feed(conn, b"GET /health?deep=0 HTTP/1.1\r\nHost: n\r\n\r\n")
+    assert isinstance(events[0], EndpointRequest)
+
+
 @pytest.mark.parametrize(
     "authorization",
     [

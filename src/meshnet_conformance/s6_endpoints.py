@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
+
+from meshnet_proto import StageIdentity
+
 from ._case import Case, Context, expect_error, expect_status, new_session
 from ._wire import CheckFailed
 
@@ -21,6 +26,29 @@ def _info(ctx: Context) -> None:
         raise CheckFailed(f"/info role must be node or gateway, got {info.get('role')!r}")
     if info["role"] == "node" and not isinstance(info.get("reorder_window"), int):
         raise CheckFailed("a node's /info must give its reorder_window (an integer)")
+
+
+_IDENTITY_KEYS = {
+    "fingerprint", "model", "weights", "tokenizer", "layers", "n_layers", "vocab", "hidden",
+    "max_context", "engine", "dtype", "input", "output", "wire_dtype", "encoding",
+}  # fmt: skip
+
+
+def _info_identity(ctx: Context) -> None:
+    info = expect_status(ctx.send(ctx.request("GET", "/info")), 200).json()
+    if not isinstance(info, dict) or info.get("role") != "node":
+        return  # wire-2 §6.1: a node's; a gateway shows its chain's in deep health
+    identity = info.get("identity")
+    if not isinstance(identity, dict) or set(identity) != _IDENTITY_KEYS:
+        raise CheckFailed(f"a node's /info identity must have exactly {sorted(_IDENTITY_KEYS)}")
+    try:
+        StageIdentity.from_json(identity)
+    except ValueError as exc:
+        raise CheckFailed(f"/info identity: {exc}") from None
+    rest = {k: v for k, v in identity.items() if k != "fingerprint"}
+    canonical = json.dumps(rest, sort_keys=True, separators=(",", ":")).encode()
+    if hashlib.blake2b(canonical, digest_size=16).hexdigest() != identity["fingerprint"]:
+        raise CheckFailed("identity.fingerprint is not blake2b-128 of the other fields' JSON")
 
 
 def _metrics(ctx: Context) -> None:
@@ -51,6 +79,12 @@ CASES: list[Case] = [
         SECTION,
         "GET /info is a JSON object with wire 2, the role and (a node) the reorder window",
         _info,
+    ),
+    Case(
+        "6.info.identity",
+        SECTION,
+        "a node's /info has an identity (§6.1) whose fingerprint covers its fields",
+        _info_identity,
     ),
     Case("6.metrics", SECTION, "GET /metrics is 200 Prometheus text", _metrics),
     Case("6.not-found", SECTION, "an unknown path is 404 not_found", _not_found),

@@ -44,6 +44,10 @@ def _health_open(ctx: Context) -> None:
     expect_status(ctx.send(ctx.request("GET", "/health", auth=False)), 200)
 
 
+def _deep_health_needs_token(ctx: Context) -> None:
+    _refused(ctx.send(ctx.request("GET", "/health?deep=1", auth=False)), ctx)
+
+
 def _right_token(ctx: Context) -> None:
     response = ctx.send(ctx.forward(ctx.forward_headers(2), float32_body(2)))
     expect_tensor(response, shape="1,2,4")
@@ -80,6 +84,13 @@ CASES: list[Case] = [
     ),
     Case(
         "7.health-open", SECTION, "GET /health needs no credentials", _health_open, needs_token=True
+    ),
+    Case(
+        "7.deep-health-needs-token",
+        SECTION,
+        "GET /health?deep=1 shows the chain: without credentials it is 401",
+        _deep_health_needs_token,
+        needs_token=True,
     ),
     Case("7.right-token", SECTION, "the right token is served", _right_token, needs_token=True),
 ]

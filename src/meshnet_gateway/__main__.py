@@ -14,7 +14,7 @@ from meshnet_runtime.config import ServerConfig, load_config
 from meshnet_runtime.lifecycle import run_process, serve_until_signalled
 from meshnet_runtime.transports import listen
 
-from .app import GatewayApp
+from .app import ChainMismatch, GatewayApp
 from .openai import ServedModel
 from .server import build_server, ready_line
 
@@ -24,6 +24,7 @@ async def serve(config: ServerConfig) -> None:
     # (one line on stderr, exit 1), not a traceback out of a task group.
     bound = await listen(host=config.host, port=config.port, uds=config.uds, tls=config.tls)
     app = GatewayApp(config)
+    app.fail_fast = True  # a chain that fails its check at start: one line, exit 2
     async with app.running():
         server = build_server(config, app)
 
@@ -42,7 +43,22 @@ def main(argv: Sequence[str] | None = None) -> int:
         except (OSError, ValueError) as exc:
             print(f"meshnet-gateway: cannot load --model {config.model}: {exc}", file=sys.stderr)
             return 2
-    return run_process("meshnet-gateway", serve, config)
+    mismatch: list[ChainMismatch] = []
+
+    async def serve_checked(config: ServerConfig) -> None:
+        try:
+            await serve(config)
+        except* ChainMismatch as group:
+            mismatch.extend(e for e in group.exceptions if isinstance(e, ChainMismatch))
+
+    status = run_process("meshnet-gateway", serve_checked, config)
+    if mismatch:
+        problem = mismatch[0].problems[0]
+        more = len(mismatch[0].problems) - 1
+        also = f" (and {more} more: GET /health?deep=1 lists them)" if more else ""
+        print(f"meshnet-gateway: the chain cannot serve: {problem.line()}{also}", file=sys.stderr)
+        return 2
+    return status
 
 
 if __name__ == "__main__":

@@ -16,9 +16,11 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from pathlib import Path
 from typing import Any
 
 import anyio
@@ -29,6 +31,8 @@ from meshnet_proto import (
     WIRE_VERSION,
     ActivationHead,
     ActivationReceived,
+    CapacityError,
+    ChainProblem,
     ClientSessionTable,
     EndpointRequest,
     ErrorResponse,
@@ -56,10 +60,11 @@ from ._retry import RetryPolicy
 from .admission import Admission
 from .openai import OpenAIService, ServedModel
 from .openai.api import OPENAI_ROUTES
+from .openai.errors import from_meshnet
 from .openai.generation import ChainSettings
 from .openai.metrics import GenerationMetrics
 
-__all__ = ["GatewayApp"]
+__all__ = ["ChainMismatch", "GatewayApp"]
 
 log = logging.getLogger("meshnet.gateway")
 
@@ -77,6 +82,19 @@ WIRE2_REORDER_WINDOW = Limits().reorder_window
 # Background DELETEs down the chain after a failed chunk: bounded, so a hung
 # node costs one waiting task for at most this long.
 DELETE_TIMEOUT = 10.0
+
+
+# Answers below that may mean the chain changed under us (wire-2 §6.2):
+# the check runs again at once rather than at the next interval.
+RECHECK_CODES = frozenset({"stage_mismatch", "session_unknown"})
+
+
+class ChainMismatch(Exception):
+    """The chain failed its check at start (wire-2 §6.2): the process exits 2."""
+
+    def __init__(self, problems: list[ChainProblem]) -> None:
+        super().__init__(problems[0].line())
+        self.problems = problems
 
 
 class GatewayApp:
@@ -117,13 +135,22 @@ class GatewayApp:
             level=level,
             link=LinkEstimate(),
         )
+        # The chain check (wire-2 §6.2): what was found at the last walk that
+        # got an answer ([] = fine, None = not walked yet); while it lists
+        # problems, nothing is sent down. ``fail_fast``: at start, problems
+        # end the process (``ChainMismatch``) instead (meshnet-gateway).
+        self.chain_problems: list[ChainProblem] | None = None
+        self.fail_fast = False
+        # The stage the entry must be ("<model>/0", X-Meshnet-Stage), from the
+        # entry's identity once the check has seen it (a model stage only).
+        self.expected_entry: str | None = None
+        self._recheck: anyio.Event | None = None
+        self.facts = _gateway_facts(config)
+        if isinstance(self.pool, ReplicaSet):
+            self.pool.on_change = self.chain_changed
         self.entry_window: int | None = None  # the entry node's reorder window, once known
         self.entry_info_read = False  # its /info answered (a window may still be absent)
         self._refreshing = False
-        # "<model>/0": the stage the entry must be, sent as X-Meshnet-Stage on
-        # every chunk to it (wire-2 §3.2 step 0) once the chain check knows
-        # the model; None sends no stage header.
-        self.expected_entry: str | None = None
         self._background: anyio.abc.TaskGroup | None = None
         # Sessions with a request in progress: checked on the head, before
         # the body is read (wire-2 §2 order: header-only sequencing first).
@@ -147,6 +174,7 @@ class GatewayApp:
             timeout=config.timeout,
             info=self.info,
             end_here=self._end_here,
+            check_facts=self.check_facts,
         )
 
     # ------------------------------------------------------------ lifecycle
@@ -157,9 +185,15 @@ class GatewayApp:
             self._background = tg
             if isinstance(self.pool, ReplicaSet):
                 tg.start_soon(self.pool.maintain)  # health probes of the entry's replicas
+            self._recheck = anyio.Event()
             try:
                 if await self.refresh_entry_window(quiet=True) is None and not self.entry_info_read:
                     tg.start_soon(self._read_entry_window_at_start)
+                if await self.check_chain(quiet=True) is None:
+                    tg.start_soon(self._check_at_start)  # the entry is not up yet
+                else:
+                    self._fail_fast()
+                tg.start_soon(self._recheck_loop)
                 yield self
             finally:
                 self._background = None
@@ -206,6 +240,73 @@ class GatewayApp:
             if self.entry_info_read:
                 return
 
+    # ------------------------------------------------------------ chain check
+
+    def check_facts(self) -> dict[str, Any]:
+        """What ``check_chain`` is told about the gateway (wire-2 §6.2)."""
+        return {**self.facts, "inflight": self.config.inflight}
+
+    async def check_chain(self, *, quiet: bool = False) -> list[ChainProblem] | None:
+        """Walk the chain by deep health and check it; the problems, or None
+        when the walk got no answer (the state stays what it was)."""
+        try:
+            # Its own walk: a client's deep health must not wait on (or be
+            # answered by) a check that started before the chain changed.
+            await self.control.walk(anyio.current_time())
+        except MeshnetError as exc:
+            level = logging.DEBUG if quiet else logging.WARNING
+            log.log(level, "cannot check the chain at %s: %s", self.pool.url, exc)
+            return None
+        problems = self.control.problems
+        assert problems is not None
+        if problems and problems != self.chain_problems:
+            log.error("the chain cannot serve: %s", "; ".join(p.line() for p in problems))
+        elif not problems and self.chain_problems:
+            log.info("the chain passes its check again")
+        self.chain_problems = problems
+        entry = self.control.hops[0] if self.control.hops else []
+        for report in entry:
+            if report.identity is not None and report.identity.layers is not None:
+                self.expected_entry = f"{report.identity.model}/{report.identity.layers[0]}"
+                break
+        return problems
+
+    def chain_changed(self) -> None:
+        """A hop's replica set changed (or a request saw a sign of it): check again."""
+        if self._recheck is not None:
+            self._recheck.set()
+
+    def _fail_fast(self) -> None:
+        if self.fail_fast and self.chain_problems:
+            raise ChainMismatch(self.chain_problems)
+
+    async def _check_at_start(self) -> None:
+        for attempt in range(1, STARTUP_INFO_ATTEMPTS + 1):
+            await anyio.sleep(STARTUP_INFO_RETRY_S)
+            if self.chain_problems is None:  # the periodic check may have got there
+                await self.check_chain(quiet=attempt < STARTUP_INFO_ATTEMPTS)
+            if self.chain_problems is not None:
+                self._fail_fast()
+                return
+
+    async def _recheck_loop(self) -> None:
+        """Every health interval, and at once after a change (wire-2 §6.2)."""
+        while True:
+            assert self._recheck is not None
+            with anyio.move_on_after(self.config.health_interval):
+                await self._recheck.wait()
+            self._recheck = anyio.Event()
+            await self.check_chain(quiet=True)
+
+    def _refuse_if_mismatched(self) -> None:
+        problems = self.chain_problems
+        if problems:
+            raise CapacityError(
+                "the chain cannot serve (wire-2 §6.2): " + "; ".join(p.line() for p in problems),
+                code="chain_mismatch",
+                retry_after=max(1, math.ceil(self.config.health_interval)),
+            )
+
     async def _refresh_in_background(self) -> None:
         self._refreshing = True
         try:
@@ -217,6 +318,7 @@ class GatewayApp:
 
     async def handle_activation_head(self, event: ActivationHead, ctx: RequestContext) -> None:
         # Reject before reading what may be hundreds of MiB of body.
+        self._refuse_if_mismatched()
         session = event.headers.session
         if session is not None and self._busy(session):
             raise _session_busy(session)
@@ -294,8 +396,9 @@ class GatewayApp:
 
     def on_chain_suspect(self) -> None:
         """A node answered that it is not the stage expected (409
-        ``stage_mismatch``): the chain may have changed since it was checked.
-        A hook for the chain check to re-check it; nothing to do without one."""
+        ``stage_mismatch``): the chain may have changed since it was checked,
+        so it is checked again before anything more is sent (wire-2 §6.2)."""
+        self.chain_changed()
 
     def cancel_on_disconnect(self, event: EndpointRequest | ActivationReceived) -> bool:
         """The serving loop cancels these requests when their client leaves:
@@ -325,6 +428,8 @@ class GatewayApp:
         if isinstance(exc, MeshnetError):
             log.info("session %s: %s %s (hop %s); deleting it down the chain",
                      lease.session, exc.status, exc.code, exc.hop)  # fmt: skip
+            if exc.code in RECHECK_CODES:
+                self.chain_changed()
         if self._background is not None:
             self._background.start_soon(self._delete_down_chain, lease.session)
 
@@ -345,6 +450,10 @@ class GatewayApp:
         self, event: EndpointRequest, ctx: RequestContext
     ) -> Reply | StreamReply:
         if self.openai is not None and event.route in OPENAI_ROUTES:
+            try:
+                self._refuse_if_mismatched()
+            except MeshnetError as exc:
+                return from_meshnet(exc).reply()
             return await self.openai.handle(event)
         return await self.control.handle(event, ctx)
 
@@ -384,6 +493,11 @@ class GatewayApp:
             "auth": config.token is not None,
             "model": self.openai.model.name if self.openai is not None else None,
             "admission": self.admission.describe() if self.openai is not None else None,
+            "chain": {
+                "checked": self.chain_problems is not None,
+                "problems": [p.to_json() for p in self.chain_problems or []],
+                "expected_entry": self.expected_entry,
+            },
         }
 
 
@@ -419,6 +533,38 @@ def _reorder_window(info: Any) -> int | None:
             if isinstance(value, int) and not isinstance(value, bool) and value >= 1:
                 return value
     return None
+
+
+def _gateway_facts(config: ServerConfig) -> dict[str, Any]:
+    """The gateway's own side of the chain check: with ``--model``, its
+    checkpoint's id and vocabulary, its context, and that it samples logits."""
+    facts: dict[str, Any] = {}
+    if config.max_context:
+        facts["max_context"] = config.max_context
+    if config.model is None:
+        return facts
+    facts["require_logits"] = True
+    from meshnet_gateway.openai.tokenizer import ModelTokenizer
+    from meshnet_model.source import is_gguf, load_config
+
+    root = Path(config.model)
+    try:
+        vocab = ModelTokenizer.load(root).vocab_size
+        if is_gguf(root) or (root / "config.json").is_file():
+            # A padded embedding (more rows than tokens) is the checkpoint's
+            # own choice: the nodes' vocabulary is the config's then.
+            vocab = max(vocab, load_config(root).vocab_size)
+        facts["vocab"] = vocab
+    except (OSError, ValueError) as exc:  # checked again, loudly, by ServedModel.load
+        log.warning("cannot read the vocabulary of --model %s: %s", config.model, exc)
+    # TODO(issue 20): meshnet_model.identity.checkpoint_model_id(path) comes
+    # with the model identity; until it exists the model id is not compared.
+    try:
+        from meshnet_model.identity import checkpoint_model_id  # type: ignore[import-not-found]
+    except ImportError:
+        return facts
+    facts["model"] = checkpoint_model_id(config.model)
+    return facts
 
 
 def _openai_service(app: GatewayApp) -> OpenAIService:

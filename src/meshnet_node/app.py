@@ -20,6 +20,8 @@ forwards and answers. Per request:
 from __future__ import annotations
 
 import collections
+import hashlib
+import json
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -68,10 +70,10 @@ from meshnet_runtime.replicas import ReplicaSet, needs_replica_set
 from meshnet_runtime.transports import client_ssl_context, listen
 from meshnet_runtime.wire_encoder import WireEncoder
 
-from .backends import StageBackend, StageContext, make_stage
+from .backends import StageBackend, StageContext, make_stage, stub_identity
 from .model_stage import stage_from_config
 
-__all__ = ["NodeApp", "RunningNode", "build_node", "serve_node"]
+__all__ = ["NodeApp", "RunningNode", "build_node", "node_identity", "serve_node"]
 
 log = logging.getLogger("meshnet.node")
 
@@ -164,6 +166,9 @@ class NodeApp:
         )
         self._wakeups: dict[str, anyio.Event] = {}
         self._outcomes: dict[int, _Outcome] = {}
+        # What this node serves (wire-2 §6.1): fixed for the process's life,
+        # so computed once; the chain check compares it across hops.
+        self.identity = node_identity(self.stage, config.wire_dtype, config.encoding)
         self.control = ControlEndpoints(
             role="node",
             metrics=self.metrics,
@@ -171,6 +176,8 @@ class NodeApp:
             timeout=config.timeout,
             info=self.info,
             end_here=self._end_here,
+            identity=self.identity,
+            reorder_window=self.limits.reorder_window,
         )
 
     def make_connection(self) -> ServerConnection:
@@ -472,6 +479,7 @@ class NodeApp:
             "encoding": self.config.encoding,
             "auto_encoding": self.encoder.describe(),
             "sessions": len(self.table),
+            "identity": self.identity,
         }
 
     def _end_here(self, session: str) -> bool:
@@ -512,6 +520,23 @@ def _stage_key(stage: StageBackend) -> tuple[str, int, int] | None:
     # at start, not on every chunk.
     WireHeaders(shape=(1,), dtype="int32", stage=f"{key[0]}/{key[2]}")
     return key
+
+
+def node_identity(stage: StageBackend, wire_dtype: str, encoding: str) -> dict[str, Any]:
+    """The ``identity`` of a node's ``/info`` (wire-2 §6.1): the stage's
+    fields, the wire settings, and the fingerprint over all of them.
+
+    A stage without ``identity()`` (a test's or a third party's) is
+    described as a stub of its name: nothing to compare but the wire.
+    """
+    own = getattr(stage, "identity", None)
+    fields = dict(own() if own is not None else stub_identity(stage.name))
+    fields.pop("fingerprint", None)
+    fields["wire_dtype"] = wire_dtype
+    fields["encoding"] = encoding
+    canonical = json.dumps(fields, sort_keys=True, separators=(",", ":"))
+    digest = hashlib.blake2b(canonical.encode(), digest_size=16).hexdigest()
+    return {"fingerprint": digest, **fields}
 
 
 def _starts(headers: WireHeaders) -> bool:

@@ -29,6 +29,7 @@ __all__ = [
     "StageContext",
     "echo",
     "make_stage",
+    "stub_identity",
     "zeros",
 ]
 
@@ -98,6 +99,31 @@ class StageBackend(Protocol):
 
     def describe(self) -> dict[str, Any]: ...
 
+    def identity(self) -> dict[str, Any]:
+        """What this stage serves (wire-2 §6.1): ``model``, ``weights``,
+        ``tokenizer``, ``layers`` ([start, stop] or None), ``n_layers``,
+        ``vocab``, ``hidden``, ``max_context``, ``engine``, ``dtype``,
+        ``input`` and ``output``. Fixed once the stage is loaded."""
+        ...
+
+
+def stub_identity(name: str) -> dict[str, Any]:
+    """The identity of a stub stage: no model, no layers, any tensor in and out."""
+    return {
+        "model": f"stub-{name}",
+        "weights": None,
+        "tokenizer": None,
+        "layers": None,
+        "n_layers": None,
+        "vocab": None,
+        "hidden": None,
+        "max_context": None,
+        "engine": None,
+        "dtype": None,
+        "input": "any",
+        "output": "any",
+    }
+
 
 @dataclass(slots=True)
 class Stage:
@@ -130,6 +156,9 @@ class Stage:
 
     def describe(self) -> dict[str, Any]:
         return {"backend": self.name, "delay_ms": self.delay_ms}
+
+    def identity(self) -> dict[str, Any]:
+        return stub_identity(self.name)
 
 
 @dataclass(slots=True)

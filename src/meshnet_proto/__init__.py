@@ -36,6 +36,8 @@ from ._sequencer import *  # noqa: F403
 from ._sequencer import __all__ as _sequencer_all
 from ._server import *  # noqa: F403
 from ._server import __all__ as _server_all
+from ._topology import *  # noqa: F403
+from ._topology import __all__ as _topology_all
 
 WIRE_VERSION = 2
 
@@ -59,5 +61,6 @@ __all__ = sorted(
         *_policy_all,
         *_sequencer_all,
         *_server_all,
+        *_topology_all,
     }
 )

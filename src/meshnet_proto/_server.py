@@ -42,6 +42,7 @@ from ._events import (
 )
 from ._headers import WireHeaders, parse_wire_headers
 from ._limits import KiB, Limits
+from ._topology import is_deep_health
 
 __all__ = ["DEFAULT_MAX_ENDPOINT_BODY", "DEFAULT_ROUTES", "ServerConnection"]
 
@@ -227,8 +228,8 @@ class ServerConnection:
     """The server side of one connection: bytes in, events out; answers in,
     bytes out. See ``docs/embedding.md`` for the driver loop.
 
-    ``token``: when set, every path but ``/health`` needs
-    ``Authorization: Bearer <token>`` (wire-2 §7). ``activation_path`` takes
+    ``token``: when set, every path but a plain ``/health`` (``?deep=1``
+    included) needs ``Authorization: Bearer <token>`` (wire-2 §7). ``activation_path`` takes
     ``POST`` only. ``routes`` are the other paths and their methods (404 and
     405 come from here). ``require_sequencing=False`` is the gateway's input
     (session, index and total optional). ``max_endpoint_body`` caps the body
@@ -421,7 +422,9 @@ class ServerConnection:
         headers = tuple(request.headers)
 
         # wire-2 §2 order: credentials, path/method, framing, wire headers.
-        if self._token is not None and path != "/health":
+        # /health stays open (a load balancer's probe); ?deep=1 shows the
+        # chain's URLs and identities and costs every hop: it needs the token.
+        if self._token is not None and (path != "/health" or is_deep_health(query)):
             self._check_credentials(headers)
         is_activation = path == self._activation_path
         route = None if is_activation else self._route(path)

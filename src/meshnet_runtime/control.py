@@ -18,15 +18,21 @@ import json
 import logging
 from collections.abc import Awaitable, Callable
 from typing import Any
-from urllib.parse import parse_qs
+
+import anyio
 
 from meshnet_proto import (
     DEFAULT_ROUTES,
+    ChainProblem,
     DownstreamError,
     EndpointRequest,
     ErrorResponse,
     MeshnetError,
     ProtocolError,
+    StageReport,
+    chain_from_health,
+    check_chain,
+    is_deep_health,
 )
 
 from .deadlines import Deadline
@@ -34,13 +40,16 @@ from .downstream import DownstreamPool
 from .http_server import Reply, RequestContext
 from .metrics import METRICS_CONTENT_TYPE, ServerMetrics
 
-__all__ = ["HEALTH_TIMEOUT", "ControlEndpoints"]
+__all__ = ["HEALTH_CACHE", "HEALTH_TIMEOUT", "ControlEndpoints"]
 
 log = logging.getLogger("meshnet.control")
 
 # A deep health check waits at most this long for the downstream's answer
 # (or the server's --timeout when shorter): a probe must not hang.
 HEALTH_TIMEOUT = 10.0
+# Deep health answers are this fresh at most (wire-2 §6.2): a burst of
+# callers costs the chain below one walk.
+HEALTH_CACHE = 2.0
 
 Handler = Callable[[EndpointRequest, RequestContext], Awaitable[Reply]]
 
@@ -61,6 +70,10 @@ class ControlEndpoints:
         timeout: float,
         info: Callable[[], dict[str, Any]],
         end_here: Callable[[str], bool],
+        identity: dict[str, Any] | None = None,
+        reorder_window: int | None = None,
+        check_facts: Callable[[], dict[str, Any]] | None = None,
+        health_cache: float = HEALTH_CACHE,
     ) -> None:
         self.role = role
         self.metrics = metrics
@@ -68,6 +81,18 @@ class ControlEndpoints:
         self.timeout = timeout
         self.info = info
         self.end_here = end_here
+        # A node's own part of its deep health (wire-2 §6.2); None at a gateway.
+        self.identity = identity
+        self.reorder_window = reorder_window
+        # What check_chain is told about the sender into this level's chain:
+        # a node sends on what its own window lets in; a gateway knows more.
+        self.check_facts = check_facts or (lambda: {"inflight": reorder_window or 1})
+        self.health_cache = health_cache
+        self._health_cache: tuple[float, int, dict[str, Any] | MeshnetError] | None = None
+        self._health_walk: tuple[anyio.Event, int] | None = None
+        # What the last walk that got an answer found (the gateway reads them).
+        self.hops: list[list[StageReport]] = []
+        self.problems: list[ChainProblem] | None = None
         self.handlers: dict[str, Handler] = {
             "/health": self.health,
             "/info": self.describe,
@@ -80,32 +105,91 @@ class ControlEndpoints:
         return await self.handlers[event.route](event, ctx)
 
     async def health(self, event: EndpointRequest, ctx: RequestContext) -> Reply:
+        if not is_deep_health(event.query):
+            return Reply.json(200, {"status": "ok", "role": self.role})
+        return Reply.json(200, await self.deep_health(ctx.started))
+
+    async def deep_health(self, started: float) -> dict[str, Any]:
+        """The deep health document (wire-2 §6.2), from a short cache.
+
+        One walk at a time: concurrent callers wait for the walk in flight
+        and share its answer (a 502 too), so N calls cost each hop below one
+        request, not N. The cache ends early when the replica set below
+        changes (a replica down, back, taken out), and a walk that started
+        before such a change is not joined.
+        """
+        while True:
+            version = getattr(self.downstream, "version", 0)
+            cached = self._health_cache
+            now = anyio.current_time()
+            if cached is not None and cached[0] > now and cached[1] == version:
+                return _outcome(cached[2])
+            walking = self._health_walk
+            if walking is None or walking[1] != version:
+                # None in flight, or one that started before the replicas
+                # below changed (it may be waiting on one now known down).
+                break
+            await walking[0].wait()
+        done = anyio.Event()
+        self._health_walk = (done, version)
+        outcome: dict[str, Any] | MeshnetError | None = None
+        try:
+            try:
+                outcome = await self.walk(started)
+            except MeshnetError as exc:
+                outcome = exc
+            self._health_cache = (anyio.current_time() + self.health_cache, version, outcome)
+        finally:
+            # Cancelled (its caller left): the waiters find no answer and walk themselves.
+            if self._health_walk is not None and self._health_walk[0] is done:
+                self._health_walk = None
+            done.set()
+        return _outcome(outcome)
+
+    async def walk(self, started: float) -> dict[str, Any]:
+        """One walk of the chain below, uncached: the deep health document;
+        ``hops`` and ``problems`` keep what it found."""
         document: dict[str, Any] = {"status": "ok", "role": self.role}
-        deep = parse_qs(event.query).get("deep", ["0"])[-1] in ("1", "true")
+        if self.identity is not None:
+            document["identity"] = self.identity
+            document["reorder_window"] = self.reorder_window
         pool = self.downstream
         deep_health = getattr(pool, "deep_health", None)
-        if deep and deep_health is not None:  # a replica set: each replica's own answer
-            deadline = Deadline.start(ctx.started, min(self.timeout, HEALTH_TIMEOUT), None)
-            below = await deep_health(deadline)
-            document["downstream"] = below
-            if below["status"] != "ok":
-                document["status"] = "degraded"
-        elif deep and pool is not None:
-            deadline = Deadline.start(ctx.started, min(self.timeout, HEALTH_TIMEOUT), None)
+        deadline = Deadline.start(started, min(self.timeout, HEALTH_TIMEOUT), None)
+        below: Any = None
+        if deep_health is not None:  # a replica set: each replica's own answer
+            below = document["downstream"] = await deep_health(deadline)
+        elif pool is not None:
             response = await pool.request("GET", "/health?deep=1", deadline)
+            document["next"] = pool.url
             if isinstance(response, ErrorResponse):
-                raise response.to_error(hop=pool.url)
+                if response.status != 401:
+                    raise response.to_error(hop=pool.url)
+                # Our token is not the next hop's: a chain problem, not an outage.
+                below = document["downstream"] = {"status": "cannot_serve",
+                                                  "error": response.error}  # fmt: skip
+            else:
+                try:
+                    below = document["downstream"] = json.loads(response.body)
+                except ValueError:
+                    raise _bad_health(pool.url, "is not JSON") from None
+        if pool is not None:
             try:
-                below = document["downstream"] = json.loads(response.body)
-                if isinstance(below, dict) and below.get("status") == "degraded":
-                    document["status"] = "degraded"  # some replica below is down
-            except ValueError:
-                raise DownstreamError(
-                    f"{pool.url}: /health is not JSON",
-                    code="downstream_bad_response",
-                    hop=pool.url,
-                ) from None
-        return Reply.json(200, document)
+                hops = chain_from_health(document)
+                if self.identity is None:
+                    hops = hops[1:]  # a gateway: the chain starts at its entry
+                problems = check_chain(hops, **self.check_facts())
+            except ValueError as exc:
+                raise _bad_health(pool.url, f"is not a wire-2 §6.2 document: {exc}") from None
+            self.hops, self.problems = hops, problems
+            document["problems"] = [p.to_json() for p in problems]
+            if problems:
+                document["status"] = "cannot_serve"
+            elif isinstance(below, dict) and below.get("status") != "ok":
+                document["status"] = "degraded"  # some replica below is down
+        elif self.identity is not None:
+            document["problems"] = []
+        return document
 
     async def describe(self, event: EndpointRequest, ctx: RequestContext) -> Reply:
         return Reply.json(200, self.info())
@@ -141,3 +225,15 @@ class ControlEndpoints:
         if not known:
             raise ProtocolError(f"session {session} is unknown", code="not_found", status=404)
         return Reply(204)
+
+
+def _outcome(outcome: dict[str, Any] | MeshnetError | None) -> dict[str, Any]:
+    if outcome is None:  # the walk we waited for was cancelled
+        raise DownstreamError("the health walk was cancelled", code="downstream_timeout")
+    if isinstance(outcome, MeshnetError):
+        raise outcome
+    return outcome
+
+
+def _bad_health(url: str, what: str) -> DownstreamError:
+    return DownstreamError(f"{url}: /health {what}", code="downstream_bad_response", hop=url)

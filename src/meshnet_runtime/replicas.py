@@ -117,6 +117,11 @@ class Replica:
     next_probe: float = 0.0
     retired: bool = False  # its address left the DNS answer: no new sessions
     probe_misses: int = 0  # probes in a row that went unanswered
+    # What it serves (its /info identity's fingerprint), read when it first
+    # answers and again whenever it comes back: a restart may bring another stage.
+    fingerprint: str | None = None
+    identity_read: bool = False
+    mismatch: bool = False  # not the stage the set pinned: never chosen
     # Set when it goes down: forwards waiting on it stop waiting. Made on
     # first use (an anyio Event needs a running loop).
     _went_down: anyio.Event | None = None
@@ -167,6 +172,7 @@ class ReplicaSet:
         max_history_bytes: int = 256 * 1024 * 1024,
         dns_interval: float | None = None,
         resolver: Resolver | None = None,
+        on_change: Callable[[], None] | None = None,
     ) -> None:
         if not endpoints:
             raise ValueError("a replica set needs at least one URL")
@@ -181,6 +187,14 @@ class ReplicaSet:
         self.dns_interval = dns_interval if dns_interval is not None else 10 * health_interval
         self.resolver = resolver or _resolve
         self.history = HistoryStore(max_history_bytes)
+        # Bumped on every change of membership or state (down, up, joined,
+        # retired, taken out); ``on_change`` hears of each (the gateway's
+        # chain re-check), a cache of deep health is keyed by it.
+        self.on_change = on_change
+        self.version = 0
+        # The fingerprint of the stage this hop serves: the first a replica
+        # showed. One showing another is taken out (docs/failover.md).
+        self.pinned: str | None = None
         self.replicas: list[Replica] = []
         for endpoint in self.endpoints:
             if not _is_name(endpoint) or endpoint.host == "localhost":
@@ -227,11 +241,57 @@ class ReplicaSet:
             urls = {_address_url(endpoint, a) for a in addresses}
             for replica in self.replicas:
                 if replica.source == endpoint.url:
-                    replica.retired = replica.url not in urls
+                    retired = replica.url not in urls
+                    if retired != replica.retired:
+                        replica.retired = retired
+                        self._changed()
             known = {r.url for r in self.replicas}
             for url in sorted(urls - known):
                 log.info("replica %s joins %s", url, endpoint.url)
-                self._add(url, endpoint.url)
+                self._add(url, endpoint.url)  # its /info is read at its first probe
+                self._changed()
+
+    def _changed(self) -> None:
+        self.version += 1
+        if self.on_change is not None:
+            self.on_change()
+
+    def _mark_down(self, replica: Replica) -> None:
+        was_up = replica.up
+        replica.mark_down(anyio.current_time(), self.health_interval)
+        if was_up:
+            self._changed()
+
+    async def _read_identity(self, replica: Replica) -> None:
+        """Read what ``replica`` serves; take it out if it is not the pinned stage."""
+        try:
+            response = await replica.probe.request(
+                "GET", "/info", Deadline.after(self.probe_timeout)
+            )
+            if isinstance(response, ErrorResponse):
+                raise response.to_error(hop=replica.url)
+            identity = json.loads(response.body).get("identity")
+            fingerprint = identity.get("fingerprint") if isinstance(identity, dict) else None
+        except (MeshnetError, ValueError, AttributeError) as exc:
+            # Asked again at the next probe; deep health shows why meanwhile.
+            log.debug("cannot read the identity of %s: %s", replica.url, exc)
+            return
+        replica.identity_read = True
+        if not isinstance(fingerprint, str):
+            return  # a node too old to say: nothing to pin
+        replica.fingerprint = fingerprint
+        if self.pinned is None:
+            self.pinned = fingerprint
+        mismatch = fingerprint != self.pinned
+        if mismatch != replica.mismatch:
+            replica.mismatch = mismatch
+            if mismatch:
+                log.error("replica %s serves another stage (fingerprint %s, this hop's is %s): "
+                          "taken out of service", replica.url, fingerprint,
+                          self.pinned)  # fmt: skip
+            else:
+                log.info("replica %s serves this hop's stage again", replica.url)
+            self._changed()
 
     # ------------------------------------------------------------ choice
 
@@ -243,9 +303,10 @@ class ReplicaSet:
         and trying it beats failing the session for sure. Each one that
         fails for real joins ``exclude``, so a caller's loop ends."""
         load = self._session_counts()
-        live = [r for r in self.replicas if r.up and not r.retired and r not in exclude]
+        usable = [r for r in self.replicas if not r.mismatch]  # never another stage
+        live = [r for r in usable if r.up and not r.retired and r not in exclude]
         if not live and fallback:
-            rest = [r for r in self.replicas if r not in exclude]
+            rest = [r for r in usable if r not in exclude]
             return sorted(rest, key=lambda r: (r.retired, r.failures, r.inflight))
         return sorted(live, key=lambda r: (r.inflight, load.get(r.url, 0)))
 
@@ -281,6 +342,8 @@ class ReplicaSet:
             replica = self._sticky[session] = ranked[0]
         if replica is None:
             return await self._recover(session, headers, body, deadline, None, alive=False)
+        if replica.mismatch:  # it came back as another stage: its state is not this session's
+            return await self._recover(session, headers, body, deadline, replica, alive=False)
         if not (replica.up or fresh) and self._ranked(exclude=[replica], fallback=False):
             # Marked down by its probes, not by a failed forward: move to a
             # healthy replica. With none, it is tried as it is (a probe can
@@ -384,7 +447,7 @@ class ReplicaSet:
             exc = failure[0]
             assert isinstance(exc, MeshnetError)
             if exc.code == "downstream_unreachable" and exc.hop == replica.pool.url:
-                replica.mark_down(anyio.current_time(), self.health_interval)
+                self._mark_down(replica)
                 if deadline.remaining() > 0:
                     raise _Lost() from exc
             # A timeout is not marked down here: the request's own deadline
@@ -399,7 +462,7 @@ class ReplicaSet:
             and response.error.get("code") == "shutting_down"
             and response.error.get("hop") is None
         ):
-            replica.mark_down(anyio.current_time(), self.health_interval)
+            self._mark_down(replica)
             raise _Lost()
         return response
 
@@ -456,7 +519,12 @@ class ReplicaSet:
         lock = self._locks.setdefault(session, anyio.Lock())
         async with lock:
             current = self._sticky.get(session)
-            if current is not None and current is not failed and current.up:
+            if (
+                current is not None
+                and current is not failed
+                and current.up
+                and not current.mismatch
+            ):
                 return current, None  # another chunk of the session moved it meanwhile
             if self.history.evicted(session):
                 raise self._unrecoverable(session, "its history here was evicted (memory budget)")
@@ -534,13 +602,13 @@ class ReplicaSet:
     async def _any(self, call: Callable[[Replica], Awaitable[Any]]) -> Any:
         """A request any healthy replica may answer: the next one if one is gone."""
         last: MeshnetError | None = None
-        for replica in self._ranked() or list(self.replicas):
+        for replica in self._ranked() or [r for r in self.replicas if not r.mismatch]:
             try:
                 return await call(replica)
             except MeshnetError as exc:
                 if exc.code != "downstream_unreachable":
                     raise
-                replica.mark_down(anyio.current_time(), self.health_interval)
+                self._mark_down(replica)
                 last = exc
         if last is not None:
             raise last
@@ -597,30 +665,38 @@ class ReplicaSet:
         reports: dict[str, dict[str, Any]] = {}
 
         async def one(replica: Replica) -> None:
+            state = {"state": "mismatch" if replica.mismatch else "ok"}
             if not replica.up:
                 # Its probes already fail: asking again would only make this
                 # answer (and every level above, which nests) wait for a hang.
-                reports[replica.url] = {"up": False, "error": "its health probes fail"}
+                reports[replica.url] = {"up": False, "error": "its health probes fail", **state}
                 return
             try:
                 response = await replica.pool.request("GET", "/health?deep=1", deadline)
                 if isinstance(response, ErrorResponse):
-                    reports[replica.url] = {"up": False, "error": response.error}
+                    reports[replica.url] = {"up": False, "error": response.error, **state}
                     return
-                reports[replica.url] = {"up": True, "health": json.loads(response.body)}
+                health = json.loads(response.body)
+                reports[replica.url] = {"up": True, "health": health, **state}
             except (MeshnetError, ValueError) as exc:
-                reports[replica.url] = {"up": False, "error": str(exc)}
+                reports[replica.url] = {"up": False, "error": str(exc), **state}
 
         async with anyio.create_task_group() as tg:
             for replica in list(self.replicas):
                 tg.start_soon(one, replica)
         up = [r for r in reports.values() if r["up"]]
-        if not up:
+        refused = [r for r in reports.values() if _unauthorized(r.get("error"))]
+        if not up and not refused:
             raise DownstreamError(
                 f"stage {self.url} is down: no replica answers", code="stage_down", hop=self.url
             )
-        below_degraded = any(r["health"].get("status") == "degraded" for r in up)
-        status = "ok" if len(up) == len(reports) and not below_degraded else "degraded"
+        # A 401 (another token) or another stage is for the chain check above
+        # to name; here it is only not "ok".
+        below_degraded = any(
+            not isinstance(r["health"], dict) or r["health"].get("status") != "ok" for r in up
+        )
+        whole = len(up) == len(reports) and not any(r["state"] != "ok" for r in up)
+        status = "ok" if whole and not below_degraded else "degraded"
         return {
             "status": status,
             "stage": self.url,
@@ -657,13 +733,20 @@ class ReplicaSet:
             # miss in a row (one slow answer on a loaded machine is not a hang).
             replica.probe_misses += 1
             if exc.code != "downstream_timeout" or replica.probe_misses >= 2 or not replica.up:
-                replica.mark_down(anyio.current_time(), self.health_interval)
+                self._mark_down(replica)
             return
         if isinstance(response, ErrorResponse):
-            replica.mark_down(anyio.current_time(), self.health_interval)
-        else:
-            replica.probe_misses = 0
+            self._mark_down(replica)
+            return
+        replica.probe_misses = 0
+        if not replica.up or not replica.identity_read:
+            # Back up (perhaps restarted as something else) or new: what does
+            # it serve? Read before it is used again.
+            replica.identity_read = False
+            await self._read_identity(replica)
+        if not replica.up:
             replica.mark_up()
+            self._changed()
 
     async def _drop_stale(self) -> None:
         """Stickiness to a replica that is down stays (the next chunk fails
@@ -686,9 +769,12 @@ class ReplicaSet:
                     "retired": r.retired,
                     "inflight": r.inflight,
                     "sessions": load.get(r.url, 0),
+                    "fingerprint": r.fingerprint,
+                    "mismatch": r.mismatch,
                 }
                 for r in self.replicas
             ],
+            "pinned": self.pinned,
             "failovers": self.failovers,
             "replayed": {
                 "chunks": self.replayed_chunks,
@@ -711,6 +797,10 @@ class ReplicaSet:
 def _starts(headers: WireHeaders) -> bool:
     """The first chunk of a new session: nothing to replay before it."""
     return (headers.chunk_index or 0) == 0 and (headers.position or 0) == 0
+
+
+def _unauthorized(error: Any) -> bool:
+    return isinstance(error, dict) and error.get("code") == "unauthorized"
 
 
 def _lost_session(response: ActivationResponse | ErrorResponse) -> bool:
