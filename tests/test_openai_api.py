@@ -344,7 +344,9 @@ async def test_client_leaving_a_non_streamed_request_cancels_it(model_dir: Path)
     """Not only streams: a client that gives up on a whole answer (a timeout
     on its side) stops the generation too, and every node is freed."""
     stages = fake_stages(2)
-    stages[-1].delay_ms = 2.0
+    # 200 steps of >= 20 ms: 4 s that the generation would run on; noticing
+    # the client left must take far less, even on a loaded machine.
+    stages[-1].delay_ms = 20.0
     async with serve_openai(model_dir, stages=stages) as served:
         host, port = served.url.removeprefix("http://").rsplit(":", 1)
         body = json.dumps({"model": "tiny-model", "prompt": "hello", "max_tokens": 200}).encode()
