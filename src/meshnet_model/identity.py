@@ -16,9 +16,9 @@ blake2b-128 (32 lowercase hex), say so without trusting names or paths:
   the loader's own rule). Exact, at the price of one read of the stage's
   share of the file; bytes are read with ``os.pread`` into one reused buffer,
   so the digest adds no resident memory (and no mapped pages stay counted).
-* ``tokenizer`` — a GGUF file's ``tokenizer.ggml.*`` metadata (canonical
-  JSON), or a checkpoint directory's ``tokenizer.json`` bytes; None when the
-  checkpoint has no tokenizer.
+* ``tokenizer`` — a GGUF file's ``tokenizer.ggml.*`` metadata records (their
+  bytes as stored, by key), or a checkpoint directory's ``tokenizer.json``
+  bytes; None when the checkpoint has no tokenizer.
 
 The stored bytes are hashed, not the held form, so every engine and dtype
 gives the same ``model`` and ``weights``. Bad files fail with the readers'
@@ -139,12 +139,7 @@ def _safetensors_tensors(ckpt: Checkpoint) -> dict[str, StoredTensor]:
 def tokenizer_digest(path: str | Path) -> str | None:
     """The digest of the checkpoint's tokenizer (module docstring), or None."""
     if is_gguf(path):
-        file = GGUFFile(path)
-        names = file.keys()  # a list (GGUFFile is not a mapping)
-        keys = sorted(k for k in names if k.startswith(_GGUF_TOKENIZER))
-        if not keys:
-            return None
-        return _one_field(_canonical({k: file.get(k) for k in keys}))
+        return _gguf_tokenizer(GGUFFile(path))
     tokenizer = Path(path) / TOKENIZER_JSON
     if not tokenizer.is_file():
         return None
@@ -152,6 +147,23 @@ def tokenizer_digest(path: str | Path) -> str | None:
         return _one_field(tokenizer.read_bytes())
     except OSError as exc:
         raise CheckpointError(f"{tokenizer}: {exc.strerror or exc}") from None
+
+
+def _gguf_tokenizer(file: GGUFFile) -> str | None:
+    """The ``tokenizer.ggml.*`` records' bytes as the file has them, by key:
+    exact, and a read of a few MiB rather than a decode of the vocabulary."""
+    names = file.keys()  # a list (GGUFFile is not a mapping)
+    keys = sorted(k for k in names if k.startswith(_GGUF_TOKENIZER))
+    if not keys:
+        return None
+    digest = _Digest()
+    with _Files() as files:
+        for key in keys:
+            span = file.field_span(key)
+            assert span is not None  # a key the file listed
+            digest.field(key.encode())
+            digest.stream(span[1], files.blocks(file.path, *span))
+    return digest.hexdigest()
 
 
 def _one_field(data: bytes) -> str:
@@ -227,7 +239,7 @@ class _Files(ExitStack):
     def __init__(self) -> None:
         super().__init__()
         self._fds: dict[Path, int] = {}
-        self._buffer = bytearray(BLOCK)
+        self._buffer = bytearray()  # grown to the largest read asked, at most BLOCK
 
     def _fd(self, path: Path) -> int:
         fd = self._fds.get(path)
@@ -243,6 +255,8 @@ class _Files(ExitStack):
     def read(self, path: Path, offset: int, size: int) -> memoryview:
         """``size`` (at most ``BLOCK``) bytes at ``offset``: a view of the buffer,
         valid until the next read."""
+        if len(self._buffer) < size:
+            self._buffer = bytearray(size)
         view = memoryview(self._buffer)[:size]
         fd, done = self._fd(path), 0
         while done < size:
