@@ -37,6 +37,7 @@ a session ended while its chunk computed is 409 ``session_unknown``.
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -272,23 +273,46 @@ def load_model_stage(
                                limit=limit.bytes if limit else None,
                                limit_source=limit.source if limit else "")  # fmt: skip
     kv_budget_bytes = footprint.kv
-    # Once, at load: one read of the stage's share of the file (docs/models.md "Identity").
-    identity = model_identity(model, span, config=config)
+    # Once, at load: the identity reads the stage's share of the file and hashes
+    # it (docs/models.md "Identity") in a thread beside the load — hashlib and
+    # pread release the GIL — and a stage is returned only with it.
+    with ThreadPoolExecutor(1, thread_name_prefix="identity") as pool:
+        pending = pool.submit(model_identity, model, span, config=config)
+        runner = _runner(model, span, config, engine=engine, dtype=dtype, device=device,
+                         threads=threads, kv_budget_bytes=kv_budget_bytes,
+                         max_chunk_tokens=max_chunk_tokens,
+                         max_compute_bytes=max_compute_bytes)  # fmt: skip
+        identity = pending.result()
     scheduling = {"max_batch_tokens": max_batch_tokens, "max_queued_tokens": max_queued_tokens,
                   "micro_batches": micro_batches}  # fmt: skip
+    return ModelStage(runner, footprint=footprint, identity=identity, **scheduling)
+
+
+def _runner(
+    model: str | Path,
+    span: range | None,
+    config: ModelConfig,
+    *,
+    engine: str,
+    dtype: str,
+    device: str,
+    threads: int | None,
+    kv_budget_bytes: int,
+    max_chunk_tokens: int,
+    max_compute_bytes: int,
+) -> StageRunner:
+    """The stage's runner on ``engine``, its tensors read."""
     if engine == "torch":
-        runner = _torch_runner(model, span, config, dtype=dtype, device=device,
-                               threads=threads, kv_budget_bytes=kv_budget_bytes,
-                               max_chunk_tokens=max_chunk_tokens,
-                               max_compute_bytes=max_compute_bytes)  # fmt: skip
-        return ModelStage(runner, footprint=footprint, identity=identity, **scheduling)
+        return _torch_runner(model, span, config, dtype=dtype, device=device,
+                             threads=threads, kv_budget_bytes=kv_budget_bytes,
+                             max_chunk_tokens=max_chunk_tokens,
+                             max_compute_bytes=max_compute_bytes)  # fmt: skip
     if threads is not None:
         set_blas_threads(threads)  # process-wide: every numpy stage of it shares the pool
     weights = StageWeights.load(model, span, dtype=dtype, config=config)
-    runner = StageRunner(weights, kv_budget_bytes=kv_budget_bytes,
-                         max_chunk_tokens=max_chunk_tokens, max_compute_bytes=max_compute_bytes,
-                         name=model_name(model), path=str(model))  # fmt: skip
-    return ModelStage(runner, footprint=footprint, identity=identity, **scheduling)
+    return StageRunner(weights, kv_budget_bytes=kv_budget_bytes,
+                       max_chunk_tokens=max_chunk_tokens, max_compute_bytes=max_compute_bytes,
+                       name=model_name(model), path=str(model))  # fmt: skip
 
 
 def _torch_runner(
