@@ -1,21 +1,25 @@
 """What a stage *is*: digests that say which checkpoint, which tensors, which tokenizer.
 
 A chain is only right when every stage runs a slice of the same checkpoint,
-with the tokenizer the gateway encodes with (wire-2 §6.1). Three digests,
-blake2b-128 (32 lowercase hex), say so without trusting names or paths:
+with the tokenizer the gateway encodes with (wire-2 §6.1). Three 128-bit
+digests (32 lowercase hex) say so without trusting names or paths:
 
-* ``model`` — the checkpoint: its parsed config (canonical JSON), its
+* ``model`` — blake2b-128 of the checkpoint: its parsed config (canonical JSON), its
   tokenizer digest, its tensor directory (every tensor's name, shape, storage
   type) and *sampled* bytes of every tensor (up to three 4 KiB windows: start,
   middle, end). The same for every stage of one checkpoint, and cheap — a few
   reads per tensor, no full read — so a gateway computes it from its own
   ``--model`` (``checkpoint_model_id``). Two checkpoints of one shape but
   other weights (a fine-tune, another seed) differ in their sampled bytes.
-* ``weights`` — every byte of the tensors this stage holds (its layers, and
-  the embedding/norm/head where it has them: ``stage.weights.held_tensors``,
-  the loader's own rule). Exact, at the price of one read of the stage's
-  share of the file; bytes are read with ``os.pread`` into one reused buffer,
-  so the digest adds no resident memory (and no mapped pages stay counted).
+* ``weights`` — xxh3_128 of every byte of the tensors this stage holds (its
+  layers, and the embedding/norm/head where it has them:
+  ``stage.weights.held_tensors``, the loader's own rule). Exact, at the price
+  of one read of the stage's share of the file; bytes are read with
+  ``os.pread`` into one reused buffer, so the digest adds no resident memory
+  (and no mapped pages stay counted). xxh3, not blake2b: at ~1 GB/s blake2b
+  was 30-60 % of a small stage's load (docs/performance.md); xxh3 hashes at
+  memory speed. Collision resistance against a chosen input buys nothing
+  here: a node reports its own identity, so one that lies need not collide.
 * ``tokenizer`` — a GGUF file's ``tokenizer.ggml.*`` metadata records (their
   bytes as stored, by key), or a checkpoint directory's ``tokenizer.json``
   bytes; None when the checkpoint has no tokenizer.
@@ -35,6 +39,8 @@ from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+import xxhash
 
 from .errors import CheckpointError
 from .formats.config import ModelConfig
@@ -84,10 +90,11 @@ class StoredTensor:
 
 
 class _Digest:
-    """blake2b-128 over length-prefixed fields (no two inputs frame alike)."""
+    """A 128-bit digest over length-prefixed fields (no two inputs frame alike):
+    blake2b, or (``fast``) xxh3_128 for the full read of a stage's bytes."""
 
-    def __init__(self) -> None:
-        self._h = hashlib.blake2b(digest_size=16)
+    def __init__(self, *, fast: bool = False) -> None:
+        self._h: Any = xxhash.xxh3_128() if fast else hashlib.blake2b(digest_size=16)
 
     def field(self, data: bytes | memoryview) -> None:
         self._h.update(len(data).to_bytes(8, "little"))
@@ -206,7 +213,7 @@ def weights_digest(path: str | Path, layers: range, config: ModelConfig | None =
     the tensors it holds, in the loader's order, each with its directory entry."""
     config = config or load_config(path)
     tensors = stored_tensors(path)
-    digest = _Digest()
+    digest = _Digest(fast=True)
     with _Files() as files:
         for name in held_tensors(config, layers, tensors):
             t = tensors.get(name)
