@@ -208,11 +208,6 @@ class Checkpoint:
     def tensor(self, name: str, *, mmap: bool = True) -> np.ndarray:
         return self.file_for(name).tensor(name, mmap=mmap)
 
-    def span(self, name: str) -> tuple[int, int]:
-        """The tensor's bytes in the file: absolute offset and length."""
-        entry = self._entries[name]
-        return self._data_start + entry.begin, entry.end - entry.begin
-
     def read(self, name: str) -> np.ndarray:
         """The tensor read, not mapped (``SafetensorsFile.read``)."""
         return self.file_for(name).read(name)
