@@ -72,6 +72,7 @@ _LAYERS = {
     "source": 2,
     "stage": 3,
     "engines": 4,
+    "identity": 4,  # digests over formats and stage.weights' rule of what a stage holds
     "plan": 5,
     "testing": 5,
     "__main__": 5,

@@ -40,6 +40,7 @@ SECTIONS: tuple[str, ...] = (
     "engines",
     "quant",
     "serve",
+    "identity",
 )
 
 # key -> (comparison, bound): the floors. Printed next to the figures.

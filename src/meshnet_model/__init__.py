@@ -19,9 +19,10 @@ The modules, each layer importing only those before it:
 * ``engines`` — ``base.Engine``, ``numpy.model`` (the float32 reference), ``torch``
   (optional; holds a GGUF file quantized: ``torch.qlinear``), ``choice`` (the
   defaults: ``--engine/--dtype auto``, threads), ``footprint`` (what a stage will hold);
+* ``identity`` — a stage's digests (which checkpoint, which tensors, which tokenizer);
 * ``plan`` — ``python -m meshnet_model plan``; ``testing`` — helpers for tests and benches.
 
-numpy, safetensors, ml_dtypes, gguf and threadpoolctl; torch only for the torch
+numpy, safetensors, ml_dtypes, gguf, threadpoolctl and xxhash; torch only for the torch
 engine. docs/models.md has the details.
 """
 

@@ -37,6 +37,7 @@ a session ended while its chunk computed is 409 ``session_unknown``.
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -56,6 +57,7 @@ from meshnet_model.engines.choice import choose_engine, set_blas_threads
 from meshnet_model.engines.footprint import StageFootprint, fit_process
 from meshnet_model.errors import ChunkTooLarge, ComputeDeadlineExceeded, ContextExceeded
 from meshnet_model.formats.config import ModelConfig
+from meshnet_model.identity import ModelIdentity, model_identity
 from meshnet_model.source import load_config, model_name
 from meshnet_model.stage.runner import (
     DEFAULT_MAX_CHUNK_TOKENS,
@@ -89,9 +91,13 @@ class ModelStage:
     def __init__(self, runner: StageRunner, *, footprint: StageFootprint | None = None,
                  max_batch_tokens: int = DEFAULT_MAX_BATCH_TOKENS,
                  max_queued_tokens: int = DEFAULT_MAX_QUEUED_TOKENS,
-                 micro_batches: int = 0) -> None:  # fmt: skip
-        """``micro_batches`` 0: the chain's stage count, from this stage's layer share."""
+                 micro_batches: int = 0,
+                 identity: ModelIdentity | None = None) -> None:  # fmt: skip
+        """``micro_batches`` 0: the chain's stage count, from this stage's layer share.
+        ``identity``: the stage's digests, computed at load (None: from the
+        runner's checkpoint path when first asked)."""
         self.runner = runner
+        self._identity = identity
         layers = runner.weights.layers
         self.name = f"model[{layers.start}:{layers.stop}]"
         self.calls = 0
@@ -187,6 +193,35 @@ class ModelStage:
     def kv_bytes_in_use(self) -> int:
         return self.runner.kv_bytes_in_use
 
+    def identity(self) -> dict[str, Any]:
+        """The model fields of the node's ``/info`` identity (wire-2 §6.1): the
+        checkpoint's, the held tensors' and the tokenizer's digests
+        (``meshnet_model.identity``) and the stage's shape and place."""
+        if self._identity is None:
+            if self.runner.path is None:
+                raise ValueError(f"{self.name}: no checkpoint path to compute its identity from")
+            self._identity = model_identity(self.runner.path, self.runner.weights.layers,
+                                            config=self.runner.config)  # fmt: skip
+        ident, c = self._identity, self.runner.config
+        return {
+            "model": ident.model,
+            "weights": ident.weights,
+            "tokenizer": ident.tokenizer,
+            "layers": list(ident.layers),
+            "n_layers": c.num_hidden_layers,
+            "vocab": c.vocab_size,
+            "hidden": c.hidden_size,
+            "max_context": c.max_position_embeddings,
+            "engine": self._engine,
+            "dtype": self.runner.weights.dtype,
+            "input": "tokens" if self.runner.first else "hidden",
+            "output": "logits" if self.runner.last else "hidden",
+        }
+
+    @property
+    def _engine(self) -> str:
+        return str(self.runner.model.describe()["engine"])
+
     def describe(self) -> dict[str, Any]:
         footprint = {"footprint": self.footprint.to_dict()} if self.footprint else {}
         return {"backend": "model", **self.runner.describe(), **footprint}
@@ -238,21 +273,46 @@ def load_model_stage(
                                limit=limit.bytes if limit else None,
                                limit_source=limit.source if limit else "")  # fmt: skip
     kv_budget_bytes = footprint.kv
+    # Once, at load: the identity reads the stage's share of the file and hashes
+    # it (docs/models.md "Identity") in a thread beside the load — hashlib and
+    # pread release the GIL — and a stage is returned only with it.
+    with ThreadPoolExecutor(1, thread_name_prefix="identity") as pool:
+        pending = pool.submit(model_identity, model, span, config=config)
+        runner = _runner(model, span, config, engine=engine, dtype=dtype, device=device,
+                         threads=threads, kv_budget_bytes=kv_budget_bytes,
+                         max_chunk_tokens=max_chunk_tokens,
+                         max_compute_bytes=max_compute_bytes)  # fmt: skip
+        identity = pending.result()
     scheduling = {"max_batch_tokens": max_batch_tokens, "max_queued_tokens": max_queued_tokens,
                   "micro_batches": micro_batches}  # fmt: skip
+    return ModelStage(runner, footprint=footprint, identity=identity, **scheduling)
+
+
+def _runner(
+    model: str | Path,
+    span: range | None,
+    config: ModelConfig,
+    *,
+    engine: str,
+    dtype: str,
+    device: str,
+    threads: int | None,
+    kv_budget_bytes: int,
+    max_chunk_tokens: int,
+    max_compute_bytes: int,
+) -> StageRunner:
+    """The stage's runner on ``engine``, its tensors read."""
     if engine == "torch":
-        runner = _torch_runner(model, span, config, dtype=dtype, device=device,
-                               threads=threads, kv_budget_bytes=kv_budget_bytes,
-                               max_chunk_tokens=max_chunk_tokens,
-                               max_compute_bytes=max_compute_bytes)  # fmt: skip
-        return ModelStage(runner, footprint=footprint, **scheduling)
+        return _torch_runner(model, span, config, dtype=dtype, device=device,
+                             threads=threads, kv_budget_bytes=kv_budget_bytes,
+                             max_chunk_tokens=max_chunk_tokens,
+                             max_compute_bytes=max_compute_bytes)  # fmt: skip
     if threads is not None:
         set_blas_threads(threads)  # process-wide: every numpy stage of it shares the pool
     weights = StageWeights.load(model, span, dtype=dtype, config=config)
-    runner = StageRunner(weights, kv_budget_bytes=kv_budget_bytes,
-                         max_chunk_tokens=max_chunk_tokens, max_compute_bytes=max_compute_bytes,
-                         name=model_name(model), path=str(model))  # fmt: skip
-    return ModelStage(runner, footprint=footprint, **scheduling)
+    return StageRunner(weights, kv_budget_bytes=kv_budget_bytes,
+                       max_chunk_tokens=max_chunk_tokens, max_compute_bytes=max_compute_bytes,
+                       name=model_name(model), path=str(model))  # fmt: skip
 
 
 def _torch_runner(

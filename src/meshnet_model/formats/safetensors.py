@@ -123,6 +123,11 @@ class SafetensorsFile:
     def dtype(self, name: str) -> np.dtype:
         return self._entries[name].dtype
 
+    def span(self, name: str) -> tuple[int, int]:
+        """The tensor's bytes in the file: absolute offset and length."""
+        entry = self._entries[name]
+        return self._data_start + entry.begin, entry.end - entry.begin
+
     def read(self, name: str) -> np.ndarray:
         """The tensor *read* into memory of this process's own (``pread``), not
         mapped: for a loader that converts it and drops it, so that no page of

@@ -20,6 +20,7 @@ Norm weights and biases, tiny, are always float32.
 
 from __future__ import annotations
 
+from collections.abc import Container
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -30,7 +31,7 @@ from ..errors import CheckpointError
 from ..formats.config import ModelConfig
 from ..source import load_config, open_checkpoint
 
-__all__ = ["WEIGHT_DTYPES", "LayerWeights", "StageWeights", "parse_layers"]
+__all__ = ["WEIGHT_DTYPES", "LayerWeights", "StageWeights", "held_tensors", "parse_layers"]
 
 WEIGHT_DTYPES: dict[str, np.dtype | None] = {
     "keep": None,
@@ -238,6 +239,21 @@ def head_is_tied(c: ModelConfig, ckpt: object) -> bool:
     (transformers ties it then too); one with it and tie_word_embeddings set
     uses the embedding, as transformers' tie_weights() does."""
     return c.tie_word_embeddings or "lm_head.weight" not in ckpt  # type: ignore[operator]
+
+
+def held_tensors(c: ModelConfig, layers: range, ckpt: Container[str]) -> list[str]:
+    """The transformers names of the tensors ``StageWeights.load`` reads for
+    ``layers`` (the module docstring's rule), in its order; ``ckpt``: the
+    checkpoint's tensor names (whether it ships an ``lm_head``)."""
+    names = [s.name for i in layers for s in layer_tensors(c, i) if s.wanted]
+    first, last = layers.start == 0, layers.stop == c.num_hidden_layers
+    tied = head_is_tied(c, ckpt)
+    if first or (last and tied):
+        names.append("model.embed_tokens.weight")
+    if last:
+        names.append("model.norm.weight")
+        names += [] if tied else ["lm_head.weight"]
+    return names
 
 
 def vars_of(block: LayerWeights) -> list[np.ndarray | None]:

@@ -141,6 +141,18 @@ class GGUFFile:
             self._values[key] = _field_value(field)
         return self._values[key]
 
+    def field_span(self, key: str) -> tuple[int, int] | None:
+        """The metadata record of ``key`` in the file (its key, type and value,
+        as written): absolute offset and length; None when absent. Its parts
+        are views of the reader's mapping in file order: the last one ends it."""
+        field = self._reader.fields.get(key)
+        if field is None:
+            return None
+        base = self._reader.data.__array_interface__["data"][0]
+        last = field.parts[-1]
+        end = last.__array_interface__["data"][0] - base + last.nbytes
+        return int(field.offset), int(end - field.offset)
+
     @property
     def architecture(self) -> str:
         arch = self.get("general.architecture")
