@@ -259,7 +259,8 @@ class GatewayApp:
             return None
         problems = self.control.problems
         assert problems is not None
-        if problems and problems != self.chain_problems:
+        if problems and problems != self.chain_problems and not self.fail_fast:
+            # (at start, meshnet-gateway says it in its one line and exits 2)
             log.error("the chain cannot serve: %s", "; ".join(p.line() for p in problems))
         elif not problems and self.chain_problems:
             log.info("the chain passes its check again")
@@ -557,13 +558,14 @@ def _gateway_facts(config: ServerConfig) -> dict[str, Any]:
         facts["vocab"] = vocab
     except (OSError, ValueError) as exc:  # checked again, loudly, by ServedModel.load
         log.warning("cannot read the vocabulary of --model %s: %s", config.model, exc)
-    # TODO(issue 20): meshnet_model.identity.checkpoint_model_id(path) comes
-    # with the model identity; until it exists the model id is not compared.
+    # The same id every stage of this checkpoint reports (wire-2 §6.1): a
+    # chain serving another checkpoint, even of the same shape, is refused.
+    from meshnet_model.identity import checkpoint_model_id
+
     try:
-        from meshnet_model.identity import checkpoint_model_id  # type: ignore[import-not-found]
-    except ImportError:
-        return facts
-    facts["model"] = checkpoint_model_id(config.model)
+        facts["model"] = checkpoint_model_id(root)
+    except (OSError, ValueError) as exc:  # checked again, loudly, by ServedModel.load
+        log.warning("cannot read the identity of --model %s: %s", config.model, exc)
     return facts
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import logging
+import secrets
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -50,6 +51,11 @@ HEALTH_TIMEOUT = 10.0
 # Deep health answers are this fresh at most (wire-2 §6.2): a burst of
 # callers costs the chain below one walk.
 HEALTH_CACHE = 2.0
+
+# This process's own random id in every /health answer: a hop's probes
+# tell a restart (perhaps as another stage) from a replica that stayed up,
+# however quickly it came back on its port (wire-2 §6.2).
+INSTANCE = secrets.token_hex(8)
 
 Handler = Callable[[EndpointRequest, RequestContext], Awaitable[Reply]]
 
@@ -106,7 +112,7 @@ class ControlEndpoints:
 
     async def health(self, event: EndpointRequest, ctx: RequestContext) -> Reply:
         if not is_deep_health(event.query):
-            return Reply.json(200, {"status": "ok", "role": self.role})
+            return Reply.json(200, {"status": "ok", "role": self.role, "instance": INSTANCE})
         return Reply.json(200, await self.deep_health(ctx.started))
 
     async def deep_health(self, started: float) -> dict[str, Any]:

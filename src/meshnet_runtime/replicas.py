@@ -121,6 +121,7 @@ class Replica:
     # answers and again whenever it comes back: a restart may bring another stage.
     fingerprint: str | None = None
     identity_read: bool = False
+    instance: str | None = None  # the process its /health names: another one is a restart
     mismatch: bool = False  # not the stage the set pinned: never chosen
     # Set when it goes down: forwards waiting on it stop waiting. Made on
     # first use (an anyio Event needs a running loop).
@@ -456,6 +457,13 @@ class ReplicaSet:
         if not result:  # cancelled: its probes say it hangs
             raise _Lost(hung=True)
         response = result[0]
+        if _not_this_stage(response):
+            # It came back as another stage between two probes: take it out
+            # now (if its identity says so) and fail the session over.
+            replica.identity_read = False
+            await self._read_identity(replica)
+            if replica.mismatch:
+                raise _Lost()
         if (
             isinstance(response, ErrorResponse)
             and response.status == 503
@@ -739,7 +747,10 @@ class ReplicaSet:
             self._mark_down(replica)
             return
         replica.probe_misses = 0
-        if not replica.up or not replica.identity_read:
+        instance = _instance(response.body)
+        restarted = instance != replica.instance and replica.instance is not None
+        replica.instance = instance
+        if not replica.up or not replica.identity_read or restarted:
             # Back up (perhaps restarted as something else) or new: what does
             # it serve? Read before it is used again.
             replica.identity_read = False
@@ -801,6 +812,25 @@ def _starts(headers: WireHeaders) -> bool:
 
 def _unauthorized(error: Any) -> bool:
     return isinstance(error, dict) and error.get("code") == "unauthorized"
+
+
+def _not_this_stage(response: ActivationResponse | ErrorResponse) -> bool:
+    """The replica itself refused the chunk as meant for another stage."""
+    return (
+        isinstance(response, ErrorResponse)
+        and response.error.get("code") == "stage_mismatch"
+        and response.error.get("hop") is None
+    )
+
+
+def _instance(body: bytes | bytearray | memoryview) -> str | None:
+    """The ``instance`` of a /health answer, if it is one that names it."""
+    try:
+        document = json.loads(bytes(body))
+    except ValueError:
+        return None
+    instance = document.get("instance") if isinstance(document, dict) else None
+    return instance if isinstance(instance, str) else None
 
 
 def _lost_session(response: ActivationResponse | ErrorResponse) -> bool:
