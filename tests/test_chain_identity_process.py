@@ -15,16 +15,24 @@ import contextlib
 import json
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import h11
 import pytest
 
 from gateway_support import clean_env, stop
 from meshnet_gateway.openai.testing import write_tokenizer
 from meshnet_model.testing import small_config, write_checkpoint
-from model_surface_support import MODEL, QUESTION, VOCAB, post, spawn_logged, wait_for
-from security_support import get
+from model_surface_support import (
+    MODEL,
+    QUESTION,
+    VOCAB,
+    post,
+    spawn_logged,
+    wait_for,
+)
+from security_support import connect, get
 
 
 @pytest.fixture(scope="module")
@@ -104,15 +112,19 @@ STARTS = {
         ("b", "2:4"),
         "a",
         "model_mismatch",
-    ),  # fmt: skip
+    ),
     "gateway tokenizer of 320 in front of a 400-token model": (
         ("wide", "0:2"),
         ("wide", "2:4"),
         "a",
         "model_mismatch",
-    ),  # fmt: skip
+    ),
     "no last stage": (("a", "0:1"), ("a", "1:2"), "a", "no_last_stage"),
 }
+# Flags of the gateway, where the case is one of them.
+GATEWAY_FLAGS = {"--max-context 100000 in front of a 512-token model": ("--max-context", "100000")}
+STARTS["--max-context 100000 in front of a 512-token model"] = (
+    ("a", "0:2"), ("a", "2:4"), "a", "context_too_long")  # fmt: skip
 
 
 @pytest.mark.parametrize("case", STARTS)
@@ -123,7 +135,7 @@ def test_a_chain_that_cannot_be_right_stops_the_gateway_with_one_line(
     with chain(tmp_path) as running:
         second = running.node("node2", models[m2], l2)
         first = running.node("node1", models[m1], l1, "--next", second)
-        status, stderr = gateway_run(first, models[gateway_model])
+        status, stderr = gateway_run(first, models[gateway_model], *GATEWAY_FLAGS.get(case, ()))
     assert status == 2, stderr
     lines = [line for line in stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and code in lines[0] and "Traceback" not in stderr, stderr
@@ -221,3 +233,60 @@ def test_a_replica_restarted_with_another_checkpoint_is_taken_out(
         running.kill("replica1")  # failover has nowhere right to go: an error, not b's text
         status, body = complete(gateway)
         assert status != 200, body
+
+
+def test_a_failover_mid_generation_never_lands_on_another_checkpoint(
+    models: dict[str, Path], tmp_path: Path
+) -> None:
+    """The session's replica is killed mid-stream while the only other one
+    was restarted as checkpoint b: the stream ends with an error event, not
+    200 text that drifts into b's. A control run gives the right text."""
+    with chain(tmp_path) as running:
+        r1 = running.node("replica1", models["a"], "2:4")
+        r2 = running.node("replica2", models["a"], "2:4")
+        first = running.node("node1", models["a"], "0:2", "--next", f"{r1},{r2}",
+                             "--health-interval", "0.5")  # fmt: skip
+        gateway = running.start("gateway", "meshnet_gateway", "--entry", first,
+                                "--model", str(models["a"]))  # fmt: skip
+        question = {"model": "a", "prompt": "hello world", "max_tokens": 48, "temperature": 0}
+        right = post(gateway, "/v1/completions", question)
+        assert right.status == 200, right.raw[:300]
+        running.kill("replica2")
+        running.node("replica2", models["b"], "2:4", "--port", port_of(r2))
+        assert wait_for(lambda: b'"mismatch":true' in get(first, "/info").body.replace(b" ", b""))
+        # Streamed, so the first tokens are out before the kill.
+        text = stream_killing(
+            gateway, {**question, "stream": True}, lambda: running.kill("replica1")
+        )
+        assert "[DONE]" not in text or '"error"' in text, text[-600:]
+        expected = json.loads(right.body)["choices"][0]["text"]
+        pieces = [json.loads(line[6:])["choices"][0]["text"] for line in text.splitlines()
+                  if line.startswith("data: {") and '"choices"' in line]  # fmt: skip
+        assert expected.startswith("".join(pieces)), (pieces, expected)
+
+
+def stream_killing(url: str, body: dict, kill: Callable[[], None]) -> str:
+    """POST a streamed completion; ``kill()`` once 3 events came; the text of
+    every event, read through h11 to the end of the answer."""
+    client = h11.Connection(h11.CLIENT)
+    data = json.dumps(body).encode()
+    head = h11.Request(method="POST", target="/v1/completions", headers=[
+        ("Host", "gateway"), ("Content-Type", "application/json"),
+        ("Content-Length", str(len(data)))])  # fmt: skip
+    text, killed = "", False
+    with connect(url, timeout=120) as sock:
+        sock.sendall(
+            client.send(head) + client.send(h11.Data(data=data)) + client.send(h11.EndOfMessage())
+        )
+        while True:
+            event = client.next_event()
+            if event is h11.NEED_DATA:
+                client.receive_data(sock.recv(1 << 16))
+                continue
+            if isinstance(event, h11.Data):
+                text += bytes(event.data).decode()
+                if not killed and text.count("data: ") >= 3:
+                    kill()
+                    killed = True
+            if isinstance(event, (h11.EndOfMessage, h11.ConnectionClosed)):
+                return text
