@@ -69,6 +69,7 @@ def run_send(args: argparse.Namespace) -> int:
                 token=args.token,
                 timeout=args.timeout,
                 tls_ca=args.tls_ca,
+                key=getattr(args, "session_key", None),
             ),
             backend="trio",
         )
@@ -84,6 +85,8 @@ def run_send(args: argparse.Namespace) -> int:
     except (OSError, ValueError) as exc:
         print(f"meshnet send: {exc}", file=sys.stderr)
         return 1
+    # A key the gateway minted is told once: say it, or the session cannot go on.
+    minted = f" key {result.headers.session_key}" if result.headers.session_key else ""
     written = saveable(result.output, args.out_dtype)
     np.save(args.output, written)
     chunk = result.chunks[0]
@@ -93,7 +96,7 @@ def run_send(args: argparse.Namespace) -> int:
         f"({chunk.raw_bytes:,} B raw, {chunk.sent_bytes:,} B on the wire) -> "
         f"{result.headers.dtype} {result.headers.encoding} ({chunk.received_bytes:,} B) "
         f"in {result.seconds * 1000:.1f} ms; session {result.session} "
-        f"position {result.position}; wrote {args.output} ({written.dtype})"
+        f"position {result.position}{minted}; wrote {args.output} ({written.dtype})"
     )
     return 0
 

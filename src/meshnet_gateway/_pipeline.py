@@ -86,6 +86,7 @@ async def run_chunks(
     session: str,
     base_position: int,
     chunk_tokens: int,
+    session_key: str | None = None,
     inflight: int,
     deadline: Deadline,
     request_encoding: str = "identity",
@@ -119,6 +120,8 @@ async def run_chunks(
     again, identical, after ``retry.delay``, up to ``retry.retries`` times
     and never past the deadline; ``on_retry(index, error)`` is told of each.
     ``on_send(headers)`` is told of each chunk just before it goes.
+    ``session_key`` goes with every chunk (wire-2 §3.9: the nodes bind the
+    session to it at its first chunk).
     """
     if inflight < 1:
         raise ValueError(f"inflight must be >= 1, got {inflight}")
@@ -179,6 +182,7 @@ async def run_chunks(
                     chunk_total=chunk.total,
                     encoding=encoding,
                     position=base_position + chunk.position,
+                    session_key=session_key,
                 )
                 encode_s = time.perf_counter() - started
                 await slots.acquire()

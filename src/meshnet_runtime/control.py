@@ -27,10 +27,11 @@ from meshnet_proto import (
     ErrorResponse,
     MeshnetError,
     ProtocolError,
+    parse_session_key,
 )
 
 from .deadlines import Deadline
-from .downstream import DownstreamPool
+from .downstream import DownstreamPool, key_headers
 from .http_server import Reply, RequestContext
 from .metrics import METRICS_CONTENT_TYPE, ServerMetrics
 
@@ -50,6 +51,8 @@ class ControlEndpoints:
 
     ``end_here(session)`` forgets a session at this server and says whether
     it knew it (it may raise, e.g. 409 while the session is busy).
+    ``owner(session, key)`` raises 403 unless the DELETE's session key may
+    end the session here, and returns the key to pass down (wire-2 §3.9).
     """
 
     def __init__(
@@ -61,6 +64,7 @@ class ControlEndpoints:
         timeout: float,
         info: Callable[[], dict[str, Any]],
         end_here: Callable[[str], bool],
+        owner: Callable[[str, str | None], str | None] | None = None,
     ) -> None:
         self.role = role
         self.metrics = metrics
@@ -68,6 +72,7 @@ class ControlEndpoints:
         self.timeout = timeout
         self.info = info
         self.end_here = end_here
+        self.owner = owner
         self.handlers: dict[str, Handler] = {
             "/health": self.health,
             "/info": self.describe,
@@ -123,12 +128,17 @@ class ControlEndpoints:
         wanted here; the nodes' TTL ends the rest).
         """
         session = event.path.removeprefix("/sessions/")
+        key = parse_session_key(event.headers)
+        if self.owner is not None:
+            key = self.owner(session, key)
         known = self.end_here(session)
         pool = self.downstream
         if pool is not None:
             deadline = Deadline.start(ctx.started, self.timeout, None)
             try:
-                response = await pool.request("DELETE", f"/sessions/{session}", deadline)
+                response = await pool.request(
+                    "DELETE", f"/sessions/{session}", deadline, key_headers(key)
+                )
             except MeshnetError:
                 if not known:
                     raise
