@@ -26,10 +26,14 @@ _UUID = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12
 WAIT_DEADLINE_MS = 300
 
 
+# A position far ahead: never impossible for a chunk that waits, never reached.
+FAR = 10**9
+
+
 def _chunk(
     ctx: Context, session: str | None, index: int = 0, total: int = 1, *,
     position: int | None = None, tokens: int = 2, seed: int = 0, zstd: bool = False,
-    deadline_ms: int | None = None, dtype: str = "float32",
+    deadline_ms: int | None = None, dtype: str = "float32", key: str | None = None,
 ) -> bytes:  # fmt: skip
     headers = ctx.forward_headers(
         tokens, session=session, index=index, total=total, position=position,
@@ -37,6 +41,8 @@ def _chunk(
     )  # fmt: skip
     if deadline_ms is not None:
         headers.append(("X-Meshnet-Deadline-Ms", str(deadline_ms)))
+    if key is not None:
+        headers.append(("X-Meshnet-Session-Key", key))
     body = float32_body(tokens, seed) if dtype == "float32" else bytes(2 * 4 * tokens)
     if zstd:
         body = zstandard.ZstdCompressor(level=3).compress(body)
@@ -77,9 +83,15 @@ def _runs(ctx: Context) -> None:
 
 
 def _position_omitted(ctx: Context) -> None:
+    _expect_at(ctx.send(_chunk(ctx, new_session())), 0)
+
+
+def _position_required(ctx: Context) -> None:
     session = new_session()
     _expect_at(ctx.send(_chunk(ctx, session)), 0)
-    _expect_at(ctx.send(_chunk(ctx, session, seed=1)), 2)
+    expect_error(ctx.send(_chunk(ctx, session, seed=1)), 409, "position_required")
+    # Refused before anything ran: the session goes on at 2.
+    _expect_at(ctx.send(_chunk(ctx, session, position=2, seed=1)), 2)
 
 
 def _position_mismatch(ctx: Context) -> None:
@@ -107,7 +119,8 @@ def _out_of_window(ctx: Context) -> None:
     session = new_session()
     index = 1 + ctx.reorder_window  # the next index is 1: this one is `window` past it
     expect_status(ctx.send(_chunk(ctx, session, 0, index + 1, position=0)), 200)
-    response = ctx.send(_chunk(ctx, session, index, index + 1, deadline_ms=WAIT_DEADLINE_MS))
+    response = ctx.send(_chunk(ctx, session, index, index + 1, position=FAR,
+                               deadline_ms=WAIT_DEADLINE_MS))  # fmt: skip
     expect_error(response, 409, "chunk_out_of_window")
 
 
@@ -159,12 +172,13 @@ def _wait_for_predecessor(ctx: Context) -> None:
 def _wait_times_out(ctx: Context) -> None:
     session = new_session()
     expect_status(ctx.send(_chunk(ctx, session, 0, 3, position=0)), 200)
-    response = ctx.send(_chunk(ctx, session, 2, 3, deadline_ms=WAIT_DEADLINE_MS))
+    response = ctx.send(_chunk(ctx, session, 2, 3, position=FAR, deadline_ms=WAIT_DEADLINE_MS))
     expect_error(response, 409, "chunk_wait_timeout")
 
 
 def _wait_never_started(ctx: Context) -> None:
-    response = ctx.send(_chunk(ctx, new_session(), 1, 2, deadline_ms=WAIT_DEADLINE_MS))
+    response = ctx.send(_chunk(ctx, new_session(), 1, 2, position=FAR,
+                               deadline_ms=WAIT_DEADLINE_MS))  # fmt: skip
     expect_error(response, 409, "session_unknown")
 
 
@@ -182,11 +196,14 @@ def _gateway_session(ctx: Context) -> None:
         session = first.header("x-meshnet-session") or ""
         if _UUID.fullmatch(session) is None:
             raise CheckFailed(f"the gateway's minted session {session!r} is not a UUID")
-        _expect_at(conn.exchange(_chunk(ctx, session, seed=1)), 2)
-        mismatch = conn.exchange(_chunk(ctx, session, position=99, seed=2))
+        # wire-2 §3.9: the key it minted comes with the answer that made it.
+        key = first.header("x-meshnet-session-key") or ""
+        _expect_at(conn.exchange(_chunk(ctx, session, seed=1, key=key)), 2)
+        mismatch = conn.exchange(_chunk(ctx, session, position=99, seed=2, key=key))
     expect_error(mismatch, 409, "position_mismatch")
-    expect_status(ctx.send(ctx.request("DELETE", f"/sessions/{session}")), 204)
-    expect_error(ctx.send(ctx.request("DELETE", f"/sessions/{session}")), 404, "not_found")
+    delete = ("DELETE", f"/sessions/{session}", [("X-Meshnet-Session-Key", key)])
+    expect_status(ctx.send(ctx.request(*delete)), 204)
+    expect_error(ctx.send(ctx.request(*delete)), 404, "not_found")
 
 
 def _keep_alive(ctx: Context) -> None:
@@ -199,15 +216,18 @@ def _check_two(conn: Connection, ctx: Context) -> None:
     first = conn.exchange(_chunk(ctx, session, position=0))
     _expect_at(first, 0)
     session = first.header("x-meshnet-session") or session
-    _expect_at(conn.exchange(_chunk(ctx, session, position=2, seed=1)), 2)
+    key = first.header("x-meshnet-session-key")  # a gateway's minted key (wire-2 §3.9)
+    _expect_at(conn.exchange(_chunk(ctx, session, position=2, seed=1, key=key)), 2)
 
 
 CASES: list[Case] = [
     Case("3.runs", SECTION, "chunks of a run in order are answered with their session, index, "
          "total and position; a finished run is followed by a new run with another total",
          _runs, NODE),
-    Case("3.position-omitted", SECTION, "without X-Meshnet-Position the node uses its own "
-         "count and answers it", _position_omitted, NODE),
+    Case("3.position-omitted", SECTION, "a new session's first chunk without "
+         "X-Meshnet-Position starts at 0 and answers it", _position_omitted, NODE),
+    Case("3.position-required", SECTION, "any other chunk without X-Meshnet-Position is 409 "
+         "position_required, and the session is intact", _position_required, NODE),
     Case("3.keep-alive", SECTION, "two messages of one session on one keep-alive connection",
          _keep_alive),
     Case("3.position-mismatch", SECTION, "a position other than the session's is 409 "
