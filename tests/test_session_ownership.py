@@ -1,7 +1,7 @@
 """Session ownership over real processes (wire-2 §3.9): a stranger who knows
 a session's id cannot replay, continue or delete it, nor make its owner lose
 anything; a chunk that leaves its position to the node is only a new
-session's first; one client cannot fill a node's table.
+session's first; one client cannot fill a node's or a gateway's table.
 
 A tiny random model stage (its logits depend on the whole history in its KV
 cache) serves the victim and an untouched control session fed the same
@@ -41,6 +41,7 @@ class Procs:
     model: str  # a node serving the whole tiny model: tokens in, logits out
     quota: str  # an echo node, --max-sessions 8 (4 a client)
     gateway: str  # a gateway before an echo node
+    small_gateway: str  # another, --max-sessions 4 (2 a client)
 
 
 @pytest.fixture(scope="module")
@@ -58,7 +59,9 @@ def procs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Procs]:
         started.append(entry)
         gateway, gateway_url = spawn("meshnet_gateway", "--entry", entry_url)
         started.append(gateway)
-        yield Procs(model_url, quota_url, gateway_url)
+        small, small_url = spawn("meshnet_gateway", "--max-sessions", "4", "--entry", entry_url)
+        started.append(small)
+        yield Procs(model_url, quota_url, gateway_url, small_url)
         for proc in reversed(started):
             assert stop(proc) == 0
     finally:
@@ -92,10 +95,20 @@ def delete(session: str, key: str | None) -> bytes:
     return b"\r\n".join(head) + b"\r\n\r\n"
 
 
+# Every key a test made: none may show in any answer (wire-2 §3.9).
+KEYS: list[str] = []
+
+
+def new_key() -> str:
+    KEYS.append(secrets.token_hex(16))
+    return KEYS[-1]
+
+
 def refused(answer: Answer, status: int, code: str, header: str) -> None:
     assert (answer.status, answer.code) == (status, code), answer.raw[:400]
     assert answer.error["header"] == header
     assert b"x-meshnet-session-key" not in answer.raw.lower().split(b"\r\n\r\n")[0]
+    assert not any(key.encode() in answer.raw for key in KEYS)
 
 
 def logits(answer: Answer) -> bytes:
@@ -108,8 +121,8 @@ class Twins:
 
     def __init__(self, url: str) -> None:
         self.url = url
-        self.victim, self.victim_key = new_session(), secrets.token_hex(16)
-        self.control, self.control_key = new_session(), secrets.token_hex(16)
+        self.victim, self.victim_key = new_session(), new_key()
+        self.control, self.control_key = new_session(), new_key()
         self.position = 0
 
     def step(self, ids: list[int]) -> bytes:
@@ -129,7 +142,7 @@ def test_a_stranger_cannot_rewrite_continue_or_end_a_session(procs: Procs) -> No
     url = procs.model
     twins = Twins(url)
     twins.step(list(range(1, 9)))
-    victim, stranger_key = twins.victim, secrets.token_hex(16)
+    victim, stranger_key = twins.victim, new_key()
     # A replay of the session's start with other ids: without a key, with a
     # wrong one (403), even with the right one (409: a replay never rewrites a
     # live session, wire-2 §3.9).
@@ -142,7 +155,7 @@ def test_a_stranger_cannot_rewrite_continue_or_end_a_session(procs: Procs) -> No
         refused(answer, status, code, header)
     after = twins.step([9, 10])
     # (The logits do depend on the history: after other ids, [9, 10] differ.)
-    other, other_key = new_session(), secrets.token_hex(16)
+    other, other_key = new_session(), new_key()
     assert send(url, tokens_chunk(other, STRANGER_IDS, 0, other_key)).status == 200
     elsewhere = logits(send(url, tokens_chunk(other, [9, 10], 8, other_key)))
     assert len(elsewhere) == len(after) and elsewhere != after
@@ -193,14 +206,14 @@ def opening(session: str, key: str) -> bytes:
 
 def test_one_client_cannot_fill_the_table(procs: Procs) -> None:
     url = procs.quota  # --max-sessions 8: 4 a client (the default, half)
-    mine = {new_session(): secrets.token_hex(16) for _ in range(4)}
+    mine = {new_session(): new_key() for _ in range(4)}
     for session, key in mine.items():
         assert send_from("127.0.0.1", url, opening(session, key)).status == 200
-    answer = send_from("127.0.0.1", url, opening(new_session(), secrets.token_hex(16)))
+    answer = send_from("127.0.0.1", url, opening(new_session(), new_key()))
     assert (answer.status, answer.code) == (429, "client_sessions_full"), answer.raw[:300]
     assert answer.headers[b"retry-after"].isdigit()
     # Another client still gets sessions, up to its own quota.
-    theirs = {new_session(): secrets.token_hex(16) for _ in range(4)}
+    theirs = {new_session(): new_key() for _ in range(4)}
     for session, key in theirs.items():
         assert send_from("127.0.0.2", url, opening(session, key)).status == 200, session
     # Nothing was lost: every session finishes its run at its position.
@@ -212,7 +225,7 @@ def test_one_client_cannot_fill_the_table(procs: Procs) -> None:
             assert answer.headers[b"x-meshnet-position"] == b"4"
             assert send_from(source, url, delete(session, key)).status == 204
     # Room again for the first client.
-    session, key = new_session(), secrets.token_hex(16)
+    session, key = new_session(), new_key()
     assert send_from("127.0.0.1", url, opening(session, key)).status == 200
     assert send_from("127.0.0.1", url, delete(session, key)).status == 204
 
@@ -224,6 +237,7 @@ def test_a_gateway_session_is_its_owners(procs: Procs) -> None:
                                (b"X-Meshnet-Session", session.encode())]))  # fmt: skip
     assert first.status == 200 and first.body == BODY
     key = first.headers[b"x-meshnet-session-key"].decode()  # minted, told once
+    KEYS.append(key)
     assert len(key) == 32
 
     def chunk(key: str | None, seed: float) -> tuple[bytes, bytes]:
@@ -231,7 +245,7 @@ def test_a_gateway_session_is_its_owners(procs: Procs) -> None:
         pairs = [*wire(None, index=None, total=None), (b"X-Meshnet-Session", session.encode())]
         return request([*pairs, *key_pair(key)], body), body
 
-    for stranger in (None, secrets.token_hex(16)):
+    for stranger in (None, new_key()):
         data, _ = chunk(stranger, 1.0)
         refused(send(url, data), 403, "session_forbidden", "x-meshnet-session-key")
         refused(send(url, delete(session, stranger)), 403, "session_forbidden",
@@ -243,3 +257,32 @@ def test_a_gateway_session_is_its_owners(procs: Procs) -> None:
     assert answer.headers[b"x-meshnet-position"] == b"4"
     assert b"x-meshnet-session-key" not in answer.headers
     assert send(url, delete(session, key)).status == 204
+
+
+def test_one_client_cannot_fill_the_gateways_table(procs: Procs) -> None:
+    url = procs.small_gateway  # --max-sessions 4: 2 a client
+
+    def start(source: str) -> Answer:
+        return send_from(source, url, request(wire(None, index=None, total=None)))
+
+    def go_on(source: str, session: bytes, key: bytes) -> Answer:
+        pairs = [*wire(None, index=None, total=None), (b"X-Meshnet-Session", session),
+                 (b"X-Meshnet-Session-Key", key)]  # fmt: skip
+        return send_from(source, url, request(pairs))
+
+    held = []
+    for source in ("127.0.0.1", "127.0.0.1", "127.0.0.2", "127.0.0.2"):
+        answer = start(source)
+        assert answer.status == 200, answer.raw[:300]
+        held.append((source, answer.headers[b"x-meshnet-session"],
+                     answer.headers[b"x-meshnet-session-key"]))  # fmt: skip
+        if source == "127.0.0.1" and len(held) == 2:
+            # The first client's third: 429, while the second has not started yet.
+            over = start(source)
+            assert (over.status, over.code) == (429, "client_sessions_full"), over.raw[:300]
+            assert over.headers[b"retry-after"].isdigit()
+    for source, session, key in held:
+        answer = go_on(source, session, key)  # each goes on where it was
+        assert answer.status == 200 and answer.headers[b"x-meshnet-position"] == b"4"
+        delete_key = key.decode()
+        assert send_from(source, url, delete(session.decode(), delete_key)).status == 204
