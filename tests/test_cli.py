@@ -62,6 +62,7 @@ def test_send_round_trip_with_npy_files(tmp_path: Path) -> None:
             "send", "--gateway", gateway, "--session", session, str(source), "x.npy"
         )  # fmt: skip
         assert stranger.returncode == 1 and "403 session_forbidden" in stranger.stderr
+        assert "--session-key" in stranger.stderr
         assert key not in stranger.stderr
         again = meshnet(
             "send", "--gateway", gateway, "--session", session, "--session-key", key,

@@ -81,6 +81,9 @@ def run_send(args: argparse.Namespace) -> int:
         print(f"meshnet send: {exc.message}{hint}", file=sys.stderr)
         return 1
     except MeshnetError as exc:
+        if exc.code == "session_forbidden" and getattr(args, "session_key", None) is None:
+            # The gateway minted the session's key and printed it when it was created.
+            print("meshnet send: pass the session's key with --session-key", file=sys.stderr)
         return _answered(exc)
     except (OSError, ValueError) as exc:
         print(f"meshnet send: {exc}", file=sys.stderr)
