@@ -53,11 +53,23 @@ def test_send_round_trip_with_npy_files(tmp_path: Path) -> None:
         assert done.returncode == 0, done.stderr
         line = done.stdout.strip()
         session = line.split("session ")[1].split()[0]
+        # The gateway minted the session's key (wire-2 §3.9): told once, on this line.
+        key = line.split(" key ")[1].split(";")[0]
+        assert len(key) == 32 and all(c in "0123456789abcdef" for c in key)
         assert line.startswith("sent 1x300x64 bfloat16 zstd") and "position 0" in line
-        again = meshnet(
-            "send", "--gateway", gateway, "--session", session, "--encoding", "identity",
-            "--out-dtype", "wire", str(source), str(tmp_path / "again.npy"),
+        # Without the key, nobody (this one included) can go on with the session.
+        stranger = meshnet(
+            "send", "--gateway", gateway, "--session", session, str(source), "x.npy"
         )  # fmt: skip
+        assert stranger.returncode == 1 and "403 session_forbidden" in stranger.stderr
+        assert "--session-key" in stranger.stderr
+        assert key not in stranger.stderr
+        again = meshnet(
+            "send", "--gateway", gateway, "--session", session, "--session-key", key,
+            "--encoding", "identity", "--out-dtype", "wire", str(source),
+            str(tmp_path / "again.npy"),
+        )  # fmt: skip
+        assert " key " not in again.stdout  # (told once, when the session was created)
         assert again.returncode == 0, again.stderr
         assert "position 300" in again.stdout and "identity" in again.stdout
         bad = meshnet("send", "--gateway", gateway, "--session", "nope", str(source), "x.npy")

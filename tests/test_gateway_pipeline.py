@@ -7,6 +7,7 @@ subprocess tests are in ``test_gateway_process.py``.
 from __future__ import annotations
 
 import contextlib
+import secrets
 import uuid
 
 import anyio
@@ -128,7 +129,12 @@ async def test_chain_client_with_inflight_and_continuation() -> None:
         with anyio.fail_after(LIMIT):
             first = await forward_via_chain(c.entry, array, chunk_tokens=100, inflight=4)
             second = await forward_via_chain(
-                c.entry, array[:, :50], session=first.session, position=512, chunk_tokens=100
+                c.entry,
+                array[:, :50],
+                session=first.session,
+                position=512,
+                chunk_tokens=100,
+                key=first.key,
             )
     assert same_bits(first.output, array)
     assert [h.position for h in first.chunk_headers] == [0, 100, 200, 300, 400, 500]
@@ -166,11 +172,14 @@ async def test_position_the_gateway_does_not_expect_is_409_and_keeps_the_session
 async def test_concurrent_request_on_one_session_is_409_session_busy() -> None:
     array = activation(256, 8)
     session = str(uuid.uuid4())
+    key = secrets.token_hex(16)  # the client's own: bound when the session is made
     async with chain(2, node_flags=["--delay-ms", "80"]) as c:
         results: list[object] = []
 
         async def slow() -> None:
-            results.append(await forward_via_gateway(c.gateway.url, array, session=session))
+            results.append(
+                await forward_via_gateway(c.gateway.url, array, session=session, key=key)
+            )
 
         with anyio.fail_after(LIMIT):
             async with anyio.create_task_group() as tg:
@@ -180,36 +189,40 @@ async def test_concurrent_request_on_one_session_is_409_session_busy() -> None:
                         break
                     await anyio.sleep(0.005)
                 with pytest.raises(RemoteError) as caught:
-                    await forward_via_gateway(c.gateway.url, array[:, :1], session=session)
+                    await forward_via_gateway(c.gateway.url, array[:, :1], session=session, key=key)
         assert (caught.value.status, caught.value.code) == (409, "session_busy")
         assert caught.value.header == "x-meshnet-session"
         assert same_bits(results[0].output, array)  # type: ignore[attr-defined]
         # The busy answer did not disturb the session: it continues at 256.
         with anyio.fail_after(LIMIT):
-            after = await forward_via_gateway(c.gateway.url, array[:, :1], session=session)
+            after = await forward_via_gateway(c.gateway.url, array[:, :1], session=session, key=key)
         assert after.position == 256
 
 
 async def test_failed_chunk_answers_the_error_and_deletes_the_session_down_the_chain() -> None:
-    """The nodes know the session at 128; the gateway (as after a restart)
-    does not, so its chunk 0 at position 0 is refused by node 1: the gateway
-    relays the 409, forgets the session and deletes it down the chain."""
+    """The nodes know the session at 128, unkeyed; the gateway (as after a
+    restart) does not, so its chunk 0 is refused by node 1 (it carries a key
+    the session never had: 403): the gateway relays the refusal and forgets
+    the session. Its DELETE down the chain carries its key, which is not the
+    session's: the owner's session lives on (wire-2 §3.9)."""
     array = activation(256, 16)
     session = str(uuid.uuid4())
     async with chain(2) as c:
         with anyio.fail_after(LIMIT):
-            # Other data than the gateway will send: not a replay of chunk 0.
-            await forward_via_chain(c.entry, activation(128, 16, seed=99), session=session)
+            owner_key = secrets.token_hex(16)
+            await forward_via_chain(
+                c.entry, activation(128, 16, seed=99), session=session, key=owner_key
+            )
             assert all(session in n.app.table for n in c.nodes)
             with pytest.raises(RemoteError) as caught:
                 await forward_via_gateway(c.gateway.url, array, session=session)
-            assert caught.value.status == 409
+            assert (caught.value.status, caught.value.code) == (403, "session_forbidden")
             assert caught.value.hop == c.entry  # the entry refused; hop names it
             assert session not in c.gateway.app.sessions
-            for _ in range(POLLS):  # the DELETE runs in the background
-                if not any(session in n.app.table for n in c.nodes):
-                    break
-                await anyio.sleep(0.005)
+            await anyio.sleep(0.1)  # time for the background DELETE, refused
+            assert all(n.app.table.position(session) == 128 for n in c.nodes)
+            # The owner's own DELETE ends it everywhere.
+            assert await delete_session(c.entry, session, key=owner_key)
         assert not any(session in n.app.table for n in c.nodes)
 
 

@@ -30,8 +30,11 @@ def test_chain_of_processes_serves_and_shuts_down_cleanly() -> None:
         with anyio.fail_after(30):
             via_gateway = await forward_via_gateway(gateway, array)
             assert same_bits(via_gateway.output, array)
+            # The key the gateway minted for the session comes with its answer.
+            assert via_gateway.key is not None
             continued = await forward_via_gateway(gateway, array[:, :5],
-                                                  session=via_gateway.session)  # fmt: skip
+                                                  session=via_gateway.session,
+                                                  key=via_gateway.key)  # fmt: skip
             assert continued.position == 512
             via_chain = await forward_via_chain(entry, array, chunk_tokens=128)
             assert [h.chunk_index for h in via_chain.chunk_headers] == [0, 1, 2, 3]

@@ -332,7 +332,9 @@ async def test_many_legal_requests_cannot_add_up_past_the_inflight_budget() -> N
                 while b"\r\n\r\n" not in reply:
                     reply += await slow.receive(65536)
                 assert reply.startswith(b"HTTP/1.1 200")
-        answer = await exchange(running.url, request)
+        # (a new session: the one above exists now, and its chunk 0 carries no
+        # position, which only a new session's first chunk may omit, wire-2 §3.9)
+        answer = await exchange(running.url, forward_request(shape=shape, body=bytes(tensor)))
         assert status_and_code(answer) == (200, None)
         assert budget.in_use == 0
         metrics = running.app.metrics.render().decode()

@@ -123,14 +123,17 @@ async def test_curl_drives_the_gateway_with_a_raw_bin(tmp_path: Path) -> None:
         assert fields["x-meshnet-encoding"] == "identity"
         assert fields["content-length"] == str(raw.stat().st_size)
         session = fields["x-meshnet-session"]
-        # Continue the session; this time curl sends the body chunked.
+        # The gateway minted the session's key and says it once (wire-2 §3.9).
+        key = fields["x-meshnet-session-key"]
+        # Continue the session with its key; this time curl sends the body chunked.
         status, fields, body = await curl(
             c.gateway.url, raw,
             [*wire_headers("1,1536,256", "float32"), f"X-Meshnet-Session: {session}",
-             "Transfer-Encoding: chunked"],
+             f"X-Meshnet-Session-Key: {key}", "Transfer-Encoding: chunked"],
             tmp_path,
         )  # fmt: skip
         assert status == 200 and fields["x-meshnet-position"] == "1536"
+        assert "x-meshnet-session-key" not in fields
         assert body == raw.read_bytes()
 
 

@@ -76,6 +76,11 @@ async def test_split_chain_is_bit_identical_to_one_node(
         session = ModelSession(pool)
         assert np.array_equal(await session.run(ids), want)
         assert all(b > 0 for b in kv_bytes(nodes))
+        # ModelSession keys its sessions (wire-2 §3.9): a DELETE without the key
+        # is refused at the entry and the caches stay; with it, all go.
+        refused = await pool.request("DELETE", f"/sessions/{session.session}", Deadline.after(10))
+        assert (refused.status, refused.error["code"]) == (403, "session_forbidden")
+        assert all(b > 0 for b in kv_bytes(nodes))
         assert await session.delete() == 204
         assert kv_bytes(nodes) == [0] * len(nodes)
         document = await info(pool)

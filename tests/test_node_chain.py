@@ -158,13 +158,15 @@ async def test_out_of_order_chunks_wait_for_their_turn() -> None:
 async def test_wait_beyond_reorder_timeout_is_409() -> None:
     async with chain(["--reorder-timeout", "0.3"]) as (node,):
         pool = DownstreamPool(node.url)
+        # Positions far ahead: never impossible, never reached (wire-2 §3.9
+        # wants one on every chunk but a new session's first).
         response = await send(pool, activation(), str(uuid.uuid4()), index=2, total=4,
-                              position=None)  # fmt: skip
+                              position=10**6)  # fmt: skip
         assert isinstance(response, ErrorResponse)
         assert (response.status, response.error["code"]) == (409, "session_unknown")
         session = str(uuid.uuid4())
         assert isinstance(await send(pool, activation(), session, 0, 4, 0), ActivationResponse)
-        response = await send(pool, activation(), session, 2, 4, None)
+        response = await send(pool, activation(), session, 2, 4, 10**6)
         assert isinstance(response, ErrorResponse)
         assert (response.status, response.error["code"]) == (409, "chunk_wait_timeout")
         await pool.aclose()

@@ -243,14 +243,15 @@ def test_without_a_deadline_a_wait_still_ends_though_the_session_keeps_progressi
     """Short runs keep finishing (each a progress) while this chunk's turn never
     comes (it belongs to a run that never opens): the TTL bound ends it."""
     node = Node()
-    w = node.wait(1, total=2, position=None)
+    far = 10**9  # a position it never reaches, yet never an impossible one
+    w = node.wait(1, total=2, position=far)
     for k in range(int(TTL / (T / 2))):  # a one-chunk run every T / 2
         node.now = k * T / 2
         node.done(node.admit(0, total=1, position=TOKENS * k))
-        w = node.wait(1, total=2, position=None, waiter=w.waiter)
+        w = node.wait(1, total=2, position=far, waiter=w.waiter)
         assert w.until == min(node.now + T, TTL)
     node.now = TTL
-    err = node.times_out(w, total=2, position=None)
+    err = node.times_out(w, total=2, position=far)
     assert err.message.endswith("until its deadline")
 
 

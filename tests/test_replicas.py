@@ -285,3 +285,43 @@ async def test_a_replica_only_its_probes_call_down_is_the_last_resort() -> None:
                 array, session=first.session, position=4, chunk_tokens=2
             )
             assert same_bits(result.output, array) and hop.holder(first.session) == holder.url
+
+
+async def test_a_replica_holding_a_stale_copy_is_cleared_then_replayed() -> None:
+    """A session moves from replica A to B (A only marked down: it keeps its
+    copy), then back to A. A replay can never rewrite a live session (wire-2
+    §3.9): A answers the replay's first chunk 409 session_exists, so the set
+    DELETEs A's stale copy, with the session's key, and replays once more.
+    The session goes on bit-exact at its position, A rebuilt from the start."""
+    async with two_replicas() as (lasts, entry), Client(entry.url) as client:
+        hop = replicas_of(entry)
+        with anyio.fail_after(30):
+            first = await client.forward_chunks(activation(4, 4, seed=1), chunk_tokens=2)
+            session = first.session
+            a = next(r for r in hop.replicas if r.url == hop.holder(session))
+            b = next(r for r in hop.replicas if r is not a)
+            node_a = next(n for n in lasts if n.url == a.url)
+            a.mark_down(anyio.current_time(), 1000.0)  # no probe brings it back meanwhile
+            array = activation(2, 4, seed=2)
+            moved = await client.forward_chunks(array, session=session, position=4, chunk_tokens=2)
+            assert same_bits(moved.output, array) and hop.holder(session) == b.url
+            assert node_a.app.table.position(session) == 4  # the stale copy A still holds
+            b.mark_down(anyio.current_time(), 1000.0)
+            a.mark_up()
+            array = activation(2, 4, seed=3)
+            back = await client.forward_chunks(array, session=session, position=6, chunk_tokens=2)
+        assert same_bits(back.output, array) and hop.holder(session) == a.url
+        assert hop.failovers == 2
+        assert node_a.app.table.position(session) == 8
+        stage = node_a.app.stage
+        assert isinstance(stage, CountingStage)
+        # Its first chunks ran again (the copy was rebuilt, not kept), the rest once.
+        assert stage.runs[(session, 0, 0)] == 2 and stage.runs[(session, 1, 2)] == 2
+        assert stage.runs[(session, 0, 4)] == 1 and stage.runs[(session, 0, 6)] == 1
+        # A's copy is still the owner's: a DELETE with another key is refused there.
+        async with Client(node_a.url) as stranger:
+            with pytest.raises(RemoteError) as refused:
+                await stranger.delete_session(session, key="0" * 32)
+        assert (refused.value.status, refused.value.code) == (403, "session_forbidden")
+        assert await client.delete_session(session)
+        assert session not in node_a.app.table

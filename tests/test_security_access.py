@@ -122,9 +122,29 @@ def test_token_chain_of_processes_guards_everything_but_health() -> None:
             # With the token: the chunk goes through every hop (each presents it).
             valid_chunk_round_trip(url, token=TOKEN)
             good = requests_for(b"Bearer " + TOKEN.encode())
+            key = None
             for name, data in good.items():
+                if name == "delete" and key is not None:
+                    # The gateway minted a key for the session the forward above
+                    # created (wire-2 §3.9): without it the DELETE is refused and
+                    # the session lives on; with it, the DELETE ends the session.
+                    answer = send(url, data)
+                    assert (answer.status, answer.code) == (403, "session_forbidden"), (
+                        url,
+                        answer.raw[:300],
+                    )
+                    assert_no_hint(answer.raw)
+                    assert key not in answer.raw
+                    data = data.replace(
+                        b"\r\n\r\n", b"\r\nX-Meshnet-Session-Key: " + key + b"\r\n\r\n"
+                    )
                 answer = send(url, data)
-                # (delete ends the session the forward just above started)
+                if name == "forward":
+                    key = answer.headers.get(b"x-meshnet-session-key")
+                    # Only the gateway mints keys; a node keeps an unkeyed session unkeyed.
+                    assert (key is not None) == (url == gateway_url), (url, answer.raw[:300])
+                # (delete ends the session the forward just above started: 204
+                # proves the refused DELETE before it left the session alive)
                 expected = {"delete": 204, "unknown_path": 404}.get(name, 200)
                 assert answer.status == expected, (url, name, answer.raw[:300])
                 assert_no_hint(answer.raw)

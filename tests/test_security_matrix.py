@@ -64,6 +64,10 @@ FLAGS = [
     "--max-stored-bytes", str(MAX_STORED),
     "--max-inflight-bytes", str(MAX_INFLIGHT),
     "--max-sessions", str(MAX_SESSIONS),
+    # These processes test the table's global bound: every request here comes
+    # from one client (127.0.0.1), so the per-client quota (wire-2 §3.9) is off;
+    # tests/test_session_ownership.py tests the quota.
+    "--max-sessions-per-client", "0",
     "--head-timeout", str(HEAD_TIMEOUT),
     "--reorder-timeout", "1",
 ]  # fmt: skip
@@ -723,9 +727,14 @@ def sequencing_rows(target: str) -> list[Row]:
     other = (TENSOR + 1).tobytes()
 
     def run(*steps: tuple[dict, bytes]) -> Build:
+        # Every chunk carries its position (wire-2 §3.9: only a new session's
+        # first chunk may omit it), the run's 4 tokens a chunk, unless a step
+        # names its own (None: omitted).
         def build() -> list[bytes]:
             s = new_session()
-            return [request(wire(s, **kw), body) for kw, body in steps]
+            return [
+                request(wire(s, **{"position": 4 * kw["index"], **kw}), body) for kw, body in steps
+            ]
 
         return build
 
@@ -819,6 +828,27 @@ def sequencing_rows(target: str) -> list[Row]:
             ),
             200,
             None,
+        ),
+        Row(
+            f"{t}:append_without_position",
+            t,
+            run(
+                ({"index": 0, "total": 2}, BODY), ({"index": 1, "total": 2, "position": None}, BODY)
+            ),
+            409,
+            "position_required",
+            "x-meshnet-position",
+        ),
+        Row(
+            f"{t}:next_run_without_position",
+            t,
+            run(
+                ({"index": 0, "total": 1, "position": None}, BODY),
+                ({"index": 0, "total": 1, "position": None}, BODY),
+            ),
+            409,
+            "position_required",
+            "x-meshnet-position",
         ),
         Row(
             f"{t}:unknown_session_at_position_gt_0",
@@ -1014,21 +1044,26 @@ def test_ten_thousand_sessions_at_once_are_bounded(procs: Procs) -> None:
 def test_a_session_flood_at_the_gateway_is_bounded_too(procs: Procs) -> None:
     url = procs.urls["gateway"]
 
-    def open_one(session: str) -> tuple[str, int, str | None, bytes | None]:
+    def open_one(session: str) -> tuple[str, int, str | None, bytes | None, bytes | None]:
         pairs = [*wire(None, index=None, total=None), (b"X-Meshnet-Session", session.encode())]
         answer = send(url, request(pairs))
-        return session, answer.status, answer.code, answer.headers.get(b"retry-after")
+        # A session the gateway creates for a client that sent no key gets one,
+        # returned once in this answer (wire-2 §3.9); the DELETE needs it.
+        key = answer.headers.get(b"x-meshnet-session-key")
+        return session, answer.status, answer.code, answer.headers.get(b"retry-after"), key
 
     with concurrent.futures.ThreadPoolExecutor(16) as pool:
         results = list(pool.map(open_one, [new_session() for _ in range(3 * GATEWAY_SESSIONS)]))
-    admitted = [s for s, status, _, _ in results if status == 200]
+    admitted = {s: key for s, status, _, _, key in results if status == 200}
     assert 0 < len(admitted) <= GATEWAY_SESSIONS
-    for _, status, code, retry in results:
+    assert all(key is not None for key in admitted.values())
+    for _, status, code, retry, _ in results:
         if status != 200:
             assert (status, code) == (503, "sessions_full") and retry is not None
     # The client's DELETE frees its sessions at the gateway and down the chain.
-    for session in admitted:
-        delete = f"DELETE /sessions/{session} HTTP/1.1\r\nHost: n\r\nConnection: close\r\n\r\n"
+    for session, key in admitted.items():
+        delete = f"DELETE /sessions/{session} HTTP/1.1\r\nHost: n\r\nConnection: close\r\n"
+        delete += f"X-Meshnet-Session-Key: {key.decode()}\r\n\r\n"
         assert send(url, delete.encode()).status == 204
     valid_chunk_round_trip(url)
 

@@ -36,6 +36,9 @@ S1 = "5b1e0c2a-1111-4abc-8def-000000000001"
 S2 = "5b1e0c2a-2222-4abc-8def-000000000002"
 S3 = "5b1e0c2a-3333-4abc-8def-000000000003"
 TOKENS = 4
+# hdr()'s default position: the chunk's place in a first run of TOKENS-token
+# chunks (wire-2 §3.9: only a new session's chunk 0 may omit it).
+NATURAL: Any = object()
 
 
 def fp(tag: object) -> bytes:
@@ -48,12 +51,15 @@ def hdr(
     total: int = 4,
     *,
     session: str = S1,
-    position: int | None = None,
+    position: int | None = NATURAL,
     tokens: int = TOKENS,
     hidden: int = 8,
     dtype: str = "float32",
     shape: tuple[int, ...] | None = None,
+    key: str | None = None,
 ) -> WireHeaders:
+    if position is NATURAL:
+        position = index * tokens
     return WireHeaders(
         shape=shape or (1, tokens, hidden),
         dtype=dtype,
@@ -61,6 +67,7 @@ def hdr(
         chunk_index=index,
         chunk_total=total,
         position=position,
+        session_key=key,
     )
 
 
@@ -142,10 +149,22 @@ def test_in_order_runs_advance_the_position() -> None:
     assert node.table.position(S1) == 13
 
 
-def test_position_is_optional() -> None:
+def test_only_a_new_sessions_first_chunk_may_omit_its_position() -> None:
     node = Node()
-    for i in range(2):
-        node.finish(node.process(i, 2))
+    node.head(0, 2, position=None)
+    node.finish(node.process(0, 2, position=None))
+    assert node.table.position(S1) == 4
+    # wire-2 §3.9: any other chunk without a position is refused from the head.
+    for index, total in ((1, 2), (0, 1)):
+        for check in (node.head, node.offer):
+            with pytest.raises(SequencingError) as err:
+                check(index, total, position=None)
+            assert (err.value.status, err.value.code) == (409, "position_required")
+            assert err.value.header == "x-meshnet-position"
+    with pytest.raises(SequencingError) as err:  # unknown session, index > 0: too
+        node.head(1, 2, position=None, session=S2)
+    assert err.value.code == "position_required"
+    node.finish(node.process(1, 2, position=4))
     assert node.table.position(S1) == 8
 
 
@@ -237,22 +256,24 @@ def test_last_run_is_replayed_until_the_next_run_starts() -> None:
     # With positions: any chunk of the last run.
     assert node.offer(1, 2, position=4, tag="a1") == Replay("resp1")
     assert node.offer(0, 2, position=0, tag="a0") == Replay("resp0")
-    # Without a position: chunk 0 identical to the last run's is a replay...
-    assert node.offer(0, 2, tag="a0") == Replay("resp0")
-    # ...a different chunk 0 is the next run, and the last run is dropped.
-    t = node.process(0, 2, tag="b0")
+    # Without a position: refused, it could be either (wire-2 §3.9).
+    with pytest.raises(SequencingError) as err:
+        node.offer(0, 2, position=None, tag="a0")
+    assert err.value.code == "position_required"
+    # A different chunk 0 is the next run, and the last run is dropped.
+    t = node.process(0, 2, position=8, tag="b0")
     assert (t.run, t.position) == (1, 8)
     with pytest.raises(SequencingError) as err:
         node.offer(0, 2, position=0, tag="a0")
     assert (err.value.status, err.value.code) == (409, "position_mismatch")
 
 
-def test_last_run_chunk_without_position_and_different_tensor_is_the_next_run() -> None:
+def test_last_run_chunk_with_a_new_position_and_tensor_is_the_next_run() -> None:
     node = Node()
     node.run(2, tag="a")
-    assert isinstance(node.offer(1, 2, tag="b1"), Wait)
-    # The last run's chunk 1 without a position but identical is a replay.
-    assert node.offer(1, 2, tag="a1") == Replay("resp1")
+    assert isinstance(node.offer(1, 2, position=12, tag="b1"), Wait)
+    # The last run's chunk 1 at its position and identical is a replay.
+    assert node.offer(1, 2, position=4, tag="a1") == Replay("resp1")
 
 
 def test_last_run_chunk_with_another_total_is_not_a_replay() -> None:
@@ -263,8 +284,8 @@ def test_last_run_chunk_with_another_total_is_not_a_replay() -> None:
     with pytest.raises(SequencingError) as err:
         node.offer(0, 3, position=0, tag="a0")
     assert (err.value.status, err.value.code) == (409, "chunk_conflict")
-    # Without a position it is simply the next run's chunk 0.
-    t = node.process(0, 3, tag="a0")
+    # At the session's position it is simply the next run's chunk 0.
+    t = node.process(0, 3, position=8, tag="a0")
     assert (t.run, t.position) == (1, 8)
 
 
@@ -912,6 +933,7 @@ def test_on_forget_is_told_every_way_a_session_goes() -> None:
         chunk_total = 1
         position = 0
         tokens = 2
+        session_key = None
 
         def __init__(self, session: str) -> None:
             self.session = session

@@ -57,6 +57,10 @@ def build_parser() -> argparse.ArgumentParser:
     send.add_argument("output", metavar="OUT.npy")
     send.add_argument("--session", help="continue this session (default: a new one)")
     send.add_argument(
+        "--session-key",
+        help="the session's key (wire-2 §3.9): the one printed when it was created",
+    )
+    send.add_argument(
         "--encoding",
         choices=[e for e in ENCODINGS if e != "mirror"],
         default="zstd",

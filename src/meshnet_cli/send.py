@@ -69,6 +69,7 @@ def run_send(args: argparse.Namespace) -> int:
                 token=args.token,
                 timeout=args.timeout,
                 tls_ca=args.tls_ca,
+                key=getattr(args, "session_key", None),
             ),
             backend="trio",
         )
@@ -80,10 +81,15 @@ def run_send(args: argparse.Namespace) -> int:
         print(f"meshnet send: {exc.message}{hint}", file=sys.stderr)
         return 1
     except MeshnetError as exc:
+        if exc.code == "session_forbidden" and getattr(args, "session_key", None) is None:
+            # The gateway minted the session's key and printed it when it was created.
+            print("meshnet send: pass the session's key with --session-key", file=sys.stderr)
         return _answered(exc)
     except (OSError, ValueError) as exc:
         print(f"meshnet send: {exc}", file=sys.stderr)
         return 1
+    # A key the gateway minted is told once: say it, or the session cannot go on.
+    minted = f" key {result.headers.session_key}" if result.headers.session_key else ""
     written = saveable(result.output, args.out_dtype)
     np.save(args.output, written)
     chunk = result.chunks[0]
@@ -93,7 +99,7 @@ def run_send(args: argparse.Namespace) -> int:
         f"({chunk.raw_bytes:,} B raw, {chunk.sent_bytes:,} B on the wire) -> "
         f"{result.headers.dtype} {result.headers.encoding} ({chunk.received_bytes:,} B) "
         f"in {result.seconds * 1000:.1f} ms; session {result.session} "
-        f"position {result.position}; wrote {args.output} ({written.dtype})"
+        f"position {result.position}{minted}; wrote {args.output} ({written.dtype})"
     )
     return 0
 

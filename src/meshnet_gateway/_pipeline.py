@@ -86,6 +86,7 @@ async def run_chunks(
     session: str,
     base_position: int,
     chunk_tokens: int,
+    session_key: str | None = None,
     inflight: int,
     deadline: Deadline,
     request_encoding: str = "identity",
@@ -122,6 +123,8 @@ async def run_chunks(
     ``on_send(headers)`` is told of each chunk just before it goes.
     ``stage``: the ``X-Meshnet-Stage`` every chunk carries (``"<model>/0"``,
     the stage the entry must be), or none.
+    ``session_key`` goes with every chunk (wire-2 §3.9: the nodes bind the
+    session to it at its first chunk).
     """
     if inflight < 1:
         raise ValueError(f"inflight must be >= 1, got {inflight}")
@@ -183,6 +186,7 @@ async def run_chunks(
                     encoding=encoding,
                     position=base_position + chunk.position,
                     stage=stage,
+                    session_key=session_key,
                 )
                 encode_s = time.perf_counter() - started
                 await slots.acquire()

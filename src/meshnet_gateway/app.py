@@ -48,7 +48,7 @@ from meshnet_runtime.codec_pool import CodecPool
 from meshnet_runtime.config import ServerConfig
 from meshnet_runtime.control import ControlEndpoints
 from meshnet_runtime.deadlines import Deadline
-from meshnet_runtime.downstream import DownstreamPool
+from meshnet_runtime.downstream import DownstreamPool, key_headers
 from meshnet_runtime.http_server import ActivationReply, Reply, RequestContext, StreamReply
 from meshnet_runtime.link import LinkEstimate
 from meshnet_runtime.metrics import ServerMetrics
@@ -118,7 +118,11 @@ class GatewayApp:
         self.metrics = metrics or ServerMetrics("gateway")
         self.codecs = codecs or CodecPool(limits=config.limits, metrics=self.metrics)
         self.pool: DownstreamPool | ReplicaSet = pool or _entry_pool(config, self.metrics)
-        self.sessions = ClientSessionTable(config.max_sessions, config.session_ttl)
+        self.sessions = ClientSessionTable(
+            config.max_sessions,
+            config.session_ttl,
+            max_per_client=config.limits.max_sessions_per_client,
+        )
         self.retry = RetryPolicy(config.retries, config.retry_backoff_ms / 1000)
         # --encoding auto also weighs the link's speed: toward the entry node
         # (measured on its answers) and toward clients (measured on the
@@ -175,6 +179,7 @@ class GatewayApp:
             info=self.info,
             end_here=self._end_here,
             check_facts=self.check_facts,
+            owner=self._owner,
         )
 
     # ------------------------------------------------------------ lifecycle
@@ -321,8 +326,10 @@ class GatewayApp:
         # Reject before reading what may be hundreds of MiB of body.
         self._refuse_if_mismatched()
         session = event.headers.session
-        if session is not None and self._busy(session):
-            raise _session_busy(session)
+        if session is not None:
+            self.sessions.check_owner(session, event.headers.session_key)  # 403, wire-2 §3.9
+            if self._busy(session):
+                raise _session_busy(session)
         tokens = event.headers.tokens
         total = -(-tokens // self.config.chunk_tokens)
         if total > self.config.limits.max_chunk_total:
@@ -349,7 +356,13 @@ class GatewayApp:
             self._background.start_soon(self._refresh_in_background)
         now = anyio.current_time()
         self.sessions.expire(now)
-        lease = self.sessions.begin(request.session, now, entropy=os.urandom(16))
+        lease = self.sessions.begin(
+            request.session,
+            now,
+            entropy=os.urandom(16),
+            key=request.session_key,
+            client=ctx.peer,
+        )
         self._active.add(lease.session)
         sent = False  # once a chunk may have gone down, a failure ends the session
         try:
@@ -370,6 +383,7 @@ class GatewayApp:
                 self.to_entry,
                 tensor,
                 session=lease.session,
+                session_key=lease.node_key,
                 base_position=lease.position,
                 chunk_tokens=self.config.chunk_tokens,
                 inflight=self.inflight,
@@ -432,12 +446,12 @@ class GatewayApp:
             if exc.code in RECHECK_CODES:
                 self.chain_changed()
         if self._background is not None:
-            self._background.start_soon(self._delete_down_chain, lease.session)
+            self._background.start_soon(self._delete_down_chain, lease.session, lease.node_key)
 
-    async def _delete_down_chain(self, session: str) -> None:
+    async def _delete_down_chain(self, session: str, key: str | None) -> None:
         try:
             response = await self.pool.request(
-                "DELETE", f"/sessions/{session}", Deadline.after(DELETE_TIMEOUT)
+                "DELETE", f"/sessions/{session}", Deadline.after(DELETE_TIMEOUT), key_headers(key)
             )
             status = response.status
         except MeshnetError as exc:
@@ -457,6 +471,13 @@ class GatewayApp:
                 return from_meshnet(exc).reply()
             return await self.openai.handle(event)
         return await self.control.handle(event, ctx)
+
+    def _owner(self, session: str, key: str | None) -> str | None:
+        """A client's DELETE must carry the session's key (403); what goes down
+        the chain is the nodes' key, never the client's (wire-2 §3.9)."""
+        self.sessions.check_owner(session, key)
+        node_key = self.sessions.node_key(session)
+        return key if node_key is None else node_key
 
     def _end_here(self, session: str) -> bool:
         """A client's DELETE: forget the session here (409 while a request runs on it)."""
@@ -505,6 +526,7 @@ class GatewayApp:
 def _response_headers(output: np.ndarray, dtype: str, encoding: str, lease: Lease) -> WireHeaders:
     # The whole sequence is one chunk of one run at the gateway's interface,
     # so the answer carries index 0 of 1: every wire-2 reader accepts it.
+    # A key the gateway minted is told to the client once, here (wire-2 §3.9).
     return WireHeaders(
         shape=tuple(output.shape),
         dtype=dtype,
@@ -513,6 +535,7 @@ def _response_headers(output: np.ndarray, dtype: str, encoding: str, lease: Leas
         chunk_total=1,
         encoding=encoding,
         position=lease.position,
+        session_key=lease.key if lease.key_minted else None,
     )
 
 

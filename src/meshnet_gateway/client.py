@@ -19,6 +19,7 @@ reached or answered garbage.
 from __future__ import annotations
 
 import json
+import secrets
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -36,7 +37,7 @@ from meshnet_proto import (
 )
 from meshnet_runtime.codec_pool import CodecPool
 from meshnet_runtime.deadlines import Deadline
-from meshnet_runtime.downstream import DownstreamPool
+from meshnet_runtime.downstream import DownstreamPool, key_headers
 from meshnet_runtime.transports import client_ssl_context
 from meshnet_runtime.wire_encoder import WireEncoder
 
@@ -95,6 +96,8 @@ class ForwardResult:
     session: str
     position: int
     headers: WireHeaders
+    # The session's key (wire-2 §3.9): what later requests on it must carry.
+    key: str | None = None
     chunk_headers: list[WireHeaders]
     chunks: list[ChunkResult] = field(default_factory=list)
     seconds: float = 0.0
@@ -105,6 +108,9 @@ class Client:
 
     ``async with Client(url) as client:`` then ``await client.forward(...)``
     (gateway) or ``await client.forward_chunks(...)`` (chain).
+
+    ``keys`` holds the session key of every session this client started or
+    was told (wire-2 §3.9); requests and DELETEs on a session carry its key.
     """
 
     def __init__(
@@ -128,6 +134,7 @@ class Client:
             margin=0.0,
         )
         self.codecs = CodecPool(limits=self.limits)
+        self.keys: dict[str, str] = {}
 
     @property
     def url(self) -> str:
@@ -159,8 +166,15 @@ class Client:
         wire_dtype: str = "keep",
         level: int = 1,
         timeout: float = 60.0,
+        key: str | None = None,
     ) -> ForwardResult:
-        """POST ``array`` as one whole sequence to a gateway (``session`` None: a new one)."""
+        """POST ``array`` as one whole sequence to a gateway (``session`` None: a new one).
+
+        ``key``: the session's key (default: the one this client keeps for
+        it); a key the gateway mints for a new session is kept.
+        """
+        if key is None and session is not None:
+            key = self.keys.get(session)
         started = time.perf_counter()
         deadline = Deadline.after(timeout)
         wire = await self.codecs.run(array.nbytes, apply_wire_dtype, array, wire_dtype)
@@ -173,12 +187,15 @@ class Client:
             session=session,
             encoding=chosen,
             position=position,
+            session_key=key,
         )
         response = await self.pool.forward(headers, body, deadline)
         if isinstance(response, ErrorResponse):
             raise RemoteError.from_response(response)
         output = await self.codecs.decode(response.headers, response.body)
         got = response.headers
+        if got.session is not None and (got.session_key or key) is not None:
+            key = self.keys[got.session] = got.session_key or key  # type: ignore[assignment]
         seconds = time.perf_counter() - started
         stat = ChunkResult(
             request=headers,
@@ -196,6 +213,7 @@ class Client:
             chunk_headers=[got],
             chunks=[stat],
             seconds=seconds,
+            key=key,
         )
 
     # ------------------------------------------------------------ chain
@@ -212,16 +230,21 @@ class Client:
         wire_dtype: str = "keep",
         level: int = 1,
         timeout: float = 60.0,
+        key: str | None = None,
     ) -> ForwardResult:
         """Send ``array`` straight to an entry node, chunked here, as one run.
 
         ``position`` is the session's position (0 for a new session; the sum
         of the tokens sent so far to continue one). Keep ``inflight`` at or
-        under the entry node's reorder window.
+        under the entry node's reorder window. ``key``: the session's key
+        (default: the one kept for it, or a new one for a session this starts).
         """
         started = time.perf_counter()
         deadline = Deadline.after(timeout)
         session = session or str(uuid.uuid4())
+        if key is None:
+            key = self.keys.get(session) or secrets.token_hex(16)
+        self.keys[session] = key
         # One wire dtype for the whole run (wire-2 §3).
         wire = await self.codecs.run(array.nbytes, apply_wire_dtype, array, wire_dtype)
         result = await run_chunks(
@@ -229,6 +252,7 @@ class Client:
             WireEncoder(self.codecs, encoding=encoding, level=level),
             wire,
             session=session,
+            session_key=key,
             base_position=position,
             chunk_tokens=chunk_tokens,
             inflight=inflight,
@@ -248,14 +272,22 @@ class Client:
             chunk_headers=chunk_headers,
             chunks=result.chunks,
             seconds=time.perf_counter() - started,
+            key=key,
         )
 
     # ------------------------------------------------------------ control
 
-    async def delete_session(self, session: str, *, timeout: float = 10.0) -> bool:
-        """``DELETE /sessions/{id}``: True if ended (204), False if unknown (404)."""
+    async def delete_session(
+        self, session: str, *, timeout: float = 10.0, key: str | None = None
+    ) -> bool:
+        """``DELETE /sessions/{id}``: True if ended (204), False if unknown (404).
+
+        Carries ``key`` (default: the one kept for the session)."""
         response = await self.pool.request(
-            "DELETE", f"/sessions/{session}", Deadline.after(timeout)
+            "DELETE",
+            f"/sessions/{session}",
+            Deadline.after(timeout),
+            key_headers(key or self.keys.get(session)),
         )
         if isinstance(response, ErrorResponse):
             if response.status == 404:
@@ -284,6 +316,7 @@ async def forward_via_gateway(
     token: str | None = None,
     timeout: float = 60.0,
     tls_ca: str | None = None,
+    key: str | None = None,
 ) -> ForwardResult:
     """One request through a gateway (see ``Client.forward``)."""
     async with Client(url, token=token, tls_ca=tls_ca) as client:
@@ -294,6 +327,7 @@ async def forward_via_gateway(
             encoding=encoding,
             wire_dtype=wire_dtype,
             timeout=timeout,
+            key=key,
         )
 
 
@@ -310,6 +344,7 @@ async def forward_via_chain(
     token: str | None = None,
     timeout: float = 60.0,
     tls_ca: str | None = None,
+    key: str | None = None,
 ) -> ForwardResult:
     """One run straight through a chain of nodes (see ``Client.forward_chunks``)."""
     async with Client(entry_url, token=token, tls_ca=tls_ca) as client:
@@ -322,12 +357,18 @@ async def forward_via_chain(
             encoding=encoding,
             wire_dtype=wire_dtype,
             timeout=timeout,
+            key=key,
         )
 
 
 async def delete_session(
-    url: str, session: str, *, token: str | None = None, timeout: float = 10.0
+    url: str,
+    session: str,
+    *,
+    token: str | None = None,
+    timeout: float = 10.0,
+    key: str | None = None,
 ) -> bool:
-    """End ``session`` at a gateway or node and down its chain."""
+    """End ``session`` (with its ``key``) at a gateway or node and down its chain."""
     async with Client(url, token=token) as client:
-        return await client.delete_session(session, timeout=timeout)
+        return await client.delete_session(session, timeout=timeout, key=key)

@@ -57,7 +57,7 @@ from meshnet_runtime.codec_pool import CodecPool
 from meshnet_runtime.config import ServerConfig
 from meshnet_runtime.control import ControlEndpoints
 from meshnet_runtime.deadlines import Deadline
-from meshnet_runtime.downstream import DownstreamPool
+from meshnet_runtime.downstream import DownstreamPool, key_headers
 from meshnet_runtime.http_server import (
     ActivationReply,
     HttpServer,
@@ -123,6 +123,9 @@ class NodeApp:
         # sessions forgotten meanwhile: see _pass_forget_down.
         self._busy: collections.Counter[str] = collections.Counter()
         self._orphans: set[str] = set()
+        # The session key of each session with a chunk in flight: the DELETE
+        # passed down for an orphan must carry it (wire-2 §3.9).
+        self._keys: dict[str, str | None] = {}
         self.metrics = metrics or ServerMetrics("node")
         self.metrics.sessions.set_function(lambda: len(self.table))
         bind_metrics = getattr(self.stage, "bind_metrics", None)
@@ -178,6 +181,7 @@ class NodeApp:
             end_here=self._end_here,
             identity=self.identity,
             reorder_window=self.limits.reorder_window,
+            owner=self._owner,
         )
 
     def make_connection(self) -> ServerConnection:
@@ -193,7 +197,9 @@ class NodeApp:
         stage_check = getattr(self.stage, "check_head", None)
         if stage_check is not None:  # a stage that can refuse by shape and dtype alone
             stage_check(event.headers.shape, event.headers.dtype, event.headers.position)
-        self.table.check_head(event.headers, anyio.current_time())
+        self.table.check_head(
+            event.headers, anyio.current_time(), replay=_is_replay(event.query), client=ctx.peer
+        )
 
     def _check_stage(self, expected: str) -> None:
         """409 ``stage_mismatch`` unless this node is the stage the sender
@@ -220,10 +226,8 @@ class NodeApp:
         headers = event.headers
         # A replay (docs/failover.md): an upstream hop rebuilds this node's
         # state for a session that failed over to it; nothing goes further.
-        replay = "replay=1" in event.query.split("&")
-        if replay and _starts(headers):
-            assert headers.session is not None
-            self._end_here(headers.session)  # whatever it held is stale
+        # It never rewrites a live session (the table: 409 session_exists).
+        replay = _is_replay(event.query)
         deadline = Deadline.start(ctx.started, self.config.timeout, headers.deadline_ms)
         fingerprint = await self.codecs.run(headers.nbytes, tensor_fingerprint, event.tensor)
         waiter = None
@@ -232,7 +236,13 @@ class NodeApp:
             now = anyio.current_time()
             try:
                 decision = self.table.offer(
-                    headers, fingerprint, now, waiter=waiter, deadline=deadline.at
+                    headers,
+                    fingerprint,
+                    now,
+                    waiter=waiter,
+                    deadline=deadline.at,
+                    replay=replay,
+                    client=ctx.peer,
                 )
             except MeshnetError:
                 if timed_out:  # the table ended the wait (wire-2 §3.3)
@@ -289,6 +299,7 @@ class NodeApp:
         the ticket's outcome to the table and to any joined retransmission."""
         outcome = self._outcomes[ticket.serial] = _Outcome()
         self._busy[ticket.session] += 1
+        self._keys[ticket.session] = headers.session_key
         try:
             if event is not None:
                 stage_output = await self._stage(ticket, headers, event, deadline)
@@ -318,11 +329,12 @@ class NodeApp:
         if self._busy[session] > 0:
             return
         del self._busy[session]
+        key = self._keys.pop(session, None)
         if session in self._orphans:
             self._orphans.discard(session)
-            await self._pass_forget_down(session)
+            await self._pass_forget_down(session, key)
 
-    async def _pass_forget_down(self, session: str) -> None:
+    async def _pass_forget_down(self, session: str, key: str | None = None) -> None:
         """DELETE a session below us again after a chunk of it went down.
 
         The session was forgotten here (DELETE, TTL, eviction) while one of
@@ -337,7 +349,10 @@ class NodeApp:
         with anyio.CancelScope(shield=True):
             try:
                 await self.downstream.request(
-                    "DELETE", f"/sessions/{session}", Deadline.after(_ORPHAN_DELETE_TIMEOUT)
+                    "DELETE",
+                    f"/sessions/{session}",
+                    Deadline.after(_ORPHAN_DELETE_TIMEOUT),
+                    key_headers(key),
                 )
             except MeshnetError as exc:
                 log.warning("could not pass the end of session %s down: %s", session, exc)
@@ -389,8 +404,10 @@ class NodeApp:
     ) -> ActivationReply:
         dtype, encoding, body = await self.encoder.encode(output, headers.encoding)
         # X-Meshnet-Stage is request-only: the answer never carries one, and
-        # what goes down names the stage that starts where ours stops.
-        key = self.stage_key
+        # what goes down names the stage that starts where ours stops. What
+        # goes down keeps the session key (the session's, not the hop's:
+        # wire-2 §3.9); what is answered never carries it.
+        stage_key = self.stage_key
         out = headers.replace(
             shape=tuple(output.shape),
             dtype=dtype,
@@ -399,12 +416,12 @@ class NodeApp:
             deadline_ms=None,
             stage=None,
         )
-        down = out if key is None else out.replace(stage=f"{key[0]}/{key[2]}")
+        down = out if stage_key is None else out.replace(stage=f"{stage_key[0]}/{stage_key[2]}")
         if replay and isinstance(self.downstream, ReplicaSet):
             # Kept as if sent: a failover of the hop below replays it.
             self.downstream.record_replayed(ticket.session, down, body)
         if self.downstream is None or replay:
-            reply = ActivationReply(out, body)
+            reply = ActivationReply(out.replace(session_key=None), body)
             self.table.response_ready(
                 ticket, reply, anyio.current_time(), nbytes=memoryview(reply.body).nbytes
             )
@@ -421,11 +438,12 @@ class NodeApp:
             self.table.forward_failed(ticket, anyio.current_time(), nbytes=kept)
             raise response.to_error(hop=self.downstream.url)
         # Relayed unchanged: the last node's headers and body as received —
-        # but for a stage header a peer should not have answered with.
-        answer = response.headers
-        if answer.stage is not None:
-            answer = answer.replace(stage=None)
-        reply = ActivationReply(answer, response.body)
+        # less a stage header or a session key a careless downstream might
+        # have sent back (both are request-only).
+        relayed = response.headers
+        if relayed.stage is not None or relayed.session_key is not None:
+            relayed = relayed.replace(stage=None, session_key=None)
+        reply = ActivationReply(relayed, response.body)
         self.table.response_ready(
             ticket, reply, anyio.current_time(), nbytes=memoryview(reply.body).nbytes
         )
@@ -481,6 +499,11 @@ class NodeApp:
             "sessions": len(self.table),
             "identity": self.identity,
         }
+
+    def _owner(self, session: str, key: str | None) -> str | None:
+        """A DELETE's key may end ``session`` here (else 403); it goes down as is."""
+        self.table.check_owner(session, key)
+        return key
 
     def _end_here(self, session: str) -> bool:
         known = self.table.end_session(session)
@@ -539,8 +562,9 @@ def node_identity(stage: StageBackend, wire_dtype: str, encoding: str) -> dict[s
     return {"fingerprint": digest, **fields}
 
 
-def _starts(headers: WireHeaders) -> bool:
-    return (headers.chunk_index or 0) == 0 and (headers.position or 0) == 0
+def _is_replay(query: str) -> bool:
+    """wire-2 §3.8: ``replay=1`` among the query's parameters marks a replay."""
+    return "replay=1" in query.split("&")
 
 
 def _gone() -> MeshnetError:

@@ -10,6 +10,7 @@ in front; this is the bare contract, for checking it.
 from __future__ import annotations
 
 import itertools
+import secrets
 import uuid
 from collections.abc import AsyncIterator, Sequence
 from contextlib import AsyncExitStack, asynccontextmanager
@@ -21,7 +22,7 @@ import numpy as np
 from meshnet_proto import ActivationResponse, WireHeaders, decode_tensor, encode_for_wire
 from meshnet_runtime.config import load_config
 from meshnet_runtime.deadlines import Deadline
-from meshnet_runtime.downstream import DownstreamPool
+from meshnet_runtime.downstream import DownstreamPool, key_headers
 
 from .app import RunningNode, serve_node
 
@@ -70,8 +71,11 @@ class ModelSession:
     """One session's context through a chain: prefill in chunks, then decode steps."""
 
     def __init__(self, pool: DownstreamPool, session: str | None = None,
-                 *, timeout: float = 60.0) -> None:  # fmt: skip
+                 *, timeout: float = 60.0, key: str | None = None) -> None:  # fmt: skip
+        """``key``: the session's key (wire-2 §3.9); a new session gets one of
+        its own, so nobody who learns its id can continue or end it."""
         self.pool = pool
+        self.key = key if key is not None or session is not None else secrets.token_hex(16)
         self.session = session or str(uuid.uuid4())
         self.position = 0
         self.timeout = timeout
@@ -136,7 +140,7 @@ class ModelSession:
         dtype, encoding, body = encode_for_wire(chunk)
         headers = WireHeaders(shape=chunk.shape, dtype=dtype, session=self.session,
                               chunk_index=index, chunk_total=total, encoding=encoding,
-                              position=position)  # fmt: skip
+                              position=position, session_key=self.key)  # fmt: skip
         response = await self.pool.forward(headers, body, Deadline.after(self.timeout))
         if not isinstance(response, ActivationResponse):
             error = response.error
@@ -146,5 +150,6 @@ class ModelSession:
 
     async def delete(self) -> int:
         response = await self.pool.request("DELETE", f"/sessions/{self.session}",
-                                           Deadline.after(self.timeout))  # fmt: skip
+                                           Deadline.after(self.timeout),
+                                           key_headers(self.key))  # fmt: skip
         return response.status

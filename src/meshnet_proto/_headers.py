@@ -28,7 +28,7 @@ from ._errors import ProtocolError
 from ._integers import MAX_UINT_DIGITS, parse_canonical_uint
 from ._limits import Limits
 
-__all__ = ["WireHeaders", "parse_wire_headers"]
+__all__ = ["WireHeaders", "is_session_key", "parse_wire_headers", "parse_session_key"]
 
 # Header names as h11 hands them to us (lowercase bytes). Comparisons are done
 # on ASCII-lowercased bytes only: ``str.lower()`` would turn the Kelvin sign
@@ -44,6 +44,7 @@ H_ENCODING = b"x-meshnet-encoding"
 H_POSITION = b"x-meshnet-position"
 H_DEADLINE = b"x-meshnet-deadline-ms"
 H_STAGE = b"x-meshnet-stage"
+H_SESSION_KEY = b"x-meshnet-session-key"
 
 KNOWN_MESHNET_HEADERS: frozenset[bytes] = frozenset(
     {
@@ -57,6 +58,7 @@ KNOWN_MESHNET_HEADERS: frozenset[bytes] = frozenset(
         H_POSITION,
         H_DEADLINE,
         H_STAGE,
+        H_SESSION_KEY,
     }
 )
 
@@ -77,6 +79,9 @@ _SESSION = re.compile(rb"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f
 # expects to enter — the model id of its identity and the first layer.
 # Bounded (64 + 1 + 19 bytes) and lowercase so one stage has one spelling.
 _STAGE = re.compile(rb"[a-z0-9][a-z0-9._-]{0,63}/(?:0|[1-9][0-9]{0,18})")
+# A session key (wire-2 §3.9): 128 random bits as 32 lowercase hex digits,
+# one spelling only, so that comparing keys is comparing strings.
+SESSION_KEY = re.compile(rb"[0-9a-f]{32}")
 # Optional whitespace around a media type (RFC 9110 OWS).
 _OWS = b" \t"
 # Error messages quote at most this much of a rejected value.
@@ -114,7 +119,8 @@ class WireHeaders:
     and ``chunk_total`` place it in a run (optional only on the gateway's
     input); ``encoding`` is the body's (``identity`` or ``zstd``);
     ``position``, ``deadline_ms`` and ``stage`` (``"<model>/<first layer>"``,
-    request-only) are optional.
+    request-only) are optional. ``session_key`` is the session's secret
+    (wire-2 §3.9), sent on requests only: never on an answer.
     """
 
     shape: tuple[int, ...]
@@ -126,6 +132,7 @@ class WireHeaders:
     position: int | None = None
     deadline_ms: int | None = None
     stage: str | None = None
+    session_key: str | None = None
 
     def __post_init__(self) -> None:
         # Accept any sequence of integer-likes for convenience (numpy shapes
@@ -162,6 +169,8 @@ class WireHeaders:
             or _STAGE.fullmatch(self.stage.encode("ascii")) is None
         ):
             raise ValueError(f"stage must be '<model-id>/<first layer>', got {self.stage!r}")
+        if self.session_key is not None and not is_session_key(self.session_key):
+            raise ValueError("session_key must be 32 lowercase hex digits")
         for field in ("chunk_index", "chunk_total", "position", "deadline_ms"):
             value = getattr(self, field)
             if value is not None and not _is_uint(value):
@@ -243,6 +252,8 @@ class WireHeaders:
             pairs.append((b"X-Meshnet-Deadline-Ms", str(self.deadline_ms).encode("ascii")))
         if self.stage is not None:
             pairs.append((b"X-Meshnet-Stage", self.stage.encode("ascii")))
+        if self.session_key is not None:
+            pairs.append((b"X-Meshnet-Session-Key", self.session_key.encode("ascii")))
         return pairs
 
 
@@ -482,6 +493,7 @@ def parse_wire_headers(
 
     position = _optional_uint(values, H_POSITION, required=False)
     deadline_ms = _optional_uint(values, H_DEADLINE, required=False)
+    session_key = _optional_session_key(values.get(H_SESSION_KEY))
 
     stage: str | None = None
     raw_stage = values.get(H_STAGE)
@@ -507,6 +519,7 @@ def parse_wire_headers(
         position=position,
         deadline_ms=deadline_ms,
         stage=stage,
+        session_key=session_key,
     )
     # Python ints: 8 dimensions of 19 digits cannot overflow anything here,
     # and nothing has been allocated for the body yet.
@@ -520,6 +533,49 @@ def parse_wire_headers(
             header=_name(H_SHAPE),
         )
     return headers
+
+
+def is_session_key(value: object) -> bool:
+    """Whether ``value`` is a well-formed session key (a str of 32 lowercase hex)."""
+    return (
+        isinstance(value, str)
+        and value.isascii()
+        and SESSION_KEY.fullmatch(value.encode("ascii")) is not None
+    )
+
+
+def parse_session_key(pairs: Iterable[tuple[bytes | str, bytes | str]]) -> str | None:
+    """The ``X-Meshnet-Session-Key`` of a request that is not an activation
+    (``DELETE /sessions/{id}``): absent, or well-formed; given twice is 400
+    ``duplicate_header`` as for an activation."""
+    given = [_as_bytes(v) for n, v in pairs if _as_bytes(n).lower() == H_SESSION_KEY]
+    if len(given) > 1:
+        name = _name(H_SESSION_KEY)
+        raise ProtocolError(
+            f"{name} given {len(given)} times; each wire header may appear once",
+            code="duplicate_header",
+            status=400,
+            header=name,
+        )
+    return _optional_session_key(given[0] if given else None)
+
+
+def _optional_session_key(raw: bytes | None) -> str | None:
+    """``X-Meshnet-Session-Key`` (wire-2 §2.3): absent, or 32 lowercase hex.
+
+    The message never quotes the value: it is (meant to be) a secret.
+    """
+    if raw is None:
+        return None
+    if SESSION_KEY.fullmatch(raw) is None:
+        name = _name(H_SESSION_KEY)
+        raise ProtocolError(
+            f"{name}: not 32 lowercase hex digits ({len(raw)} bytes given)",
+            code="bad_session_key",
+            status=400,
+            header=name,
+        )
+    return raw.decode("ascii")
 
 
 def _optional_uint(values: dict[bytes, bytes], header: bytes, *, required: bool) -> int | None:

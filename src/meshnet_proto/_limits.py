@@ -42,8 +42,14 @@ class Limits:
     # chunk-sized ones) in at once while 256 legal connections cannot add up
     # to 128 GiB. Past it a new request head gets 503 memory_full.
     max_inflight_bytes: int = 2048 * MiB
+    # Sessions one client (the peer's host) may hold (wire-2 §3.9): half the
+    # table by default (None follows max_sessions), so one peer cannot fill
+    # it for every other; 0 turns the quota off.
+    max_sessions_per_client: int | None = None
 
     def __post_init__(self) -> None:
+        if self.max_sessions_per_client is None and isinstance(self.max_sessions, int):
+            object.__setattr__(self, "max_sessions_per_client", self.max_sessions // 2)
         for name in (
             "max_header_bytes",
             "max_tensor_bytes",
@@ -57,6 +63,11 @@ class Limits:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"Limits.{name} must be a positive int, got {value!r}")
+        quota = self.max_sessions_per_client
+        if not isinstance(quota, int) or isinstance(quota, bool) or quota < 0:
+            raise ValueError(
+                f"Limits.max_sessions_per_client must be a non-negative int, got {quota!r}"
+            )
         if self.max_rank > 8:
             raise ValueError("Limits.max_rank cannot exceed 8 (wire-2 §2)")
         for name in ("session_ttl", "reorder_timeout"):

@@ -50,6 +50,8 @@ class Headers(Protocol):
     def position(self) -> int | None: ...
     @property
     def tokens(self) -> int: ...
+    @property
+    def session_key(self) -> str | None: ...
 
 
 class Route(Enum):
@@ -77,6 +79,8 @@ class Session:
     records: dict[int, ChunkRecord] = field(default_factory=dict)
     last_records: dict[int, ChunkRecord] = field(default_factory=dict)
     last_total: int = 0
+    key: str | None = None  # bound at creation (wire-2 §3.9)
+    client: str | None = None  # who created it, for the per-client quota
 
 
 def run_shape(h: Headers) -> RunShape:
@@ -107,8 +111,9 @@ def route(
         _check_turn_position(s, position)
         return Route.TURN, None
     # Between runs: a retransmission of the last run, or the next run.
+    # (A chunk of a known session always has a position: wire-2 §3.9.)
     record = s.last_records.get(index)
-    if record is not None and position in (None, record.ticket.position):
+    if record is not None and position == record.ticket.position:
         # The stored answer names the last run's total: a "retransmission"
         # with another total is not the same chunk, and replaying would
         # hand the sender an answer for a run it did not send.
@@ -117,8 +122,7 @@ def route(
             return Route.UNDECIDED, None
         if same_total and fp == record.ticket.fingerprint:
             return Route.AGAIN, record
-        if position is not None:  # unmistakably the last run's chunk, changed
-            raise conflict(s, index)
+        raise conflict(s, index)  # unmistakably the last run's chunk, changed
     if index == 0:
         _check_turn_position(s, position)
         return Route.TURN, None

@@ -16,6 +16,7 @@ the length of a run or the age of a session.
 
 from __future__ import annotations
 
+import hmac
 import itertools
 import math
 from collections.abc import Callable
@@ -52,6 +53,8 @@ __all__ = [
 _SESSION = "x-meshnet-session"
 _INDEX = "x-meshnet-chunk-index"
 _TOTAL = "x-meshnet-chunk-total"
+_POSITION = "x-meshnet-position"
+_KEY = "x-meshnet-session-key"
 
 
 def tensor_fingerprint(array: np.ndarray) -> bytes:
@@ -160,6 +163,44 @@ def _require(h: Headers) -> tuple[str, int, int]:
     return h.session, h.chunk_index, h.chunk_total
 
 
+def _check_owner(s: Session, key: str | None) -> None:
+    """wire-2 §3.9: a keyed session is its key holder's; an unkeyed one stays
+    unkeyed. Constant-time, and the message never shows a key."""
+    if s.key is None and key is None:
+        return
+    if s.key is None:
+        why = "was created without a key; a key cannot be added later"
+    elif key is None:
+        why = "is bound to a session key and this request carries none"
+    elif hmac.compare_digest(s.key, key):
+        return
+    else:
+        why = "is bound to another session key"
+    raise ProtocolError(f"session {s.id} {why}", code="session_forbidden", status=403, header=_KEY)
+
+
+def _check_claims(s: Session | None, sid: str, index: int, h: Headers, replay: bool) -> None:
+    """What a chunk may claim about a session before it is routed (wire-2 §3.9):
+    its owner's key; a replay never restarts a live session; only a session's
+    very first chunk may leave its position to the node."""
+    if s is not None:
+        _check_owner(s, h.session_key)
+        if replay and index == 0 and not h.position:
+            raise SequencingError(
+                f"session {sid} is live here: a replay cannot start it again "
+                "(DELETE it first to rebuild it)",
+                code="session_exists",
+                header=_SESSION,
+            )
+    if h.position is None and (index > 0 or s is not None):
+        raise SequencingError(
+            f"session {sid}: chunk {index} carries no position; only the first chunk of a "
+            "new session may omit it",
+            code="position_required",
+            header=_POSITION,
+        )
+
+
 def _unknown(message: str) -> SequencingError:
     return SequencingError(message, code="session_unknown", header=_SESSION)
 
@@ -211,6 +252,8 @@ class SessionTable:
         # When a chunk of each known session last left the stage (done or
         # failed): a waiter's reorder timer counts from then (wire-2 §3.3).
         self._left_stage: dict[str, float] = {}
+        # The sessions each client created (the per-client quota, wire-2 §3.9).
+        self._by_client: dict[str, set[str]] = {}
         # _make_room's last verdict on a full table (see there).
         self._full_rescan_at = -math.inf
         self._full_soonest_at = -math.inf
@@ -230,17 +273,21 @@ class SessionTable:
 
     # -- a request's chunk -------------------------------------------------------
 
-    def check_head(self, headers: Headers, now: float) -> None:
+    def check_head(
+        self, headers: Headers, now: float, *, replay: bool = False, client: str | None = None
+    ) -> None:
         """The checks that need only the headers (wire-2 §2 order: before the body).
 
         Raises what ``offer`` would raise for these headers whatever the
         tensor; ``offer`` repeats every check, since the table may have changed
         while the body was read. May expire idle sessions to make room.
+        ``replay`` and ``client`` are as for ``offer``.
         """
         sid, index, _ = _require(headers)
         s = self._sessions.get(sid)
+        _check_claims(s, sid, index, headers, replay)
         if s is None:
-            route = self._route_unknown(sid, index, headers.position, now)
+            route = self._route_unknown(sid, index, headers.position, now, client)
         else:
             route, _ = route_chunk(self.limits.reorder_window, s, headers, None)
         if route is Route.AHEAD:
@@ -254,6 +301,8 @@ class SessionTable:
         *,
         waiter: Waiter | None = None,
         deadline: float | None = None,
+        replay: bool = False,
+        client: str | None = None,
     ) -> Decision:
         """Decide what to do with a decoded chunk (see the decision classes).
 
@@ -263,6 +312,13 @@ class SessionTable:
         ``chunk_wait_timeout`` for a waiter whose time is up, see ``_until`` —
         ``CapacityError`` (503) or, for headers missing the sequencing fields,
         ``ProtocolError`` (400).
+
+        wire-2 §3.9: ``headers.session_key`` must be the session's (403
+        ``session_forbidden``); a new session is bound to it. ``replay`` says
+        the request is a replay (``?replay=1``), which cannot start a session
+        this table holds (409 ``session_exists``). ``client`` (opaque: the
+        driver's name for the peer) is charged for a session this creates,
+        at most ``limits.max_sessions_per_client`` (429 ``client_sessions_full``).
         """
         sid, index, _ = _require(headers)
         if waiter is not None:
@@ -271,9 +327,10 @@ class SessionTable:
             if not self._waiters.remove(waiter, known=sid in self._sessions):
                 raise _unknown(f"session {sid}: ended or expired while chunk {index} waited")
         s = self._sessions.get(sid)
+        _check_claims(s, sid, index, headers, replay)
         record: ChunkRecord | None = None
         if s is None:
-            route = self._route_unknown(sid, index, headers.position, now)
+            route = self._route_unknown(sid, index, headers.position, now, client)
         else:
             s.touched = now
             route, record = route_chunk(self.limits.reorder_window, s, headers, fingerprint)
@@ -283,7 +340,7 @@ class SessionTable:
             assert record is not None
             return self._again(record)
         if s is None:
-            s = self._create(sid, now)
+            s = self._create(sid, now, headers.session_key, client)
         return self._process(s, headers, fingerprint)
 
     def give_up(self, waiter: Waiter, now: float) -> SequencingError:
@@ -373,6 +430,14 @@ class SessionTable:
 
     # -- ending ----------------------------------------------------------------------
 
+    def check_owner(self, session: str, key: str | None) -> None:
+        """Raise 403 ``session_forbidden`` unless ``key`` may end (or use)
+        ``session`` here (wire-2 §3.9); a session this table does not hold
+        passes (its DELETE is a 404 or is passed down)."""
+        s = self._sessions.get(session)
+        if s is not None:
+            _check_owner(s, key)
+
     def end_session(self, session: str) -> bool:
         """Forget a session (DELETE); its waiters' next offer raises session_unknown.
 
@@ -401,13 +466,16 @@ class SessionTable:
 
     # -- routing -----------------------------------------------------------------------
 
-    def _route_unknown(self, sid: str, index: int, position: int | None, now: float) -> Route:
+    def _route_unknown(
+        self, sid: str, index: int, position: int | None, now: float, client: str | None
+    ) -> Route:
         if index == 0:
             if position:  # wire-2 §3: never silently start a context anywhere but at 0
                 raise _unknown(
                     f"session {sid} is unknown here, so chunk 0 cannot start at position "
                     f"{position} (expired, deleted, or this node restarted)"
                 )
+            self._check_client_room(client, now)
             self._make_room(now)
             return Route.TURN
         check_window(self.limits.reorder_window, sid, index, 0)
@@ -539,8 +607,10 @@ class SessionTable:
 
     # -- bookkeeping ---------------------------------------------------------------------------
 
-    def _create(self, sid: str, now: float) -> Session:
-        s = self._sessions[sid] = Session(sid, touched=now)
+    def _create(self, sid: str, now: float, key: str | None, client: str | None) -> Session:
+        s = self._sessions[sid] = Session(sid, touched=now, key=key, client=client)
+        if client is not None:
+            self._by_client.setdefault(client, set()).add(sid)
         self._waiters.session_started(sid)
         return s
 
@@ -549,6 +619,11 @@ class SessionTable:
         self._left_stage.pop(sid, None)
         self._waiters.drop(sid, known=s is not None)
         if s is not None:
+            if s.client is not None:
+                mine = self._by_client[s.client]
+                mine.discard(sid)
+                if not mine:
+                    del self._by_client[s.client]
             self._store.forget(itertools.chain(s.records.values(), s.last_records.values()))
             if self._on_forget is not None:
                 self._on_forget(sid)
@@ -575,6 +650,33 @@ class SessionTable:
         self._full_soonest_at = now + soonest
         self._full_rescan_at = now + min(soonest, _RESCAN_SECONDS)
         raise self._full(soonest)
+
+    def _check_client_room(self, client: str | None, now: float) -> None:
+        """The per-client quota (wire-2 §3.9). Over it, the client's own idle
+        sessions past their TTL go first; the work is bounded by the quota,
+        not by the table."""
+        quota = self.limits.max_sessions_per_client or 0  # an int once Limits is built
+        mine = self._by_client.get(client) if client is not None and quota else None
+        if mine is None or len(mine) < quota:
+            return
+        ttl = self.limits.session_ttl
+        sessions = [self._sessions[sid] for sid in mine]
+        for s in sessions:
+            if now - s.touched > ttl and not self._busy(s, now):
+                self._drop(s.id)
+        if len(mine) < quota:
+            return
+        soonest = min(
+            ttl if self._busy(s, now) else s.touched + ttl - now
+            for s in sessions
+            if s.id in self._sessions
+        )
+        raise CapacityError(
+            f"this client holds {len(mine)} sessions here, its maximum",
+            code="client_sessions_full",
+            status=429,
+            retry_after=max(1, math.ceil(soonest)),
+        )
 
     def _full(self, soonest: float) -> CapacityError:
         return CapacityError(

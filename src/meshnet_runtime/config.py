@@ -67,6 +67,8 @@ class ServerConfig:
     uds: str | None = None
     timeout: float = _SETTINGS.body_timeout
     max_sessions: int = _LIMITS.max_sessions
+    # None: half of max_sessions (the core's rule, Limits); 0: no quota.
+    max_sessions_per_client: int | None = None
     session_ttl: float = _LIMITS.session_ttl
     reorder_window: int = _LIMITS.reorder_window
     reorder_timeout: float = _LIMITS.reorder_timeout
@@ -145,6 +147,7 @@ class ServerConfig:
             max_stored_bytes=self.max_stored_bytes,
             max_inflight_bytes=self.max_inflight_bytes,
             max_sessions=self.max_sessions,
+            max_sessions_per_client=self.max_sessions_per_client,
             session_ttl=self.session_ttl,
             reorder_window=self.reorder_window,
             reorder_timeout=self.reorder_timeout,
@@ -301,6 +304,11 @@ _COMMON: list[_Flag] = [
     ("--uds", _nonempty, "listen on this Unix socket path instead of TCP"),
     ("--timeout", positive_seconds, "budget of one request, seconds"),
     ("--max-sessions", positive_int, "sessions held at once"),
+    (
+        "--max-sessions-per-client",
+        _nonnegative_int,
+        "sessions one client address may hold (None: half of --max-sessions; 0: no quota)",
+    ),
     ("--session-ttl", positive_seconds, "idle seconds before a session is forgotten"),
     ("--reorder-window", positive_int, "chunks a session may run ahead"),
     ("--reorder-timeout", positive_seconds, "seconds a chunk waits for its predecessor"),

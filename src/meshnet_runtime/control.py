@@ -34,10 +34,11 @@ from meshnet_proto import (
     chain_from_health,
     check_chain,
     is_deep_health,
+    parse_session_key,
 )
 
 from .deadlines import Deadline
-from .downstream import DownstreamPool
+from .downstream import DownstreamPool, key_headers
 from .http_server import Reply, RequestContext
 from .metrics import METRICS_CONTENT_TYPE, ServerMetrics
 
@@ -65,6 +66,8 @@ class ControlEndpoints:
 
     ``end_here(session)`` forgets a session at this server and says whether
     it knew it (it may raise, e.g. 409 while the session is busy).
+    ``owner(session, key)`` raises 403 unless the DELETE's session key may
+    end the session here, and returns the key to pass down (wire-2 §3.9).
     """
 
     def __init__(
@@ -80,6 +83,7 @@ class ControlEndpoints:
         reorder_window: int | None = None,
         check_facts: Callable[[], dict[str, Any]] | None = None,
         health_cache: float = HEALTH_CACHE,
+        owner: Callable[[str, str | None], str | None] | None = None,
     ) -> None:
         self.role = role
         self.metrics = metrics
@@ -99,6 +103,7 @@ class ControlEndpoints:
         # What the last walk that got an answer found (the gateway reads them).
         self.hops: list[list[StageReport]] = []
         self.problems: list[ChainProblem] | None = None
+        self.owner = owner
         self.handlers: dict[str, Handler] = {
             "/health": self.health,
             "/info": self.describe,
@@ -213,12 +218,17 @@ class ControlEndpoints:
         wanted here; the nodes' TTL ends the rest).
         """
         session = event.path.removeprefix("/sessions/")
+        key = parse_session_key(event.headers)
+        if self.owner is not None:
+            key = self.owner(session, key)
         known = self.end_here(session)
         pool = self.downstream
         if pool is not None:
             deadline = Deadline.start(ctx.started, self.timeout, None)
             try:
-                response = await pool.request("DELETE", f"/sessions/{session}", deadline)
+                response = await pool.request(
+                    "DELETE", f"/sessions/{session}", deadline, key_headers(key)
+                )
             except MeshnetError:
                 if not known:
                     raise

@@ -60,6 +60,12 @@ class _Stale(Exception):
     """A pooled connection died before a single response byte: retryable."""
 
 
+def key_headers(key: str | None) -> list[tuple[bytes, bytes]]:
+    """The ``X-Meshnet-Session-Key`` header of a request on a keyed session
+    (a ``DELETE /sessions/{id}`` passed down: wire-2 §3.9), or none."""
+    return [] if key is None else [(b"X-Meshnet-Session-Key", key.encode("ascii"))]
+
+
 class DownstreamPool:
     """Up to ``max_connections`` keep-alive connections to one downstream.
 

@@ -25,7 +25,8 @@ from typing import Any, Protocol, TypeVar
 
 import anyio
 import anyio.lowlevel
-from anyio.abc import ByteStream, TaskStatus
+from anyio import TypedAttributeLookupError
+from anyio.abc import ByteStream, SocketAttribute, TaskStatus
 from anyio.streams.tls import TLSStream
 
 from meshnet_proto import (
@@ -133,6 +134,9 @@ class RequestContext:
 
     started: float  # anyio clock when the head (or whole request) was parsed
     path: str
+    # The peer's host (TCP: its address without the port; "unix" for every
+    # Unix-socket peer; None for a stream without one): the client of the
+    # per-client session quota (wire-2 §3.9).
     peer: str | None = None
 
 
@@ -343,6 +347,17 @@ def _internal_error() -> MeshnetError:
     return MeshnetError("internal server error", code="internal_error", status=500)
 
 
+def peer_host(stream: ByteStream) -> str | None:
+    """The peer's host (see ``RequestContext.peer``); TLS streams pass it through."""
+    try:
+        address = stream.extra(SocketAttribute.remote_address)
+    except TypedAttributeLookupError:
+        return None
+    if isinstance(address, tuple):
+        return str(address[0])
+    return "unix"
+
+
 def event_path(event: object) -> str:
     if isinstance(event, EndpointRequest):
         return event.path
@@ -433,8 +448,11 @@ class _Connection:
     closed_idle: bool = False  # the idle scope was cancelled by a shutdown
     cycle_bytes: list[int] = field(default_factory=lambda: [0])
 
+    peer: str | None = field(init=False, default=None)
+
     def __post_init__(self) -> None:
         self.conn = self.server.make_connection()
+        self.peer = peer_host(self.stream)
 
     def close_if_idle(self) -> None:
         # Only a connection waiting for a request it has no byte of is idle;
@@ -478,7 +496,7 @@ class _Connection:
                 what = "body" if self.conn.reading_body else "head"
                 await self._error("other", _request_timeout(what))
             return False
-        ctx = RequestContext(started=anyio.current_time(), path=event_path(event))
+        ctx = RequestContext(started=anyio.current_time(), path=event_path(event), peer=self.peer)
 
         if isinstance(event, ConnectionClosed):
             return False

@@ -36,6 +36,7 @@ ever held the session keeps its state.
 
 from __future__ import annotations
 
+import contextlib
 import ipaddress
 import json
 import logging
@@ -59,7 +60,7 @@ from meshnet_proto import (
 )
 
 from .deadlines import Deadline
-from .downstream import DownstreamPool
+from .downstream import DownstreamPool, key_headers
 from .endpoints import Endpoint, parse_endpoint
 from .history import HistoryStore, SentChunk
 from .link import LinkEstimate
@@ -577,6 +578,18 @@ class ReplicaSet:
             response = await self._attempt(
                 replica, chunk.headers, chunk.body, deadline, REPLAY_PATH
             )
+            if _stale_copy(response, chunk.headers):
+                # The replica still holds an older copy of the session (it came
+                # back after the failover away from it): a replay never rewrites
+                # a live session (wire-2 §3.9), so end it there, then once more.
+                with contextlib.suppress(MeshnetError):  # the replay again says how it went
+                    await replica.pool.request(
+                        "DELETE", f"/sessions/{session}", deadline,
+                        key_headers(chunk.headers.session_key),
+                    )  # fmt: skip
+                response = await self._attempt(
+                    replica, chunk.headers, chunk.body, deadline, REPLAY_PATH
+                )
             if isinstance(response, ErrorResponse):
                 inner = response.error
                 raise DownstreamError(
@@ -633,12 +646,14 @@ class ReplicaSet:
         body: bytes = b"",
     ) -> Response | ErrorResponse:
         if method == "DELETE" and target.startswith("/sessions/"):
-            return await self._delete_everywhere(target, deadline)
+            return await self._delete_everywhere(target, deadline, headers)
         return await self._any(  # type: ignore[no-any-return]
             lambda r: r.pool.request(method, target, deadline, headers, body)
         )
 
-    async def _delete_everywhere(self, target: str, deadline: Deadline) -> Response | ErrorResponse:
+    async def _delete_everywhere(
+        self, target: str, deadline: Deadline, headers: Sequence[tuple[bytes, bytes]] = ()
+    ) -> Response | ErrorResponse:
         """Every replica, so none that ever held the session keeps it: 204 when
         any knew it, else the first answer; an error only when none answered."""
         session = target.removeprefix("/sessions/")
@@ -653,7 +668,7 @@ class ReplicaSet:
             if not replica.up:
                 mine = Deadline.after(min(deadline.remaining(), self.probe_timeout))
             try:
-                answers.append(await replica.pool.request("DELETE", target, mine))
+                answers.append(await replica.pool.request("DELETE", target, mine, headers))
             except MeshnetError as exc:
                 errors.append(exc)
 
@@ -831,6 +846,16 @@ def _instance(body: bytes | bytearray | memoryview) -> str | None:
         return None
     instance = document.get("instance") if isinstance(document, dict) else None
     return instance if isinstance(instance, str) else None
+
+
+def _stale_copy(response: ActivationResponse | ErrorResponse, headers: WireHeaders) -> bool:
+    """The replica answered a replay's first chunk that it holds the session."""
+    return (
+        isinstance(response, ErrorResponse)
+        and response.error.get("code") == "session_exists"
+        and response.error.get("hop") is None
+        and _starts(headers)
+    )
 
 
 def _lost_session(response: ActivationResponse | ErrorResponse) -> bool:

@@ -15,6 +15,7 @@ the DELETE down the chain.
 from __future__ import annotations
 
 import logging
+import secrets
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Sequence
@@ -26,7 +27,7 @@ import numpy as np
 from meshnet_proto import ErrorResponse, MeshnetError, WireHeaders
 from meshnet_runtime.codec_pool import CodecPool
 from meshnet_runtime.deadlines import Deadline
-from meshnet_runtime.downstream import DownstreamPool
+from meshnet_runtime.downstream import DownstreamPool, key_headers
 from meshnet_runtime.wire_encoder import WireEncoder
 
 from .._pipeline import run_chunks
@@ -86,6 +87,9 @@ class ChainSession:
         # content-based choice; ids and single tokens are small anyway).
         self.encoder = WireEncoder(codecs, encoding=settings.encoding, level=settings.zstd_level)
         self.session = str(uuid.uuid4())
+        # Internal sessions are keyed too (wire-2 §3.9): only this gateway
+        # can go on with, or end, one of its generations on the nodes.
+        self.key = secrets.token_hex(16)
         self.position = 0
         self.runs = 0  # runs completed: prefill + decode steps
         # Chunks handed to the wire, all runs together: counted before they
@@ -121,6 +125,7 @@ class ChainSession:
                 self.encoder,
                 ids,
                 session=self.session,
+                session_key=self.key,
                 base_position=self.position,
                 chunk_tokens=settings.chunk_tokens,
                 inflight=max(1, settings.inflight),
@@ -161,7 +166,10 @@ class ChainSession:
         with anyio.CancelScope(shield=True):
             try:
                 response = await self.pool.request(
-                    "DELETE", f"/sessions/{self.session}", Deadline.after(DELETE_TIMEOUT)
+                    "DELETE",
+                    f"/sessions/{self.session}",
+                    Deadline.after(DELETE_TIMEOUT),
+                    key_headers(self.key),
                 )
             except MeshnetError as exc:
                 log.warning("DELETE /sessions/%s failed: %s", self.session, exc)
