@@ -326,7 +326,8 @@ async def test_a_stage_computing_a_suffix_is_a_500_never_a_short_frame(
         def _layers(self, x, batch):  # type: ignore[no-untyped-def]
             return super()._layers(x, batch)[1:]  # one position short
 
-    runner = StageRunner(StageWeights.load(checkpoint, range(2, 4)))
+    # path: the node's identity digests the checkpoint this stage came from.
+    runner = StageRunner(StageWeights.load(checkpoint, range(2, 4)), path=str(checkpoint))
     runner.model = SuffixOnly(runner.weights)
     async with AsyncExitStack() as stack:
         config = load_config("node", ["--port", "0"], {})
