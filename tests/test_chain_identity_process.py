@@ -90,6 +90,16 @@ def gateway_run(entry: str, model: Path, *flags: str) -> tuple[int, str]:
     return done.returncode, done.stderr
 
 
+def replicated(running: Chain, model: Path) -> tuple[str, str, str]:
+    """Stage 1, two replicas of stage 2 below it, a gateway: the URLs of
+    stage 1, of replica 2 and of the gateway."""
+    r1 = running.node("replica1", model, "2:4")
+    r2 = running.node("replica2", model, "2:4")
+    first = running.node("node1", model, "0:2", "--next", f"{r1},{r2}", "--health-interval", "0.5")
+    gateway = running.start("gateway", "meshnet_gateway", "--entry", first, "--model", str(model))
+    return first, r2, gateway
+
+
 def complete(gateway: str, model: str = "a") -> tuple[int, dict]:
     answer = post(gateway, "/v1/completions", {"model": model, **QUESTION})
     return answer.status, json.loads(answer.body)
@@ -207,12 +217,7 @@ def test_a_replica_restarted_with_another_checkpoint_is_taken_out(
     (greedy): the swapped replica is never used, failover never moves a
     session onto it, and /info shows it out."""
     with chain(tmp_path) as running:
-        r1 = running.node("replica1", models["a"], "2:4")
-        r2 = running.node("replica2", models["a"], "2:4")
-        first = running.node("node1", models["a"], "0:2", "--next", f"{r1},{r2}",
-                             "--health-interval", "0.5")  # fmt: skip
-        gateway = running.start("gateway", "meshnet_gateway", "--entry", first,
-                                "--model", str(models["a"]))  # fmt: skip
+        first, r2, gateway = replicated(running, models["a"])
         status, before = complete(gateway)
         assert status == 200, before
         running.kill("replica2")
@@ -242,12 +247,7 @@ def test_a_failover_mid_generation_never_lands_on_another_checkpoint(
     was restarted as checkpoint b: the stream ends with an error event, not
     200 text that drifts into b's. A control run gives the right text."""
     with chain(tmp_path) as running:
-        r1 = running.node("replica1", models["a"], "2:4")
-        r2 = running.node("replica2", models["a"], "2:4")
-        first = running.node("node1", models["a"], "0:2", "--next", f"{r1},{r2}",
-                             "--health-interval", "0.5")  # fmt: skip
-        gateway = running.start("gateway", "meshnet_gateway", "--entry", first,
-                                "--model", str(models["a"]))  # fmt: skip
+        first, r2, gateway = replicated(running, models["a"])
         question = {"model": "a", "prompt": "hello world", "max_tokens": 48, "temperature": 0}
         right = post(gateway, "/v1/completions", question)
         assert right.status == 200, right.raw[:300]

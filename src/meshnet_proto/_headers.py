@@ -400,13 +400,7 @@ def parse_wire_headers(
     # answer does not depend on the order the peer happened to send them in.
     for header in sorted(found):
         if len(found[header]) > 1:
-            name = _name(header)
-            raise ProtocolError(
-                f"{name} given {len(found[header])} times; each wire header may appear once",
-                code="duplicate_header",
-                status=400,
-                header=name,
-            )
+            raise _duplicate(header, len(found[header]))
     values = {header: given[0] for header, given in found.items()}
 
     wire = values.get(H_WIRE)
@@ -550,14 +544,18 @@ def parse_session_key(pairs: Iterable[tuple[bytes | str, bytes | str]]) -> str |
     ``duplicate_header`` as for an activation."""
     given = [_as_bytes(v) for n, v in pairs if _as_bytes(n).lower() == H_SESSION_KEY]
     if len(given) > 1:
-        name = _name(H_SESSION_KEY)
-        raise ProtocolError(
-            f"{name} given {len(given)} times; each wire header may appear once",
-            code="duplicate_header",
-            status=400,
-            header=name,
-        )
+        raise _duplicate(H_SESSION_KEY, len(given))
     return _optional_session_key(given[0] if given else None)
+
+
+def _duplicate(header: bytes, count: int) -> ProtocolError:
+    name = _name(header)
+    return ProtocolError(
+        f"{name} given {count} times; each wire header may appear once",
+        code="duplicate_header",
+        status=400,
+        header=name,
+    )
 
 
 def _optional_session_key(raw: bytes | None) -> str | None:
