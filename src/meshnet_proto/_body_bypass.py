@@ -27,13 +27,16 @@ and returns 0 (the ordinary path through h11) otherwise.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import cast
 
 import h11
 
 try:  # the reader h11 uses for a Content-Length body
-    from h11._readers import ContentLengthReader as _ContentLengthReader
+    from h11._readers import ContentLengthReader
 except ImportError:  # pragma: no cover - a future h11 without it: never bypass
-    _ContentLengthReader = None
+    _ContentLengthReader: type[ContentLengthReader] | None = None
+else:
+    _ContentLengthReader = ContentLengthReader
 
 __all__ = ["count_off", "pending_body_bytes", "take_body_bytes"]
 
@@ -53,7 +56,8 @@ def pending_body_bytes(conn: h11.Connection) -> int:
 def count_off(conn: h11.Connection, nbytes: int) -> None:
     """Tell h11's reader that ``nbytes`` of its body were consumed outside it
     (``nbytes`` <= :func:`pending_body_bytes`)."""
-    reader = conn._reader  # type: ignore[attr-defined]
+    # The caller found this exact reader type first (pending_body_bytes > 0).
+    reader = cast("ContentLengthReader", conn._reader)
     reader._remaining -= nbytes
 
 

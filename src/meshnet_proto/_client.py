@@ -26,6 +26,7 @@ from typing import Any
 
 import h11
 import numpy as np
+import zstandard
 
 from ._body_bypass import take_body_bytes
 from ._codec import body_bound, decode_tensor
@@ -101,7 +102,7 @@ class ClientConnection:
         hop: str | None = None,
         decode: bool = True,
         max_response_body: int = DEFAULT_MAX_RESPONSE_BODY,
-        decompressor: object | None = None,
+        decompressor: zstandard.ZstdDecompressor | None = None,
     ) -> None:
         if token is not None and (not isinstance(token, str) or not token):
             raise ValueError("token must be a non-empty str or None")
@@ -223,7 +224,10 @@ class ClientConnection:
             )
             out: Output = [head]
             if len(data):
-                out += self._h11.send_with_data_passthrough(h11.Data(data=data)) or ()
+                # Passthrough hands the object back untouched, so any
+                # bytes-like works; h11's annotation says bytes.
+                data_event = h11.Data(data=data)  # type: ignore[arg-type]
+                out += self._h11.send_with_data_passthrough(data_event) or ()
             self._h11.send(h11.EndOfMessage())
         except h11.LocalProtocolError as exc:
             self._phase = _Phase.CLOSED
@@ -359,7 +363,7 @@ class ClientConnection:
             size = 0
         return _Pending(kind, status, headers, body_buffer(size), limit, wire)
 
-    def _on_data(self, data: bytes) -> None:
+    def _on_data(self, data: bytes | bytearray | memoryview) -> None:
         pending = self._pending
         assert pending is not None
         end = pending.filled + len(data)

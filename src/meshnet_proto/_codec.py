@@ -95,7 +95,7 @@ def encode_tensor(
     wire = np.ascontiguousarray(array, dtype=WIRE_DTYPES[name])
     # A uint8 view, not memoryview(wire): the buffer protocol cannot describe
     # ml_dtypes' bfloat16, and consumers want plain bytes anyway.
-    raw = memoryview(wire.reshape(-1).view(np.uint8)).toreadonly()
+    raw = wire.reshape(-1).view(np.uint8).data.toreadonly()
     if encoding == "identity":
         return raw
     if compressor is None:

@@ -14,6 +14,7 @@ float32 (wire-2 §5: non-finite values rule out the half formats).
 from __future__ import annotations
 
 import enum
+from typing import Any
 
 import ml_dtypes
 import numpy as np
@@ -49,7 +50,7 @@ _INT32 = WIRE_DTYPES["int32"]
 # a tie (wire-2 §5).
 _AUTO_CANDIDATES = (_BFLOAT16, _FLOAT16, _FLOAT32)
 # Unsigned views for bit-pattern comparison, by item size.
-_BITS = {2: np.dtype("<u2"), 4: np.dtype("<u4")}
+_BITS: dict[int, np.dtype[Any]] = {2: np.dtype("<u2"), 4: np.dtype("<u4")}
 
 
 class WireDtypePolicy(enum.StrEnum):
@@ -82,7 +83,8 @@ def _isfinite(array: np.ndarray) -> np.ndarray:
     # ml_dtypes' isfinite warns "invalid value" on NaN, which is the answer
     # we asked for, not a problem.
     with np.errstate(invalid="ignore"):
-        return np.isfinite(array)
+        finite: np.ndarray = np.isfinite(array)  # numpy types a ufunc's result as Any
+    return finite
 
 
 def _narrow(array: np.ndarray, target: np.dtype, name: str) -> np.ndarray:
@@ -93,7 +95,8 @@ def _narrow(array: np.ndarray, target: np.dtype, name: str) -> np.ndarray:
         index = int(np.flatnonzero(overflow)[0])
         value = array.reshape(-1)[index]
         count = int(np.count_nonzero(overflow))
-        limit = float(ml_dtypes.finfo(target).max)  # np.finfo knows no bfloat16
+        # np.finfo knows no bfloat16; ml_dtypes ships its finfo unannotated.
+        limit = float(ml_dtypes.finfo(target).max)  # type: ignore[no-untyped-call]
         raise ProtocolError(
             f"value {value!s} at flat index {index} does not fit {name} "
             f"(largest finite: {limit:g}; {count} such value(s)); use a wider wire dtype",

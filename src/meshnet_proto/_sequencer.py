@@ -83,7 +83,7 @@ def tensor_fingerprint(array: np.ndarray) -> bytes:
         b"meshnet-tensor|%b|%b|"
         % (",".join(map(str, arr.shape)).encode("ascii"), arr.dtype.name.encode("ascii"))
     )
-    digest.update(arr.reshape(-1).view(np.uint8))
+    digest.update(arr.reshape(-1).view(np.uint8).data)
     return digest.digest()
 
 

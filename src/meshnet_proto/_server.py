@@ -25,6 +25,7 @@ from http import HTTPStatus
 
 import h11
 import numpy as np
+import zstandard
 
 from ._body_bypass import take_body_bytes
 from ._codec import body_bound, decode_tensor
@@ -141,7 +142,7 @@ def body_buffer(size: int) -> bytearray | memoryview:
     """
     if size < _LAZY_BUFFER_BYTES:
         return bytearray(size)
-    return memoryview(np.empty(size, dtype=np.uint8))
+    return np.empty(size, dtype=np.uint8).data
 
 
 _LAZY_BUFFER_BYTES = 256 * KiB
@@ -156,7 +157,7 @@ class _BodyReader:
     limit: int  # bytes the body may have; over it is 413
     filled: int = 0
 
-    def add(self, data: bytes) -> None:
+    def add(self, data: bytes | bytearray | memoryview) -> None:
         end = self.filled + len(data)
         if end > self.limit:
             raise ProtocolError(
@@ -246,7 +247,7 @@ class ServerConnection:
         require_sequencing: bool = True,
         routes: Mapping[str, Collection[str]] = DEFAULT_ROUTES,
         max_endpoint_body: int = DEFAULT_MAX_ENDPOINT_BODY,
-        decompressor: object | None = None,
+        decompressor: zstandard.ZstdDecompressor | None = None,
     ) -> None:
         if token is not None and (not isinstance(token, str) or not token):
             raise ValueError("token must be a non-empty str or None")
@@ -610,7 +611,10 @@ class ServerConnection:
             raise ValueError(f"identity body of {nbytes} bytes, headers promise {headers.nbytes}")
         if nbytes > body_bound(headers):
             raise ValueError(f"body of {nbytes} bytes over its bound {body_bound(headers)}")
-        pairs = [*headers.to_pairs(), (b"Content-Length", str(nbytes).encode())]
+        pairs: list[tuple[bytes | str, bytes | str]] = [
+            *headers.to_pairs(),
+            (b"Content-Length", str(nbytes).encode()),
+        ]
         return self._respond(200, pairs, data)
 
     def send_response(
@@ -675,13 +679,21 @@ class ServerConnection:
         # One bytes object for the head (one write, not one per header line),
         # then the body object itself, untouched.
         try:
-            response = h11.Response(status_code=status, headers=pairs, reason=_reason(status))
+            response = h11.Response(
+                status_code=status,
+                # h11 normalises each name and value by itself (bytes or
+                # ASCII str); its annotation only lists unmixed lists.
+                headers=pairs,  # type: ignore[arg-type]
+                reason=_reason(status),
+            )
         except h11.LocalProtocolError as exc:
             raise ValueError(f"not a valid response: {exc}") from None
         head = b"".join(self._send_pieces(response))
         out: Output = [head]
         if len(data) and not self._answering_head:
-            out += self._send_pieces(h11.Data(data=data))
+            # Sent by passthrough: h11 hands the object back untouched (no
+            # copy), so any bytes-like works; its annotation says bytes.
+            out += self._send_pieces(h11.Data(data=data))  # type: ignore[arg-type]
         # Content-Length framing: the end of the message writes nothing.
         self._send_pieces(h11.EndOfMessage())
         self._finish(early=early)
@@ -720,7 +732,13 @@ class ServerConnection:
             raise ValueError(f"a streamed answer needs a status with a body, got {status!r}")
         pairs = _caller_headers(headers)
         try:
-            response = h11.Response(status_code=status, headers=pairs, reason=_reason(status))
+            response = h11.Response(
+                status_code=status,
+                # h11 normalises each name and value by itself (bytes or
+                # ASCII str); its annotation only lists unmixed lists.
+                headers=pairs,  # type: ignore[arg-type]
+                reason=_reason(status),
+            )
         except h11.LocalProtocolError as exc:
             raise ValueError(f"not a valid response: {exc}") from None
         head = b"".join(self._send_pieces(response))
@@ -734,7 +752,7 @@ class ServerConnection:
         data = _as_byte_buffer(data)
         if not len(data) or self._answering_head:
             return []
-        return self._send_pieces(h11.Data(data=data))
+        return self._send_pieces(h11.Data(data=data))  # type: ignore[arg-type]  # as in _respond
 
     def send_stream_end(self) -> Output:
         """End a streamed body: the closing chunk, then keep-alive or close."""
@@ -744,7 +762,9 @@ class ServerConnection:
         self._finish(early=False)
         return out
 
-    def _send_pieces(self, event: h11.Response | h11.Data | h11.EndOfMessage) -> Output:
+    def _send_pieces(
+        self, event: h11.InformationalResponse | h11.Response | h11.Data | h11.EndOfMessage
+    ) -> Output:
         try:
             pieces = self._h11.send_with_data_passthrough(event)
         except h11.LocalProtocolError as exc:  # pragma: no cover - `_respond` checks first
