@@ -41,6 +41,15 @@ def test_the_numpy_engine_is_an_engine_and_the_runners_default(checkpoint: Path)
     _check(engine)
 
 
+def test_load_takes_the_limits_by_name_and_no_engine(checkpoint: Path) -> None:
+    # load's limits were a ``**limits: int`` forwarded to the constructor, so
+    # ``model=`` slipped through as the engine, unchecked (mypy found it).
+    runner = StageRunner.load(checkpoint, max_chunk_tokens=64, max_compute_bytes=1 << 20)
+    assert (runner.max_chunk_tokens, runner.max_compute_bytes) == (64, 1 << 20)
+    with pytest.raises(TypeError, match="model"):
+        StageRunner.load(checkpoint, model=object())  # type: ignore[call-arg]
+
+
 def test_the_torch_engine_is_an_engine(checkpoint: Path) -> None:
     pytest.importorskip("torch")
     from meshnet_model.engines.torch import load_torch_runner

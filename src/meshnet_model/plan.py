@@ -72,11 +72,15 @@ def plan_stages(
             engine or default_engine(directory)[0],
             dtype or default_engine(directory)[1],
         )
-    limits = dict(
-        max_chunk_tokens=DEFAULT_MAX_CHUNK_TOKENS, max_compute_bytes=DEFAULT_MAX_COMPUTE_BYTES
-    )
     if memories is not None:
-        split = plan_split(directory, memories, engine=engine, dtype=dtype, **limits)
+        split = plan_split(
+            directory,
+            memories,
+            engine=engine,
+            dtype=dtype,
+            max_chunk_tokens=DEFAULT_MAX_CHUNK_TOKENS,
+            max_compute_bytes=DEFAULT_MAX_COMPUTE_BYTES,
+        )
         return [_entry(directory, fp, memory) for fp, memory in zip(split, memories, strict=True)]
     config = load_config(directory)
     if not 1 <= stages <= config.num_hidden_layers:
@@ -112,8 +116,9 @@ def plan_stages(
         engine=engine,
         dtype=dtype,
         kv_budget_bytes="auto",
+        max_chunk_tokens=DEFAULT_MAX_CHUNK_TOKENS,
+        max_compute_bytes=DEFAULT_MAX_COMPUTE_BYTES,
         limit=None,
-        **limits,
     )
     plan: list[dict[str, object]] = []
     for k, (a, b) in enumerate(itertools.pairwise(bounds)):

@@ -153,12 +153,14 @@ class StageRunner:
         *,
         dtype: str = "float32",
         kv_budget_bytes: int = DEFAULT_KV_BUDGET,
-        **limits: int,
+        max_chunk_tokens: int = DEFAULT_MAX_CHUNK_TOKENS,
+        max_compute_bytes: int = DEFAULT_MAX_COMPUTE_BYTES,
     ) -> StageRunner:
         path = Path(directory)
         weights = StageWeights.load(path, layers, dtype=dtype)
-        return cls(weights, kv_budget_bytes=kv_budget_bytes, name=model_name(path),
-                   path=str(path), **limits)  # fmt: skip
+        return cls(weights, kv_budget_bytes=kv_budget_bytes, max_chunk_tokens=max_chunk_tokens,
+                   max_compute_bytes=max_compute_bytes, name=model_name(path),
+                   path=str(path))  # fmt: skip
 
     # -- the contract --------------------------------------------------------------
 
