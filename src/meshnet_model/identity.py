@@ -191,7 +191,8 @@ def _model_digest(path: str | Path, config: ModelConfig, tokenizer: str | None) 
     digest.field(_canonical(config.to_dict()))
     digest.field((tokenizer or "").encode())
     names = sorted(tensors, key=lambda n: tensors[n].name)
-    digest.field(_canonical([[t.name, list(t.shape), t.kind] for t in map(tensors.get, names)]))
+    listed = [tensors[n] for n in names]
+    digest.field(_canonical([[t.name, list(t.shape), t.kind] for t in listed]))
     with _Files() as files:
         for name in names:
             t = tensors[name]

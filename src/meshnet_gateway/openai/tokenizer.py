@@ -122,8 +122,9 @@ class ModelTokenizer:
         template = _chat_template(root, config)
         eos_token = _token_text(config.get("eos_token"))
         stop_ids = set(_eos_ids(root / "generation_config.json") + _eos_ids(root / "config.json"))
-        if eos_token is not None and tokenizer.token_to_id(eos_token) is not None:
-            stop_ids.add(tokenizer.token_to_id(eos_token))
+        eos_id = tokenizer.token_to_id(eos_token) if eos_token is not None else None
+        if eos_id is not None:
+            stop_ids.add(eos_id)
         return cls(
             tokenizer=tokenizer,
             chat_template=template,

@@ -24,7 +24,7 @@ __all__ = ["RowReader", "read_rows"]
 def read_rows(path: str | Path, offset: int, rows: int, row_bytes: int) -> np.ndarray:
     """``rows`` rows of ``row_bytes`` bytes at file ``offset``, uint8 ``[rows, row_bytes]``."""
     out = np.empty((rows, row_bytes), np.uint8)
-    view = memoryview(out).cast("B")
+    view = out.data.cast("B")  # memoryview(out): numpy types ndarray a Buffer only on 3.12+
     try:
         with open(path, "rb", buffering=0) as f:
             done = 0

@@ -74,7 +74,8 @@ class RopeTable:
     def __init__(self, torch: Any, config: ModelConfig, dtype: Any, device: Any) -> None:
         self.torch, self.rope = torch, Rope(config)
         self.dtype, self.device = dtype, device
-        self.cos = self.sin = None
+        self.cos: Any = None  # torch tensors, from the first get()
+        self.sin: Any = None
         self.size = 0
 
     def _upload(self, cos: np.ndarray, sin: np.ndarray) -> tuple[Any, Any]:

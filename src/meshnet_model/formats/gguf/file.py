@@ -37,6 +37,7 @@ def _field_value(field: Any) -> Any:
     if not types:
         return None
     kind = types[-1] if types[0] != GGUFValueType.ARRAY or len(types) > 1 else GGUFValueType.UINT8
+    values: list[Any]  # str, int, float or bool, by the field's type
     if kind == GGUFValueType.STRING:
         values = [bytes(field.parts[i]).decode("utf-8", errors="replace") for i in field.data]
     else:
@@ -85,7 +86,7 @@ def _reader_class() -> type:
                 return super()._get_field_parts(orig_offs, raw_type)
             # Strings: a u64 length, then the bytes; walked without numpy per item.
             data = self._plain
-            view = memoryview(data)
+            view = data.data  # memoryview(data); numpy types ndarray a Buffer only on 3.12+
             parts: list[np.ndarray] = [item_type, count]
             offs = orig_offs + 12
             for _ in range(n):
