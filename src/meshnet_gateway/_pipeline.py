@@ -32,6 +32,7 @@ from meshnet_proto import (
 )
 from meshnet_runtime.deadlines import Deadline
 from meshnet_runtime.downstream import DownstreamPool
+from meshnet_runtime.replicas import ReplicaSet
 from meshnet_runtime.wire_encoder import WireEncoder
 
 from ._retry import RetryPolicy, send_with_retries
@@ -59,7 +60,7 @@ class RunResult:
     chunks: list[ChunkResult]
 
 
-def _mismatch(pool: DownstreamPool, index: int, what: str) -> DownstreamError:
+def _mismatch(pool: DownstreamPool | ReplicaSet, index: int, what: str) -> DownstreamError:
     return DownstreamError(
         f"{pool.url}: answer to chunk {index} {what}",
         code="downstream_bad_response",
@@ -67,7 +68,7 @@ def _mismatch(pool: DownstreamPool, index: int, what: str) -> DownstreamError:
     )
 
 
-def check_response(pool: DownstreamPool, sent: WireHeaders, got: WireHeaders) -> None:
+def check_response(pool: DownstreamPool | ReplicaSet, sent: WireHeaders, got: WireHeaders) -> None:
     """The answer must describe the chunk we sent; a relay mixing up answers
     would otherwise corrupt the output silently."""
     index = sent.chunk_index
@@ -79,7 +80,7 @@ def check_response(pool: DownstreamPool, sent: WireHeaders, got: WireHeaders) ->
 
 
 async def run_chunks(
-    pool: DownstreamPool,
+    pool: DownstreamPool | ReplicaSet,
     encoder: WireEncoder,
     array: np.ndarray,
     *,

@@ -32,6 +32,7 @@ import anyio
 from meshnet_proto import ActivationResponse, ErrorResponse, MeshnetError, WireHeaders
 from meshnet_runtime.deadlines import Deadline
 from meshnet_runtime.downstream import DownstreamPool
+from meshnet_runtime.replicas import ReplicaSet
 
 __all__ = ["MIN_ATTEMPT_SECONDS", "RETRYABLE_STATUSES", "RetryPolicy", "send_with_retries"]
 
@@ -86,7 +87,7 @@ class RetryPolicy:
 
 
 async def send_with_retries(
-    pool: DownstreamPool,
+    pool: DownstreamPool | ReplicaSet,
     headers: WireHeaders,
     body: bytes | bytearray | memoryview,
     deadline: Deadline,

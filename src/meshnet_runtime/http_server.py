@@ -561,7 +561,7 @@ class _Connection:
                     self.conn, self.stream, offload=offload, read_size=read_size
                 )
             if body_timer.cancelled_caught:
-                late = _request_timeout("body")
+                late: MeshnetError = _request_timeout("body")
                 if event.headers.deadline_ms is not None and deadline.expired:
                     late = deadline_exceeded()
                 await self._error(ctx.path, late)

@@ -233,12 +233,14 @@ class ReplicaSet:
     async def resolve(self) -> None:
         """Re-resolve every named URL: new addresses join, vanished ones retire."""
         for endpoint in self.endpoints:
-            if not _is_name(endpoint) or endpoint.host == "localhost":
+            host = endpoint.host
+            # A name has a host (_is_name says False without one).
+            if host is None or not _is_name(endpoint) or host == "localhost":
                 continue
             try:
-                addresses = await self.resolver(endpoint.host, endpoint.port or 0)
+                addresses = await self.resolver(host, endpoint.port or 0)
             except OSError as exc:
-                log.warning("cannot resolve %s: %s", endpoint.host, exc)
+                log.warning("cannot resolve %s: %s", host, exc)
                 continue
             urls = {_address_url(endpoint, a) for a in addresses}
             for replica in self.replicas:

@@ -40,6 +40,7 @@ from meshnet_proto import EndpointRequest, MeshnetError
 from meshnet_runtime.codec_pool import CodecPool
 from meshnet_runtime.downstream import DownstreamPool
 from meshnet_runtime.http_server import Reply, StreamReply, StreamSend
+from meshnet_runtime.replicas import ReplicaSet
 
 from ..admission import Admission, AdmissionRefused, Ticket
 from .defaults import GenerationDefaults
@@ -129,7 +130,7 @@ class OpenAIService:
     def __init__(
         self,
         model: ServedModel,
-        pool: DownstreamPool,
+        pool: DownstreamPool | ReplicaSet,
         codecs: CodecPool,
         chain_settings: Callable[[], ChainSettings],
         *,
