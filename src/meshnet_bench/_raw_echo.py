@@ -32,7 +32,7 @@ async def receive_exactly(stream: ByteStream, n: int) -> memoryview:
     # The same kind of buffer a node reads a body into (numpy.empty, see
     # meshnet_proto's body_buffer): a zero-filled bytearray faults its pages
     # in without huge pages and made this "floor" slower than the node.
-    view = memoryview(np.empty(n, dtype=np.uint8))
+    view = np.empty(n, dtype=np.uint8).data
     filled = 0
     while filled < n:
         data = await stream.receive(min(READ_SIZE, n - filled))
@@ -44,7 +44,7 @@ async def receive_exactly(stream: ByteStream, n: int) -> memoryview:
 def _recv_exactly(conn: socket.socket, n: int) -> memoryview | None:
     """``n`` bytes read straight into one buffer (``recv_into``: the kernel's
     copy and nothing else); None at a clean end of stream."""
-    view = memoryview(np.empty(n, dtype=np.uint8))
+    view = np.empty(n, dtype=np.uint8).data
     filled = 0
     while filled < n:
         got = conn.recv_into(view[filled:], min(READ_SIZE, n - filled))
@@ -67,7 +67,7 @@ def echo(conn: socket.socket) -> None:
 async def round_trip(stream: ByteStream, payload: bytes | memoryview) -> memoryview:
     """What the client does: length, payload, then the payload back."""
     await stream.send(struct.pack("<Q", len(payload)))
-    await stream.send(payload)
+    await stream.send(payload)  # type: ignore[arg-type]  # anyio's streams take any bytes-like
     return await receive_exactly(stream, len(payload))
 
 

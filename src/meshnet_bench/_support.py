@@ -17,7 +17,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Awaitable, Callable, Iterator, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -32,7 +32,7 @@ QUIET = [*LOOPBACK, "--log-level", "warning"]
 
 
 async def interleaved(
-    contenders: dict[str, Callable[[], Awaitable[object]]],
+    contenders: Mapping[str, Callable[[], Awaitable[object]]],
     repeat: int,
     check: Callable[[str, object], None] | None = None,
     progress: Callable[[str], None] | None = None,

@@ -156,7 +156,9 @@ async def serve_wire1(
                         continue
                     if not isinstance(event, h11.Request):
                         return
-                    body = encode_body(stage(decode_body(await _read_body(conn, stream, event))))
+                    body: bytes | bytearray = encode_body(
+                        stage(decode_body(await _read_body(conn, stream, event)))
+                    )
                     if downstream is not None:
                         body = await downstream.post(body)
                     await _send(stream, conn, h11.Response(status_code=200,

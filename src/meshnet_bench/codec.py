@@ -73,7 +73,7 @@ def run(options: BenchOptions) -> SectionResult:
         "numpy copy (baseline)": copy,
         "identity encode": _best(repeat, lambda: encode_tensor(array, encoding="identity")),
         "identity decode": _best(repeat, lambda: decode_tensor(
-            headers.replace(encoding="identity"), array.reshape(-1).view(np.uint8))),
+            headers.replace(encoding="identity"), array.reshape(-1).view(np.uint8).data)),
         "zstd encode (level 1)": _best(
             repeat, lambda: encode_tensor(array, encoding="zstd", compressor=compressor)
         ),

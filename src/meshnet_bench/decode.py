@@ -60,10 +60,12 @@ async def _bare_echo(stream: ByteStream) -> None:
                     elif isinstance(event, h11.Data):
                         body += event.data
                 head = h11.Response(status_code=200, headers=[
-                    ("Content-Type", "application/octet-stream"),
-                    ("Content-Length", str(len(body))), *wire,
+                    (b"Content-Type", b"application/octet-stream"),
+                    (b"Content-Length", str(len(body)).encode()), *wire,
                 ])  # fmt: skip
-                await stream.send(conn.send(head) + conn.send(h11.Data(data=body)) +  # type: ignore[operator]
+                # h11's send() may return None (typed Optional) and its Data
+                # is typed bytes; it sends a bytearray as it is.
+                await stream.send(conn.send(head) + conn.send(h11.Data(data=body)) +  # type: ignore[operator, arg-type]
                                   conn.send(h11.EndOfMessage()))  # fmt: skip
                 conn.start_next_cycle()
 
@@ -82,7 +84,7 @@ async def serve_bare_echo() -> AsyncIterator[str]:
 async def measure(steps: int, backend_flags: list[str]) -> dict[str, list[float]]:
     """``steps`` round trips to each server, alternating; seconds per trip."""
     array = make_activation(1, HIDDEN)
-    body = memoryview(array.reshape(-1).view(np.uint8))
+    body = array.reshape(-1).view(np.uint8).data
     token = body.tobytes()
     session = str(uuid.uuid4())
     times: dict[str, list[float]] = {"node": [], "bare h11": []}

@@ -197,7 +197,8 @@ def run(options: BenchOptions) -> SectionResult:
             for label, flags in engines:
                 for n in plan.nodes:
                     options.progress(f"engines: starting {label} on {n} node(s)")
-                    url, pids = None, []
+                    url: str | None = None
+                    pids: list[int] = []
                     for a, b in reversed(even_splits(plan.layers, n)):
                         argv = ["--port", "0", "--model", directory, "--layers", f"{a}:{b}",
                                 "--log-level", "warning", *flags]  # fmt: skip
@@ -207,6 +208,7 @@ def run(options: BenchOptions) -> SectionResult:
                             server_process("meshnet_node", *argv, timeout=180.0)
                         )
                         pids.insert(0, proc.pid)
+                    assert url is not None  # a chain has at least one node
                     chains.append(_Chain(label, n, pids, DownstreamPool(url)))
             anyio.run(_measure, chains, plan, config.vocab_size, options.progress,
                       backend=options.async_backend)  # fmt: skip

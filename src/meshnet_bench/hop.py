@@ -66,7 +66,7 @@ async def measure(
 ) -> dict[str, list[float]]:
     array = make_activation(nbytes // (HIDDEN * 2), HIDDEN)
     expected = array.reshape(-1).view(np.uint8)
-    payload = memoryview(expected)
+    payload = expected.data
     host, port = raw_url.removeprefix("tcp://").rsplit(":", 1)
     pool = DownstreamPool(node_url, max_connections=1)
     async with await anyio.connect_tcp(host, int(port)) as raw:

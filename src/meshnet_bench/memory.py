@@ -52,7 +52,7 @@ async def _forward(url: str, array: np.ndarray) -> None:
             shape=array.shape, dtype="bfloat16", session=str(uuid.uuid4()),
             chunk_index=0, chunk_total=1, encoding="identity", position=0,
         )  # fmt: skip
-        body = memoryview(array.reshape(-1).view(np.uint8))
+        body = array.reshape(-1).view(np.uint8).data
         response = await pool.forward(headers, body, Deadline.after(120.0))
         if not isinstance(response, ActivationResponse) or len(response.body) != array.nbytes:
             raise RuntimeError(f"the relay did not answer the activation: {response!r}")

@@ -265,12 +265,13 @@ def _quality(model: _Model, ids: np.ndarray, progress: Callable[[str], None]) ->
     """KL / top-1 of each torch configuration against numpy float32, in process."""
     import gc
 
-    from meshnet_model import StageRunner
+    from meshnet_model import StageModel, StageRunner
     from meshnet_model.stage.kv_cache import KVBudget
     from meshnet_model.testing.quality import compare
 
     progress(f"quant: {model.label}: numpy float32 reference over {ids.shape[1]} positions")
     reference = StageRunner.load(model.path).model
+    assert isinstance(reference, StageModel)  # load's default engine, the one that scores
     cache = reference.new_cache(KVBudget(1 << 40), 1)
     try:
         logits = np.asarray(reference.score(ids, cache))

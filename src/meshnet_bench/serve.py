@@ -520,13 +520,14 @@ def _report(measured: _Measured, plan: _Plan, long_tokens: int, result: SectionR
         plain = measured.plain.get(n)
         plain99 = _pct(plain.gaps(), 0.99) if plain else None
         p99 = _pct(inside, 0.99)
-        long_s = (long.ended - long.sent) if window else None
+        long_s = (window[1] - window[0]) if window else None
         values = {
             "gap_p50_ms": _ms(_pct(inside, 0.5)), "gap_p99_ms": _ms(p99),
             "p99_over_plain": ratio(p99, plain99) if p99 and plain99 else None,
-            "long_s": None if long_s is None else round(long_s, 2), "long_status": long.status,
+            "long_s": None if long_s is None else round(long_s, 2),
         }  # fmt: skip
         keys.update({f"serve_mid_{k}_{n}": v for k, v in values.items()})
+        keys[f"serve_mid_long_status_{n}"] = long.status
         if long.status not in (None, "200"):
             every_error[f"long:{long.status}"] += 1
         result.rows.append({
