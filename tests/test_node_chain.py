@@ -402,3 +402,27 @@ async def test_node_over_memory_streams_is_the_same_driver() -> None:
         status, headers, body = await read_answer(client)
         assert (status, headers["x-meshnet-position"], body) == (200, "0", bytes(16))
         await client.aclose()
+
+
+async def test_a_rebuilds_delete_ends_the_session_at_that_node_only() -> None:
+    """``DELETE /sessions/{id}?replay=1`` (a replica set about to rebuild a
+    stale copy by replay, wire-2 §3.8) forgets the session at the node it is
+    sent to and nowhere below: the stages below keep the state the replay
+    will not forward to them. A plain DELETE passes down the chain."""
+    key = {"X-Meshnet-Session-Key": "ab" * 16}
+    async with chain([], []) as (entry, last):
+        pool = DownstreamPool(entry.url)
+        session = str(uuid.uuid4())
+        dtype, enc, body = encode_for_wire(activation(), encoding_policy="identity")
+        headers = WireHeaders(shape=(1, 8, 4), dtype=dtype, session=session, chunk_index=0,
+                              chunk_total=1, encoding=enc, position=0,
+                              session_key=key["X-Meshnet-Session-Key"])  # fmt: skip
+        assert not isinstance(await pool.forward(headers, body, Deadline.after(20)), ErrorResponse)
+        pairs = [(name.encode(), value.encode()) for name, value in key.items()]
+        local = await pool.request("DELETE", f"/sessions/{session}?replay=1", Deadline.after(10),
+                                   pairs)  # fmt: skip
+        assert local.status == 204
+        assert session not in entry.app.table and session in last.app.table
+        await pool.request("DELETE", f"/sessions/{session}", Deadline.after(10), pairs)
+        assert session not in last.app.table
+        await pool.aclose()

@@ -55,7 +55,7 @@ from meshnet_proto import (
 )
 from meshnet_runtime.codec_pool import CodecPool
 from meshnet_runtime.config import ServerConfig
-from meshnet_runtime.control import ControlEndpoints
+from meshnet_runtime.control import ControlEndpoints, is_replay
 from meshnet_runtime.deadlines import Deadline
 from meshnet_runtime.downstream import DownstreamPool, key_headers
 from meshnet_runtime.http_server import (
@@ -198,7 +198,7 @@ class NodeApp:
         if stage_check is not None:  # a stage that can refuse by shape and dtype alone
             stage_check(event.headers.shape, event.headers.dtype, event.headers.position)
         self.table.check_head(
-            event.headers, anyio.current_time(), replay=_is_replay(event.query), client=ctx.peer
+            event.headers, anyio.current_time(), replay=is_replay(event.query), client=ctx.peer
         )
 
     def _check_stage(self, expected: str) -> None:
@@ -227,7 +227,7 @@ class NodeApp:
         # A replay (docs/failover.md): an upstream hop rebuilds this node's
         # state for a session that failed over to it; nothing goes further.
         # It never rewrites a live session (the table: 409 session_exists).
-        replay = _is_replay(event.query)
+        replay = is_replay(event.query)
         deadline = Deadline.start(ctx.started, self.config.timeout, headers.deadline_ms)
         fingerprint = await self.codecs.run(headers.nbytes, tensor_fingerprint, event.tensor)
         waiter = None
@@ -560,11 +560,6 @@ def node_identity(stage: StageBackend, wire_dtype: str, encoding: str) -> dict[s
     canonical = json.dumps(fields, sort_keys=True, separators=(",", ":"))
     digest = hashlib.blake2b(canonical.encode(), digest_size=16).hexdigest()
     return {"fingerprint": digest, **fields}
-
-
-def _is_replay(query: str) -> bool:
-    """wire-2 §3.8: ``replay=1`` among the query's parameters marks a replay."""
-    return "replay=1" in query.split("&")
 
 
 def _gone() -> MeshnetError:

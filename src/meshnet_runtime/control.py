@@ -42,7 +42,7 @@ from .downstream import DownstreamPool, key_headers
 from .http_server import Reply, RequestContext
 from .metrics import METRICS_CONTENT_TYPE, ServerMetrics
 
-__all__ = ["HEALTH_CACHE", "HEALTH_TIMEOUT", "ControlEndpoints"]
+__all__ = ["HEALTH_CACHE", "HEALTH_TIMEOUT", "ControlEndpoints", "is_replay"]
 
 log = logging.getLogger("meshnet.control")
 
@@ -223,7 +223,10 @@ class ControlEndpoints:
             key = self.owner(session, key)
         known = self.end_here(session)
         pool = self.downstream
-        if pool is not None:
+        # ``?replay=1``: a hop about to rebuild this node's copy by replay
+        # ends it here only — the stages below hold their own state, as a
+        # replayed chunk is not forwarded either (wire-2 §3.8).
+        if pool is not None and not is_replay(event.query):
             deadline = Deadline.start(ctx.started, self.timeout, None)
             try:
                 response = await pool.request(
@@ -241,6 +244,12 @@ class ControlEndpoints:
         if not known:
             raise ProtocolError(f"session {session} is unknown", code="not_found", status=404)
         return Reply(204)
+
+
+def is_replay(query: str) -> bool:
+    """wire-2 §3.8: ``replay=1`` among a request's query parameters marks a
+    replay (``POST /forward``) or a rebuild's end of a stale copy (``DELETE``)."""
+    return "replay=1" in query.split("&")
 
 
 def _outcome(outcome: dict[str, Any] | MeshnetError | None) -> dict[str, Any]:

@@ -583,10 +583,11 @@ class ReplicaSet:
             if _stale_copy(response, chunk.headers):
                 # The replica still holds an older copy of the session (it came
                 # back after the failover away from it): a replay never rewrites
-                # a live session (wire-2 §3.9), so end it there, then once more.
+                # a live session (wire-2 §3.9), so end it there — there only:
+                # the stages below keep theirs (?replay=1) — then once more.
                 with contextlib.suppress(MeshnetError):  # the replay again says how it went
                     await replica.pool.request(
-                        "DELETE", f"/sessions/{session}", deadline,
+                        "DELETE", f"/sessions/{session}?replay=1", deadline,
                         key_headers(chunk.headers.session_key),
                     )  # fmt: skip
                 response = await self._attempt(
