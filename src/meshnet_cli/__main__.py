@@ -10,15 +10,13 @@ import os
 import sys
 from collections.abc import Sequence
 
+from meshnet_node.config import ENGINES, MODEL_DTYPES, threads_count
 from meshnet_runtime.config import (
     ENCODINGS,
-    ENGINES,
     LOG_LEVELS,
-    MODEL_DTYPES,
     WIRE_DTYPES,
     positive_int,
     positive_seconds,
-    threads_count,
 )
 from meshnet_runtime.memory import parse_bytes_or_auto
 
