@@ -146,6 +146,18 @@ async def _demo(
         )
         out("")
 
+    return _summary(out, array, chain, via, views)
+
+
+def _summary(
+    out: Callable[[str], None],
+    array: np.ndarray,
+    chain: ForwardResult,
+    via: ForwardResult,
+    views: list[np.ndarray],
+) -> bool:
+    """The bytes each format sends, and whether both paths gave the input back."""
+    raw = array.nbytes
     wire2 = sum(chunk.sent_bytes for chunk in chain.chunks)
     wire1 = sum(wire1_body_size(v) for v in views)
     out(f"summary: the {len(chain.chunks)} chunk request bodies, client -> node 1")
