@@ -33,6 +33,7 @@ import anyio
 import numpy as np
 
 from meshnet_gateway import open_gateway
+from meshnet_gateway.config import GatewayConfig
 from meshnet_gateway.openai.generation import ChainSession, ChainSettings, generate
 from meshnet_gateway.openai.sampling import Sampler, SamplingParams
 from meshnet_gateway.openai.testing import write_tokenizer
@@ -41,7 +42,6 @@ from meshnet_model.testing import small_config, write_checkpoint
 from meshnet_node.model_chain import ModelSession, even_splits, start_model_chain
 from meshnet_proto import Limits
 from meshnet_runtime.codec_pool import CodecPool
-from meshnet_runtime.config import load_config
 from meshnet_runtime.downstream import DownstreamPool
 
 
@@ -119,7 +119,7 @@ async def main(args: argparse.Namespace) -> None:
     async with start_model_chain(root, splits, extra=["--log-level", "warning"]) as nodes:
         flags = ["--port", "0", "--log-level", "warning", "--entry", nodes[0].url,
                  "--model", str(root), "--chunk-tokens", "128"]  # fmt: skip
-        async with open_gateway(load_config("gateway", flags)) as gateway:
+        async with open_gateway(GatewayConfig.load(flags)) as gateway:
             pool = DownstreamPool(nodes[0].url)
             codecs = CodecPool(limits=Limits())
             url, name = gateway.url, root.name

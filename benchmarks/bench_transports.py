@@ -22,8 +22,9 @@ import numpy as np
 from meshnet_bench._support import best_forward
 from meshnet_cli.demo import make_activation
 from meshnet_gateway import Client, open_gateway
+from meshnet_gateway.config import GatewayConfig
 from meshnet_node import serve_node
-from meshnet_runtime.config import load_config
+from meshnet_node.config import NodeConfig
 
 
 def listen_flags(uds_dir: Path | None, name: str) -> list[str]:
@@ -38,18 +39,14 @@ async def measure(
     quiet = ["--log-level", "warning"]
     async with contextlib.AsyncExitStack() as stack:
         last = await stack.enter_async_context(
-            serve_node(load_config("node", [*quiet, *listen_flags(uds_dir, "n2")]))
+            serve_node(NodeConfig.load([*quiet, *listen_flags(uds_dir, "n2")]))
         )
         entry = await stack.enter_async_context(
-            serve_node(
-                load_config("node", [*quiet, *listen_flags(uds_dir, "n1"), "--next", last.url])
-            )
+            serve_node(NodeConfig.load([*quiet, *listen_flags(uds_dir, "n1"), "--next", last.url]))
         )
         gateway_flags = [*quiet, *listen_flags(uds_dir, "gw"), "--entry", entry.url,
                          "--inflight", str(args.inflight)]  # fmt: skip
-        gateway = await stack.enter_async_context(
-            open_gateway(load_config("gateway", gateway_flags))
-        )
+        gateway = await stack.enter_async_context(open_gateway(GatewayConfig.load(gateway_flags)))
         client = await stack.enter_async_context(Client(gateway.url))
         return await best_forward(client, array, encoding="identity", repeat=args.repeat)
 

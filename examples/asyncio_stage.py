@@ -19,7 +19,7 @@ import numpy as np
 
 from meshnet_gateway import forward_via_chain
 from meshnet_node import Stage, serve_node
-from meshnet_runtime.config import load_config
+from meshnet_node.config import NodeConfig
 
 
 async def affine_layer(x: np.ndarray) -> np.ndarray:
@@ -29,7 +29,7 @@ async def affine_layer(x: np.ndarray) -> np.ndarray:
 
 
 async def main() -> int:
-    config = load_config("node", ["--host", "127.0.0.1", "--port", "0"], {})
+    config = NodeConfig.load(["--host", "127.0.0.1", "--port", "0"], {})
     async with serve_node(config, stage=Stage("affine", affine_layer)) as node:
         print(f"node with stage 'affine' listening on {node.url}")
         x = np.random.default_rng(7).standard_normal((1, 300, 64)).astype(np.float32)

@@ -68,7 +68,7 @@ import fuzz_server_connection as core_fuzz  # noqa: E402
 import surface_driver  # noqa: E402
 
 from meshnet_node import build_node, serve_node  # noqa: E402
-from meshnet_runtime.config import load_config  # noqa: E402
+from meshnet_node.config import NodeConfig  # noqa: E402
 from meshnet_runtime.http_server import HttpServer  # noqa: E402
 from meshnet_runtime.transports import memory_stream_pair  # noqa: E402
 
@@ -236,7 +236,7 @@ async def running_nodes() -> AsyncIterator[Nodes]:
     try:
         async with contextlib.AsyncExitStack() as stack:
             last = await stack.enter_async_context(
-                serve_node(load_config("node", [*FLAGS, "--port", "0"], {}))
+                serve_node(NodeConfig.load([*FLAGS, "--port", "0"], {}))
             )
             servers: dict[str, HttpServer] = {}
             for target, extra in (
@@ -244,7 +244,7 @@ async def running_nodes() -> AsyncIterator[Nodes]:
                 ("guarded", ["--token", TOKEN]),
                 ("relay", ["--next", last.url]),
             ):
-                app, server = build_node(load_config("node", [*FLAGS, *extra], {}))
+                app, server = build_node(NodeConfig.load([*FLAGS, *extra], {}))
                 stack.push_async_callback(app.aclose)
                 servers[target] = server
             yield Nodes(servers, errors)

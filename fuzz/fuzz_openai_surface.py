@@ -65,10 +65,10 @@ import anyio.from_thread  # noqa: E402
 import surface_driver  # noqa: E402
 
 from meshnet_gateway import open_gateway  # noqa: E402
+from meshnet_gateway.config import GatewayConfig  # noqa: E402
 from meshnet_gateway.openai.testing import write_tokenizer  # noqa: E402
 from meshnet_model.testing import small_config, write_checkpoint  # noqa: E402
 from meshnet_node.model_chain import start_model_chain  # noqa: E402
-from meshnet_runtime.config import load_config  # noqa: E402
 
 PATHS = ("/v1/completions", "/v1/chat/completions")
 MODEL = "fuzz-model"
@@ -223,7 +223,7 @@ async def running_chain() -> AsyncIterator[Chain]:
             async with start_model_chain(model, [(0, 2), (2, 4)], extra=quiet) as nodes:
                 flags = ["--port", "0", *quiet, "--entry", nodes[0].url, "--model", str(model),
                          "--max-context", "48", "--max-tokens-default", "4"]  # fmt: skip
-                async with open_gateway(load_config("gateway", flags, {})) as gateway:
+                async with open_gateway(GatewayConfig.load(flags, {})) as gateway:
                     chain = Chain(gateway.url, errors)
                     chain.answer = await chain.greedy_answer()
                     yield chain

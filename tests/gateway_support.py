@@ -18,8 +18,9 @@ import ml_dtypes
 import numpy as np
 
 from meshnet_gateway import RunningGateway, open_gateway
+from meshnet_gateway.config import GatewayConfig
 from meshnet_node import RunningNode, serve_node
-from meshnet_runtime.config import load_config
+from meshnet_node.config import NodeConfig
 
 QUIET = ["--host", "127.0.0.1", "--port", "0", "--log-level", "warning"]
 
@@ -67,12 +68,12 @@ async def chain(
                 flags += list(last_flags)
             if next_url is not None:
                 flags += ["--next", next_url]
-            node = await stack.enter_async_context(serve_node(load_config("node", flags)))
+            node = await stack.enter_async_context(serve_node(NodeConfig.load(flags)))
             nodes.insert(0, node)
             next_url = node.url
         assert next_url is not None
         gateway = await stack.enter_async_context(
-            open_gateway(load_config("gateway", [*QUIET, "--entry", next_url, *gateway_flags]))
+            open_gateway(GatewayConfig.load([*QUIET, "--entry", next_url, *gateway_flags]))
         )
         yield Chain(nodes, gateway)
 

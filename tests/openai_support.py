@@ -25,14 +25,15 @@ import numpy as np
 from fault_support import Drop, fault_proxy
 from meshnet_gateway import open_gateway
 from meshnet_gateway.app import GatewayApp
+from meshnet_gateway.config import GatewayConfig
 from meshnet_gateway.openai.testing import write_tokenizer
 from meshnet_model import StageRunner
 from meshnet_model.testing import small_config, write_checkpoint
 from meshnet_node import serve_node
 from meshnet_node.app import NodeApp
 from meshnet_node.backends import Stage, StageBackend
+from meshnet_node.config import NodeConfig
 from meshnet_node.model_chain import even_splits, start_model_chain
-from meshnet_runtime.config import load_config
 
 VOCAB = 320
 HIDDEN = 8
@@ -145,7 +146,7 @@ async def serve_openai(
                 if next_url is not None:
                     flags += ["--next", next_url]
                 node = await stack.enter_async_context(
-                    serve_node(load_config("node", flags), stage=stage)
+                    serve_node(NodeConfig.load(flags), stage=stage)
                 )
                 apps.insert(0, node.app)
                 urls.insert(0, node.url)
@@ -157,7 +158,7 @@ async def serve_openai(
             "--port", "0", "--log-level", "warning", "--entry", entry,
             "--model", str(model_dir), *gateway_flags,
         ]  # fmt: skip
-        gateway = await stack.enter_async_context(open_gateway(load_config("gateway", flags)))
+        gateway = await stack.enter_async_context(open_gateway(GatewayConfig.load(flags)))
         yield Served(gateway.url, gateway.app, apps, urls)
 
 

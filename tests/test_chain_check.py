@@ -23,10 +23,11 @@ import pytest
 from gateway_support import QUIET, activation
 from meshnet_gateway import open_gateway
 from meshnet_gateway.client import Client
+from meshnet_gateway.config import GatewayConfig
 from meshnet_node.app import RunningNode, serve_node
 from meshnet_node.backends import Stage, echo
+from meshnet_node.config import NodeConfig
 from meshnet_proto import ErrorResponse
-from meshnet_runtime.config import load_config
 from meshnet_runtime.deadlines import Deadline
 from meshnet_runtime.downstream import DownstreamPool
 
@@ -74,7 +75,7 @@ async def nodes(*specs: Spec) -> AsyncIterator[list[RunningNode]]:
         for spec in reversed(specs):
             flags = [*QUIET, *spec.flags, *(["--next", next_url] if next_url else [])]
             node = await stack.enter_async_context(
-                serve_node(load_config("node", flags), stage=spec.stage)
+                serve_node(NodeConfig.load(flags), stage=spec.stage)
             )
             running.insert(0, node)
             next_url = node.url
@@ -136,7 +137,7 @@ async def test_a_running_gateway_answers_503_chain_mismatch(row: str) -> None:
     specs, flags, code = ROWS[row]
     token = dict(zip(flags[::2], flags[1::2], strict=True)).get("--token")
     async with nodes(*specs) as chain:
-        config = load_config("gateway", [*QUIET, "--entry", chain[0].url, *flags])
+        config = GatewayConfig.load([*QUIET, "--entry", chain[0].url, *flags])
         async with open_gateway(config) as gateway, Client(gateway.url, token=token) as client:
             assert [p.code for p in gateway.app.chain_problems or []] == [code]
             with anyio.fail_after(30):
@@ -167,7 +168,7 @@ async def _forward(url: str, token: str | None) -> Any:
 
 async def test_a_healthy_model_chain_passes_and_names_its_entry() -> None:
     async with nodes(*ranges((0, 15), (15, 30))) as chain:
-        config = load_config("gateway", [*QUIET, "--entry", chain[0].url])
+        config = GatewayConfig.load([*QUIET, "--entry", chain[0].url])
         async with open_gateway(config) as gateway:
             assert gateway.app.chain_problems == []
             assert gateway.app.expected_entry == f"{MODEL}/0"
@@ -177,7 +178,7 @@ async def test_a_healthy_model_chain_passes_and_names_its_entry() -> None:
 
 async def test_the_gateways_own_vocabulary_differs() -> None:
     async with nodes(*ranges((0, 30))) as chain:
-        config = load_config("gateway", [*QUIET, "--entry", chain[0].url])
+        config = GatewayConfig.load([*QUIET, "--entry", chain[0].url])
         async with open_gateway(config) as gateway:
             gateway.app.facts["vocab"] = 320  # what a 320-token --model tokenizer gives
             problems = await gateway.app.check_chain()
@@ -238,11 +239,11 @@ async def test_twenty_concurrent_deep_calls_cost_the_chain_one_walk() -> None:
 
 async def test_a_replica_restarted_as_another_stage_is_taken_out() -> None:
     b1_cm = nodes(*ranges((15, 30)))
-    b2_cm = serve_node(load_config("node", QUIET), stage=model_stage(15, 30))
+    b2_cm = serve_node(NodeConfig.load(QUIET), stage=model_stage(15, 30))
     async with b1_cm as (b1,), b2_cm as b2:
         port = int(b2.url.rsplit(":", 1)[1])
         entry_flags = [*QUIET, "--next", f"{b1.url},{b2.url}", "--health-interval", "0.1"]
-        async with serve_node(load_config("node", entry_flags), stage=model_stage(0, 15)) as a:
+        async with serve_node(NodeConfig.load(entry_flags), stage=model_stage(0, 15)) as a:
             hop = a.app.downstream
             with anyio.fail_after(30):
                 while hop.pinned is None or not all(r.identity_read for r in hop.replicas):
@@ -253,7 +254,7 @@ async def test_a_replica_restarted_as_another_stage_is_taken_out() -> None:
                     await anyio.sleep(0.05)
                 flags = ["--host", "127.0.0.1", "--port", str(port), "--log-level", "warning"]
                 other = model_stage(15, 30, model=OTHER)
-                async with serve_node(load_config("node", flags), stage=other):
+                async with serve_node(NodeConfig.load(flags), stage=other):
                     while not any(r.mismatch for r in hop.replicas):
                         await anyio.sleep(0.05)
                     (taken,) = [r for r in hop.describe()["replicas"] if r["mismatch"]]
@@ -263,7 +264,7 @@ async def test_a_replica_restarted_as_another_stage_is_taken_out() -> None:
                         for seed in range(20):
                             await client.forward_chunks(activation(4, 4, seed=seed), chunk_tokens=2)
                     assert {hop.holder(s) for s in list(hop._sticky)} == {b1.url}
-                    config = load_config("gateway", [*QUIET, "--entry", a.url])
+                    config = GatewayConfig.load([*QUIET, "--entry", a.url])
                     async with open_gateway(config) as gateway:
                         codes = [p.code for p in gateway.app.chain_problems or []]
                         assert codes == ["replica_mismatch"]

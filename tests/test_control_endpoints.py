@@ -15,9 +15,10 @@ import anyio
 import pytest
 
 from meshnet_gateway import open_gateway
+from meshnet_gateway.config import GatewayConfig
 from meshnet_node import serve_node
+from meshnet_node.config import NodeConfig
 from meshnet_proto import DEFAULT_ROUTES, ServerConnection
-from meshnet_runtime.config import load_config
 from meshnet_runtime.control import ControlEndpoints
 from meshnet_runtime.http_server import HttpServer, Reply, RequestContext
 from meshnet_runtime.metrics import ServerMetrics
@@ -59,10 +60,10 @@ async def odd_downstream() -> AsyncIterator[str]:
 @asynccontextmanager
 async def server_over(role: str, downstream: str) -> AsyncIterator[str]:
     if role == "node":
-        async with serve_node(load_config("node", [*QUIET, "--next", downstream])) as node:
+        async with serve_node(NodeConfig.load([*QUIET, "--next", downstream])) as node:
             yield node.url
     else:
-        config = load_config("gateway", [*QUIET, "--entry", downstream])
+        config = GatewayConfig.load([*QUIET, "--entry", downstream])
         async with open_gateway(config) as gateway:
             yield gateway.url
 

@@ -26,8 +26,8 @@ import pytest
 from failover_support import HEALTH, ReplicaChain, get_json, replica_chain
 from meshnet_gateway import open_gateway
 from meshnet_gateway.client import Client
+from meshnet_gateway.config import GatewayConfig
 from meshnet_gateway.openai.tokenizer import ModelTokenizer
-from meshnet_runtime.config import load_config
 from openai_support import reference_greedy, write_model_dir
 
 pytestmark = pytest.mark.slow
@@ -115,7 +115,7 @@ def test_sigkill_of_each_hops_holder_mid_stream_keeps_the_exact_tokens(model_dir
             chain.kill(seen["a"])
 
         async def drive() -> tuple[str, dict[int, float], dict[str, Any]]:
-            config = load_config("gateway", gateway_flags(chain))
+            config = GatewayConfig.load(gateway_flags(chain))
             async with open_gateway(config) as gateway:
                 text, gaps = await in_thread(
                     stream_with, gateway.url, {3: kill_stage2_holder, 8: kill_stage1_holder}
@@ -161,7 +161,7 @@ def test_sigstop_of_the_holder_recovers_within_the_deadline(model_dir: Path) -> 
             chain.kill(seen["b"], signal.SIGSTOP)
 
         async def drive() -> tuple[str, dict[int, float], Any]:
-            config = load_config("gateway", gateway_flags(chain, "--timeout", "30"))
+            config = GatewayConfig.load(gateway_flags(chain, "--timeout", "30"))
             async with open_gateway(config) as gateway:
                 text, gaps = await in_thread(stream_with, gateway.url, {1: stop_stage2_holder}, 48)
                 health = await in_thread(get_json, gateway.url + "/health?deep=1")
@@ -193,7 +193,7 @@ def test_a_replica_restarted_on_its_port_loses_its_state_and_is_replayed(
     with replica_chain(model_dir) as chain:
 
         async def drive() -> tuple[list[np.ndarray], dict[str, Any]]:
-            config = load_config("gateway", gateway_flags(chain))
+            config = GatewayConfig.load(gateway_flags(chain))
             async with open_gateway(config) as gateway, Client(gateway.url) as client:
                 with anyio.fail_after(LIMIT):
                     calm = await client.forward(first, encoding="identity")
@@ -245,7 +245,7 @@ def test_sixteen_generations_survive_a_kill_and_the_replica_comes_back(
                 chain.kill(victim)
 
         async def drive() -> tuple[list[str], list[dict[str, Any]], int]:
-            config = load_config("gateway", gateway_flags(chain))
+            config = GatewayConfig.load(gateway_flags(chain))
             async with open_gateway(config) as gateway:
                 texts: list[str] = []
 

@@ -25,10 +25,11 @@ from fault_support import drop_first_attempts, fault_proxy
 from gateway_support import QUIET, activation, same_bits, spawn, stop
 from meshnet_gateway import Client, RemoteError, open_gateway
 from meshnet_gateway._retry import RetryPolicy
+from meshnet_gateway.config import GatewayConfig
 from meshnet_node import RunningNode, serve_node
 from meshnet_node.backends import CountingStage
+from meshnet_node.config import NodeConfig
 from meshnet_proto import DownstreamError, ErrorResponse, WireHeaders
-from meshnet_runtime.config import load_config
 from meshnet_runtime.deadlines import Deadline
 from meshnet_runtime.downstream import DownstreamPool
 
@@ -36,11 +37,11 @@ LIMIT = 30  # every wait is bounded: a hang fails the test, never the run
 
 
 def node_config(*flags: str):  # type: ignore[no-untyped-def]
-    return load_config("node", [*QUIET, "--backend", "count", *flags])
+    return NodeConfig.load([*QUIET, "--backend", "count", *flags])
 
 
 def gateway_config(entry: str, *flags: str):  # type: ignore[no-untyped-def]
-    return load_config("gateway", [*QUIET, "--entry", entry, *flags])
+    return GatewayConfig.load([*QUIET, "--entry", entry, *flags])
 
 
 def runs(node: RunningNode) -> Counter[object]:

@@ -24,7 +24,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from meshnet_gateway.admission import Admission, AdmissionRefused, Ticket
-from meshnet_runtime.config import load_config
+from meshnet_gateway.config import GatewayConfig
 from openai_support import Served, fake_stages, serve_openai, write_model_dir
 
 LIMIT = 30  # every wait is bounded: a hang fails the test, not the run
@@ -351,17 +351,16 @@ async def test_a_stream_whose_producer_never_starts_gives_its_ticket_back(
 
 
 def test_flags_and_defaults() -> None:
-    config = load_config("gateway", ["--entry", "http://x:1"], {})
+    config = GatewayConfig.load(["--entry", "http://x:1"], {})
     assert (config.max_running, config.max_prefill_tokens, config.max_queued,
             config.queue_timeout) == (128, 4096, 128, 120.0)  # fmt: skip
     argv = ["--entry", "http://x:1", "--max-running", "2", "--max-prefill-tokens", "64",
             "--max-queued", "0", "--queue-timeout", "0.5"]  # fmt: skip
-    config = load_config("gateway", argv, {"MESHNET_MAX_RUNNING": "9"})
+    config = GatewayConfig.load(argv, {"MESHNET_MAX_RUNNING": "9"})
     assert (config.max_running, config.max_prefill_tokens, config.max_queued,
             config.queue_timeout) == (2, 64, 0, 0.5)  # fmt: skip
     assert (
-        load_config("gateway", ["--entry", "http://x:1"], {"MESHNET_MAX_QUEUED": "3"}).max_queued
-        == 3
+        GatewayConfig.load(["--entry", "http://x:1"], {"MESHNET_MAX_QUEUED": "3"}).max_queued == 3
     )
 
 
@@ -380,7 +379,7 @@ def test_bad_admission_flags_exit_2(
     argv: list[str], env: dict[str, str], capsys: pytest.CaptureFixture[str]
 ) -> None:
     with pytest.raises(SystemExit) as caught:
-        load_config("gateway", ["--entry", "http://x:1", *argv], env)
+        GatewayConfig.load(["--entry", "http://x:1", *argv], env)
     assert caught.value.code == 2
     assert "error:" in capsys.readouterr().err
 

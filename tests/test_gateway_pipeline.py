@@ -26,9 +26,10 @@ from meshnet_gateway import (
     open_gateway,
 )
 from meshnet_gateway.app import _reorder_window
+from meshnet_gateway.config import GatewayConfig
 from meshnet_node import serve_node
+from meshnet_node.config import NodeConfig
 from meshnet_proto import DownstreamError, MeshnetError
-from meshnet_runtime.config import load_config
 
 pytestmark = pytest.mark.anyio
 
@@ -252,22 +253,22 @@ async def test_failure_at_the_last_node_names_it_and_cancels_the_rest() -> None:
 async def test_entry_down_is_502_naming_it_not_a_hang() -> None:
     down = closed_port_url()
     async with (
-        serve_node(load_config("node", ["--port", "0", "--log-level", "warning"])) as node,
+        serve_node(NodeConfig.load(["--port", "0", "--log-level", "warning"])) as node,
         chain(1) as c,
     ):
         # A gateway whose entry is down, and a node whose --next is down.
         flags = ["--port", "0", "--entry", down, "--log-level", "error"]
-        async with open_gateway(load_config("gateway", flags)) as gateway:
+        async with open_gateway(GatewayConfig.load(flags)) as gateway:
             with anyio.fail_after(LIMIT), pytest.raises(MeshnetError) as caught:
                 await forward_via_gateway(gateway.url, activation(10, 4))
             assert (caught.value.status, caught.value.code) == (502, "downstream_unreachable")
             assert caught.value.hop == down
             assert gateway.app.info()["inflight"]["entry_reorder_window"] is None
         del node
-        nexted = load_config("node", ["--port", "0", "--next", down, "--log-level", "error"])
+        nexted = NodeConfig.load(["--port", "0", "--next", down, "--log-level", "error"])
         async with serve_node(nexted) as entry:
             flags = ["--port", "0", "--entry", entry.url, "--log-level", "error"]
-            async with open_gateway(load_config("gateway", flags)) as gateway:
+            async with open_gateway(GatewayConfig.load(flags)) as gateway:
                 with anyio.fail_after(LIMIT), pytest.raises(RemoteError) as caught:
                     await forward_via_gateway(gateway.url, activation(10, 4))
                 assert (caught.value.status, caught.value.hop) == (502, down)
@@ -289,7 +290,7 @@ async def test_entry_that_accepts_but_never_answers_is_504_within_the_budget() -
     async with anyio.create_task_group() as tg:
         tg.start_soon(listener.serve, hold)
         flags = ["--port", "0", "--entry", hung, "--timeout", "0.8", "--log-level", "error"]
-        async with open_gateway(load_config("gateway", flags)) as gateway:
+        async with open_gateway(GatewayConfig.load(flags)) as gateway:
             started = anyio.current_time()
             with anyio.fail_after(LIMIT), pytest.raises(RemoteError) as caught:
                 await forward_via_gateway(gateway.url, activation(10, 4))
@@ -303,11 +304,11 @@ async def test_entry_that_accepts_but_never_answers_is_504_within_the_budget() -
 async def test_entry_window_is_learnt_once_the_entry_comes_up() -> None:
     down = closed_port_url()
     flags = ["--port", "0", "--entry", down, "--inflight", "4", "--log-level", "error"]
-    async with open_gateway(load_config("gateway", flags)) as gateway:
+    async with open_gateway(GatewayConfig.load(flags)) as gateway:
         assert gateway.app.inflight == 1  # unknown window: one chunk at a time
         port = down.rsplit(":", 1)[1]
         node_flags = ["--port", port, "--reorder-window", "3", "--log-level", "warning"]
-        async with serve_node(load_config("node", node_flags)):
+        async with serve_node(NodeConfig.load(node_flags)):
             with anyio.fail_after(LIMIT):
                 result = await forward_via_gateway(gateway.url, activation(300, 8))
                 for _ in range(POLLS):  # the /info question runs in the background
@@ -412,15 +413,13 @@ async def test_a_hang_deep_in_the_chain_is_named_by_the_node_nearest_to_it() -> 
             # test's shutdown quick.
             quick = [*QUIET, "--timeout", "3", "--shutdown-timeout", "1"]
             node2 = await stack.enter_async_context(
-                serve_node(load_config("node", [*quick, "--next", hung]))
+                serve_node(NodeConfig.load([*quick, "--next", hung]))
             )
             node1 = await stack.enter_async_context(
-                serve_node(load_config("node", [*quick, "--next", node2.url]))
+                serve_node(NodeConfig.load([*quick, "--next", node2.url]))
             )
             gateway = await stack.enter_async_context(
-                open_gateway(
-                    load_config("gateway", [*QUIET, "--entry", node1.url, "--timeout", "1.5"])
-                )
+                open_gateway(GatewayConfig.load([*QUIET, "--entry", node1.url, "--timeout", "1.5"]))
             )
             with anyio.fail_after(LIMIT), pytest.raises(RemoteError) as caught:
                 await forward_via_gateway(gateway.url, activation(10, 4))

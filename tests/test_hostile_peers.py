@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 from meshnet_node import RunningNode, serve_node
+from meshnet_node.config import NodeConfig
 from meshnet_proto import (
     ErrorResponse,
     Limits,
@@ -24,7 +25,6 @@ from meshnet_proto import (
     WireHeaders,
     encode_for_wire,
 )
-from meshnet_runtime.config import load_config
 from meshnet_runtime.deadlines import Deadline
 from meshnet_runtime.downstream import DownstreamPool
 
@@ -33,7 +33,7 @@ pytestmark = pytest.mark.anyio
 
 @asynccontextmanager
 async def node(*args: str) -> AsyncIterator[RunningNode]:
-    async with serve_node(load_config("node", ["--port", "0", *args], {})) as running:
+    async with serve_node(NodeConfig.load(["--port", "0", *args], {})) as running:
         yield running
 
 

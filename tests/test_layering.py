@@ -59,6 +59,19 @@ def test_the_packages_form_no_cycle() -> None:
     assert cycles == []
 
 
+def test_the_shared_layers_know_no_role() -> None:
+    """The core and the runtime serve both roles: what is a node's or a
+    gateway's (their flags, NodeConfig and GatewayConfig) lives beside its
+    server, and nothing below imports it."""
+    upward = [
+        f"{package} imports {module}"
+        for package, module, _ in _imports()
+        if package in ("meshnet_proto", "meshnet_runtime")
+        and module.split(".")[0] in ("meshnet_node", "meshnet_gateway", "meshnet_cli")
+    ]
+    assert upward == []
+
+
 # -- inside meshnet_model: modules layered one way, and no cycle ----------------------
 
 MODEL = SRC / "meshnet_model"

@@ -14,7 +14,7 @@ import pytest
 from cgroup_support import memory_cgroup
 from meshnet_model.testing import random_weights, small_config
 from meshnet_model.testing.gguf import write_gguf
-from meshnet_runtime.config import load_config
+from meshnet_node.config import NodeConfig
 from meshnet_runtime.memory import MemoryLimit, memory_limit, parse_bytes, parse_bytes_or_auto
 
 MiB, GiB = 1024**2, 1024**3
@@ -118,14 +118,14 @@ def test_the_byte_flags() -> None:
     for bad in ("", "-1", "0", "4 parsecs", "GiB", "١٢"):
         with pytest.raises(argparse.ArgumentTypeError):
             parse_bytes(bad)
-    config = load_config("node", ["--memory-limit", "4GiB", "--kv-budget-bytes", "256MiB"], {})
+    config = NodeConfig.load(["--memory-limit", "4GiB", "--kv-budget-bytes", "256MiB"], {})
     assert config.memory_limit == 4 * GiB and config.kv_budget_bytes == 256 * MiB
-    defaults = load_config("node", [], {})
+    defaults = NodeConfig.load([], {})
     assert defaults.memory_limit == "auto" and defaults.kv_budget_bytes == "auto"
-    env = load_config("node", [], {"MESHNET_MEMORY_LIMIT": "1GB"})
+    env = NodeConfig.load([], {"MESHNET_MEMORY_LIMIT": "1GB"})
     assert env.memory_limit == 10**9
     with pytest.raises(SystemExit):
-        load_config("node", ["--memory-limit", "lots"], {})
+        NodeConfig.load(["--memory-limit", "lots"], {})
 
 
 @pytest.fixture

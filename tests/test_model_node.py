@@ -319,8 +319,8 @@ async def test_a_stage_computing_a_suffix_is_a_500_never_a_short_frame(
     would emit fewer positions than it received fails loudly, by name."""
     from meshnet_model import StageModel, StageWeights
     from meshnet_node import serve_node
+    from meshnet_node.config import NodeConfig
     from meshnet_node.model_stage import ModelStage
-    from meshnet_runtime.config import load_config
 
     class SuffixOnly(StageModel):
         def _layers(self, x, batch):  # type: ignore[no-untyped-def]
@@ -330,7 +330,7 @@ async def test_a_stage_computing_a_suffix_is_a_500_never_a_short_frame(
     runner = StageRunner(StageWeights.load(checkpoint, range(2, 4)), path=str(checkpoint))
     runner.model = SuffixOnly(runner.weights)
     async with AsyncExitStack() as stack:
-        config = load_config("node", ["--port", "0"], {})
+        config = NodeConfig.load(["--port", "0"], {})
         last = await stack.enter_async_context(serve_node(config, stage=ModelStage(runner)))
         first = await stack.enter_async_context(
             start_model_chain(checkpoint, [(0, 2)], extra=["--next", last.url])

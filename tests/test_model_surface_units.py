@@ -23,6 +23,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import meshnet_model.stage.runner as runner_module
+from meshnet_gateway.config import GatewayConfig
 from meshnet_gateway.openai.sampling import Sampler, SamplingParams, top_indices
 from meshnet_gateway.openai.special_tokens import ChatEncoder
 from meshnet_gateway.openai.testing import write_tokenizer
@@ -33,8 +34,8 @@ from meshnet_model.stage.costs import chunk_cost
 from meshnet_model.testing import small_config, smollm_135m_config, write_checkpoint
 from meshnet_node import serve_node
 from meshnet_node.backends import Stage
+from meshnet_node.config import NodeConfig
 from meshnet_node.model_stage import ModelStage
-from meshnet_runtime.config import load_config
 from openai_support import fake_stages, serve_openai, write_model_dir
 from security_support import Answer, request, send, wire
 
@@ -148,7 +149,7 @@ async def test_a_node_drops_a_queued_chunk_whose_session_was_deleted(checkpoint:
     runner.run_batch = run_batch  # type: ignore[method-assign]
     a = "a" * 8 + "-0000-4000-8000-" + "0" * 12
     b = "b" * 8 + "-0000-4000-8000-" + "0" * 12
-    config = load_config("node", ["--port", "0", "--log-level", "warning"], {})
+    config = NodeConfig.load(["--port", "0", "--log-level", "warning"], {})
     async with serve_node(config, stage=stage) as node:
         answers: dict[str, Answer] = {}
 
@@ -185,8 +186,8 @@ async def test_a_forget_while_downstream_is_passed_down_again() -> None:
 
     quiet = ["--port", "0", "--log-level", "warning"]
     session = "c" * 8 + "-0000-4000-8000-" + "0" * 12
-    async with serve_node(load_config("node", quiet, {}), stage=Stage("slow", slow_echo)) as last:
-        relay_config = load_config("node", [*quiet, "--next", last.url], {})
+    async with serve_node(NodeConfig.load(quiet, {}), stage=Stage("slow", slow_echo)) as last:
+        relay_config = NodeConfig.load([*quiet, "--next", last.url], {})
         async with serve_node(relay_config) as relay:
             statuses = []
 
@@ -242,20 +243,20 @@ def test_non_finite_hidden_states_are_refused(checkpoint: Path) -> None:
 
 
 def test_node_flags_for_chunk_limits() -> None:
-    config = load_config("node", ["--max-chunk-tokens", "64", "--max-compute-bytes", "1000"], {})
+    config = NodeConfig.load(["--max-chunk-tokens", "64", "--max-compute-bytes", "1000"], {})
     assert (config.max_chunk_tokens, config.max_compute_bytes) == (64, 1000)
-    default = load_config("node", [], {})
+    default = NodeConfig.load([], {})
     assert (default.max_chunk_tokens, default.max_compute_bytes) == (2048, 1024 * MiB)
-    gateway = load_config("gateway", ["--entry", "http://127.0.0.1:1",
+    gateway = GatewayConfig.load(["--entry", "http://127.0.0.1:1",
                                       "--special-tokens-in-content", "refuse",
                                       "--max-prompt-chars", "100"], {})  # fmt: skip
     assert (gateway.special_tokens_in_content, gateway.max_prompt_chars) == ("refuse", 100)
     assert (
-        load_config("gateway", ["--entry", "http://127.0.0.1:1"], {}).special_tokens_in_content
+        GatewayConfig.load(["--entry", "http://127.0.0.1:1"], {}).special_tokens_in_content
         == "escape"
     )
     with pytest.raises(SystemExit):
-        load_config("gateway", ["--entry", "http://x:1", "--special-tokens-in-content", "drop"])
+        GatewayConfig.load(["--entry", "http://x:1", "--special-tokens-in-content", "drop"])
 
 
 # ---------------------------------------------------------------- sampling

@@ -24,6 +24,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from meshnet_node import RunningNode, Stage, serve_node
 from meshnet_node.backends import echo
+from meshnet_node.config import NodeConfig
 from meshnet_proto import (
     ActivationResponse,
     ErrorResponse,
@@ -33,7 +34,6 @@ from meshnet_proto import (
     encode_for_wire,
     plan_chunks,
 )
-from meshnet_runtime.config import load_config
 from meshnet_runtime.deadlines import Deadline
 from meshnet_runtime.downstream import DownstreamPool
 from wire_support import exchange, forward_request, http_request, read_answer
@@ -54,7 +54,7 @@ async def chain(
                 argv += ["--next", nodes[0].url]
             stage = stages[i] if stages else None
             node = await stack.enter_async_context(
-                serve_node(load_config("node", argv, {}), stage=stage)
+                serve_node(NodeConfig.load(argv, {}), stage=stage)
             )
             nodes.insert(0, node)
         yield nodes
@@ -249,7 +249,7 @@ async def test_downstream_down_is_502_naming_the_hop() -> None:
     listener = await anyio.create_tcp_listener(local_host="127.0.0.1")
     dead = f"http://127.0.0.1:{listener.extra(SocketAttribute.local_port)}"
     await listener.aclose()
-    async with serve_node(load_config("node", ["--port", "0", "--next", dead], {})) as node:
+    async with serve_node(NodeConfig.load(["--port", "0", "--next", dead], {})) as node:
         pool = DownstreamPool(node.url)
         session = str(uuid.uuid4())
         with anyio.fail_after(10):
@@ -274,7 +274,7 @@ async def test_hung_downstream_and_a_deadline_is_504_naming_it() -> None:
 
     async with anyio.create_task_group() as tg:
         tg.start_soon(listener.serve, swallow)
-        async with serve_node(load_config("node", ["--port", "0", "--next", hung], {})) as node:
+        async with serve_node(NodeConfig.load(["--port", "0", "--next", hung], {})) as node:
             s = str(uuid.uuid4())
             request = forward_request(wire(s, **{"X-Meshnet-Deadline-Ms": "500"}), bytes(16))
             status, _, document = await exchange(node.url, request)
@@ -373,13 +373,13 @@ async def test_chain_over_unix_socket_and_tls(tmp_path: Path) -> None:
     sock = str(tmp_path / "last.sock")
 
     async with AsyncExitStack() as stack:
-        last = await stack.enter_async_context(serve_node(load_config("node", ["--uds", sock], {})))
-        middle = await stack.enter_async_context(serve_node(load_config(
-            "node", ["--port", "0", "--next", last.url, "--tls-cert", paths["cert"],
-                     "--tls-key", paths["key"]], {},
+        last = await stack.enter_async_context(serve_node(NodeConfig.load(["--uds", sock], {})))
+        middle = await stack.enter_async_context(serve_node(NodeConfig.load(
+            ["--port", "0", "--next", last.url, "--tls-cert", paths["cert"],
+             "--tls-key", paths["key"]], {},
         )))  # fmt: skip
-        entry = await stack.enter_async_context(serve_node(load_config(
-            "node", ["--port", "0", "--next", middle.url, "--tls-ca", paths["ca"]], {},
+        entry = await stack.enter_async_context(serve_node(NodeConfig.load(
+            ["--port", "0", "--next", middle.url, "--tls-ca", paths["ca"]], {},
         )))  # fmt: skip
         assert last.url == f"unix:{sock}" and middle.url.startswith("https://")
         pool = DownstreamPool(entry.url)
@@ -394,7 +394,7 @@ async def test_node_over_memory_streams_is_the_same_driver() -> None:
     from meshnet_node import build_node
     from meshnet_runtime.transports import memory_stream_pair
 
-    _, server = build_node(load_config("node", [], {}))
+    _, server = build_node(NodeConfig.load([], {}))
     client, served = memory_stream_pair()
     async with anyio.create_task_group() as tg:
         tg.start_soon(server.serve_stream, served)

@@ -442,19 +442,19 @@ def test_any_json_document_is_parsed_or_refused_as_a_4xx(document: dict[str, obj
 
 
 def test_gateway_model_flags_come_from_the_environment_too() -> None:
-    from meshnet_runtime.config import load_config
+    from meshnet_gateway.config import GatewayConfig
 
     env = {"MESHNET_MODEL": "/models/x", "MESHNET_MAX_TOKENS_DEFAULT": "5",
            "MESHNET_MAX_CONTEXT": "0", "MESHNET_MODEL_NAME": "x"}  # fmt: skip
-    config = load_config("gateway", ["--entry", "http://127.0.0.1:1"], env)
+    config = GatewayConfig.load(["--entry", "http://127.0.0.1:1"], env)
     assert (config.model, config.model_name, config.max_tokens_default, config.max_context) == (
         "/models/x",
         "x",
         5,
         0,
     )
-    flagged = load_config("gateway", ["--entry", "http://127.0.0.1:1", "--max-context", "64"], env)
+    flagged = GatewayConfig.load(["--entry", "http://127.0.0.1:1", "--max-context", "64"], env)
     assert flagged.max_context == 64  # a flag beats the environment
     with pytest.raises(SystemExit) as exited:
-        load_config("gateway", ["--entry", "http://127.0.0.1:1"], {"MESHNET_MAX_CONTEXT": "-1"})
+        GatewayConfig.load(["--entry", "http://127.0.0.1:1"], {"MESHNET_MAX_CONTEXT": "-1"})
     assert exited.value.code == 2

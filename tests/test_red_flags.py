@@ -22,6 +22,7 @@ from gateway_support import chain as gateway_chain
 from meshnet_gateway._pipeline import run_chunks
 from meshnet_node import serve_node
 from meshnet_node.app import NodeApp
+from meshnet_node.config import NodeConfig
 from meshnet_proto import (
     ActivationReceived,
     ChunkAssembler,
@@ -30,7 +31,6 @@ from meshnet_proto import (
     request_cost,
 )
 from meshnet_runtime.codec_pool import CodecPool
-from meshnet_runtime.config import load_config
 from meshnet_runtime.deadlines import Deadline
 from meshnet_runtime.downstream import DownstreamPool
 from meshnet_runtime.endpoints import parse_endpoint
@@ -265,7 +265,7 @@ async def test_a_cancelled_waiter_gives_its_place_back() -> None:
     """A request cancelled while its chunk waits for its turn must leave the
     table: otherwise each one holds a place among the pending waiters for
     ever, and after a few no new session can start out of order."""
-    app = NodeApp(load_config("node", ["--reorder-window", "2"]))
+    app = NodeApp(NodeConfig.load(["--reorder-window", "2"]))
     assert app.table.max_pending_waiters == 8
     for _ in range(app.table.max_pending_waiters + 1):
         event = _chunk_one(str(uuid.uuid4()))
@@ -285,7 +285,7 @@ async def test_a_cancelled_waiter_gives_its_place_back() -> None:
 async def test_a_body_slower_than_the_requests_deadline_is_504_at_the_deadline() -> None:
     """The body read is bounded by X-Meshnet-Deadline-Ms too, not only by
     the server's own (here: an hour-long) body timeout."""
-    async with serve_node(load_config("node", [*QUIET, "--timeout", "3600"])) as node:
+    async with serve_node(NodeConfig.load([*QUIET, "--timeout", "3600"])) as node:
         fields = wire_fields((1, 1024), str(uuid.uuid4()), **{"X-Meshnet-Deadline-Ms": "200"})
         head = forward_request(fields, bytes(4096))[:-4000]  # most of the body missing
         stream = await connect(parse_endpoint(node.url))

@@ -28,6 +28,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from meshnet_node import RunningNode, serve_node
+from meshnet_node.config import NodeConfig
 from meshnet_proto import (
     ActivationResponse,
     ErrorResponse,
@@ -41,7 +42,6 @@ from meshnet_proto import (
     WireHeaders,
     encode_for_wire,
 )
-from meshnet_runtime.config import load_config
 from meshnet_runtime.deadlines import Deadline
 from meshnet_runtime.downstream import DownstreamPool
 
@@ -460,7 +460,7 @@ class OneAtATime:
 
 @asynccontextmanager
 async def slow_node(seconds: float, *args: str) -> AsyncIterator[RunningNode]:
-    config = load_config("node", ["--port", "0", *args], {})
+    config = NodeConfig.load(["--port", "0", *args], {})
     async with serve_node(config, stage=OneAtATime(seconds)) as node:
         yield node
 

@@ -14,10 +14,11 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from gateway_support import QUIET, activation, same_bits
 from meshnet_gateway import Client, RemoteError, open_gateway
+from meshnet_gateway.config import GatewayConfig
 from meshnet_node import RunningNode, serve_node
 from meshnet_node.backends import CountingStage
+from meshnet_node.config import NodeConfig
 from meshnet_proto import ActivationHead, DownstreamError, ErrorResponse, WireHeaders
-from meshnet_runtime.config import load_config
 from meshnet_runtime.deadlines import Deadline
 from meshnet_runtime.endpoints import parse_endpoint
 from meshnet_runtime.history import CHUNK_OVERHEAD, HistoryStore
@@ -69,11 +70,11 @@ def test_a_replay_query_reaches_the_application() -> None:
 
 
 def test_next_and_entry_take_replica_lists() -> None:
-    config = load_config("node", ["--next", "http://127.0.0.1:1, http://127.0.0.1:2"])
+    config = NodeConfig.load(["--next", "http://127.0.0.1:1, http://127.0.0.1:2"])
     assert config.next is not None and config.next.url == "http://127.0.0.1:1"
     assert [e.url for e in config.next_replicas] == ["http://127.0.0.1:1", "http://127.0.0.1:2"]
     with pytest.raises(SystemExit):
-        load_config("gateway", ["--entry", "http://127.0.0.1:1,"])
+        GatewayConfig.load(["--entry", "http://127.0.0.1:1,"])
     one = (parse_endpoint("http://127.0.0.1:1"),)
     assert not needs_replica_set(one)
     assert needs_replica_set((parse_endpoint("http://replicas.example:80"),))
@@ -86,13 +87,13 @@ async def two_replicas(*flags: str) -> AsyncIterator[tuple[list[RunningNode], Ru
     async with contextlib.AsyncExitStack() as stack:
         lasts = [
             await stack.enter_async_context(
-                serve_node(load_config("node", [*QUIET, "--backend", "count"]))
+                serve_node(NodeConfig.load([*QUIET, "--backend", "count"]))
             )
             for _ in range(2)
         ]
         urls = ",".join(n.url for n in lasts)
         entry = await stack.enter_async_context(
-            serve_node(load_config("node", [*QUIET, *FAST, "--next", urls, *flags]))
+            serve_node(NodeConfig.load([*QUIET, *FAST, "--next", urls, *flags]))
         )
         yield lasts, entry
 
@@ -183,7 +184,7 @@ async def test_an_evicted_history_is_a_clear_error_naming_the_stage() -> None:
 async def test_a_gateway_entry_replica_set_resolves_names() -> None:
     async with contextlib.AsyncExitStack() as stack:
         node = await stack.enter_async_context(
-            serve_node(load_config("node", [*QUIET, "--backend", "count"]))
+            serve_node(NodeConfig.load([*QUIET, "--backend", "count"]))
         )
         port = int(node.url.rsplit(":", 1)[1])
         answers = {"replicas.test": ["127.0.0.1"]}
@@ -218,7 +219,7 @@ async def test_a_gateway_entry_replica_set_resolves_names() -> None:
 async def test_gateway_entry_replicas_show_in_info() -> None:
     async with two_replicas() as (lasts, entry):
         urls = ",".join(n.url for n in lasts)
-        config = load_config("gateway", [*QUIET, *FAST, "--entry", urls])
+        config = GatewayConfig.load([*QUIET, *FAST, "--entry", urls])
         async with open_gateway(config) as gateway, Client(gateway.url) as client:
             with anyio.fail_after(30):
                 await client.forward(activation(4, 4, seed=1))
@@ -238,11 +239,10 @@ async def test_a_run_with_chunks_in_flight_fails_over_mid_run() -> None:
     async with contextlib.AsyncExitStack() as stack:
         flags = [*QUIET, "--backend", "count", "--delay-ms", "20"]
         nodes = [
-            await stack.enter_async_context(serve_node(load_config("node", flags)))
-            for _ in range(2)
+            await stack.enter_async_context(serve_node(NodeConfig.load(flags))) for _ in range(2)
         ]
         urls = ",".join(n.url for n in nodes)
-        config = load_config("gateway", [*QUIET, *FAST, "--entry", urls, "--inflight", "4",
+        config = GatewayConfig.load([*QUIET, *FAST, "--entry", urls, "--inflight", "4",
                                          "--chunk-tokens", "2"])  # fmt: skip
         gateway = await stack.enter_async_context(open_gateway(config))
         client = await stack.enter_async_context(Client(gateway.url))

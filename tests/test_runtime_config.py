@@ -2,12 +2,22 @@
 
 from __future__ import annotations
 
+import ast
+import re
+import subprocess
+import sys
+from dataclasses import fields
+from pathlib import Path
+
 import anyio
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from meshnet_gateway.config import GATEWAY_FLAGS, GatewayConfig
+from meshnet_node.config import NODE_FLAGS, NodeConfig
 from meshnet_proto import DownstreamError, Limits
-from meshnet_runtime.config import env_name, load_config
+from meshnet_runtime import config as config_module
+from meshnet_runtime.config import COMMON_FLAGS, ServerConfig, env_name
 from meshnet_runtime.deadlines import Deadline
 from meshnet_runtime.endpoints import format_url, parse_endpoint
 from meshnet_runtime.http_server import ServerSettings
@@ -64,7 +74,7 @@ def test_authority_and_format() -> None:
 
 def test_config_precedence_flag_env_default() -> None:
     env = {"MESHNET_TIMEOUT": "5", "MESHNET_CHUNK_TOKENS": "64", "MESHNET_ENTRY": "http://a:1"}
-    config = load_config("gateway", ["--timeout", "7"], env)
+    config = GatewayConfig.load(["--timeout", "7"], env)
     assert config.timeout == 7.0  # flag beats env
     assert config.chunk_tokens == 64  # env beats default
     assert config.inflight == 1  # default
@@ -73,8 +83,7 @@ def test_config_precedence_flag_env_default() -> None:
 
 
 def test_config_node_flags() -> None:
-    config = load_config(
-        "node",
+    config = NodeConfig.load(
         ["--next", "unix:/tmp/n.sock", "--backend", "zeros", "--delay-ms", "2.5",
          "--wire-dtype", "auto-lossless", "--encoding", "zstd", "--zstd-level", "3"],
         {},
@@ -83,7 +92,7 @@ def test_config_node_flags() -> None:
     assert (config.backend, config.delay_ms) == ("zeros", 2.5)
     assert (config.wire_dtype, config.encoding, config.zstd_level) == ("auto-lossless", "zstd", 3)
     assert config.limits.reorder_window == 16
-    assert "s3cret" not in repr(load_config("node", ["--token", "s3cret"], {}))
+    assert "s3cret" not in repr(NodeConfig.load(["--token", "s3cret"], {}))
 
 
 @pytest.mark.parametrize(
@@ -103,14 +112,14 @@ def test_config_rejects(
     argv: list[str], env: dict[str, str], needle: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
     with pytest.raises(SystemExit) as exc:
-        load_config("node", argv, env)
+        NodeConfig.load(argv, env)
     assert exc.value.code == 2
     assert needle in capsys.readouterr().err
 
 
 def test_gateway_requires_entry(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit):
-        load_config("gateway", [], {})
+        GatewayConfig.load([], {})
     assert "--entry" in capsys.readouterr().err
 
 
@@ -153,7 +162,7 @@ async def test_deadline_arithmetic() -> None:
 
 def test_help_lists_the_choices_of_every_choice_flag(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit):
-        load_config("node", ["--help"], {})
+        NodeConfig.load(["--help"], {})
     text = capsys.readouterr().out
     for shown in (
         "{echo,zeros,count}",
@@ -168,7 +177,7 @@ def test_help_lists_the_choices_of_every_choice_flag(capsys: pytest.CaptureFixtu
 def test_one_source_for_every_default() -> None:
     """The config's defaults are the core's Limits and the loop's
     ServerSettings, its limits are built once, and /info shows both kinds."""
-    config = load_config("node", [], {})
+    config = NodeConfig.load([], {})
     limits, settings = Limits(), ServerSettings()
     assert config.limits == limits and config.limits is config.limits
     assert (config.timeout, config.head_timeout, config.max_connections) == (
@@ -178,3 +187,82 @@ def test_one_source_for_every_default() -> None:
     assert info["max_tensor_bytes"] == limits.max_tensor_bytes
     assert (info["head_timeout"], info["timeout"]) == (settings.head_timeout, config.timeout)
     assert not hasattr(limits, "head_timeout")  # the loop's, not the core's: the core never read it
+
+
+# -- the roles' flags beside their servers, the common ones in the runtime -------------
+
+
+def _options(config: type[ServerConfig]) -> set[str]:
+    """The long options ``meshnet-<role> --help`` lists."""
+    return set(re.findall(r"(?<![\w-])--[a-z][a-z-]*", config.build_parser().format_help()))
+
+
+def test_each_role_parses_the_common_flags_and_only_its_own() -> None:
+    common = {flag.name for flag in COMMON_FLAGS}
+    node_only = {flag.name for flag in NODE_FLAGS} - {flag.name for flag in GATEWAY_FLAGS}
+    gateway_only = {flag.name for flag in GATEWAY_FLAGS} - {flag.name for flag in NODE_FLAGS}
+    assert {"--next", "--backend", "--engine", "--kv-budget-bytes"} <= node_only
+    assert {"--entry", "--retries", "--special-tokens-in-content", "--max-running"} <= gateway_only
+    assert _options(NodeConfig) == common | {flag.name for flag in NODE_FLAGS} | {"--help"}
+    assert _options(GatewayConfig) == common | {flag.name for flag in GATEWAY_FLAGS} | {"--help"}
+    assert _options(ServerConfig) == common | {"--help"}
+    assert not hasattr(NodeConfig.load([], {}), "retries")
+    assert not hasattr(GatewayConfig.load(["--entry", "http://a:1"], {}), "engine")
+
+
+@pytest.mark.parametrize(
+    ("config", "argv"),
+    [
+        (NodeConfig, ["--entry", "http://a:1"]),
+        (NodeConfig, ["--retries", "3"]),
+        (NodeConfig, ["--special-tokens-in-content", "keep"]),
+        (GatewayConfig, ["--entry", "http://a:1", "--next", "http://b:2"]),
+        (GatewayConfig, ["--entry", "http://a:1", "--engine", "torch"]),
+        (GatewayConfig, ["--entry", "http://a:1", "--kv-budget-bytes", "1GiB"]),
+    ],
+)
+def test_a_role_refuses_the_other_roles_flags(
+    config: type[ServerConfig], argv: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exc:
+        config.load(argv, {})
+    assert exc.value.code == 2
+    assert "unrecognized arguments" in capsys.readouterr().err
+
+
+def test_a_role_reads_no_variable_of_the_other_roles_flags() -> None:
+    node_only = {f.name for f in NODE_FLAGS} - {f.name for f in GATEWAY_FLAGS}
+    gateway_only = {f.name for f in GATEWAY_FLAGS} - {f.name for f in NODE_FLAGS}
+    # "" is no valid value of any of them: read, it would exit 2 naming the variable.
+    assert GatewayConfig.load(["--entry", "http://a:1"], {env_name(f): "" for f in node_only})
+    assert NodeConfig.load([], {env_name(f): "" for f in gateway_only})
+
+
+@pytest.mark.parametrize("config", [ServerConfig, NodeConfig, GatewayConfig])
+def test_one_table_names_every_field(config: type[ServerConfig]) -> None:
+    """Each flag is a field with a default, and each field a flag (but what the
+    config derives: the core's limits, a hop's replica set)."""
+    derived = {"limits", "next_replicas", "entry_replicas"}
+    assert {flag.dest for flag in config.flags()} == {f.name for f in fields(config)} - derived
+    assert set(config.defaults()) >= {flag.dest for flag in config.flags()}
+    assert len({flag.name for flag in config.flags()}) == len(config.flags())  # no flag twice
+
+
+def test_the_runtime_config_imports_no_role() -> None:
+    """The runtime's config knows no role: neither its source nor its import
+    loads meshnet_node or meshnet_gateway."""
+    source = Path(config_module.__file__ or "").read_text()
+    imported = {
+        alias.name if isinstance(node, ast.Import) else node.module or ""
+        for node in ast.walk(ast.parse(source))
+        if isinstance(node, ast.Import | ast.ImportFrom)
+        for alias in node.names
+    }
+    assert not {m for m in imported if m.split(".")[0] in ("meshnet_node", "meshnet_gateway")}
+    probe = (
+        "import sys, meshnet_runtime.config, meshnet_runtime.lifecycle; print(sorted(sys.modules))"
+    )
+    loaded = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, check=True
+    ).stdout
+    assert "meshnet_node" not in loaded and "meshnet_gateway" not in loaded

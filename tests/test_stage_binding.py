@@ -24,10 +24,11 @@ import pytest
 
 from gateway_support import spawn, stop
 from meshnet_gateway import open_gateway
+from meshnet_gateway.config import GatewayConfig
 from meshnet_node import RunningNode, Stage, serve_node
 from meshnet_node.app import NodeApp
 from meshnet_node.backends import echo
-from meshnet_runtime.config import load_config
+from meshnet_node.config import NodeConfig
 from meshnet_runtime.replicas import ReplicaSet
 from openai_support import fake_embed, fake_head, serve_openai, write_model_dir
 from wire_support import exchange, forward_request, http_request
@@ -59,7 +60,7 @@ async def chain(*stages: Stage, extra: list[str] | None = None) -> AsyncIterator
             argv = ["--port", "0", *(extra or [])]
             if nodes:
                 argv += ["--next", nodes[0].url]
-            config = load_config("node", argv, {})
+            config = NodeConfig.load(argv, {})
             nodes.insert(0, await stack.enter_async_context(serve_node(config, stage=stage)))
         yield nodes
 
@@ -87,7 +88,7 @@ def error_of(body: bytes) -> dict[str, Any]:
 
 
 def test_stage_key_comes_from_an_identity_with_layers() -> None:
-    config = load_config("node", [], {})
+    config = NodeConfig.load([], {})
     assert NodeApp(config, stage=layered(3, 9, "m-1")).stage_key == ("m-1", 3, 9)
     assert NodeApp(config, stage=LayeredStage("echo", echo, layers=None)).stage_key is None
     assert NodeApp(config, stage=Stage("echo", echo)).stage_key is None  # no identity() at all
@@ -195,7 +196,7 @@ async def test_replica_history_keeps_the_stage_a_replay_sends() -> None:
         chain(layered(7, 14)) as (a,),
         chain(layered(7, 14)) as (b,),
         serve_node(
-            load_config("node", ["--port", "0", "--next", f"{a.url},{b.url}"], {}),
+            NodeConfig.load(["--port", "0", "--next", f"{a.url},{b.url}"], {}),
             stage=layered(0, 7),
         ) as entry,
     ):
@@ -214,7 +215,7 @@ async def test_replica_history_keeps_the_stage_a_replay_sends() -> None:
 async def gateway_over(*stages: Stage, flags: list[str] | None = None) -> AsyncIterator[Any]:
     async with chain(*stages) as nodes:
         argv = ["--port", "0", "--log-level", "warning", "--entry", nodes[0].url, *(flags or [])]
-        async with open_gateway(load_config("gateway", argv)) as gateway:
+        async with open_gateway(GatewayConfig.load(argv)) as gateway:
             suspects: list[int] = []
             gateway.app.on_chain_suspect = lambda: suspects.append(1)  # type: ignore[method-assign]
             yield gateway, nodes, suspects

@@ -22,7 +22,7 @@ from meshnet_model.engines.torch.kv_cache import BLOCK
 from meshnet_model.engines.torch.transfer import Staging, Transfer
 from meshnet_model.testing import small_config, write_checkpoint
 from meshnet_node.__main__ import main as node_main
-from meshnet_runtime.config import load_config
+from meshnet_node.config import NodeConfig
 from torch_support import greedy
 
 VOCAB, LAYERS = 256, 4
@@ -71,9 +71,7 @@ def test_missing_torch_is_one_line_naming_the_extra(
 @pytest.mark.parametrize("text", ["cpu", "cuda", "cuda:0", "cuda:7", "cuda:123"])
 def test_device_strings_accepted(text: str) -> None:
     assert parse_device(text) == text
-    assert (
-        load_config("node", ["--model", "m", "--engine", "torch", "--device", text]).device == text
-    )
+    assert NodeConfig.load(["--model", "m", "--engine", "torch", "--device", text]).device == text
 
 
 @pytest.mark.parametrize("text", ["gpu", "CUDA", "cuda:", "cuda:01", "cuda:-1", "cuda:1000", "mps"])
@@ -81,20 +79,20 @@ def test_device_strings_refused(text: str) -> None:
     with pytest.raises(ValueError, match="cpu, cuda or cuda:N"):
         parse_device(text)
     with pytest.raises(SystemExit) as exited:
-        load_config("node", ["--model", "m", "--engine", "torch", "--device", text])
+        NodeConfig.load(["--model", "m", "--engine", "torch", "--device", text])
     assert exited.value.code == 2
 
 
 def test_engine_flags_need_torch_and_a_model() -> None:
     for argv in (["--model", "m", "--engine", "numpy", "--device", "cuda"], ["--engine", "torch"]):
         with pytest.raises(SystemExit) as exited:
-            load_config("node", argv)
+            NodeConfig.load(argv)
         assert exited.value.code == 2
-    config = load_config("node", ["--model", "m", "--engine", "torch", "--threads", "2"])
+    config = NodeConfig.load(["--model", "m", "--engine", "torch", "--threads", "2"])
     assert (config.engine, config.device, config.threads) == ("torch", "cpu", 2)
     # Left to itself the engine is chosen at load (engines.choice): a CUDA
     # device can only be torch's.
-    assert load_config("node", ["--model", "m", "--device", "cuda"]).engine == "auto"
+    assert NodeConfig.load(["--model", "m", "--device", "cuda"]).engine == "auto"
 
 
 def test_cuda_without_cuda_is_exit_2_in_one_line(

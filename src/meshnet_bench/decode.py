@@ -26,8 +26,8 @@ from anyio.abc import ByteStream, SocketAttribute
 
 from meshnet_bench.activations import make_activation
 from meshnet_node import serve_node
+from meshnet_node.config import NodeConfig
 from meshnet_proto import ActivationResponse, WireHeaders
-from meshnet_runtime.config import load_config
 from meshnet_runtime.deadlines import Deadline
 from meshnet_runtime.downstream import DownstreamPool
 
@@ -89,7 +89,7 @@ async def measure(steps: int, backend_flags: list[str]) -> dict[str, list[float]
     session = str(uuid.uuid4())
     times: dict[str, list[float]] = {"node": [], "bare h11": []}
     async with (
-        serve_node(load_config("node", [*QUIET, *backend_flags])) as node,
+        serve_node(NodeConfig.load([*QUIET, *backend_flags])) as node,
         serve_bare_echo() as bare_url,
     ):
         pools = {"node": DownstreamPool(node.url, max_connections=1),

@@ -32,8 +32,8 @@ from meshnet_bench._result import BenchOptions, SectionResult
 from meshnet_model import StageRunner
 from meshnet_model.testing import small_config, smollm_135m_config, write_checkpoint
 from meshnet_node import serve_node
+from meshnet_node.config import NodeConfig
 from meshnet_node.model_chain import ModelSession
-from meshnet_runtime.config import load_config
 from meshnet_runtime.downstream import DownstreamPool
 from meshnet_runtime.replicas import ReplicaSet
 
@@ -52,13 +52,13 @@ async def _measure(checkpoint: str, prompt: np.ndarray, steps: int, chunk: int) 
         model = ["--model", checkpoint]
         replicas = [
             await stack.enter_async_context(
-                serve_node(load_config("node", [*QUIET, *model, "--layers", "2:4"], {}))
+                serve_node(NodeConfig.load([*QUIET, *model, "--layers", "2:4"], {}))
             )
             for _ in range(2)
         ]
         urls = ",".join(r.url for r in replicas)
         entry = await stack.enter_async_context(
-            serve_node(load_config("node", [*QUIET, *model, "--layers", "0:2", "--next", urls], {}))
+            serve_node(NodeConfig.load([*QUIET, *model, "--layers", "0:2", "--next", urls], {}))
         )
         hop = entry.app.downstream
         assert isinstance(hop, ReplicaSet)

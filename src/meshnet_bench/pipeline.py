@@ -19,8 +19,9 @@ import numpy as np
 
 from meshnet_bench.activations import make_activation
 from meshnet_gateway import Client, open_gateway
+from meshnet_gateway.config import GatewayConfig
 from meshnet_node import serve_node
-from meshnet_runtime.config import load_config
+from meshnet_node.config import NodeConfig
 
 from ._result import BenchOptions, SectionResult
 from ._support import QUIET, best_forward, ms, ratio
@@ -41,13 +42,11 @@ async def measure(delay_ms: int, window: int, repeat: int) -> tuple[float, np.nd
         next_flags: list[str] = []
         for _ in range(STAGES):
             flags = [*QUIET, "--delay-ms", str(delay_ms), *next_flags]
-            node = await stack.enter_async_context(serve_node(load_config("node", flags)))
+            node = await stack.enter_async_context(serve_node(NodeConfig.load(flags)))
             next_flags = ["--next", node.url]
         gateway_flags = [*QUIET, "--entry", node.url, "--chunk-tokens", str(CHUNK_TOKENS),
                          "--inflight", str(window)]  # fmt: skip
-        gateway = await stack.enter_async_context(
-            open_gateway(load_config("gateway", gateway_flags))
-        )
+        gateway = await stack.enter_async_context(open_gateway(GatewayConfig.load(gateway_flags)))
         client = await stack.enter_async_context(Client(gateway.url))
         best, output = await best_forward(client, array, encoding="identity", repeat=repeat)
         if output.tobytes() != array.tobytes():

@@ -24,8 +24,9 @@ import numpy as np
 
 from meshnet_bench.activations import make_activation
 from meshnet_gateway import Client, open_gateway
+from meshnet_gateway.config import GatewayConfig
 from meshnet_node import serve_node
-from meshnet_runtime.config import load_config
+from meshnet_node.config import NodeConfig
 
 from . import _wire1
 from ._result import BenchOptions, SectionResult
@@ -78,13 +79,13 @@ async def _stacks(chunk_tokens: int, inflight: int) -> AsyncIterator[_Stacks]:
         wire1 = _wire1.Wire1Client.for_url(w1_gateway.url)
         stack.push_async_callback(wire1.aclose)
 
-        last = await stack.enter_async_context(serve_node(load_config("node", KEEP_IDLE)))
+        last = await stack.enter_async_context(serve_node(NodeConfig.load(KEEP_IDLE)))
         entry = await stack.enter_async_context(
-            serve_node(load_config("node", [*KEEP_IDLE, "--next", last.url]))
+            serve_node(NodeConfig.load([*KEEP_IDLE, "--next", last.url]))
         )
         flags = [*KEEP_IDLE, "--entry", entry.url, "--chunk-tokens", str(chunk_tokens),
                  "--inflight", str(inflight)]  # fmt: skip
-        gateway = await stack.enter_async_context(open_gateway(load_config("gateway", flags)))
+        gateway = await stack.enter_async_context(open_gateway(GatewayConfig.load(flags)))
         wire2 = await stack.enter_async_context(Client(gateway.url))
         yield _Stacks(wire1, wire2)
 

@@ -9,18 +9,21 @@ import argparse
 import os
 import sys
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
+from meshnet_node.config import ENGINES, MODEL_DTYPES, threads_count
 from meshnet_runtime.config import (
     ENCODINGS,
-    ENGINES,
     LOG_LEVELS,
-    MODEL_DTYPES,
     WIRE_DTYPES,
+    nonnegative_int,
     positive_int,
     positive_seconds,
-    threads_count,
 )
 from meshnet_runtime.memory import parse_bytes_or_auto
+
+if TYPE_CHECKING:  # what build_parser hands each subcommand's _add_* to add its parser to
+    _Commands = argparse._SubParsersAction[argparse.ArgumentParser]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -28,7 +31,13 @@ def build_parser() -> argparse.ArgumentParser:
         prog="meshnet", description="meshnet wire 2: pipeline-parallel activation transport."
     )
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for add in (_add_demo, _add_send, _add_bench, _add_generate, _add_conformance, _add_run):
+        add(commands)
+    return parser
 
+
+def _add_demo(commands: _Commands) -> None:
+    """``meshnet demo``: a chain in this process, one activation through it."""
     demo = commands.add_parser(
         "demo",
         help="run two nodes and a gateway in this process and push an activation through",
@@ -42,6 +51,9 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--inflight", type=positive_int, default=1, help="chunks in flight [1]")
     demo.add_argument("--async-backend", choices=("trio", "asyncio"), default="trio", help="[trio]")
 
+
+def _add_send(commands: _Commands) -> None:
+    """``meshnet send``: one .npy through a running gateway."""
     send = commands.add_parser(
         "send",
         help="send a .npy through a running gateway, write the output .npy",
@@ -82,6 +94,9 @@ def build_parser() -> argparse.ArgumentParser:
     send.add_argument("--tls-ca", default=None, help="CA bundle for an https gateway")
     send.add_argument("--timeout", type=positive_seconds, default=60.0, help="seconds [60]")
 
+
+def _add_bench(commands: _Commands) -> None:
+    """``meshnet bench``: wire 2 against its baselines."""
     bench = commands.add_parser(
         "bench",
         help="measure wire 2 against its baselines, side by side, and print the ratios",
@@ -117,6 +132,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--async-backend", choices=("trio", "asyncio"), default="trio", help="[trio]"
     )
 
+
+def _add_generate(commands: _Commands) -> None:
+    """``meshnet generate``: text from a gateway's OpenAI API."""
     generate = commands.add_parser(
         "generate",
         help="stream text from a running gateway's OpenAI API",
@@ -131,11 +149,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     generate.add_argument("--chat", action="store_true", help="send as a user chat message")
     generate.add_argument("--model", help="model id (default: the gateway's first)")
-    generate.add_argument("--max-tokens", type=_nonnegative, default=64, help="[64]")
+    generate.add_argument("--max-tokens", type=nonnegative_int, default=64, help="[64]")
     generate.add_argument("--temperature", type=float, default=1.0, help="0 = greedy [1.0]")
     generate.add_argument("--top-p", type=float, default=1.0, help="[1.0]")
-    generate.add_argument("--top-k", type=_nonnegative, default=None, help="[none]")
-    generate.add_argument("--seed", type=_nonnegative, default=None, help="reproducible sampling")
+    generate.add_argument("--top-k", type=nonnegative_int, default=None, help="[none]")
+    generate.add_argument(
+        "--seed", type=nonnegative_int, default=None, help="reproducible sampling"
+    )
     generate.add_argument("--stop", action="append", help="stop sequence (repeatable)")
     generate.add_argument(
         "--token", default=os.environ.get("MESHNET_TOKEN"), help="bearer token [env MESHNET_TOKEN]"
@@ -143,6 +163,9 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--tls-ca", default=None, help="CA bundle for an https gateway")
     generate.add_argument("--timeout", type=positive_seconds, default=300.0, help="seconds [300]")
 
+
+def _add_conformance(commands: _Commands) -> None:
+    """``meshnet conformance``: a wire-2 server against the spec."""
     conformance = commands.add_parser(
         "conformance",
         help="check a wire-2 server (node or gateway, any implementation) against the spec",
@@ -167,6 +190,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--timeout", type=positive_seconds, default=30.0, help="seconds per read [30]"
     )
 
+
+def _add_run(commands: _Commands) -> None:
+    """``meshnet run``: a checkpoint's nodes and gateway in this process."""
     run = commands.add_parser(
         "run",
         help="serve a checkpoint split over N model nodes with a gateway, in this process",
@@ -176,7 +202,9 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--model", required=True, help="checkpoint directory (HF layout)")
     run.add_argument("--stages", type=positive_int, default=2, help="nodes [2]")
     run.add_argument("--host", default="127.0.0.1", help="gateway address [127.0.0.1]")
-    run.add_argument("--port", type=_nonnegative, default=8000, help="gateway port, 0 = any [8000]")
+    run.add_argument(
+        "--port", type=nonnegative_int, default=8000, help="gateway port, 0 = any [8000]"
+    )
     run.add_argument("--chunk-tokens", type=positive_int, default=128, help="[128]")
     run.add_argument("--inflight", type=positive_int, default=4, help="[4]")
     run.add_argument("--max-tokens-default", type=positive_int, default=None, help="[256]")
@@ -206,13 +234,6 @@ def build_parser() -> argparse.ArgumentParser:
     )
     run.add_argument("--log-level", choices=LOG_LEVELS, default="warning", help="[warning]")
     run.add_argument("--async-backend", choices=("trio", "asyncio"), default="trio", help="[trio]")
-    return parser
-
-
-def _nonnegative(text: str) -> int:
-    if not (text.isascii() and text.isdigit()):
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}")
-    return int(text)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -18,8 +18,9 @@ import numpy as np
 
 from meshnet_bench.activations import SEED, make_activation, wire1_body_size
 from meshnet_gateway import ForwardResult, forward_via_chain, forward_via_gateway, open_gateway
+from meshnet_gateway.config import GatewayConfig
 from meshnet_node import serve_node
-from meshnet_runtime.config import load_config
+from meshnet_node.config import NodeConfig
 
 __all__ = ["run_demo"]
 DATA_DESCRIPTION = (
@@ -103,11 +104,9 @@ async def _demo(
     node = ["--host", "127.0.0.1", "--port", "0", "--log-level", "warning"]
     gateway_flags = ["--chunk-tokens", str(chunk_tokens), "--inflight", str(inflight)]
     async with (
-        serve_node(load_config("node", node)) as last,
-        serve_node(load_config("node", [*node, "--next", last.url])) as entry,
-        open_gateway(
-            load_config("gateway", [*node, "--entry", entry.url, *gateway_flags])
-        ) as gateway,
+        serve_node(NodeConfig.load(node)) as last,
+        serve_node(NodeConfig.load([*node, "--next", last.url])) as entry,
+        open_gateway(GatewayConfig.load([*node, "--entry", entry.url, *gateway_flags])) as gateway,
     ):
         out(f"  node 2  {last.url}   (last stage, backend echo)")
         out(f"  node 1  {entry.url}   (backend echo, --next {last.url})")
@@ -147,6 +146,18 @@ async def _demo(
         )
         out("")
 
+    return _summary(out, array, chain, via, views)
+
+
+def _summary(
+    out: Callable[[str], None],
+    array: np.ndarray,
+    chain: ForwardResult,
+    via: ForwardResult,
+    views: list[np.ndarray],
+) -> bool:
+    """The bytes each format sends, and whether both paths gave the input back."""
+    raw = array.nbytes
     wire2 = sum(chunk.sent_bytes for chunk in chain.chunks)
     wire1 = sum(wire1_body_size(v) for v in views)
     out(f"summary: the {len(chain.chunks)} chunk request bodies, client -> node 1")

@@ -19,12 +19,13 @@ import anyio
 
 from meshnet_gateway import open_gateway
 from meshnet_gateway.app import GatewayApp
+from meshnet_gateway.config import GatewayConfig
 from meshnet_model.engines.choice import share_cores
 from meshnet_model.engines.footprint import MemoryShortfall, fit_process
 from meshnet_model.errors import CheckpointError, ConfigError
 from meshnet_model.source import load_config as load_model_config
+from meshnet_node.config import NodeConfig
 from meshnet_node.model_chain import even_splits, start_model_chain
-from meshnet_runtime.config import load_config
 from meshnet_runtime.lifecycle import configure_logging
 from meshnet_runtime.memory import limit_from_flag
 
@@ -63,7 +64,7 @@ async def serve_local(
         node_flags = [*node_flags, "--threads", str(share_cores(stages))]
     async with start_model_chain(model, splits, extra=list(node_flags)) as nodes:
         argv = ["--entry", nodes[0].url, "--model", model, *gateway_flags]
-        async with open_gateway(load_config("gateway", argv)) as gateway:
+        async with open_gateway(GatewayConfig.load(argv)) as gateway:
             yield LocalRun(gateway.url, [n.url for n in nodes], splits, gateway.app)
 
 
@@ -128,7 +129,7 @@ def _fit(args: argparse.Namespace) -> None:
     nodes then get the resolved KV budget and limit, which each stage fits."""
     flags = [f"--{f}={getattr(args, f)}" for f in ("dtype", "engine", "device", "threads")
              if getattr(args, f, None) is not None]  # fmt: skip
-    node = load_config("node", ["--model", args.model, *flags], {})
+    node = NodeConfig.load(["--model", args.model, *flags], {})
     found = limit_from_flag(getattr(args, "memory_limit", "auto"))
     splits = even_splits(_num_layers(args.model), args.stages)
     stages = fit_process(args.model, [range(a, b) for a, b in splits], engine=node.engine,

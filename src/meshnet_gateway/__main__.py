@@ -10,16 +10,16 @@ from __future__ import annotations
 import sys
 from collections.abc import Sequence
 
-from meshnet_runtime.config import ServerConfig, load_config
 from meshnet_runtime.lifecycle import run_process, serve_until_signalled
 from meshnet_runtime.transports import listen
 
 from .app import ChainMismatch, GatewayApp
+from .config import GatewayConfig
 from .openai import ServedModel
 from .server import build_server, ready_line
 
 
-async def serve(config: ServerConfig) -> None:
+async def serve(config: GatewayConfig) -> None:
     # Listen before anything else starts: a taken port is a plain OSError
     # (one line on stderr, exit 1), not a traceback out of a task group.
     bound = await listen(host=config.host, port=config.port, uds=config.uds, tls=config.tls)
@@ -35,7 +35,7 @@ async def serve(config: ServerConfig) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    config = load_config("gateway", argv)
+    config = GatewayConfig.load(argv)
     if config.model is not None:
         # Checked before serving, so a bad model directory is one clear line and exit 2.
         try:
@@ -45,7 +45,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 2
     mismatch: list[ChainMismatch] = []
 
-    async def serve_checked(config: ServerConfig) -> None:
+    async def serve_checked(config: GatewayConfig) -> None:
         try:
             await serve(config)
         except* ChainMismatch as group:

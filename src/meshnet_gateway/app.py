@@ -45,7 +45,6 @@ from meshnet_proto import (
     apply_wire_dtype,
 )
 from meshnet_runtime.codec_pool import CodecPool
-from meshnet_runtime.config import ServerConfig
 from meshnet_runtime.control import ControlEndpoints
 from meshnet_runtime.deadlines import Deadline
 from meshnet_runtime.downstream import DownstreamPool, key_headers
@@ -58,6 +57,7 @@ from meshnet_runtime.wire_encoder import WireEncoder
 from ._pipeline import run_chunks
 from ._retry import RetryPolicy
 from .admission import Admission
+from .config import GatewayConfig
 from .openai import OpenAIService, ServedModel
 from .openai.api import OPENAI_ROUTES
 from .openai.errors import from_meshnet
@@ -106,7 +106,7 @@ class GatewayApp:
 
     def __init__(
         self,
-        config: ServerConfig,
+        config: GatewayConfig,
         *,
         pool: DownstreamPool | None = None,
         codecs: CodecPool | None = None,
@@ -559,7 +559,7 @@ def _reorder_window(info: Any) -> int | None:
     return None
 
 
-def _gateway_facts(config: ServerConfig) -> dict[str, Any]:
+def _gateway_facts(config: GatewayConfig) -> dict[str, Any]:
     """The gateway's own side of the chain check: with ``--model``, its
     checkpoint's id and vocabulary, its context, and that it samples logits."""
     facts: dict[str, Any] = {}
@@ -627,7 +627,7 @@ def _openai_service(app: GatewayApp) -> OpenAIService:
     )
 
 
-def _client_ssl(config: ServerConfig) -> Any:
+def _client_ssl(config: GatewayConfig) -> Any:
     if config.entry is not None and config.entry.tls:
         from meshnet_runtime.transports import client_ssl_context
 
@@ -635,7 +635,7 @@ def _client_ssl(config: ServerConfig) -> Any:
     return None
 
 
-def _entry_pool(config: ServerConfig, metrics: ServerMetrics) -> DownstreamPool | ReplicaSet:
+def _entry_pool(config: GatewayConfig, metrics: ServerMetrics) -> DownstreamPool | ReplicaSet:
     """The entry hop: one node's pool, or a replica set (docs/failover.md)."""
     assert config.entry is not None
     replicas = config.entry_replicas or (config.entry,)

@@ -22,18 +22,18 @@ from meshnet_proto import (
     WireHeaders,
     request_cost,
 )
-from meshnet_runtime.config import ServerConfig
 from meshnet_runtime.http_server import HttpServer
 from meshnet_runtime.lifecycle import server_settings, server_tls
 
 from .app import GatewayApp
+from .config import GatewayConfig
 from .openai.api import MAX_REQUEST_BODY as OPENAI_MAX_REQUEST_BODY
 from .openai.api import OPENAI_ROUTES
 
 __all__ = ["RunningGateway", "build_server", "open_gateway", "ready_line"]
 
 
-def build_server(config: ServerConfig, app: GatewayApp) -> HttpServer:
+def build_server(config: GatewayConfig, app: GatewayApp) -> HttpServer:
     limits = config.limits
 
     routes: dict[str, Any] = dict(DEFAULT_ROUTES)
@@ -94,7 +94,7 @@ class RunningGateway:
 
 
 @asynccontextmanager
-async def open_gateway(config: ServerConfig) -> AsyncIterator[RunningGateway]:
+async def open_gateway(config: GatewayConfig) -> AsyncIterator[RunningGateway]:
     """Serve a gateway for the duration of the block; graceful shutdown on exit."""
     from meshnet_runtime.transports import listen
 

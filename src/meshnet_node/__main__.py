@@ -10,16 +10,16 @@ import anyio
 
 from meshnet_model.engines.footprint import MemoryShortfall
 from meshnet_proto import WIRE_VERSION
-from meshnet_runtime.config import ServerConfig, load_config
 from meshnet_runtime.lifecycle import run_process, serve_until_signalled
 from meshnet_runtime.transports import listen
 
 from .app import build_node
 from .backends import StageBackend
+from .config import NodeConfig
 from .model_stage import stage_from_config
 
 
-def ready_line(config: ServerConfig, url: str, stage: StageBackend | None = None) -> str:
+def ready_line(config: NodeConfig, url: str, stage: StageBackend | None = None) -> str:
     downstream = config.next.url if config.next is not None else "none (last stage)"
     name = stage.name if stage is not None else config.backend
     return (
@@ -50,7 +50,7 @@ def _model_summary(stage: StageBackend | None) -> str:
     )
 
 
-async def run(config: ServerConfig, stage: StageBackend | None = None) -> None:
+async def run(config: NodeConfig, stage: StageBackend | None = None) -> None:
     app, server = build_node(config, stage=stage)
     bound = await listen(host=config.host, port=config.port, uds=config.uds, tls=config.tls)
 
@@ -69,7 +69,7 @@ async def run(config: ServerConfig, stage: StageBackend | None = None) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    config = load_config("node", argv)
+    config = NodeConfig.load(argv)
     stage = None
     if config.model is not None:
         # Loaded before serving, so a bad checkpoint is one clear line and exit 2.

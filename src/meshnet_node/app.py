@@ -54,7 +54,6 @@ from meshnet_proto import (
     tensor_fingerprint,
 )
 from meshnet_runtime.codec_pool import CodecPool
-from meshnet_runtime.config import ServerConfig
 from meshnet_runtime.control import ControlEndpoints, is_replay
 from meshnet_runtime.deadlines import Deadline
 from meshnet_runtime.downstream import DownstreamPool, key_headers
@@ -71,6 +70,7 @@ from meshnet_runtime.transports import client_ssl_context, listen
 from meshnet_runtime.wire_encoder import WireEncoder
 
 from .backends import StageBackend, StageContext, make_stage, stub_identity
+from .config import NodeConfig
 from .model_stage import stage_from_config
 
 __all__ = ["NodeApp", "RunningNode", "build_node", "node_identity", "serve_node"]
@@ -103,7 +103,7 @@ class NodeApp:
 
     def __init__(
         self,
-        config: ServerConfig,
+        config: NodeConfig,
         *,
         stage: StageBackend | None = None,
         metrics: ServerMetrics | None = None,
@@ -574,7 +574,7 @@ def _gone() -> MeshnetError:
 
 
 def build_node(
-    config: ServerConfig, *, stage: StageBackend | None = None
+    config: NodeConfig, *, stage: StageBackend | None = None
 ) -> tuple[NodeApp, HttpServer]:
     """The application and its server, not yet listening.
 
@@ -609,7 +609,7 @@ class RunningNode:
 
 @asynccontextmanager
 async def serve_node(
-    config: ServerConfig, *, stage: StageBackend | None = None
+    config: NodeConfig, *, stage: StageBackend | None = None
 ) -> AsyncIterator[RunningNode]:
     """Run a node in this process (tests, ``meshnet demo``); graceful shutdown on exit."""
     app, server = build_node(config, stage=stage)

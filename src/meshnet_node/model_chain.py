@@ -20,11 +20,11 @@ import anyio
 import numpy as np
 
 from meshnet_proto import ActivationResponse, WireHeaders, decode_tensor, encode_for_wire
-from meshnet_runtime.config import load_config
 from meshnet_runtime.deadlines import Deadline
 from meshnet_runtime.downstream import DownstreamPool, key_headers
 
 from .app import RunningNode, serve_node
+from .config import NodeConfig
 
 __all__ = ["ChainError", "ModelSession", "even_splits", "start_model_chain"]
 
@@ -62,7 +62,7 @@ async def start_model_chain(
                     *extra, *(per_node[i] if per_node else ())]  # fmt: skip
             if nodes:
                 argv += ["--next", nodes[0].url]
-            node = await stack.enter_async_context(serve_node(load_config("node", argv, {})))
+            node = await stack.enter_async_context(serve_node(NodeConfig.load(argv, {})))
             nodes.insert(0, node)
         yield nodes
 

@@ -64,10 +64,10 @@ from meshnet_model.stage.runner import (
     DEFAULT_MAX_COMPUTE_BYTES,
 )
 from meshnet_proto import CapacityError, DownstreamError, ProtocolError, SequencingError
-from meshnet_runtime.config import ServerConfig
 from meshnet_runtime.memory import MemoryLimit, limit_from_flag
 
 from .backends import StageContext
+from .config import NodeConfig
 from .scheduler import (
     DEFAULT_MAX_BATCH_TOKENS,
     DEFAULT_MAX_QUEUED_TOKENS,
@@ -336,7 +336,7 @@ def _torch_runner(
                              max_compute_bytes=max_compute_bytes)  # fmt: skip
 
 
-def stage_from_config(config: ServerConfig) -> ModelStage:
+def stage_from_config(config: NodeConfig) -> ModelStage:
     """The stage of ``--model/--layers/--dtype/--kv-budget-bytes``."""
     if config.model is None:
         raise ValueError("no --model given")

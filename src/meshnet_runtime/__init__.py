@@ -10,7 +10,7 @@ One concern per module, imported from the module that owns it:
 * ``downstream``  — pooled keep-alive client to one downstream
 * ``codec_pool``  — zstd and large copies in worker threads
 * ``deadlines``   — ``X-Meshnet-Deadline-Ms`` arithmetic
-* ``config``      — flags and ``MESHNET_*`` environment (wire-2 §9)
+* ``config``      — the flags every server takes, ``MESHNET_*`` environment (wire-2 §9)
 * ``metrics``     — one Prometheus registry per server
 * ``lifecycle``   — signals, ready line, logging
 """

@@ -11,6 +11,7 @@ import signal
 import ssl
 import sys
 from collections.abc import Awaitable, Callable
+from typing import TypeVar
 
 import anyio
 
@@ -25,6 +26,8 @@ __all__ = [
     "server_settings",
     "server_tls",
 ]
+
+Config = TypeVar("Config", bound=ServerConfig)  # a role's config: NodeConfig, GatewayConfig
 
 
 def server_settings(config: ServerConfig) -> ServerSettings:
@@ -83,9 +86,7 @@ async def serve_until_signalled(
             ready(await tg.start(run))
 
 
-def run_process(
-    program: str, serve: Callable[[ServerConfig], Awaitable[None]], config: ServerConfig
-) -> int:
+def run_process(program: str, serve: Callable[[Config], Awaitable[None]], config: Config) -> int:
     """Run ``serve(config)`` on the configured backend; the process's exit status.
 
     0 after a graceful shutdown; 1 with one line on stderr when the server

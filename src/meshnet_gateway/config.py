@@ -1,0 +1,120 @@
+"""The gateway's flags: the common ones (``meshnet_runtime.config``) and its own.
+
+``--entry`` (the first hop, a replica set), chunking and retries, the OpenAI
+API's model and prompt limits, and admission to ``/v1`` generations.
+``GatewayConfig`` is their one source: its fields are the defaults,
+``GATEWAY_FLAGS`` names them, and so ``meshnet-gateway --help``, the
+``MESHNET_*`` environment and ``/info`` all follow from it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, ClassVar, NoReturn
+
+from meshnet_runtime.config import (
+    Flag,
+    ServerConfig,
+    choice,
+    endpoint_list,
+    env_name,
+    millis,
+    nonempty,
+    nonnegative_int,
+    positive_int,
+    positive_seconds,
+    split_replicas,
+)
+from meshnet_runtime.endpoints import Endpoint
+
+__all__ = ["GATEWAY_FLAGS", "SPECIAL_TOKEN_POLICIES", "GatewayConfig"]
+
+# What the gateway does with special-token text (e.g. "<|im_start|>") inside
+# chat message content: docs/security.md argues the default.
+SPECIAL_TOKEN_POLICIES = ("escape", "refuse", "keep")
+
+_CHAIN = (
+    Flag("--entry", endpoint_list,
+         "URL(s) of the first node's replicas, comma-separated (required)"),
+    Flag("--chunk-tokens", positive_int, "tokens per chunk"),
+    Flag("--inflight", positive_int, "chunks in flight per session"),
+)  # fmt: skip
+_MODEL = (
+    Flag("--model", nonempty, "checkpoint directory: serve the OpenAI API (/v1) for it"),
+    Flag("--model-name", nonempty, "model id in the OpenAI API (default: directory name)"),
+    Flag("--max-tokens-default", positive_int, "completion tokens when a request names none"),
+    Flag("--max-context", nonnegative_int, "context length (0: the checkpoint's config.json)"),
+)
+_RETRIES = (
+    Flag("--retries", nonnegative_int,
+         "extra attempts of a chunk whose connection or hop failed"),
+    Flag("--retry-backoff-ms", millis, "first retry's backoff, ms (doubles per retry)"),
+)  # fmt: skip
+_PROMPTS = (
+    Flag(
+        "--max-prompt-chars",
+        nonnegative_int,
+        "characters of a prompt or conversation, checked before tokenizing "
+        "(0: 32 per token of context)",
+    ),
+    Flag(
+        "--special-tokens-in-content",
+        choice(SPECIAL_TOKEN_POLICIES),
+        "special-token text in chat content: escape (plain text), refuse (400) or keep",
+    ),
+)
+_ADMISSION = (
+    Flag("--max-running", positive_int,
+         "/v1 generations admitted at once (more wait in the queue)"),
+    Flag(
+        "--max-prefill-tokens",
+        positive_int,
+        "prompt tokens of admitted /v1 generations still prefilling (a larger prompt goes alone)",
+    ),
+    Flag("--max-queued", nonnegative_int, "/v1 requests waiting for admission (more get 429)"),
+    Flag("--queue-timeout", positive_seconds,
+         "seconds a /v1 request may wait in the queue (then 503)"),
+)  # fmt: skip
+GATEWAY_FLAGS: tuple[Flag, ...] = _CHAIN + _MODEL + _RETRIES + _PROMPTS + _ADMISSION
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class GatewayConfig(ServerConfig):
+    """Validated settings of one gateway: ``GatewayConfig.load(argv, environ)``."""
+
+    role: ClassVar[str] = "gateway"
+    ROLE_FLAGS: ClassVar[tuple[Flag, ...]] = GATEWAY_FLAGS
+
+    entry: Endpoint | None = None
+    entry_replicas: tuple[Endpoint, ...] = ()  # every URL of --entry (``entry`` is the first)
+    chunk_tokens: int = 128
+    inflight: int = 1
+    # the checkpoint whose tokenizer the gateway loads to serve the OpenAI API
+    model: str | None = None
+    model_name: str | None = None  # the id /v1/models shows (default: the directory's name)
+    max_tokens_default: int = 256  # completion length when a request names none
+    max_context: int = 0  # 0: the checkpoint's max_position_embeddings
+    retries: int = 2
+    retry_backoff_ms: float = 50.0
+    max_prompt_chars: int = 0  # 0: 32 characters per token of context
+    special_tokens_in_content: str = "escape"
+    # admission (issue 19, docs/openai-api.md#admission): budgets a /v1
+    # generation must fit before any chunk is sent; more wait (FIFO) or get
+    # 429/503 + Retry-After. 128 running: the bench's 64 concurrent decode
+    # streams run at once, with room. 4096 prefill tokens: a few prompts'
+    # worth, seconds of prefill on a CPU chain, so no chunk waits at a node
+    # anywhere near its --reorder-timeout. 128 queued: with 128 running, the
+    # 256 connections (--max-connections) the server takes. 120 s in the
+    # queue: 16 prompts of 1,200 tokens on a 2-node CPU chain (~200 prompt
+    # tokens/s) are ~100 s of prefill, and the last must not time out.
+    max_running: int = 128
+    max_prefill_tokens: int = 4096
+    max_queued: int = 128
+    queue_timeout: float = 120.0
+
+    @classmethod
+    def check_role(cls, values: dict[str, Any], error: Callable[[str], NoReturn]) -> None:
+        split_replicas(values, "entry")
+        if values["entry"] is None:
+            error(f"--entry (or {env_name('--entry')}) is required")
