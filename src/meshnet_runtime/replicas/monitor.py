@@ -4,8 +4,8 @@ Every ``interval`` it probes each replica that is up, and each down one
 whose backoff ended (``GET /health``); every ``dns_interval`` it resolves
 the named URLs again; a replica that is new, back up or restarted has its
 ``/info`` identity read before it is used again (docs/failover.md,
-"Health", "Discovery", "Pinning"). What each outcome changes is decided
-by ``Placement``; this module does the asking.
+"Health", "Pinning"). What each outcome changes is decided by
+``Placement``; this module does the asking.
 """
 
 from __future__ import annotations

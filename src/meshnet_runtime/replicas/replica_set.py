@@ -45,6 +45,8 @@ Body = bytes | bytearray | memoryview
 
 
 class ReplicaSet:
+    """The replicas of one hop behind a ``DownstreamPool``'s API (see the package's docstring)."""
+
     def __init__(
         self,
         endpoints: Sequence[Endpoint],
