@@ -191,7 +191,7 @@ async def test_a_bad_stage_header_is_400_bad_stage() -> None:
 @pytest.mark.anyio
 async def test_replica_history_keeps_the_stage_a_replay_sends() -> None:
     """A hop with replicas records what it sent; a failover replays exactly
-    those headers (``ReplicaSet._replay``), so the replay names the stage too."""
+    those headers (``replicas.failover.Failover.replay``), so the replay names the stage too."""
     async with (
         chain(layered(7, 14)) as (a,),
         chain(layered(7, 14)) as (b,),
