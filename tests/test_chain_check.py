@@ -266,7 +266,20 @@ async def test_a_replica_restarted_as_another_stage_is_taken_out() -> None:
                     assert {hop.holder(s) for s in list(hop._sticky)} == {b1.url}
                     config = GatewayConfig.load([*QUIET, "--entry", a.url])
                     async with open_gateway(config) as gateway:
-                        codes = [p.code for p in gateway.app.chain_problems or []]
-                        assert codes == ["replica_mismatch"]
+                        # Taken out, the hop serves with b1: degraded, not refused.
+                        assert gateway.app.chain_problems == []
                         response = await _forward(gateway.url, None)
-                        assert response.status == 503
+                        assert response.status == 200
+                        health = await _deep_health(gateway.url)
+                        assert health["status"] == "degraded", health
+                        assert '"state": "mismatch"' in json.dumps(health)
+
+
+async def _deep_health(url: str) -> Any:
+    pool = DownstreamPool(url)
+    try:
+        response = await pool.request("GET", "/health?deep=1", Deadline.after(10))
+        assert response.status == 200, response
+        return json.loads(response.body)
+    finally:
+        await pool.aclose()

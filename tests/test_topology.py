@@ -289,9 +289,15 @@ def test_replica_sets_in_a_document() -> None:
     hops = chain_from_health(doc, "http://gw")
     assert [m.url for m in hops[2]] == ["http://b1", "http://b2", "http://b3", "http://b4"]
     found = check_chain(hops)
-    # The one taken out above is named once; the down one is only degraded.
-    assert sorted(codes(found)) == ["replica_mismatch", "token_mismatch"]
+    # The one taken out above and the down one only degrade the hop (b1
+    # serves it); a replica that refuses the token above it is a problem.
+    assert codes(found) == ["token_mismatch"]
     assert {p.hop for p in found} == {2}
+    # With nobody but the one taken out left, the hop cannot serve.
+    alone = level(identity((0, 15)), downstream={"replicas": [taken_out, down]})
+    found = check_chain(chain_from_health({"downstream": {"replicas": [
+        {"url": "http://a1", "up": True, "health": alone}]}}, "http://gw"))  # fmt: skip
+    assert {"replica_mismatch", "stage_unreachable"} <= set(codes(found))
 
 
 def test_a_refusal_below_a_single_hop() -> None:

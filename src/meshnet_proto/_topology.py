@@ -358,6 +358,10 @@ def _identity(report: StageReport) -> StageIdentity:
     return report.identity
 
 
+# A replica's problems that leave its hop serving when another replica has none.
+_DEGRADING = frozenset({"stage_unreachable", "replica_mismatch"})
+
+
 def _hop(index: int, members: Sequence[StageReport], problems: list[ChainProblem]) -> Any:
     """The hop's own problems; the replica that speaks for it, if any."""
     known = [m for m in members if m.identity is not None and m.problem is None]
@@ -365,9 +369,11 @@ def _hop(index: int, members: Sequence[StageReport], problems: list[ChainProblem
         problem = member.problem
         if problem is None:
             continue
-        if problem.code != "stage_unreachable" or not any(m.problem is None for m in members):
-            # One down replica is degraded, not a mismatch: only a hop that
-            # has nobody left to answer cannot serve.
+        if problem.code not in _DEGRADING or not any(m.problem is None for m in members):
+            # One replica down, or taken out by the hop above for serving
+            # another stage, is degraded: the hop serves with the others
+            # (failover never moves a session to one taken out). Only a hop
+            # with nobody left to answer cannot serve.
             problems.append(ChainProblem(problem.code, problem.message, index, problem.url))
     prints = {_identity(m).fingerprint for m in known}
     if len(prints) > 1:
