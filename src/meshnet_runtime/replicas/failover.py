@@ -266,14 +266,22 @@ class Failover:
         excluded: list[Replica],
     ) -> tuple[Replica, Answer] | None:
         """Rebuilt by a replay ourselves, or never routed here: one of the
-        replicas may hold the session already. Ask, cheapest first."""
-        for candidate in self.placement.ranked(exclude=excluded):
+        replicas may hold the session already. Ask, cheapest first.
+
+        Ranked again after each loss, as a replay's candidates are: when the
+        only replica thought healthy turns out dead, the ones marked down
+        (perhaps only because they started after this node) are asked too,
+        so a live holder is found instead of being rebuilt by a replay."""
+        asked: list[Replica] = []
+        while candidates := self.placement.ranked(exclude=[*excluded, *asked]):
+            candidate = candidates[0]
             try:
                 response = await self.attempt(candidate, headers, body, deadline)
             except Lost:
                 excluded.append(candidate)
                 continue
             if lost_session(response):
+                asked.append(candidate)
                 continue
             self.placement.sticky[session] = candidate
             self.keep(session, headers, body, response)
