@@ -245,7 +245,9 @@ class ControlEndpoints:
 
 def _outcome(outcome: dict[str, Any] | MeshnetError | None) -> dict[str, Any]:
     if outcome is None:  # the walk we waited for was cancelled
-        raise DownstreamError("the health walk was cancelled", code="downstream_timeout")
+        raise DownstreamError(
+            "the health walk was cancelled", code="downstream_timeout", status=504
+        )
     if isinstance(outcome, MeshnetError):
         raise outcome
     return outcome
