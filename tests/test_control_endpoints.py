@@ -16,7 +16,8 @@ import pytest
 
 from meshnet_gateway import open_gateway
 from meshnet_node import serve_node
-from meshnet_proto import DEFAULT_ROUTES, ServerConnection
+from meshnet_proto import ServerConnection
+from meshnet_proto._server import DEFAULT_ROUTES
 from meshnet_runtime.config import load_config
 from meshnet_runtime.control import ControlEndpoints
 from meshnet_runtime.http_server import HttpServer, Reply, RequestContext

@@ -32,18 +32,18 @@ from meshnet_proto import (
     ActivationHead,
     ActivationReceived,
     CapacityError,
-    ChainProblem,
     ClientSessionTable,
     EndpointRequest,
     ErrorResponse,
-    Lease,
     Limits,
     MeshnetError,
     ProtocolError,
     SequencingError,
     WireHeaders,
-    apply_wire_dtype,
 )
+from meshnet_proto._client_sessions import Lease
+from meshnet_proto._policy import apply_wire_dtype
+from meshnet_proto._topology import ChainProblem
 from meshnet_runtime.codec_pool import CodecPool
 from meshnet_runtime.config import ServerConfig
 from meshnet_runtime.control import ControlEndpoints

@@ -37,7 +37,6 @@ from meshnet_proto import (
     WIRE_VERSION,
     ActivationHead,
     ActivationReceived,
-    ByteBudget,
     EndpointRequest,
     ErrorResponse,
     Join,
@@ -47,12 +46,12 @@ from meshnet_proto import (
     Replay,
     ServerConnection,
     SessionTable,
-    Ticket,
     Wait,
     WireHeaders,
-    request_cost,
     tensor_fingerprint,
 )
+from meshnet_proto._budget import ByteBudget, request_cost
+from meshnet_proto._sequencer import Ticket
 from meshnet_runtime.codec_pool import CodecPool
 from meshnet_runtime.config import ServerConfig
 from meshnet_runtime.control import ControlEndpoints

@@ -23,19 +23,17 @@ from typing import Any
 import anyio
 
 from meshnet_proto import (
-    DEFAULT_ROUTES,
-    ChainProblem,
     DownstreamError,
     EndpointRequest,
     ErrorResponse,
     MeshnetError,
     ProtocolError,
-    StageReport,
     chain_from_health,
     check_chain,
-    is_deep_health,
-    parse_session_key,
 )
+from meshnet_proto._headers import parse_session_key
+from meshnet_proto._server import DEFAULT_ROUTES
+from meshnet_proto._topology import ChainProblem, StageReport, is_deep_health
 
 from .deadlines import Deadline
 from .downstream import DownstreamPool, key_headers
