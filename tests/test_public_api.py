@@ -8,11 +8,13 @@ package ships its PEP 561 marker.
 from __future__ import annotations
 
 import re
+import tomllib
 from pathlib import Path
 
 import meshnet_proto
 
 ROOT = Path(__file__).resolve().parent.parent
+PACKAGE = Path(meshnet_proto.__file__).parent
 
 
 def test_the_public_api_is_small_and_every_name_exists() -> None:
@@ -60,3 +62,11 @@ def test_the_package_namespace_holds_nothing_public_but_the_api() -> None:
         if not name.startswith("_") and name not in meshnet_proto.__all__
     )
     assert extra == []
+
+
+def test_the_package_ships_its_type_marker() -> None:
+    marker = PACKAGE / "py.typed"
+    assert marker.is_file() and marker.read_bytes() == b""
+    # setuptools copies it into the wheel only when package-data names it.
+    config = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))
+    assert "py.typed" in config["tool"]["setuptools"]["package-data"]["meshnet_proto"]
