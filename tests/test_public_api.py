@@ -10,8 +10,10 @@ from __future__ import annotations
 import re
 import tomllib
 from pathlib import Path
+from types import ModuleType
 
 import meshnet_proto
+from meshnet_proto import lowlevel
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = Path(meshnet_proto.__file__).parent
@@ -44,22 +46,46 @@ def test_each_public_name_comes_from_the_core() -> None:
         assert module.startswith("meshnet_proto"), (name, module)
 
 
-def test_core_api_md_lists_exactly_the_public_names() -> None:
+def _tables() -> list[list[str]]:
+    """The names of each table in core-api.md's "Public names" section."""
     text = (ROOT / "docs" / "core-api.md").read_text(encoding="utf-8")
     section = text.split("\n## Public names\n", 1)[1].split("\n## ", 1)[0]
-    rows = re.findall(r"^\| [^|]+ \| (.+) \|$", section, flags=re.MULTILINE)
-    listed = [name for row in rows[1:] for name in re.findall(r"`([A-Za-z_0-9]+)`", row)]
-    assert len(listed) == len(set(listed)), "a name listed twice"
-    assert sorted(listed) == sorted(meshnet_proto.__all__)
+    tables = []
+    for table in re.findall(r"(?:^\|.*\|\n)+", section, flags=re.MULTILINE):
+        rows = table.splitlines()[2:]  # past the head and its rule
+        tables.append(
+            [n for row in rows for n in re.findall(r"`([A-Za-z_0-9]+)`", row.split("|")[2])]
+        )
+    return tables
+
+
+def test_core_api_md_lists_exactly_the_public_names() -> None:
+    top, second = _tables()
+    for listed in (top, second):
+        assert len(listed) == len(set(listed)), "a name listed twice"
+    assert sorted(top) == sorted(meshnet_proto.__all__)
+    assert sorted(second) == sorted(lowlevel.__all__)
+    text = (ROOT / "docs" / "core-api.md").read_text(encoding="utf-8")
     assert f"The public API is the {len(meshnet_proto.__all__)} names" in text
+
+
+def test_the_second_tier_is_apart_from_the_top_level() -> None:
+    names = lowlevel.__all__
+    assert len(set(names)) == len(names)
+    assert [name for name in names if not hasattr(lowlevel, name)] == []
+    assert set(names).isdisjoint(meshnet_proto.__all__)
+    extra = sorted(n for n in vars(lowlevel) if not n.startswith("_") and n not in names)
+    assert extra == []
 
 
 def test_the_package_namespace_holds_nothing_public_but_the_api() -> None:
     # No star re-export: the private modules' other names stay in them.
     extra = sorted(
         name
-        for name in vars(meshnet_proto)
-        if not name.startswith("_") and name not in meshnet_proto.__all__
+        for name, value in vars(meshnet_proto).items()
+        if not name.startswith("_")
+        and name not in meshnet_proto.__all__
+        and not isinstance(value, ModuleType)  # meshnet_proto.lowlevel, once imported
     )
     assert extra == []
 

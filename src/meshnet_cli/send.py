@@ -11,7 +11,7 @@ import numpy as np
 
 from meshnet_gateway import forward_via_gateway
 from meshnet_proto import DownstreamError, MeshnetError
-from meshnet_proto._dtypes import WIRE_DTYPES
+from meshnet_proto.lowlevel import WIRE_DTYPES
 
 __all__ = ["load_wire_array", "run_send", "saveable"]
 

@@ -41,9 +41,7 @@ from meshnet_proto import (
     SequencingError,
     WireHeaders,
 )
-from meshnet_proto._client_sessions import Lease
-from meshnet_proto._policy import apply_wire_dtype
-from meshnet_proto._topology import ChainProblem
+from meshnet_proto.lowlevel import ChainProblem, Lease, apply_wire_dtype
 from meshnet_runtime.codec_pool import CodecPool
 from meshnet_runtime.config import ServerConfig
 from meshnet_runtime.control import ControlEndpoints

@@ -15,8 +15,12 @@ from typing import Any
 import anyio
 
 from meshnet_proto import ServerConnection, WireHeaders
-from meshnet_proto._budget import ByteBudget, request_cost
-from meshnet_proto._server import DEFAULT_MAX_ENDPOINT_BODY, DEFAULT_ROUTES
+from meshnet_proto.lowlevel import (
+    DEFAULT_MAX_ENDPOINT_BODY,
+    DEFAULT_ROUTES,
+    ByteBudget,
+    request_cost,
+)
 from meshnet_runtime.config import ServerConfig
 from meshnet_runtime.http_server import HttpServer
 from meshnet_runtime.lifecycle import server_settings, server_tls

@@ -50,8 +50,7 @@ from meshnet_proto import (
     WireHeaders,
     tensor_fingerprint,
 )
-from meshnet_proto._budget import ByteBudget, request_cost
-from meshnet_proto._sequencer import Ticket
+from meshnet_proto.lowlevel import ByteBudget, Ticket, request_cost
 from meshnet_runtime.codec_pool import CodecPool
 from meshnet_runtime.config import ServerConfig
 from meshnet_runtime.control import ControlEndpoints

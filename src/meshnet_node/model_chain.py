@@ -20,7 +20,7 @@ import anyio
 import numpy as np
 
 from meshnet_proto import ActivationResponse, WireHeaders, encode_for_wire
-from meshnet_proto._codec import decode_tensor
+from meshnet_proto.lowlevel import decode_tensor
 from meshnet_runtime.config import load_config
 from meshnet_runtime.deadlines import Deadline
 from meshnet_runtime.downstream import DownstreamPool, key_headers

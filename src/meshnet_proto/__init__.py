@@ -8,8 +8,9 @@ The names below are the public API, all an embedder writing a wire-2 server
 or client needs: the two connections and their events, the headers, the
 sequencer and its decisions, the gateway's session table, the errors and
 their codes, the limits, the codec and the sender's policies, the chain check.
-They are typed (``py.typed``). Everything else lives in the private
-``_modules`` that own it, for meshnet's own packages; it is no promise.
+They are typed (``py.typed``). ``meshnet_proto.lowlevel`` holds what a node
+or gateway builds on beyond them; everything else stays in the private
+``_modules`` that own it.
 """
 
 from ._client import ClientConnection

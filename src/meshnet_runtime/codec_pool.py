@@ -28,7 +28,7 @@ import numpy as np
 import zstandard
 
 from meshnet_proto import EncodingPolicy, Limits, WireDtypePolicy, WireHeaders, encode_for_wire
-from meshnet_proto._codec import decode_tensor
+from meshnet_proto.lowlevel import decode_tensor
 
 from .metrics import ServerMetrics
 

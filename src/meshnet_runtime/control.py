@@ -31,9 +31,13 @@ from meshnet_proto import (
     chain_from_health,
     check_chain,
 )
-from meshnet_proto._headers import parse_session_key
-from meshnet_proto._server import DEFAULT_ROUTES
-from meshnet_proto._topology import ChainProblem, StageReport, is_deep_health
+from meshnet_proto.lowlevel import (
+    DEFAULT_ROUTES,
+    ChainProblem,
+    StageReport,
+    is_deep_health,
+    parse_session_key,
+)
 
 from .deadlines import Deadline
 from .downstream import DownstreamPool, key_headers

@@ -42,8 +42,7 @@ from meshnet_proto import (
     ServerConnection,
     WireHeaders,
 )
-from meshnet_proto._budget import ByteBudget, request_cost
-from meshnet_proto._codec import body_bound
+from meshnet_proto.lowlevel import ByteBudget, body_bound, request_cost
 
 from .codec_pool import CodecPool
 from .deadlines import Deadline, deadline_exceeded
