@@ -13,7 +13,9 @@ import numpy as np
 import pytest
 import zstandard
 
-from meshnet_proto import Limits, ProtocolError, WireHeaders, decode_tensor, parse_wire_headers
+from meshnet_proto import Limits, ProtocolError, WireHeaders
+from meshnet_proto._codec import decode_tensor
+from meshnet_proto._headers import parse_wire_headers
 
 SESSION = "5b1e7c2a-0d4f-4e8b-9a1c-3f6e2d7b8c90"
 BASE: dict[str, str] = {

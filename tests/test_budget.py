@@ -5,13 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from meshnet_proto import (
-    ByteBudget,
-    CapacityError,
-    WireHeaders,
-    request_cost,
-    zstd_body_bound,
-)
+from meshnet_proto import CapacityError, WireHeaders
+from meshnet_proto._budget import ByteBudget, request_cost
+from meshnet_proto._codec import zstd_body_bound
 
 
 def headers(encoding: str = "identity", tokens: int = 16) -> WireHeaders:

@@ -11,7 +11,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from meshnet_proto import Chunk, ChunkAssembler, ProtocolError, plan_chunks, token_axis
+from meshnet_proto import ProtocolError
+from meshnet_proto._chunking import Chunk, ChunkAssembler, plan_chunks, token_axis
 
 
 def test_token_axis() -> None:

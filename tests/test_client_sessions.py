@@ -6,7 +6,8 @@ import uuid
 
 import pytest
 
-from meshnet_proto import CapacityError, ClientSessionTable, Lease, SequencingError
+from meshnet_proto import CapacityError, ClientSessionTable, SequencingError
+from meshnet_proto._client_sessions import Lease
 
 C1 = "5b1e0c2a-1111-4abc-8def-000000000001"
 C2 = "5b1e0c2a-2222-4abc-8def-000000000002"

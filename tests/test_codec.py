@@ -11,20 +11,18 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 from meshnet_proto import (
-    WIRE_DTYPES,
     EncodingPolicy,
     Limits,
     ProtocolError,
     WireDtypePolicy,
     WireHeaders,
-    apply_wire_dtype,
-    body_bound,
-    decode_tensor,
     encode_for_wire,
     encode_tensor,
-    parse_wire_headers,
-    zstd_body_bound,
 )
+from meshnet_proto._codec import body_bound, decode_tensor, zstd_body_bound
+from meshnet_proto._dtypes import WIRE_DTYPES
+from meshnet_proto._headers import parse_wire_headers
+from meshnet_proto._policy import apply_wire_dtype
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 MAGIC = b"\x28\xb5\x2f\xfd"

@@ -15,7 +15,8 @@ import zstandard
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from meshnet_proto import Limits, MeshnetError, WireHeaders, decode_tensor, encode_tensor
+from meshnet_proto import Limits, MeshnetError, WireHeaders, encode_tensor
+from meshnet_proto._codec import decode_tensor
 
 LIMITS = Limits(max_tensor_bytes=1 << 20)
 

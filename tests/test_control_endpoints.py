@@ -18,7 +18,8 @@ from meshnet_gateway import open_gateway
 from meshnet_gateway.config import GatewayConfig
 from meshnet_node import serve_node
 from meshnet_node.config import NodeConfig
-from meshnet_proto import DEFAULT_ROUTES, ServerConnection
+from meshnet_proto import ServerConnection
+from meshnet_proto._server import DEFAULT_ROUTES
 from meshnet_runtime.control import ControlEndpoints
 from meshnet_runtime.http_server import HttpServer, Reply, RequestContext
 from meshnet_runtime.metrics import ServerMetrics

@@ -13,8 +13,8 @@ from meshnet_proto import (
     MeshnetError,
     ProtocolError,
     SequencingError,
-    error_body,
 )
+from meshnet_proto._errors import error_body
 
 
 @pytest.mark.parametrize(

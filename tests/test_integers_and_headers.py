@@ -10,16 +10,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from meshnet_proto import (
-    WIRE_DTYPES,
-    Limits,
-    MeshnetError,
-    ProtocolError,
-    WireHeaders,
-    parse_canonical_uint,
-    parse_wire_headers,
-    wire_dtype_name,
-)
+from meshnet_proto import Limits, MeshnetError, ProtocolError, WireHeaders
+from meshnet_proto._dtypes import WIRE_DTYPES, wire_dtype_name
+from meshnet_proto._headers import parse_wire_headers
+from meshnet_proto._integers import parse_canonical_uint
 
 SESSION = "5b1e7c2a-0d4f-4e8b-9a1c-3f6e2d7b8c90"
 

@@ -25,15 +25,9 @@ from prometheus_client.parser import text_string_to_metric_families
 from meshnet_node import RunningNode, Stage, serve_node
 from meshnet_node.backends import echo
 from meshnet_node.config import NodeConfig
-from meshnet_proto import (
-    ActivationResponse,
-    ErrorResponse,
-    Response,
-    WireHeaders,
-    decode_tensor,
-    encode_for_wire,
-    plan_chunks,
-)
+from meshnet_proto import ActivationResponse, ErrorResponse, Response, WireHeaders, encode_for_wire
+from meshnet_proto._chunking import plan_chunks
+from meshnet_proto._codec import decode_tensor
 from meshnet_runtime.deadlines import Deadline
 from meshnet_runtime.downstream import DownstreamPool
 from wire_support import exchange, forward_request, http_request, read_answer

@@ -9,16 +9,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from meshnet_proto import (
-    AUTO_MIN_BYTES,
-    AUTO_MIN_SAVING,
     EncodingPolicy,
     ProtocolError,
     WireDtypePolicy,
-    apply_wire_dtype,
-    choose_encoding,
     encode_for_wire,
     encode_tensor,
 )
+from meshnet_proto._policy import AUTO_MIN_BYTES, AUTO_MIN_SAVING, apply_wire_dtype, choose_encoding
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 F16 = np.dtype(np.float16)

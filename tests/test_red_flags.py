@@ -23,13 +23,9 @@ from meshnet_gateway._pipeline import run_chunks
 from meshnet_node import serve_node
 from meshnet_node.app import NodeApp
 from meshnet_node.config import NodeConfig
-from meshnet_proto import (
-    ActivationReceived,
-    ChunkAssembler,
-    ProtocolError,
-    WireHeaders,
-    request_cost,
-)
+from meshnet_proto import ActivationReceived, ProtocolError, WireHeaders
+from meshnet_proto._budget import request_cost
+from meshnet_proto._chunking import ChunkAssembler
 from meshnet_runtime.codec_pool import CodecPool
 from meshnet_runtime.deadlines import Deadline
 from meshnet_runtime.downstream import DownstreamPool

@@ -36,12 +36,12 @@ from meshnet_proto import (
     Process,
     SequencingError,
     SessionTable,
-    Ticket,
     Wait,
-    Waiter,
     WireHeaders,
     encode_for_wire,
 )
+from meshnet_proto._sequencer import Ticket
+from meshnet_proto._waiters import Waiter
 from meshnet_runtime.deadlines import Deadline
 from meshnet_runtime.downstream import DownstreamPool
 

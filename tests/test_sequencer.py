@@ -25,12 +25,12 @@ from meshnet_proto import (
     Replay,
     SequencingError,
     SessionTable,
-    Ticket,
     Wait,
-    Waiter,
     WireHeaders,
     tensor_fingerprint,
 )
+from meshnet_proto._sequencer import Ticket
+from meshnet_proto._waiters import Waiter
 
 S1 = "5b1e0c2a-1111-4abc-8def-000000000001"
 S2 = "5b1e0c2a-2222-4abc-8def-000000000002"

@@ -13,10 +13,8 @@ from meshnet_proto import (
     SequencingError,
     SessionTable,
     WireHeaders,
-    is_session_key,
-    parse_session_key,
-    parse_wire_headers,
 )
+from meshnet_proto._headers import is_session_key, parse_session_key, parse_wire_headers
 
 S1 = "5b1e0c2a-1111-4abc-8def-000000000001"
 S2 = "5b1e0c2a-2222-4abc-8def-000000000002"

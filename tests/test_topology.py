@@ -9,14 +9,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from meshnet_proto import (
+from meshnet_proto import chain_from_health, check_chain
+from meshnet_proto._topology import (
     CHAIN_PROBLEMS,
     ChainProblem,
     IdentityError,
     StageIdentity,
     StageReport,
-    chain_from_health,
-    check_chain,
     is_deep_health,
 )
 

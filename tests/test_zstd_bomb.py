@@ -17,7 +17,8 @@ import textwrap
 
 import pytest
 
-from meshnet_proto import ProtocolError, WireHeaders, decode_tensor, zstd_body_bound
+from meshnet_proto import ProtocolError, WireHeaders
+from meshnet_proto._codec import decode_tensor, zstd_body_bound
 
 GiB = 1 << 30
 MiB = 1 << 20
@@ -54,7 +55,8 @@ _CHILD = textwrap.dedent(
     """
     import json, resource, sys
     import numpy as np
-    from meshnet_proto import Limits, MeshnetError, WireHeaders, decode_tensor
+    from meshnet_proto import Limits, MeshnetError, WireHeaders
+    from meshnet_proto._codec import decode_tensor
 
     sys.path.insert(0, sys.argv[1])
     from test_zstd_bomb import GiB, MiB, rle_bomb

@@ -20,7 +20,8 @@ import numpy as np
 import zstandard
 
 from meshnet_bench.activations import make_activation
-from meshnet_proto import WireHeaders, decode_tensor, encode_tensor
+from meshnet_proto import WireHeaders, encode_tensor
+from meshnet_proto.lowlevel import decode_tensor
 
 from ._result import BenchOptions, SectionResult
 from ._support import MiB, mib, rate_mb_s, us

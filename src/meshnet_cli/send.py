@@ -10,7 +10,8 @@ import ml_dtypes
 import numpy as np
 
 from meshnet_gateway import forward_via_gateway
-from meshnet_proto import WIRE_DTYPES, DownstreamError, MeshnetError
+from meshnet_proto import DownstreamError, MeshnetError
+from meshnet_proto.lowlevel import WIRE_DTYPES
 
 __all__ = ["load_wire_array", "run_send", "saveable"]
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 
-from meshnet_proto import StageIdentity
+from meshnet_proto.lowlevel import StageIdentity
 
 from ._case import Case, Context, expect_error, expect_status, new_session
 from ._wire import CheckFailed

@@ -22,14 +22,8 @@ from dataclasses import dataclass
 import anyio
 import numpy as np
 
-from meshnet_proto import (
-    ChunkAssembler,
-    DownstreamError,
-    ErrorResponse,
-    MeshnetError,
-    WireHeaders,
-    plan_chunks,
-)
+from meshnet_proto import DownstreamError, ErrorResponse, MeshnetError, WireHeaders
+from meshnet_proto.lowlevel import ChunkAssembler, plan_chunks
 from meshnet_runtime.deadlines import Deadline
 from meshnet_runtime.downstream import DownstreamPool
 from meshnet_runtime.replicas import ReplicaSet

@@ -32,18 +32,16 @@ from meshnet_proto import (
     ActivationHead,
     ActivationReceived,
     CapacityError,
-    ChainProblem,
     ClientSessionTable,
     EndpointRequest,
     ErrorResponse,
-    Lease,
     Limits,
     MeshnetError,
     ProtocolError,
     SequencingError,
     WireHeaders,
-    apply_wire_dtype,
 )
+from meshnet_proto.lowlevel import ChainProblem, Lease, apply_wire_dtype
 from meshnet_runtime.codec_pool import CodecPool
 from meshnet_runtime.control import ControlEndpoints
 from meshnet_runtime.deadlines import Deadline

@@ -28,13 +28,8 @@ from typing import Any
 
 import numpy as np
 
-from meshnet_proto import (
-    ErrorResponse,
-    Limits,
-    MeshnetError,
-    WireHeaders,
-    apply_wire_dtype,
-)
+from meshnet_proto import ErrorResponse, Limits, MeshnetError, WireHeaders
+from meshnet_proto.lowlevel import apply_wire_dtype
 from meshnet_runtime.codec_pool import CodecPool
 from meshnet_runtime.deadlines import Deadline
 from meshnet_runtime.downstream import DownstreamPool, key_headers

@@ -14,12 +14,11 @@ from typing import Any
 
 import anyio
 
-from meshnet_proto import (
+from meshnet_proto import ServerConnection, WireHeaders
+from meshnet_proto.lowlevel import (
     DEFAULT_MAX_ENDPOINT_BODY,
     DEFAULT_ROUTES,
     ByteBudget,
-    ServerConnection,
-    WireHeaders,
     request_cost,
 )
 from meshnet_runtime.http_server import HttpServer

@@ -37,7 +37,6 @@ from meshnet_proto import (
     WIRE_VERSION,
     ActivationHead,
     ActivationReceived,
-    ByteBudget,
     EndpointRequest,
     ErrorResponse,
     Join,
@@ -47,12 +46,11 @@ from meshnet_proto import (
     Replay,
     ServerConnection,
     SessionTable,
-    Ticket,
     Wait,
     WireHeaders,
-    request_cost,
     tensor_fingerprint,
 )
+from meshnet_proto.lowlevel import ByteBudget, Ticket, request_cost
 from meshnet_runtime.codec_pool import CodecPool
 from meshnet_runtime.control import ControlEndpoints, is_replay
 from meshnet_runtime.deadlines import Deadline

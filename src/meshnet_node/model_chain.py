@@ -19,7 +19,8 @@ from pathlib import Path
 import anyio
 import numpy as np
 
-from meshnet_proto import ActivationResponse, WireHeaders, decode_tensor, encode_for_wire
+from meshnet_proto import ActivationResponse, WireHeaders, encode_for_wire
+from meshnet_proto.lowlevel import decode_tensor
 from meshnet_runtime.deadlines import Deadline
 from meshnet_runtime.downstream import DownstreamPool, key_headers
 

@@ -3,16 +3,19 @@
 Every rejection carries what a driver needs to answer it without thinking:
 the HTTP status (wire-2 §4), a stable machine-readable ``code``, the offending
 header (lowercase) when there is one, and a message a person understands.
-The codes are part of the public contract: they are listed in
-``docs/protocol.md`` and never renamed.
+The codes are part of the public contract: `ErrorCode` names every one
+with its status (wire-2 §4.2; docs/core-api.md says when each is used), and
+none is ever renamed.
 """
 
 from __future__ import annotations
 
+import enum
 import json
-from typing import Any
+from typing import Any, Self
 
 __all__ = [
+    "ErrorCode",
     "MeshnetError",
     "ProtocolError",
     "SequencingError",
@@ -20,6 +23,124 @@ __all__ = [
     "DownstreamError",
     "error_body",
 ]
+
+
+class ErrorCode(enum.StrEnum):
+    """Every stable error code (wire-2 §4.2), with the status it is answered with.
+
+    A member *is* its string (``ErrorCode.NOT_FOUND == "not_found"``), so it
+    goes wherever a ``code`` does, and a code read off the wire compares equal
+    to it. ``status`` is the contract's status; ``statuses`` every status
+    meshnet raises the code with, the contract's among them: only
+    ``bad_chunk_index`` has two (400 for a request's header, 502 when the
+    gateway's reassembler is handed an index outside its run: the
+    downstream's fault). A relayed error keeps its downstream's status
+    (wire-2 §4.3) whatever its code; ``downstream_bad_response`` in
+    particular may then come with any 4xx or 5xx but 500.
+    """
+
+    # The status wire-2 §4.2 gives the code, then any other it is raised with.
+    _status: int
+    _also: tuple[int, ...]
+
+    # 400
+    MALFORMED_REQUEST = "malformed_request", 400
+    BAD_FRAMING = "bad_framing", 400
+    MISSING_HEADER = "missing_header", 400
+    DUPLICATE_HEADER = "duplicate_header", 400
+    BAD_INTEGER = "bad_integer", 400
+    BAD_SHAPE = "bad_shape", 400
+    BAD_DTYPE = "bad_dtype", 400
+    BAD_ENCODING = "bad_encoding", 400
+    BAD_SESSION = "bad_session", 400
+    BAD_SESSION_KEY = "bad_session_key", 400
+    BAD_CHUNK_INDEX = "bad_chunk_index", 400, 502
+    BAD_STAGE = "bad_stage", 400
+    WIRE_VERSION_MISMATCH = "wire_version_mismatch", 400
+    BODY_SIZE_MISMATCH = "body_size_mismatch", 400
+    BAD_ZSTD_FRAME = "bad_zstd_frame", 400
+    BAD_REQUEST = "bad_request", 400
+    FLOAT16_OVERFLOW = "float16_overflow", 400
+    BFLOAT16_OVERFLOW = "bfloat16_overflow", 400
+    BAD_STAGE_INPUT = "bad_stage_input", 400
+    CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded", 400
+    # 401
+    UNAUTHORIZED = "unauthorized", 401
+    # 403
+    SESSION_FORBIDDEN = "session_forbidden", 403
+    # 404
+    NOT_FOUND = "not_found", 404
+    # 405
+    METHOD_NOT_ALLOWED = "method_not_allowed", 405
+    # 408
+    REQUEST_TIMEOUT = "request_timeout", 408
+    # 409
+    SESSION_UNKNOWN = "session_unknown", 409
+    CHUNK_WAIT_TIMEOUT = "chunk_wait_timeout", 409
+    CHUNK_OUT_OF_WINDOW = "chunk_out_of_window", 409
+    RUN_MISMATCH = "run_mismatch", 409
+    POSITION_MISMATCH = "position_mismatch", 409
+    CHUNK_CONFLICT = "chunk_conflict", 409
+    SESSION_EXISTS = "session_exists", 409
+    POSITION_REQUIRED = "position_required", 409
+    SESSION_BUSY = "session_busy", 409
+    STAGE_MISMATCH = "stage_mismatch", 409
+    KV_CACHE_MISMATCH = "kv_cache_mismatch", 409
+    # 411
+    LENGTH_REQUIRED = "length_required", 411
+    # 413
+    TENSOR_TOO_LARGE = "tensor_too_large", 413
+    BODY_TOO_LARGE = "body_too_large", 413
+    CHUNK_TOO_LARGE = "chunk_too_large", 413
+    # 415
+    UNSUPPORTED_MEDIA_TYPE = "unsupported_media_type", 415
+    WIRE1_GONE = "wire1_gone", 415
+    UNSUPPORTED_DTYPE = "unsupported_dtype", 415
+    UNSUPPORTED_ENCODING = "unsupported_encoding", 415
+    # 429
+    CLIENT_SESSIONS_FULL = "client_sessions_full", 429
+    # 431
+    HEADER_BLOCK_TOO_LARGE = "header_block_too_large", 431
+    # 500
+    INTERNAL_ERROR = "internal_error", 500
+    # 502
+    DOWNSTREAM_UNREACHABLE = "downstream_unreachable", 502
+    DOWNSTREAM_BAD_RESPONSE = "downstream_bad_response", 502
+    CHUNK_MISSING = "chunk_missing", 502
+    CHUNK_DUPLICATE = "chunk_duplicate", 502
+    CHUNK_MISMATCH = "chunk_mismatch", 502
+    NO_REPLICA = "no_replica", 502
+    SESSION_LOST = "session_lost", 502
+    REPLAY_FAILED = "replay_failed", 502
+    STAGE_DOWN = "stage_down", 502
+    # 503
+    SESSIONS_FULL = "sessions_full", 503
+    SHUTTING_DOWN = "shutting_down", 503
+    TOO_MANY_CONNECTIONS = "too_many_connections", 503
+    MEMORY_FULL = "memory_full", 503
+    KV_MEMORY_FULL = "kv_memory_full", 503
+    STAGE_BUSY = "stage_busy", 503
+    CHAIN_MISMATCH = "chain_mismatch", 503
+    # 504
+    DOWNSTREAM_TIMEOUT = "downstream_timeout", 504
+    DEADLINE_EXCEEDED = "deadline_exceeded", 504
+
+    def __new__(cls, value: str, status: int, *also: int) -> Self:
+        member = str.__new__(cls, value)
+        member._value_ = value
+        member._status = status
+        member._also = also
+        return member
+
+    @property
+    def status(self) -> int:
+        """The HTTP status wire-2 §4.2 gives this code."""
+        return self._status
+
+    @property
+    def statuses(self) -> frozenset[int]:
+        """Every status meshnet answers this code with (``status`` among them)."""
+        return frozenset((self._status, *self._also))
 
 
 class MeshnetError(Exception):

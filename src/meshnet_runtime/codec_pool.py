@@ -27,14 +27,8 @@ import anyio
 import numpy as np
 import zstandard
 
-from meshnet_proto import (
-    EncodingPolicy,
-    Limits,
-    WireDtypePolicy,
-    WireHeaders,
-    decode_tensor,
-    encode_for_wire,
-)
+from meshnet_proto import EncodingPolicy, Limits, WireDtypePolicy, WireHeaders, encode_for_wire
+from meshnet_proto.lowlevel import decode_tensor
 
 from .metrics import ServerMetrics
 

@@ -23,16 +23,18 @@ from typing import Any
 import anyio
 
 from meshnet_proto import (
-    DEFAULT_ROUTES,
-    ChainProblem,
     DownstreamError,
     EndpointRequest,
     ErrorResponse,
     MeshnetError,
     ProtocolError,
-    StageReport,
     chain_from_health,
     check_chain,
+)
+from meshnet_proto.lowlevel import (
+    DEFAULT_ROUTES,
+    ChainProblem,
+    StageReport,
     is_deep_health,
     parse_session_key,
 )
@@ -254,7 +256,9 @@ def is_replay(query: str) -> bool:
 
 def _outcome(outcome: dict[str, Any] | MeshnetError | None) -> dict[str, Any]:
     if outcome is None:  # the walk we waited for was cancelled
-        raise DownstreamError("the health walk was cancelled", code="downstream_timeout")
+        raise DownstreamError(
+            "the health walk was cancelled", code="downstream_timeout", status=504
+        )
     if isinstance(outcome, MeshnetError):
         raise outcome
     return outcome

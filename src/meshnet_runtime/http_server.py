@@ -33,7 +33,6 @@ from meshnet_proto import (
     NEED_DATA,
     ActivationHead,
     ActivationReceived,
-    ByteBudget,
     CapacityError,
     ConnectionClosed,
     EndpointRequest,
@@ -42,9 +41,8 @@ from meshnet_proto import (
     ProtocolErrorReceived,
     ServerConnection,
     WireHeaders,
-    body_bound,
-    request_cost,
 )
+from meshnet_proto.lowlevel import ByteBudget, body_bound, request_cost
 
 from .codec_pool import CodecPool
 from .deadlines import Deadline, deadline_exceeded
