@@ -109,11 +109,13 @@ class NodeApp:
         self.config = config
         self.limits = config.limits
         self.stage: StageBackend = stage or make_stage(config.backend, config.delay_ms)
-        # (model, first layer, stop layer) of what this node serves, or None
-        # (a stub, a stage without layers): what X-Meshnet-Stage is checked
-        # against on the way in and what it says on the way down (wire-2 §3.2
-        # step 0). Read once: a stage's identity is fixed at load.
-        self.stage_key: tuple[str, int, int] | None = _stage_key(self.stage)
+        # What this node serves (wire-2 §6.1): fixed for the process's life,
+        # so computed once; the chain check compares it across hops.
+        self.identity = node_identity(self.stage, config.wire_dtype, config.encoding)
+        # (model, first layer, stop layer) of it, or None (a stub, a stage
+        # without layers): what X-Meshnet-Stage is checked against on the
+        # way in and what it says on the way down (wire-2 §3.2 step 0).
+        self.stage_key: tuple[str, int, int] | None = _stage_key(self.identity)
         # Whenever the table forgets a session (DELETE, TTL, expiry to make
         # room), the stage frees what it keeps for it (a model's KV cache).
         self.table = SessionTable(self.limits, on_forget=self._forgotten)
@@ -167,9 +169,6 @@ class NodeApp:
         )
         self._wakeups: dict[str, anyio.Event] = {}
         self._outcomes: dict[int, _Outcome] = {}
-        # What this node serves (wire-2 §6.1): fixed for the process's life,
-        # so computed once; the chain check compares it across hops.
-        self.identity = node_identity(self.stage, config.wire_dtype, config.encoding)
         self.control = ControlEndpoints(
             role="node",
             metrics=self.metrics,
@@ -526,17 +525,13 @@ class NodeApp:
             await self.downstream.aclose()
 
 
-def _stage_key(stage: StageBackend) -> tuple[str, int, int] | None:
-    """``(model, start, stop)`` from the stage's identity, when it has one with layers."""
-    identity = getattr(stage, "identity", None)
-    if identity is None:
-        return None
-    facts = identity()
-    layers = facts.get("layers")
+def _stage_key(identity: dict[str, Any]) -> tuple[str, int, int] | None:
+    """``(model, start, stop)`` from the node's identity, when it has layers."""
+    layers = identity.get("layers")
     if layers is None:
         return None
     start, stop = layers
-    key = (str(facts["model"]), int(start), int(stop))
+    key = (str(identity["model"]), int(start), int(stop))
     # A model id X-Meshnet-Stage cannot carry is a bug of the stage: say so
     # at start, not on every chunk.
     WireHeaders(shape=(1,), dtype="int32", stage=f"{key[0]}/{key[2]}")
