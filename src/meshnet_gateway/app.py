@@ -393,8 +393,6 @@ class GatewayApp:
             )
             dtype, encoding, body = await self.to_clients.encode(result.output, request.encoding)
         except BaseException as exc:
-            if isinstance(exc, MeshnetError) and exc.code == "stage_mismatch":
-                self.on_chain_suspect()  # a stage changed since the chain was checked
             if sent:
                 self._fail(lease, exc)
             else:
@@ -409,8 +407,10 @@ class GatewayApp:
 
     def on_chain_suspect(self) -> None:
         """A node answered that it is not the stage expected (409
-        ``stage_mismatch``): the chain may have changed since it was checked,
-        so it is checked again before anything more is sent (wire-2 §6.2)."""
+        ``stage_mismatch``) or lost a session (``session_unknown``): the chain
+        may have changed since it was checked, so it is checked again before
+        anything more is sent (wire-2 §6.2). The one place both the wire-2
+        path (``_fail``) and the OpenAI path ask for it."""
         self.chain_changed()
 
     def cancel_on_disconnect(self, event: EndpointRequest | ActivationReceived) -> bool:
@@ -442,7 +442,7 @@ class GatewayApp:
             log.info("session %s: %s %s (hop %s); deleting it down the chain",
                      lease.session, exc.status, exc.code, exc.hop)  # fmt: skip
             if exc.code in RECHECK_CODES:
-                self.chain_changed()
+                self.on_chain_suspect()  # a stage changed since the chain was checked
         if self._background is not None:
             self._background.start_soon(self._delete_down_chain, lease.session, lease.node_key)
 
