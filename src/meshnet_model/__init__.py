@@ -22,8 +22,10 @@ The modules, each layer importing only those before it:
 * ``identity`` — a stage's digests (which checkpoint, which tensors, which tokenizer);
 * ``plan`` — ``python -m meshnet_model plan``; ``testing`` — helpers for tests and benches.
 
-numpy, safetensors, ml_dtypes, gguf, threadpoolctl and xxhash; torch only for the torch
-engine. docs/models.md has the details.
+It imports numpy, ml_dtypes, safetensors, xxhash, gguf, tokenizers and threadpoolctl
+(all base dependencies of meshnet), and torch only in the torch engine (the
+``meshnet[torch]`` extra); nothing of the wire or the runtime. docs/models.md
+has the details.
 """
 
 from .engines.numpy.model import StageModel
