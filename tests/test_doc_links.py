@@ -4,11 +4,16 @@ and, when the link names an anchor, the target has a heading with that slug.
 Links inside fenced code blocks and inline code are not links; http(s) and
 mailto links are left to the reader (tests/test_wire2_doc.py keeps the
 contract itself free of outside links).
+
+Also held to the code here, one sentence that had gone stale: what
+``meshnet_model`` imports, as docs/models.md and its package docstring say.
 """
 
 from __future__ import annotations
 
+import ast
 import re
+import sys
 from functools import cache
 from pathlib import Path
 
@@ -91,3 +96,33 @@ def test_no_document_is_a_stub() -> None:
         if len(path.read_text(encoding="utf-8").strip().splitlines()) < 10
     ]
     assert stubs == []
+
+
+def _third_party_imports(package: Path) -> set[str]:
+    found = set()
+    for path in package.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Import):
+                found |= {alias.name.split(".")[0] for alias in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                found.add(node.module.split(".")[0])
+    return {name for name in found if name not in sys.stdlib_module_names}
+
+
+def test_the_model_package_imports_what_its_docs_say() -> None:
+    imported = _third_party_imports(ROOT / "src" / "meshnet_model")
+    assert not any(name.startswith("meshnet_") for name in imported)  # no wire, no runtime
+    said = {
+        "docs/models.md": (ROOT / "docs" / "models.md").read_text(encoding="utf-8"),
+        "meshnet_model/__init__.py": (ROOT / "src" / "meshnet_model" / "__init__.py").read_text(
+            encoding="utf-8"
+        ),
+    }
+    for where, text in said.items():
+        match = re.search(r"imports ((?:[a-z_]+, )+[a-z_]+ and [a-z_]+)", " ".join(text.split()))
+        assert match, f"{where}: no sentence saying what meshnet_model imports"
+        listed = set(re.split(r", | and ", match.group(1)))
+        assert listed | {"torch"} == imported, (
+            f"{where} says meshnet_model imports {sorted(listed)} (and torch in its engine); "
+            f"it imports {sorted(imported)}"
+        )
