@@ -115,6 +115,15 @@ def chat_logprobs(entries: Sequence[TokenLogprob]) -> dict[str, Any]:
     }
 
 
+def _top_by_text(entry: TokenLogprob) -> dict[str, float]:
+    """Text → logprob; ids of the same text (two half characters) keep the
+    most likely one's number, the chosen token's is added if its text is new."""
+    top: dict[str, float] = {}
+    for text, logprob in (*entry.top, (entry.token, entry.logprob)):
+        top.setdefault(text.text, logprob)
+    return top
+
+
 def completion_logprobs(entries: Sequence[TokenLogprob], offset: int = 0) -> dict[str, Any]:
     """The legacy object; ``offset``: the text length of the tokens before these."""
     offsets = []
@@ -124,8 +133,6 @@ def completion_logprobs(entries: Sequence[TokenLogprob], offset: int = 0) -> dic
     return {
         "tokens": [e.token.text for e in entries],
         "token_logprobs": [e.logprob for e in entries],
-        "top_logprobs": [
-            {**{t.text: lp for t, lp in e.top}, e.token.text: e.logprob} for e in entries
-        ],
+        "top_logprobs": [_top_by_text(e) for e in entries],
         "text_offset": offsets,
     }

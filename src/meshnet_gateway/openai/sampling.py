@@ -166,15 +166,20 @@ class Sampler:
         finite = np.isfinite(raw)
         if not finite.any():
             raise ValueError("no finite logit to sample from")
-        row = self._processed(np.where(finite, raw, -np.inf))
-        token = self._choose(row)
+        token = self._choose(self._adjust(np.where(finite, raw, -np.inf)))
         if self.params.logprobs is not None:
             self.last = self._logprobs(raw, token)
         self._accept(token, raw.size)
         return token
 
-    def _processed(self, row: np.ndarray) -> np.ndarray:
-        """logit_bias, the min_tokens mask and the penalties, in vLLM's order."""
+    def adjusted(self, logits: np.ndarray) -> np.ndarray:
+        """The logits the next choice is made from (float64; non-finite ones
+        -inf): logit_bias, the min_tokens mask and the penalties applied, in
+        vLLM's order, for the history so far."""
+        row = np.asarray(logits, dtype=np.float64).reshape(-1)
+        return self._adjust(np.where(np.isfinite(row), row, -np.inf))
+
+    def _adjust(self, row: np.ndarray) -> np.ndarray:
         params = self.params
         size = row.size
         if params.logit_bias:
