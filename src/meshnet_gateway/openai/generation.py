@@ -230,6 +230,44 @@ class GenerationResult:
 OnText = Callable[[str, "list[TokenLogprob] | None"], Awaitable[None]]
 
 
+class _Output:
+    """A generation's text and logprobs, to its result and to ``on_text``."""
+
+    def __init__(self, result: GenerationResult, on_text: OnText | None,
+                 tokenizer: ModelTokenizer, sampler: Sampler) -> None:  # fmt: skip
+        self.result = result
+        self.on_text = on_text
+        self.sampler = sampler
+        wanted = sampler.params.logprobs is not None
+        self.texts = TokenTexts(tokenizer) if wanted else None
+        self.pending: list[TokenLogprob] = []  # entries not yet sent with a piece
+        if wanted:
+            result.logprobs = []
+
+    def pick(self, logits: np.ndarray) -> tuple[int, TokenLogprob | None]:
+        """The next id and, if asked, its logprobs entry (in a worker thread)."""
+        sampler = self.sampler
+        token = sampler(logits)
+        if self.texts is None or sampler.last is None or token in sampler.stop_ids:
+            return token, None
+        return token, self.texts.entry(sampler.last)
+
+    def add(self, entry: TokenLogprob | None) -> None:
+        if entry is not None and self.result.logprobs is not None:
+            self.pending.append(entry)
+            self.result.logprobs.append(entry)
+
+    async def emit(self, piece: str) -> None:
+        self.result.text += piece
+        if self.texts is None:
+            if piece and self.on_text is not None:
+                await self.on_text(piece, None)
+            return
+        shown, self.pending = self.pending, []
+        if (piece or shown) and self.on_text is not None:
+            await self.on_text(piece, shown)
+
+
 async def generate(
     chain: ChainSession,
     tokenizer: ModelTokenizer,
@@ -257,27 +295,8 @@ async def generate(
     stops = StopFilter(stop)
     sampler.begin(prompt_ids, tokenizer.stop_ids)
     stop_ids = sampler.stop_ids
-    texts = TokenTexts(tokenizer) if sampler.params.logprobs is not None else None
-    if texts is not None:
-        result.logprobs = []
-    pending: list[TokenLogprob] = []
-
-    def pick(logits: np.ndarray) -> tuple[int, TokenLogprob | None]:
-        token = sampler(logits)
-        if texts is None or sampler.last is None or token in stop_ids:
-            return token, None
-        return token, texts.entry(sampler.last)
-
-    async def emit(piece: str) -> None:
-        result.text += piece
-        if texts is None:
-            if piece and on_text is not None:
-                await on_text(piece, None)
-            return
-        shown, pending[:] = list(pending), []
-        if (piece or shown) and on_text is not None:
-            await on_text(piece, shown)
-
+    output = _Output(result, on_text, tokenizer, sampler)
+    emit = output.emit
     logits = await chain.prefill(prompt_ids)
     if on_prefilled is not None:
         on_prefilled()
@@ -285,7 +304,7 @@ async def generate(
     for produced in range(1, max_tokens + 1):
         try:
             # O(vocab) numpy work per token: off the event loop.
-            token, entry = await anyio.to_thread.run_sync(pick, logits)
+            token, entry = await anyio.to_thread.run_sync(output.pick, logits)
         except ValueError as exc:  # e.g. every logit NaN: the last stage is broken
             raise MeshnetError(
                 f"{chain.pool.url}: the last stage's logits cannot be sampled: {exc}",
@@ -298,10 +317,7 @@ async def generate(
             stopped = True
             break
         result.token_ids.append(token)
-        if entry is not None:
-            pending.append(entry)
-            assert result.logprobs is not None
-            result.logprobs.append(entry)
+        output.add(entry)
         text, stopped = stops.feed(stream.push(token))
         await emit(text)
         if stopped or produced == max_tokens:
