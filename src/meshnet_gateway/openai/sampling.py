@@ -148,6 +148,10 @@ class Sampler:
         self._seen: np.ndarray | None = None  # per id: in the prompt or generated
         self.stop_ids: frozenset[int] = params.stop_token_ids
         self.last: Logprobs | None = None  # the last choice's, if params.logprobs
+        # Built once, used per token.
+        self._bias_ids = np.asarray([i for i, _ in params.logit_bias], dtype=np.int64)
+        self._bias = np.asarray([b for _, b in params.logit_bias], dtype=np.float64)
+        self._stops = np.asarray(sorted(self.stop_ids), dtype=np.int64)
 
     def begin(self, prompt_ids: Sequence[int], eos_ids: Collection[int] = ()) -> None:
         """The prompt (for ``repetition_penalty``) and the model's eos ids,
@@ -156,6 +160,7 @@ class Sampler:
         self._prompt = list(prompt_ids)
         eos = frozenset() if self.params.ignore_eos else frozenset(eos_ids)
         self.stop_ids = eos | self.params.stop_token_ids
+        self._stops = np.asarray(sorted(self.stop_ids), dtype=np.int64)
 
     def __call__(self, logits: np.ndarray) -> int:
         """The next id from one position's logits (shape ``[vocab]``)."""
@@ -183,13 +188,10 @@ class Sampler:
         params = self.params
         size = row.size
         if params.logit_bias:
-            ids = np.fromiter((i for i, _ in params.logit_bias), dtype=np.int64)
-            bias = np.fromiter((b for _, b in params.logit_bias), dtype=np.float64)
-            inside = ids < size  # an id past this stage's logits cannot be chosen anyway
-            np.add.at(row, ids[inside], bias[inside])
-        if self.generated < params.min_tokens and self.stop_ids:
-            stops = np.fromiter(self.stop_ids, dtype=np.int64)
-            row[stops[stops < size]] = -np.inf
+            inside = self._bias_ids < size  # an id past the logits cannot be chosen anyway
+            np.add.at(row, self._bias_ids[inside], self._bias[inside])
+        if self.generated < params.min_tokens and self._stops.size:
+            row[self._stops[self._stops < size]] = -np.inf
         if params.penalised:
             counts, seen = self._history(size)
             if params.repetition_penalty != 1.0:
