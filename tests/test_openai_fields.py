@@ -350,6 +350,7 @@ def test_each_known_unimplemented_field_is_refused_by_name(field: str, value: ob
         ({"min_p": "x"}, "min_p", "invalid_type"),
         ({"repetition_penalty": 0}, "repetition_penalty", "invalid_value"),
         ({"repetition_penalty": 11}, "repetition_penalty", "invalid_value"),
+        ({"repetition_penalty": 0.009}, "repetition_penalty", "invalid_value"),
         ({"repetition_penalty": float("nan")}, "repetition_penalty", "invalid_type"),
         ({"presence_penalty": -2.1}, "presence_penalty", "invalid_value"),
         ({"frequency_penalty": 2.1}, "frequency_penalty", "invalid_value"),

@@ -22,7 +22,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from .sampling import SamplingParams
+from .sampling import REPETITION_PENALTY, SamplingParams
 
 __all__ = ["GenerationDefaults"]
 
@@ -74,9 +74,7 @@ class GenerationDefaults:
         top_p = number("top_p", 0.0, 1.0)
         top_k = count("top_k")
         min_p = number("min_p", 0.0, 1.0)
-        repetition = number("repetition_penalty", 0.0, 10.0)
-        if repetition == 0.0:
-            raise ValueError(f"{source}: repetition_penalty=0 is not > 0")
+        repetition = number("repetition_penalty", *REPETITION_PENALTY)
         if raw.get("do_sample") is False:
             # transformers ignores temperature/top_p/top_k/min_p when do_sample
             # is off (its repetition_penalty still applies to greedy search).

@@ -21,7 +21,7 @@ from typing import Any
 
 from .errors import OpenAIError, invalid
 from .limits import shown
-from .sampling import SamplingParams
+from .sampling import REPETITION_PENALTY, SamplingParams
 
 __all__ = ["ChatRequest", "CompletionRequest", "GenerationOptions", "parse_json_object"]
 
@@ -35,7 +35,6 @@ MAX_TOP_LOGPROBS = 20  # OpenAI's limit for chat
 MAX_LOGIT_BIAS = 300  # OpenAI's limit on entries
 MAX_STOP_TOKEN_IDS = 64
 MAX_TOKEN_ID = 2**31 - 1  # ids travel as int32
-MAX_REPETITION_PENALTY = 10.0
 MAX_MIN_TOKENS = 2**31 - 1
 
 # Known fields refused unless absent, null or one of the values that ask for
@@ -218,9 +217,7 @@ def _options(
     if max_tokens is not None and min_tokens > max_tokens:
         raise invalid("min_tokens", f"min_tokens ({min_tokens}) must be <= max_tokens "
                       f"({max_tokens})", "invalid_value")  # fmt: skip
-    repetition = _number(document, "repetition_penalty", 1.0, 0.0, MAX_REPETITION_PENALTY)
-    if repetition == 0.0:
-        raise invalid("repetition_penalty", "repetition_penalty must be > 0", "invalid_value")
+    repetition = _number(document, "repetition_penalty", 1.0, *REPETITION_PENALTY)
     sampling = SamplingParams(
         temperature=_number(document, "temperature", 1.0, 0.0, 2.0),
         top_p=_number(document, "top_p", 1.0, 0.0, 1.0) or 1.0,  # 0 means "no cut" here

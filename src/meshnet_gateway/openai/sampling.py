@@ -41,13 +41,23 @@ from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["Logprobs", "Sampler", "SamplingParams", "log_softmax", "top_indices"]
+__all__ = [
+    "REPETITION_PENALTY",
+    "Logprobs",
+    "Sampler",
+    "SamplingParams",
+    "log_softmax",
+    "top_indices",
+]
 
 _FIRST_HEAD = 64  # ids the nucleus search sorts first
 _GROWTH = 8
 # What a logprob of -inf (a non-finite logit) is reported as: JSON has no
 # infinity, and vLLM reports this value.
 LOGPROB_FLOOR = -9999.0
+# Bounded below too: a float32 logit divided by less than 0.01 could leave
+# float64's range (+inf); values in use are 1.0-1.5.
+REPETITION_PENALTY = (0.01, 10.0)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -64,7 +74,7 @@ class SamplingParams:
     top_p: float = 1.0  # (0, 1]
     top_k: int = 0  # 0: no cut
     min_p: float = 0.0  # [0, 1]; 0: no cut
-    repetition_penalty: float = 1.0  # > 0; 1: none
+    repetition_penalty: float = 1.0  # REPETITION_PENALTY; 1: none
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: tuple[tuple[int, float], ...] = ()  # (id, bias) pairs
@@ -82,8 +92,9 @@ class SamplingParams:
             raise ValueError("top_k must be >= 0")
         if not 0.0 <= self.min_p <= 1.0:
             raise ValueError("min_p must be in [0, 1]")
-        if not self.repetition_penalty > 0.0 or not math.isfinite(self.repetition_penalty):
-            raise ValueError("repetition_penalty must be > 0")
+        low, high = REPETITION_PENALTY
+        if not low <= self.repetition_penalty <= high:
+            raise ValueError(f"repetition_penalty must be in [{low}, {high}]")
         for value in (self.presence_penalty, self.frequency_penalty):
             if not math.isfinite(value):
                 raise ValueError("penalties must be finite")
