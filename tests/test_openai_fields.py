@@ -22,6 +22,8 @@ import anyio
 import numpy as np
 import openai
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from meshnet_gateway.openai.defaults import GenerationDefaults
 from meshnet_gateway.openai.errors import OpenAIError
@@ -575,3 +577,42 @@ async def test_api_refuses_by_name_and_checks_ids_against_the_vocab(model_dir: P
             extra_body={"my_own_field": 1},
         )
         assert done.usage is not None and done.usage.completion_tokens == 2
+
+
+# ------------------------------------------------------------------ any accepted value is safe
+
+EXTREME = np.array([3.4e38, -3.4e38, 0.0, 1e-45, -1e-45, 88.0, -88.0, 3.3e38], dtype=np.float32)
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    temperature=st.sampled_from([0, 1e-307, 5e-324, 0.5, 2]),
+    min_p=st.sampled_from([0, 5e-324, 1e-300, 0.5, 1]),
+    repetition_penalty=st.sampled_from([0.01, 0.5, 1, 10]),
+    presence=st.sampled_from([-2, 0, 2]),
+    frequency=st.sampled_from([-2, 0, 2]),
+    bias=st.sampled_from([{}, {"0": 100}, {"1": -100, "3": 100}]),
+    min_tokens=st.sampled_from([0, 3]),
+    logprobs=st.sampled_from([None, 0, 5]),
+    seed=st.integers(0, 2**64 - 1),
+)
+def test_any_accepted_parameters_sample_extreme_logits(
+    temperature: float, min_p: float, repetition_penalty: float, presence: float,
+    frequency: float, bias: dict[str, int], min_tokens: int, logprobs: int | None, seed: int,
+) -> None:  # fmt: skip
+    """Whatever values the parser accepts, float32 logits at the ends of
+    their range are sampled (an id, finite logprobs), never a NaN or a raise."""
+    request = parse_completion(
+        {"model": "m", "prompt": "x", "temperature": temperature, "min_p": min_p,
+         "repetition_penalty": repetition_penalty, "presence_penalty": presence,
+         "frequency_penalty": frequency, "logit_bias": bias, "min_tokens": min_tokens,
+         "logprobs": logprobs, "seed": seed, "stop_token_ids": [7]}
+    )  # fmt: skip
+    sampler = Sampler(request.options.sampling, request.options.seed)
+    sampler.begin([0, 1, 7], eos_ids=[2])
+    for _ in range(6):
+        token = sampler(EXTREME)
+        assert 0 <= token < EXTREME.size
+        if logprobs is not None:
+            assert sampler.last is not None and np.isfinite(sampler.last.logprob)
+            assert all(np.isfinite(lp) for _, lp in sampler.last.top)

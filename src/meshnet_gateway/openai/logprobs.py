@@ -4,8 +4,8 @@ The numbers come from the sampler (``sampling.Logprobs``): the float64
 log-softmax of the last stage's *raw* logits, before logit_bias, penalties,
 temperature and the cuts — what vLLM returns by default (its
 ``logprobs_mode="raw_logprobs"``): the model's own distribution, whatever the
-sampling parameters. A logprob of -inf (a non-finite logit) is reported as
--9999.0, as vLLM does (JSON has no infinity).
+sampling parameters. A logprob below -9999 (a non-finite logit's -inf among
+them) is reported as -9999.0, as vLLM clamps it (JSON has no infinity).
 
 Each token's text is the tokenizer's decoding of that one id with special
 tokens kept (``</s>`` shows as itself), as vLLM shows it; ``bytes`` are the
