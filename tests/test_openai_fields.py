@@ -616,3 +616,30 @@ def test_any_accepted_parameters_sample_extreme_logits(
         if logprobs is not None:
             assert sampler.last is not None and np.isfinite(sampler.last.logprob)
             assert all(np.isfinite(lp) for _, lp in sampler.last.top)
+
+
+@pytest.mark.anyio
+async def test_logprobs_of_a_real_model_chain_are_its_logits_log_softmax(model_dir: Path) -> None:
+    """Two real model nodes (a tiny random Llama): each reported logprob is the
+    float64 log-softmax of the logits one in-process runner computes."""
+    from meshnet_model import StageRunner
+
+    tokenizer = ModelTokenizer.load(model_dir)
+    prompt_ids = tokenizer.encode("once upon a time")
+    async with serve_openai(model_dir, stages=2) as served:
+        client = client_for(served.url)
+        result = await in_thread(
+            client.completions.create, model="tiny-model", prompt="once upon a time",
+            max_tokens=5, temperature=0, logprobs=5,
+        )  # fmt: skip
+    runner = StageRunner.load(model_dir)
+    logits = runner.run("ref", 0, np.asarray([prompt_ids], dtype=np.int32))[0]
+    position, reported = len(prompt_ids), result.choices[0].logprobs
+    assert reported is not None and reported.token_logprobs is not None
+    for k in range(5):
+        row = reference_log_softmax(logits)
+        token = int(np.argmax(logits))
+        assert reported.token_logprobs[k] == pytest.approx(float(row[token]), abs=1e-9)
+        logits = runner.run("ref", position, np.asarray([[token]], dtype=np.int32))[0]
+        position += 1
+    runner.end_session("ref")
