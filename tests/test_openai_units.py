@@ -292,11 +292,13 @@ def error_of(fn, document: object) -> OpenAIError:  # type: ignore[no-untyped-de
         ("stop", ["a", "b", "c", "d", "e"]),
         ("n", 2),
         ("stream", "yes"),
-        ("logprobs", 3),
+        ("logprobs", 6),
+        ("logprobs", True),
         ("echo", True),
-        ("presence_penalty", 0.5),
+        ("presence_penalty", 2.5),
         ("frequency_penalty", "x"),
-        ("logit_bias", {"5": 10}),
+        ("logit_bias", {"5": 101}),
+        ("logit_bias", {"x": 1}),
         ("prompt", {"text": "x"}),
         ("prompt", ["one", "two"]),
         ("prompt", []),
@@ -380,7 +382,8 @@ async def test_generate_stops_at_eos_counts_it_and_steps_once_per_token(
     chain = ScriptedChain([*words, tokenizer.eos_id, 5])  # type: ignore[list-item]
     pieces: list[str] = []
 
-    async def on_text(piece: str) -> None:
+    async def on_text(piece: str, logprobs: object) -> None:
+        assert logprobs is None  # not asked for
         pieces.append(piece)
 
     greedy = Sampler(SamplingParams(temperature=0.0), None)
@@ -424,7 +427,9 @@ JSON_VALUES = st.recursive(
 )  # fmt: skip
 FIELDS = ["model", "prompt", "messages", "max_tokens", "max_completion_tokens", "temperature",
           "top_p", "top_k", "seed", "stop", "n", "stream", "stream_options", "logprobs", "echo",
-          "presence_penalty", "frequency_penalty", "logit_bias"]  # fmt: skip
+          "presence_penalty", "frequency_penalty", "logit_bias", "top_logprobs", "min_p",
+          "repetition_penalty", "min_tokens", "ignore_eos", "stop_token_ids", "response_format",
+          "best_of", "suffix", "tools"]  # fmt: skip
 
 
 @settings(max_examples=300, deadline=None)

@@ -45,8 +45,9 @@ from meshnet_runtime.replicas import ReplicaSet
 from ..admission import Admission, AdmissionRefused, Ticket
 from .defaults import GenerationDefaults
 from .errors import OpenAIError, from_meshnet, invalid
-from .generation import ChainSession, ChainSettings, GenerationResult, generate
+from .generation import ChainSession, ChainSettings, GenerationResult, OnText, generate
 from .limits import PromptLimits, checked_text, shown
+from .logprobs import TokenLogprob, chat_logprobs, completion_logprobs
 from .metrics import GenerationMetrics
 from .requests import (
     ChatRequest,
@@ -201,6 +202,7 @@ class OpenAIService:
             ids = self._chat_ids(chat)
             fmt = _ChatFormat(self.model.name)
         self._budget(ids, options)  # refused here, before any chain work
+        options.check_vocab(self.model.tokenizer.vocab_size)
         return ids, options, fmt
 
     def _model_card(self) -> dict[str, Any]:
@@ -289,7 +291,7 @@ class OpenAIService:
         # ticket going back.
         ticket = await self._admit(len(ids))
 
-        async def run(on_text: Callable[[str], Any] | None) -> GenerationResult:
+        async def run(on_text: OnText | None) -> GenerationResult:
             self.active.add(chain.session)
             outcome = "cancelled"  # unless it ends any other way: the client left
             try:
@@ -335,8 +337,8 @@ class OpenAIService:
             async def event(document: dict[str, Any]) -> None:
                 await send(b"data: " + json.dumps(document).encode() + b"\n\n")
 
-            async def on_text(piece: str) -> None:
-                await event(fmt.chunk(piece))
+            async def on_text(piece: str, logprobs: list[TokenLogprob] | None) -> None:
+                await event(fmt.chunk(piece, logprobs))
 
             try:
                 first = fmt.first_chunk()
@@ -426,7 +428,7 @@ class _Format:
     def first_chunk(self) -> dict[str, Any] | None:
         return None
 
-    def chunk(self, piece: str) -> dict[str, Any]:
+    def chunk(self, piece: str, logprobs: list[TokenLogprob] | None) -> dict[str, Any]:
         raise NotImplementedError
 
     def last_chunk(self, result: GenerationResult) -> dict[str, Any]:
@@ -441,13 +443,22 @@ class _CompletionFormat(_Format):
     object_whole = object_chunk = "text_completion"
     prefix = "cmpl"
 
+    def __init__(self, model: str) -> None:
+        super().__init__(model)
+        self._offset = 0  # text_offset of the next streamed token
+
     def whole(self, result: GenerationResult) -> dict[str, Any]:
-        choice = {"text": result.text, "index": 0, "logprobs": None,
+        logprobs = None if result.logprobs is None else completion_logprobs(result.logprobs)
+        choice = {"text": result.text, "index": 0, "logprobs": logprobs,
                   "finish_reason": result.finish_reason}  # fmt: skip
         return {**self._envelope(self.object_whole, [choice]), "usage": _usage(result)}
 
-    def chunk(self, piece: str) -> dict[str, Any]:
-        choice = {"text": piece, "index": 0, "logprobs": None, "finish_reason": None}
+    def chunk(self, piece: str, logprobs: list[TokenLogprob] | None) -> dict[str, Any]:
+        shaped = None
+        if logprobs is not None:
+            shaped = completion_logprobs(logprobs, self._offset)
+            self._offset += sum(len(e.token.text) for e in logprobs)
+        choice = {"text": piece, "index": 0, "logprobs": shaped, "finish_reason": None}
         return self._envelope(self.object_chunk, [choice])
 
     def last_chunk(self, result: GenerationResult) -> dict[str, Any]:
@@ -466,7 +477,7 @@ class _ChatFormat(_Format):
         choice = {
             "index": 0,
             "message": {"role": "assistant", "content": result.text},
-            "logprobs": None,
+            "logprobs": None if result.logprobs is None else chat_logprobs(result.logprobs),
             "finish_reason": result.finish_reason,
         }
         return {**self._envelope(self.object_whole, [choice]), "usage": _usage(result)}
@@ -476,8 +487,9 @@ class _ChatFormat(_Format):
                   "logprobs": None, "finish_reason": None}  # fmt: skip
         return self._envelope(self.object_chunk, [choice])
 
-    def chunk(self, piece: str) -> dict[str, Any]:
-        choice = {"index": 0, "delta": {"content": piece}, "logprobs": None,
+    def chunk(self, piece: str, logprobs: list[TokenLogprob] | None) -> dict[str, Any]:
+        shaped = None if logprobs is None else chat_logprobs(logprobs)
+        choice = {"index": 0, "delta": {"content": piece}, "logprobs": shaped,
                   "finish_reason": None}  # fmt: skip
         return self._envelope(self.object_chunk, [choice])
 

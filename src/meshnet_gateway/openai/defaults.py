@@ -5,8 +5,9 @@ What is read (anything else in the file is ignored, see docs/openai-api.md):
 
 * ``do_sample: false`` written in the file → greedy (temperature 0) unless the
   request names a temperature; transformers' ``generate`` is greedy then.
-* ``temperature``, ``top_p``, ``top_k`` → the request's default for each
-  (when ``do_sample`` is not false), as vLLM applies them.
+* ``temperature``, ``top_p``, ``top_k``, ``min_p``, ``repetition_penalty`` →
+  the request's default for each (the first four when ``do_sample`` is not
+  false), as vLLM applies them.
 * ``max_new_tokens`` → the default ``max_tokens`` (still capped by the context).
 
 A value of the wrong type or out of the API's range is a clear error at
@@ -21,7 +22,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from .sampling import SamplingParams
+from .sampling import REPETITION_PENALTY, SamplingParams
 
 __all__ = ["GenerationDefaults"]
 
@@ -33,6 +34,8 @@ class GenerationDefaults:
     temperature: float | None = None
     top_p: float | None = None
     top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
     max_new_tokens: int | None = None
 
     @classmethod
@@ -70,17 +73,21 @@ class GenerationDefaults:
         temperature = number("temperature", 0.0, 2.0)
         top_p = number("top_p", 0.0, 1.0)
         top_k = count("top_k")
+        min_p = number("min_p", 0.0, 1.0)
+        repetition = number("repetition_penalty", *REPETITION_PENALTY)
         if raw.get("do_sample") is False:
-            # transformers ignores temperature/top_p/top_k when do_sample is off.
-            temperature, top_p, top_k = 0.0, None, None
-        return cls(temperature=temperature, top_p=top_p or None, top_k=top_k,
+            # transformers ignores temperature/top_p/top_k/min_p when do_sample
+            # is off (its repetition_penalty still applies to greedy search).
+            temperature, top_p, top_k, min_p = 0.0, None, None, None
+        return cls(temperature=temperature, top_p=top_p or None, top_k=top_k, min_p=min_p,
+                   repetition_penalty=repetition,
                    max_new_tokens=count("max_new_tokens") or None)  # fmt: skip
 
     def sampling(self, given: SamplingParams, explicit: frozenset[str]) -> SamplingParams:
         """``given`` (the request's, with the API's defaults filled in) with each
         parameter the request did not name (``explicit``) taken from here."""
         changes: dict[str, Any] = {}
-        for name in ("temperature", "top_p", "top_k"):
+        for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty"):
             value = getattr(self, name)
             if value is not None and name not in explicit:
                 changes[name] = value

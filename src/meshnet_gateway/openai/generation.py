@@ -33,6 +33,7 @@ from meshnet_runtime.wire_encoder import WireEncoder
 
 from .._pipeline import run_chunks
 from .._retry import RetryPolicy
+from .logprobs import TokenLogprob, TokenTexts
 from .metrics import GenerationMetrics
 from .sampling import Sampler
 from .tokenizer import ModelTokenizer, TextStream
@@ -219,6 +220,52 @@ class GenerationResult:
     finish_reason: str = "length"  # "stop" (eos or a stop sequence) or "length"
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
+    # One entry per generated token shown (a stop id is not), when asked.
+    logprobs: list[TokenLogprob] | None = None
+
+
+# A piece of text and the logprobs of the tokens that came with it (None
+# unless the request asked for logprobs; then a chunk is sent for every
+# token, its text possibly empty, so each token's numbers arrive with it).
+OnText = Callable[[str, "list[TokenLogprob] | None"], Awaitable[None]]
+
+
+class _Output:
+    """A generation's text and logprobs, to its result and to ``on_text``."""
+
+    def __init__(self, result: GenerationResult, on_text: OnText | None,
+                 tokenizer: ModelTokenizer, sampler: Sampler) -> None:  # fmt: skip
+        self.result = result
+        self.on_text = on_text
+        self.sampler = sampler
+        wanted = sampler.params.logprobs is not None
+        self.texts = TokenTexts(tokenizer) if wanted else None
+        self.pending: list[TokenLogprob] = []  # entries not yet sent with a piece
+        if wanted:
+            result.logprobs = []
+
+    def pick(self, logits: np.ndarray) -> tuple[int, TokenLogprob | None]:
+        """The next id and, if asked, its logprobs entry (in a worker thread)."""
+        sampler = self.sampler
+        token = sampler(logits)
+        if self.texts is None or sampler.last is None or token in sampler.stop_ids:
+            return token, None
+        return token, self.texts.entry(sampler.last)
+
+    def add(self, entry: TokenLogprob | None) -> None:
+        if entry is not None and self.result.logprobs is not None:
+            self.pending.append(entry)
+            self.result.logprobs.append(entry)
+
+    async def emit(self, piece: str) -> None:
+        self.result.text += piece
+        if self.texts is None:
+            if piece and self.on_text is not None:
+                await self.on_text(piece, None)
+            return
+        shown, self.pending = self.pending, []
+        if (piece or shown) and self.on_text is not None:
+            await self.on_text(piece, shown)
 
 
 async def generate(
@@ -229,11 +276,14 @@ async def generate(
     max_tokens: int,
     sampler: Sampler,
     stop: Sequence[str] = (),
-    on_text: Callable[[str], Awaitable[None]] | None = None,
+    on_text: OnText | None = None,
     on_prefilled: Callable[[], None] | None = None,
 ) -> GenerationResult:
     """Generate up to ``max_tokens`` after ``prompt_ids``; ``on_text`` gets each new piece.
 
+    Generation ends at the sampler's stop ids (the model's eos ids unless
+    ``ignore_eos``, and ``stop_token_ids``), masked by the sampler until
+    ``min_tokens`` tokens exist.
     ``on_prefilled``: called once the prompt's last chunk is answered (the
     admission control's prefill budget gets the prompt's tokens back then).
     Does not close ``chain``: the caller does, in a ``finally``.
@@ -243,14 +293,10 @@ async def generate(
         return result
     stream = TextStream(tokenizer)
     stops = StopFilter(stop)
-    stop_ids = tokenizer.stop_ids
-
-    async def emit(piece: str) -> None:
-        if piece:
-            result.text += piece
-            if on_text is not None:
-                await on_text(piece)
-
+    sampler.begin(prompt_ids, tokenizer.stop_ids)
+    stop_ids = sampler.stop_ids
+    output = _Output(result, on_text, tokenizer, sampler)
+    emit = output.emit
     logits = await chain.prefill(prompt_ids)
     if on_prefilled is not None:
         on_prefilled()
@@ -258,7 +304,7 @@ async def generate(
     for produced in range(1, max_tokens + 1):
         try:
             # O(vocab) numpy work per token: off the event loop.
-            token = await anyio.to_thread.run_sync(sampler, logits)
+            token, entry = await anyio.to_thread.run_sync(output.pick, logits)
         except ValueError as exc:  # e.g. every logit NaN: the last stage is broken
             raise MeshnetError(
                 f"{chain.pool.url}: the last stage's logits cannot be sampled: {exc}",
@@ -271,6 +317,7 @@ async def generate(
             stopped = True
             break
         result.token_ids.append(token)
+        output.add(entry)
         text, stopped = stops.feed(stream.push(token))
         await emit(text)
         if stopped or produced == max_tokens:

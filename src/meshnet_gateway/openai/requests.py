@@ -3,6 +3,13 @@
 Everything a client sends is checked here, before a token goes down the
 chain: a wrong type, a value out of range or an unsupported option is a 400
 naming the parameter, as OpenAI answers it.
+
+A field this module does not know is ignored, as OpenAI's own server and
+vLLM ignore one (clients add fields of their own). But a field of OpenAI's
+API, or a common vLLM/llama.cpp extension, that asks for something this
+gateway does not do (tools, structured output, beam search, …) is refused by
+name (``REFUSED``) — never accepted and silently ignored. The table in
+docs/openai-api.md lists every field.
 """
 
 from __future__ import annotations
@@ -14,7 +21,7 @@ from typing import Any
 
 from .errors import OpenAIError, invalid
 from .limits import shown
-from .sampling import SamplingParams
+from .sampling import REPETITION_PENALTY, SamplingParams
 
 __all__ = ["ChatRequest", "CompletionRequest", "GenerationOptions", "parse_json_object"]
 
@@ -23,6 +30,58 @@ MAX_STOP_SEQUENCES = 4  # OpenAI's limit
 # text and matches prefixes of it on every token, on the event loop.
 MAX_STOP_CHARS = 512
 MAX_SEED = 2**64 - 1  # numpy's default_rng takes any non-negative int; bound it anyway
+MAX_COMPLETION_LOGPROBS = 5  # OpenAI's limit for the legacy endpoint
+MAX_TOP_LOGPROBS = 20  # OpenAI's limit for chat
+MAX_LOGIT_BIAS = 300  # OpenAI's limit on entries
+MAX_STOP_TOKEN_IDS = 64
+MAX_TOKEN_ID = 2**31 - 1  # ids travel as int32
+MAX_MIN_TOKENS = 2**31 - 1
+
+# Known fields refused unless absent, null or one of the values that ask for
+# nothing (the values listed): name -> (neutral values, why refused).
+REFUSED: dict[str, tuple[tuple[object, ...], str]] = {
+    "tools": ((), "tool calling is not supported"),
+    "tool_choice": ((), "tool calling is not supported"),
+    "functions": ((), "function calling is not supported"),
+    "function_call": ((), "function calling is not supported"),
+    "parallel_tool_calls": ((), "tool calling is not supported"),
+    "suffix": (("",), "suffix (insertion) is not supported"),
+    "echo": ((False,), "echo is not supported"),
+    "audio": ((), "audio output is not supported"),
+    "modalities": ((["text"],), "only the text modality is supported"),
+    "prediction": ((), "predicted outputs are not supported"),
+    "reasoning_effort": ((), "reasoning_effort is not supported"),
+    "web_search_options": ((), "web search is not supported"),
+    "store": ((False,), "stored completions are not supported"),
+    "service_tier": (("auto", "default"), "only the default service tier exists"),
+    # vLLM's extensions
+    "prompt_logprobs": ((), "prompt_logprobs is not supported"),
+    "use_beam_search": ((False,), "beam search is not supported"),
+    "length_penalty": ((1, 1.0), "length_penalty (beam search) is not supported"),
+    "include_stop_str_in_output": ((False,), "include_stop_str_in_output is not supported"),
+    "skip_special_tokens": ((True,), "only skip_special_tokens=true is supported"),
+    "spaces_between_special_tokens": ((True,), "only the default is supported"),
+    "allowed_token_ids": ((), "allowed_token_ids is not supported"),
+    "bad_words": (([],), "bad_words is not supported"),
+    "truncate_prompt_tokens": ((), "prompt truncation is not supported"),
+    "guided_json": ((), "structured output is not supported"),
+    "guided_regex": ((), "structured output is not supported"),
+    "guided_choice": ((), "structured output is not supported"),
+    "guided_grammar": ((), "structured output is not supported"),
+    "structured_outputs": ((), "structured output is not supported"),
+    "typical_p": ((1, 1.0), "typical_p is not supported"),
+    "chat_template": ((), "the checkpoint's chat template is the only one"),
+    "chat_template_kwargs": (({},), "chat_template_kwargs is not supported"),
+    "add_generation_prompt": ((True,), "the generation prompt is always added"),
+    "continue_final_message": ((False,), "continue_final_message is not supported"),
+    "documents": ((), "documents are not supported"),
+    "return_tokens_as_token_ids": ((False,), "return_tokens_as_token_ids is not supported"),
+    # llama.cpp's names for what is here under vLLM's names
+    "repeat_penalty": ((), "use repetition_penalty"),
+    "n_probs": ((), "use logprobs / top_logprobs"),
+    "grammar": ((), "grammars are not supported"),
+    "json_schema": ((), "structured output is not supported"),
+}
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -37,6 +96,13 @@ class GenerationOptions:
     # The sampling parameters the request named; the others may come from the
     # checkpoint's generation_config.json (defaults.py).
     explicit: frozenset[str] = frozenset()
+
+    def check_vocab(self, vocab: int) -> None:
+        """Token ids the request names (logit_bias, stop_token_ids) must exist."""
+        for name, ids in (("logit_bias", [i for i, _ in self.sampling.logit_bias]),
+                          ("stop_token_ids", self.sampling.stop_token_ids)):  # fmt: skip
+            if any(i >= vocab for i in ids):
+                raise invalid(name, f"{name}: token ids must be in [0, {vocab})", "invalid_value")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -106,7 +172,9 @@ def _bool(document: dict[str, Any], name: str) -> bool:
     return value
 
 
-def _options(document: dict[str, Any], *, max_tokens_names: tuple[str, ...]) -> GenerationOptions:
+def _options(
+    document: dict[str, Any], *, max_tokens_names: tuple[str, ...], logprobs: int | None
+) -> GenerationOptions:
     model = document.get("model")
     if not isinstance(model, str) or not model:
         raise invalid("model", "you must provide a model parameter (a string)", "invalid_type")
@@ -132,15 +200,10 @@ def _options(document: dict[str, Any], *, max_tokens_names: tuple[str, ...]) -> 
     if any(len(s) > MAX_STOP_CHARS for s in stops):
         raise invalid("stop", f"a stop sequence may have at most {MAX_STOP_CHARS} characters",
                       "invalid_value")  # fmt: skip
-    if document.get("logprobs") not in (None, False, 0):
-        raise invalid("logprobs", "logprobs are not supported", "unsupported_parameter")
-    for name in ("presence_penalty", "frequency_penalty"):
-        if _number(document, name, 0.0, -2.0, 2.0) != 0.0:
-            raise invalid(name, f"{name} is not supported (only 0)", "unsupported_parameter")
-    if document.get("logit_bias") not in (None, {}):
-        raise invalid("logit_bias", "logit_bias is not supported", "unsupported_parameter")
-    if _bool(document, "echo"):
-        raise invalid("echo", "echo is not supported", "unsupported_parameter")
+    _refused(document)
+    if _integer(document, "best_of", 1) not in (None, 1):
+        raise invalid("best_of", "only best_of=1 is supported", "unsupported_value")
+    _response_format(document.get("response_format"))
     stream = _bool(document, "stream")
     stream_options = document.get("stream_options")
     include_usage = False
@@ -150,10 +213,24 @@ def _options(document: dict[str, Any], *, max_tokens_names: tuple[str, ...]) -> 
         if not stream:
             raise invalid("stream_options", "stream_options is only allowed with stream: true")
         include_usage = _bool(stream_options, "include_usage")
+    min_tokens = _integer(document, "min_tokens", 0, MAX_MIN_TOKENS) or 0
+    if max_tokens is not None and min_tokens > max_tokens:
+        raise invalid("min_tokens", f"min_tokens ({min_tokens}) must be <= max_tokens "
+                      f"({max_tokens})", "invalid_value")  # fmt: skip
+    repetition = _number(document, "repetition_penalty", 1.0, *REPETITION_PENALTY)
     sampling = SamplingParams(
         temperature=_number(document, "temperature", 1.0, 0.0, 2.0),
         top_p=_number(document, "top_p", 1.0, 0.0, 1.0) or 1.0,  # 0 means "no cut" here
         top_k=_integer(document, "top_k", 0) or 0,
+        min_p=_number(document, "min_p", 0.0, 0.0, 1.0),
+        repetition_penalty=repetition,
+        presence_penalty=_number(document, "presence_penalty", 0.0, -2.0, 2.0),
+        frequency_penalty=_number(document, "frequency_penalty", 0.0, -2.0, 2.0),
+        logit_bias=_logit_bias(document.get("logit_bias")),
+        min_tokens=min_tokens,
+        ignore_eos=_bool(document, "ignore_eos"),
+        stop_token_ids=_stop_token_ids(document.get("stop_token_ids")),
+        logprobs=logprobs,
     )
     return GenerationOptions(
         model=model,
@@ -163,14 +240,95 @@ def _options(document: dict[str, Any], *, max_tokens_names: tuple[str, ...]) -> 
         stop=stops,
         stream=stream,
         include_usage=include_usage,
-        explicit=frozenset(
-            n for n in ("temperature", "top_p", "top_k") if document.get(n) is not None
-        ),
+        explicit=frozenset(n for n in DEFAULTED if document.get(n) is not None),
     )
 
 
+# The sampling parameters generation_config.json may give a default for.
+DEFAULTED = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+
+
+def _refused(document: dict[str, Any]) -> None:
+    for name, (neutral, why) in REFUSED.items():
+        value = document.get(name)
+        if value is None or any(type(value) is type(n) and value == n for n in neutral):
+            continue
+        raise invalid(name, f"{name}: {why}", "unsupported_parameter")
+
+
+def _response_format(value: Any) -> None:
+    if value is None:
+        return
+    if not isinstance(value, dict):
+        raise invalid("response_format", "response_format must be an object", "invalid_type")
+    kind = value.get("type")
+    if not isinstance(kind, str):
+        raise invalid("response_format", "response_format needs a 'type'", "invalid_type")
+    if kind != "text":
+        # json_object / json_schema need constrained decoding, not done here:
+        # refused rather than answered with text that may not parse.
+        raise invalid("response_format", f"response_format {shown(kind)} is not supported "
+                      "(only 'text')", "unsupported_value")  # fmt: skip
+
+
+def _token_id(name: str, value: Any) -> int:
+    if isinstance(value, str) and value.isascii() and value.isdigit() and len(value) <= 10:
+        value = int(value)  # logit_bias keys are JSON strings
+    if not _is_int(value):
+        raise invalid(name, f"{name}: {shown(value)} is not a token id", "invalid_type")
+    if not 0 <= value <= MAX_TOKEN_ID:
+        raise invalid(name, f"{name}: token id {shown(value)} is out of range", "invalid_value")
+    return int(value)
+
+
+def _logit_bias(value: Any) -> tuple[tuple[int, float], ...]:
+    if value is None:
+        return ()
+    if not isinstance(value, dict):
+        raise invalid("logit_bias", "logit_bias must be an object", "invalid_type")
+    if len(value) > MAX_LOGIT_BIAS:
+        raise invalid("logit_bias", f"at most {MAX_LOGIT_BIAS} logit_bias entries",
+                      "invalid_value")  # fmt: skip
+    pairs = {}
+    for key, bias in value.items():
+        token = _token_id("logit_bias", key)
+        if bias is None:
+            raise invalid("logit_bias", "a logit_bias value must be a number", "invalid_type")
+        pairs[token] = _number({"logit_bias": bias}, "logit_bias", 0.0, -100.0, 100.0)
+    return tuple(sorted(pairs.items()))
+
+
+def _stop_token_ids(value: Any) -> frozenset[int]:
+    if value is None:
+        return frozenset()
+    if not isinstance(value, list):
+        raise invalid("stop_token_ids", "stop_token_ids must be a list of token ids",
+                      "invalid_type")  # fmt: skip
+    if len(value) > MAX_STOP_TOKEN_IDS:
+        raise invalid("stop_token_ids", f"at most {MAX_STOP_TOKEN_IDS} stop_token_ids",
+                      "invalid_value")  # fmt: skip
+    return frozenset(_token_id("stop_token_ids", v) for v in value)
+
+
+def _completion_logprobs(document: dict[str, Any]) -> int | None:
+    if document.get("top_logprobs") is not None:
+        raise invalid("top_logprobs", "top_logprobs is a chat field; completions take "
+                      "logprobs: N", "unsupported_parameter")  # fmt: skip
+    return _integer(document, "logprobs", 0, MAX_COMPLETION_LOGPROBS)
+
+
+def _chat_logprobs(document: dict[str, Any]) -> int | None:
+    wanted = _bool(document, "logprobs")
+    top = _integer(document, "top_logprobs", 0, MAX_TOP_LOGPROBS)
+    if top is not None and not wanted:
+        raise invalid("top_logprobs", "top_logprobs needs logprobs: true", "invalid_value")
+    return (top or 0) if wanted else None
+
+
 def parse_completion(document: dict[str, Any]) -> CompletionRequest:
-    options = _options(document, max_tokens_names=("max_tokens",))
+    options = _options(
+        document, max_tokens_names=("max_tokens",), logprobs=_completion_logprobs(document)
+    )
     prompt = document.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]  # a batch of one
@@ -203,7 +361,11 @@ def _content_text(content: Any, index: int) -> str:
 
 
 def parse_chat(document: dict[str, Any]) -> ChatRequest:
-    options = _options(document, max_tokens_names=("max_tokens", "max_completion_tokens"))
+    options = _options(
+        document,
+        max_tokens_names=("max_tokens", "max_completion_tokens"),
+        logprobs=_chat_logprobs(document),
+    )
     messages = document.get("messages")
     if not isinstance(messages, list) or not messages:
         raise invalid("messages", "messages must be a non-empty list", "invalid_type")

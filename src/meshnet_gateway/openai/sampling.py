@@ -1,10 +1,23 @@
 """Choosing the next token from the last stage's logits: seeded, reproducible, O(vocab).
 
-Temperature 0 is greedy (argmax, ties to the lowest id). Otherwise the
-logits are divided by the temperature, cut to the ``top_k`` highest, then
-to the smallest set whose probability reaches ``top_p`` (nucleus), and one
-id is drawn with a ``numpy.random.Generator`` seeded from the request's
-``seed``: the same seed, prompt and parameters give the same tokens.
+The order is vLLM's (docs/openai-api.md#sampling): ``logit_bias`` is added;
+the stop ids are masked while fewer than ``min_tokens`` tokens exist; the
+penalties are applied (``repetition_penalty`` over the prompt's and the
+generated ids, ``presence_penalty``/``frequency_penalty`` over the generated
+ones); then temperature 0 is greedy (argmax, ties to the lowest id).
+Otherwise the logits are divided by the temperature, cut by ``min_p``
+(probability at least ``min_p`` times the best one's), to the ``top_k``
+highest, then to the smallest set whose probability reaches ``top_p``
+(nucleus), and one id is drawn with a ``numpy.random.Generator`` seeded from
+the request's ``seed``: the same seed, prompt and parameters give the same
+tokens.
+
+``logprobs`` are the log-softmax of the *raw* logits, before any of that
+(vLLM's default ``logprobs_mode``): the model's own distribution.
+
+The history the penalties need is kept as arrays over the vocabulary,
+updated per token in O(1) (a count and a seen flag) and applied in
+O(vocab): no Python loop over the vocabulary or the history per token.
 
 Cost (issue 13): no full sort of the vocabulary per token. The ``top_k`` cut
 is a partition (``np.partition``, O(vocab)) plus a sort of the k kept; the
@@ -22,21 +35,53 @@ inf - inf NaN. The probabilities are computed in float64.
 
 from __future__ import annotations
 
+import math
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["Sampler", "SamplingParams", "top_indices"]
+__all__ = [
+    "REPETITION_PENALTY",
+    "Logprobs",
+    "Sampler",
+    "SamplingParams",
+    "log_softmax",
+    "top_indices",
+]
 
 _FIRST_HEAD = 64  # ids the nucleus search sorts first
 _GROWTH = 8
+# What a logprob of -inf (a non-finite logit) is reported as: JSON has no
+# infinity, and vLLM reports this value.
+LOGPROB_FLOOR = -9999.0
+# Bounded below too: a float32 logit divided by less than 0.01 could leave
+# float64's range (+inf); values in use are 1.0-1.5.
+REPETITION_PENALTY = (0.01, 10.0)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class SamplingParams:
+    """What decides the next token, vLLM's ``SamplingParams`` in spirit.
+
+    ``stop_token_ids``, ``ignore_eos`` and ``min_tokens`` are here because the
+    sampler masks the stop ids until ``min_tokens``; generation stops at
+    ``Sampler.stop_ids``. ``logprobs``: None, or how many alternatives
+    (``top_logprobs``) to report beside the chosen token's own logprob.
+    """
+
     temperature: float = 1.0  # 0: greedy
     top_p: float = 1.0  # (0, 1]
     top_k: int = 0  # 0: no cut
+    min_p: float = 0.0  # [0, 1]; 0: no cut
+    repetition_penalty: float = 1.0  # REPETITION_PENALTY; 1: none
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (id, bias) pairs
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    stop_token_ids: frozenset[int] = frozenset()
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if not self.temperature >= 0.0:  # NaN fails too
@@ -45,6 +90,44 @@ class SamplingParams:
             raise ValueError("top_p must be in (0, 1]")
         if self.top_k < 0:
             raise ValueError("top_k must be >= 0")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ValueError("min_p must be in [0, 1]")
+        low, high = REPETITION_PENALTY
+        if not low <= self.repetition_penalty <= high:
+            raise ValueError(f"repetition_penalty must be in [{low}, {high}]")
+        for value in (self.presence_penalty, self.frequency_penalty):
+            if not math.isfinite(value):
+                raise ValueError("penalties must be finite")
+        if self.min_tokens < 0 or (self.logprobs is not None and self.logprobs < 0):
+            raise ValueError("min_tokens and logprobs must be >= 0")
+
+    @property
+    def penalised(self) -> bool:
+        return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0
+                or self.frequency_penalty != 0.0)  # fmt: skip
+
+
+@dataclass(frozen=True, slots=True)
+class Logprobs:
+    """One chosen token's logprob and its ``top`` alternatives (id, logprob),
+    most likely first, ties by id: numbers of the raw distribution."""
+
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...]
+
+
+def log_softmax(logits: np.ndarray) -> np.ndarray:
+    """float64 log-softmax over the finite logits; -inf for the others."""
+    row = np.asarray(logits, dtype=np.float64).reshape(-1)
+    finite = np.isfinite(row)
+    row = np.where(finite, row, -np.inf)
+    if not finite.any():
+        return row
+    peak = row.max()
+    with np.errstate(under="ignore"):
+        lse = peak + np.log(np.exp(row - peak).sum())
+    return row - lse
 
 
 def top_indices(values: np.ndarray, k: int) -> np.ndarray:
@@ -63,31 +146,107 @@ def top_indices(values: np.ndarray, k: int) -> np.ndarray:
 
 
 class Sampler:
-    """One request's sampler: its parameters and its own random stream."""
+    """One request's sampler: its parameters, its own random stream and the
+    token history the penalties and ``min_tokens`` need."""
 
     def __init__(self, params: SamplingParams, seed: int | None) -> None:
         self.params = params
         # No seed: fresh entropy, as OpenAI does; with one, a fixed stream.
         self._rng = np.random.default_rng(seed)
+        self._prompt: list[int] = []
+        self.generated = 0  # tokens chosen so far
+        self._counts: np.ndarray | None = None  # per id: times generated
+        self._seen: np.ndarray | None = None  # per id: in the prompt or generated
+        self.stop_ids: frozenset[int] = params.stop_token_ids
+        self.last: Logprobs | None = None  # the last choice's, if params.logprobs
+        # Built once, used per token.
+        self._bias_ids = np.asarray([i for i, _ in params.logit_bias], dtype=np.int64)
+        self._bias = np.asarray([b for _, b in params.logit_bias], dtype=np.float64)
+        self._stops = np.asarray(sorted(self.stop_ids), dtype=np.int64)
+
+    def begin(self, prompt_ids: Sequence[int], eos_ids: Collection[int] = ()) -> None:
+        """The prompt (for ``repetition_penalty``) and the model's eos ids,
+        which stop the generation unless ``ignore_eos``; ``stop_token_ids``
+        always do."""
+        self._prompt = list(prompt_ids)
+        eos = frozenset() if self.params.ignore_eos else frozenset(eos_ids)
+        self.stop_ids = eos | self.params.stop_token_ids
+        self._stops = np.asarray(sorted(self.stop_ids), dtype=np.int64)
 
     def __call__(self, logits: np.ndarray) -> int:
         """The next id from one position's logits (shape ``[vocab]``)."""
-        row = np.asarray(logits, dtype=np.float64).reshape(-1)
-        if row.size == 0:
+        raw = np.asarray(logits, dtype=np.float64).reshape(-1)
+        if raw.size == 0:
             raise ValueError("empty logits")
         # A non-finite logit (a broken stage) must not poison the choice.
-        finite = np.isfinite(row)
+        finite = np.isfinite(raw)
         if not finite.any():
             raise ValueError("no finite logit to sample from")
-        row = np.where(finite, row, -np.inf)
+        token = self._choose(self._adjust(np.where(finite, raw, -np.inf)))
+        if self.params.logprobs is not None:
+            self.last = self._logprobs(raw, token)
+        self._accept(token, raw.size)
+        return token
+
+    def adjusted(self, logits: np.ndarray) -> np.ndarray:
+        """The logits the next choice is made from (float64; non-finite ones
+        -inf): logit_bias, the min_tokens mask and the penalties applied, in
+        vLLM's order, for the history so far."""
+        row = np.asarray(logits, dtype=np.float64).reshape(-1)
+        return self._adjust(np.where(np.isfinite(row), row, -np.inf))
+
+    def _adjust(self, row: np.ndarray) -> np.ndarray:
+        params = self.params
+        size = row.size
+        if params.logit_bias:
+            inside = self._bias_ids < size  # an id past the logits cannot be chosen anyway
+            np.add.at(row, self._bias_ids[inside], self._bias[inside])
+        if self.generated < params.min_tokens and self._stops.size:
+            row[self._stops[self._stops < size]] = -np.inf
+        if params.penalised:
+            counts, seen = self._history(size)
+            if params.repetition_penalty != 1.0:
+                # HF/vLLM: positive logits divided, negative ones multiplied.
+                penalty = params.repetition_penalty
+                picked = row[seen]
+                row[seen] = np.where(picked > 0, picked / penalty, picked * penalty)
+            if params.frequency_penalty != 0.0:
+                row -= params.frequency_penalty * counts
+            if params.presence_penalty != 0.0:
+                row -= params.presence_penalty * (counts > 0)
+        if not np.isfinite(row).any():
+            raise ValueError("every id is masked (min_tokens with nothing but stop ids)")
+        return row
+
+    def _history(self, size: int) -> tuple[np.ndarray, np.ndarray]:
+        if self._counts is None or self._counts.size != size:
+            self._counts = np.zeros(size, dtype=np.float64)
+            self._seen = np.zeros(size, dtype=bool)
+            prompt = np.asarray(self._prompt, dtype=np.int64)
+            self._seen[prompt[(prompt >= 0) & (prompt < size)]] = True
+        assert self._seen is not None
+        return self._counts, self._seen
+
+    def _accept(self, token: int, size: int) -> None:
+        self.generated += 1
+        if self.params.penalised:
+            counts, seen = self._history(size)
+            counts[token] += 1
+            seen[token] = True
+
+    def _choose(self, row: np.ndarray) -> int:
         params = self.params
         if params.temperature == 0.0:
             return int(np.argmax(row))
-        candidates = np.flatnonzero(finite)
+        candidates = np.flatnonzero(np.isfinite(row))
         values = row[candidates]
         with np.errstate(over="ignore", divide="ignore"):
             # Shift first: 0 for the best, <= 0 (down to -inf) for the rest.
             scaled = (values - values.max()) / params.temperature
+        if params.min_p > 0.0:
+            # p / p_max = exp(scaled): keep those at least min_p of the best.
+            keep = np.flatnonzero(scaled >= math.log(params.min_p))
+            candidates, scaled = candidates[keep], scaled[keep]
         if params.top_k and params.top_k < candidates.size:
             keep = top_indices(scaled, params.top_k)
             candidates, scaled = candidates[keep], scaled[keep]
@@ -96,6 +255,20 @@ class Sampler:
         if params.top_p < 1.0:
             candidates, probs = _nucleus(candidates, probs, params.top_p)
         return int(candidates[self._rng.choice(candidates.size, p=probs)])
+
+    def _logprobs(self, raw: np.ndarray, token: int) -> Logprobs:
+        logprobs = log_softmax(raw)
+        count = min(self.params.logprobs or 0, logprobs.size)
+        top = top_indices(logprobs, count) if count else np.zeros(0, dtype=np.int64)
+        return Logprobs(
+            token=token,
+            logprob=_reported(logprobs[token]),
+            top=tuple((int(i), _reported(logprobs[i])) for i in top),
+        )
+
+
+def _reported(value: float) -> float:
+    return max(float(value), LOGPROB_FLOOR)
 
 
 def _nucleus(
