@@ -5,7 +5,9 @@ HTTP, each in its own module: the head checks (wire-2 §7 credentials,
 routing to 404/405, the framing rules h11 leaves to us: `_head_checks`), the
 wire headers (`parse_wire_headers`), a body held to its bound while it
 streams into one preallocated buffer (`_body`, `_body_bypass`), the decode,
-and the answers' heads (`_answers`).
+and the answers (`_answers`: their heads, and `ServerAnswers`, the half of
+this class that sends them). What is left here is the reading half: bytes
+in, events out.
 
 The connection runs a small state machine of its own over h11's (the
 server's table in `_state`): one request/response cycle after another on
@@ -16,23 +18,14 @@ the only thing left to do is ``send_error()`` and close.
 
 from __future__ import annotations
 
-from collections.abc import Collection, Iterable, Mapping
+from collections.abc import Collection, Mapping
 
 import h11
 import numpy as np
 import zstandard
 
-from . import _head_checks as checks
-from ._answers import (
-    Pairs,
-    activation_pairs,
-    caller_headers,
-    check_stream_status,
-    error_answer,
-    h11_response,
-    response_pairs,
-)
-from ._body import Body, BodyReader, Output, as_byte_buffer, body_buffer
+from ._answers import ServerAnswers
+from ._body import BodyReader, body_buffer
 from ._body_bypass import take_body_bytes
 from ._codec import decode_tensor
 from ._errors import MeshnetError
@@ -46,10 +39,21 @@ from ._events import (
     Paused,
     ProtocolErrorReceived,
 )
+from ._head_checks import (
+    activation_body_size,
+    check_activation_length,
+    check_credentials,
+    check_framing,
+    check_head,
+    check_route,
+    endpoint_body_too_large,
+    from_h11,
+    needs_credentials,
+)
 from ._headers import WireHeaders, parse_wire_headers
 from ._limits import KiB, Limits
 from ._reading import H11Reader
-from ._state import SERVER_ERROR_ANSWERABLE, ServerPhase, ServerTrigger, server_next
+from ._state import ServerPhase, ServerTrigger
 
 __all__ = ["DEFAULT_MAX_ENDPOINT_BODY", "DEFAULT_ROUTES", "ServerConnection"]
 
@@ -71,7 +75,7 @@ _P, _T = ServerPhase, ServerTrigger
 _Handled = ActivationHead | ActivationReceived | EndpointRequest | ConnectionClosed
 
 
-class ServerConnection(H11Reader[_Handled]):
+class ServerConnection(H11Reader[_Handled], ServerAnswers):
     """The server side of one connection: bytes in, events out; answers in,
     bytes out. See ``docs/embedding.md`` for the driver loop.
 
@@ -125,9 +129,6 @@ class ServerConnection(H11Reader[_Handled]):
         self._body: BodyReader | None = None
         self._endpoint: tuple[str, str, str, str, tuple[tuple[bytes, bytes], ...]] | None = None
 
-    def _move(self, trigger: ServerTrigger) -> None:
-        self._phase = server_next(self._phase, trigger)
-
     @property
     def should_close(self) -> bool:
         """True once the transport must be closed: after an error, after an
@@ -147,24 +148,6 @@ class ServerConnection(H11Reader[_Handled]):
         driver could not tell a slow head from a slow body (wire-2 §2.6).
         """
         return self._phase in (_P.ACTIVATION_BODY, _P.ENDPOINT_BODY)
-
-    @property
-    def needs_drain(self) -> bool:
-        """True when an answer went out before the request was fully read.
-
-        Closing a socket with unread input makes the kernel send a reset,
-        which can destroy the answer in flight; the driver should read and
-        discard what the client still sends (briefly: e.g. up to 64 KiB or
-        1 s), then close.
-        """
-        return self._needs_drain
-
-    @property
-    def can_send_error(self) -> bool:
-        """True while `send_error` may still write an answer: not once a
-        streamed answer's head went out, nor after the connection closed.
-        A driver that cannot answer any more closes the transport instead."""
-        return self._phase in SERVER_ERROR_ANSWERABLE
 
     # ------------------------------------------------------------- input
 
@@ -198,7 +181,7 @@ class ServerConnection(H11Reader[_Handled]):
                 self._start_activation_body()
             return self._pump()
         except h11.RemoteProtocolError as exc:
-            return self._fail(checks.from_h11(exc, self._limits))
+            return self._fail(from_h11(exc, self._limits))
         except MeshnetError as exc:
             return self._fail(exc)
 
@@ -224,22 +207,22 @@ class ServerConnection(H11Reader[_Handled]):
 
     def _on_head(self, request: h11.Request) -> ActivationHead | None:
         self._answering_head = request.method == b"HEAD"
-        checks.check_head(request, self._limits)
+        check_head(request, self._limits)
         # h11 has validated both as visible ASCII.
         method = request.method.decode("ascii")
         path, _, query = request.target.decode("ascii").partition("?")
         headers = tuple(request.headers)
 
         # wire-2 §2 order: credentials, path/method, framing, wire headers.
-        if checks.needs_credentials(self._token, path, query):
+        if needs_credentials(self._token, path, query):
             assert self._token is not None
-            checks.check_credentials(headers, self._token)
-        route = checks.check_route(method, path, self._activation_path, self._routes)
-        content_length = checks.check_framing(method, headers)
+            check_credentials(headers, self._token)
+        route = check_route(method, path, self._activation_path, self._routes)
+        content_length = check_framing(method, headers)
 
         if route is not None:
             if content_length is not None and content_length > self._max_endpoint_body:
-                raise checks.endpoint_body_too_large(self._max_endpoint_body)
+                raise endpoint_body_too_large(self._max_endpoint_body)
             self._endpoint = (method, route, path, query, headers)
             initial = content_length if content_length is not None else 0
             self._body = BodyReader(bytearray(initial), self._max_endpoint_body)
@@ -249,7 +232,7 @@ class ServerConnection(H11Reader[_Handled]):
         wire = parse_wire_headers(
             headers, limits=self._limits, require_sequencing=self._require_sequencing
         )
-        checks.check_activation_length(wire, content_length)
+        check_activation_length(wire, content_length)
         self._wire = wire
         self._query = query
         self._content_length = content_length
@@ -264,7 +247,7 @@ class ServerConnection(H11Reader[_Handled]):
         wire = self._wire
         assert wire is not None
         self._move(_T.READ_BODY)
-        size = checks.activation_body_size(wire, self._content_length)
+        size = activation_body_size(wire, self._content_length)
         self._body = BodyReader(body_buffer(size), size)
 
     def _on_end(self) -> ActivationReceived | EndpointRequest:
@@ -293,158 +276,3 @@ class ServerConnection(H11Reader[_Handled]):
         self._move(_T.REQUEST_COMPLETE)
         self._reset_cycle()
         return event
-
-    # ------------------------------------------------------------- output
-
-    def send_continue(self) -> bytes:
-        """``100 Continue`` when the client waits for it, else ``b""``.
-
-        Write it before reading a body whose head said
-        ``expects_continue``; never write it when rejecting early.
-        """
-        if not self._h11.they_are_waiting_for_100_continue:
-            return b""
-        return self._send_continue()
-
-    def send_interim(self) -> bytes:
-        """An unsolicited ``100 Continue`` while a complete request awaits its
-        answer, else ``b""`` (an answer has begun, or no request is complete).
-
-        RFC 9110 §15.2 lets a server send interim answers before the final
-        one and obliges every client to skip them. A driver uses one as a
-        probe: after a client half-closed, only a write tells a client that
-        still reads from one whose socket is gone (it answers with a reset).
-        """
-        if self._h11.our_state is not h11.SEND_RESPONSE or self._h11.their_state is not h11.DONE:
-            return b""
-        return self._send_continue()
-
-    def send_activation(self, headers: WireHeaders, body: Body) -> Output:
-        """``200`` with ``headers.to_pairs()`` and ``Content-Length``.
-
-        The returned list holds the head's bytes and then ``body`` itself —
-        the very object passed (cast to bytes when it is a memoryview of
-        another format), never a copy: write the pieces in order.
-        """
-        pairs, data = activation_pairs(headers, body)
-        return self._respond(200, pairs, data)
-
-    def send_response(
-        self,
-        status: int,
-        headers: Iterable[tuple[bytes | str, bytes | str]] = (),
-        body: Body = b"",
-    ) -> Output:
-        """Any final answer (``/info``'s JSON, ``/metrics``' text, 204, …).
-
-        ``Content-Length`` is added (not for 204/304, which have no body);
-        don't pass ``Content-Length``, ``Transfer-Encoding`` or
-        ``Connection`` yourself.
-        """
-        pairs, data = response_pairs(status, headers, body)
-        return self._respond(status, pairs, data)
-
-    def send_error(self, error: MeshnetError) -> Output:
-        """The wire-2 §4 JSON answer for ``error`` (only while `can_send_error`).
-
-        Adds ``Retry-After`` when ``error.retry_after`` is set and
-        ``WWW-Authenticate: Bearer`` on 401. Answering before the request
-        was fully read (an early reject, a timeout, a protocol error) adds
-        ``Connection: close``; see `needs_drain`.
-        """
-        pairs, body = error_answer(error)
-        return self._respond(error.status, pairs, body)
-
-    def start_next_cycle(self) -> None:
-        """Kept for drivers written against h11's habit; the connection
-        restarts by itself once an answer to a complete request has gone out
-        and the connection stays open, so this only checks that it did."""
-        if self._phase is not _P.IDLE:
-            raise RuntimeError(f"no finished exchange to restart (phase {self._phase.value!r})")
-
-    def _respond(self, status: int, pairs: Pairs, data: Body) -> Output:
-        if self._phase is _P.CLOSED:
-            raise RuntimeError("the connection is closed; nothing more can be sent")
-        early = self._phase is not _P.RESPONDING
-        if early:
-            pairs.append((b"Connection", b"close"))
-        # One bytes object for the head (one write, not one per header line),
-        # then the body object itself, untouched.
-        head = b"".join(self._send_pieces(h11_response(status, pairs)))
-        out: Output = [head]
-        if len(data) and not self._answering_head:
-            # Sent by passthrough: h11 hands the object back untouched (no
-            # copy), so any bytes-like works; its annotation says bytes.
-            out += self._send_pieces(h11.Data(data=data))  # type: ignore[arg-type]
-        # Content-Length framing: the end of the message writes nothing.
-        self._send_pieces(h11.EndOfMessage())
-        self._finish(early=early)
-        return out
-
-    def _finish(self, *, early: bool) -> None:
-        """The answer is complete: keep the connection for the next request or close."""
-        self._answering_head = False
-        if early:
-            # The request may still be streaming in; its bytes will never be
-            # read as a request again.
-            self._needs_drain = True
-            self._move(_T.ANSWERED_CLOSE)
-        elif self._h11.our_state is h11.DONE and self._h11.their_state is h11.DONE:
-            self._h11.start_next_cycle()
-            self._move(_T.ANSWERED_KEEP_ALIVE)
-        else:
-            # The client said Connection: close, or spoke HTTP/1.0.
-            self._move(_T.ANSWERED_CLOSE)
-
-    # ------------------------------------------------------------- streamed answers
-
-    def send_stream_start(
-        self, status: int, headers: Iterable[tuple[bytes | str, bytes | str]] = ()
-    ) -> bytes:
-        """The head of an answer whose body is not known yet (server-sent events).
-
-        Only after a complete request (`PAUSED`). The body follows in
-        `send_stream_data` pieces and ends with `send_stream_end`; h11 frames
-        it with ``Transfer-Encoding: chunked`` (HTTP/1.1) or by closing the
-        connection (HTTP/1.0). Don't pass the framing headers yourself.
-        """
-        if self._phase is not _P.RESPONDING:
-            raise RuntimeError(f"no complete request to answer (phase {self._phase.value!r})")
-        check_stream_status(status)
-        response = h11_response(status, caller_headers(headers))
-        head = b"".join(self._send_pieces(response))
-        self._move(_T.STREAM_STARTED)
-        return head
-
-    def send_stream_data(self, data: Body) -> Output:
-        """One piece of a streamed body (nothing for an empty piece or a HEAD)."""
-        if self._phase is not _P.STREAMING:
-            raise RuntimeError(f"no streamed answer in progress (phase {self._phase.value!r})")
-        data = as_byte_buffer(data)
-        if not len(data) or self._answering_head:
-            return []
-        return self._send_pieces(h11.Data(data=data))  # type: ignore[arg-type]  # as in _respond
-
-    def send_stream_end(self) -> Output:
-        """End a streamed body: the closing chunk, then keep-alive or close."""
-        if self._phase is not _P.STREAMING:
-            raise RuntimeError(f"no streamed answer in progress (phase {self._phase.value!r})")
-        out = self._send_pieces(h11.EndOfMessage())
-        self._finish(early=False)
-        return out
-
-    def _send_pieces(
-        self, event: h11.InformationalResponse | h11.Response | h11.Data | h11.EndOfMessage
-    ) -> Output:
-        try:
-            pieces = self._h11.send_with_data_passthrough(event)
-        except h11.LocalProtocolError as exc:
-            # h11's own state check, behind ours (e.g. an error answer after
-            # a streamed head): a driver-facing error, not h11's internals.
-            raise RuntimeError(f"cannot send this now: {exc}") from exc
-        assert pieces is not None
-        return list(pieces)
-
-    def _send_continue(self) -> bytes:
-        continue_ = h11.InformationalResponse(status_code=100, headers=[], reason=b"Continue")
-        return b"".join(self._send_pieces(continue_))  # a head only: small
