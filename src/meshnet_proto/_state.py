@@ -31,7 +31,14 @@ __all__ = [
 ]
 
 
-class ServerPhase(enum.Enum):
+class _Fast(enum.Enum):
+    # Enum hashes a member by its name, in Python, on every table lookup
+    # (twice per transition: the key is a pair); members are singletons, so
+    # the identity hash is the same mapping, done in C.
+    __hash__ = object.__hash__
+
+
+class ServerPhase(_Fast):
     IDLE = "idle"  # waiting for (the rest of) a request head
     HEAD_DELIVERED = "head delivered"  # ActivationHead returned, body unread
     ACTIVATION_BODY = "activation body"  # reading the tensor body
@@ -42,7 +49,7 @@ class ServerPhase(enum.Enum):
     CLOSED = "closed"  # nothing more will be read; close the transport
 
 
-class ServerTrigger(enum.Enum):
+class ServerTrigger(_Fast):
     ACTIVATION_HEAD = "activation head"
     ENDPOINT_HEAD = "endpoint head"
     READ_BODY = "read body"
@@ -94,7 +101,7 @@ SERVER_TRANSITIONS: Mapping[tuple[ServerPhase, ServerTrigger], ServerPhase] = {
 }
 
 
-class ClientPhase(enum.Enum):
+class ClientPhase(_Fast):
     IDLE = "idle"  # no request outstanding
     AWAITING = "awaiting response"  # request sent, response head not complete
     BODY = "response body"  # reading the response body
@@ -102,7 +109,7 @@ class ClientPhase(enum.Enum):
     CLOSED = "closed"  # the connection cannot be used again
 
 
-class ClientTrigger(enum.Enum):
+class ClientTrigger(_Fast):
     REQUEST_SENT = "request sent"
     SEND_REFUSED = "send refused"  # h11 would not frame the request
     RESPONSE_HEAD = "response head"
