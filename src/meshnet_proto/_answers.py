@@ -136,6 +136,7 @@ class ServerAnswers:
     _answering_head: bool
 
     def _move(self, trigger: ServerTrigger) -> None:
+        # Every phase change of both halves: the server's table in `_state`.
         self._phase = server_next(self._phase, trigger)
 
     @property
