@@ -371,6 +371,7 @@ def bad(client: ClientConnection, data: bytes, *, eof: bool = False) -> Downstre
         ),
         (response_bytes(b"201 Created"), None),
         (response_bytes(b"302 Found"), None),
+        (response_bytes(b"600 Beyond"), None),
         (
             response_bytes(pairs=WIRE.replace(encoding="zstd").to_pairs(), body=b"garbage"),
             ANY_HEADER,
@@ -389,6 +390,7 @@ def bad(client: ClientConnection, data: bytes, *, eof: bool = False) -> Downstre
         "length_mismatch",
         "201",
         "302",
+        "600",
         "bad_zstd",
         "dup_header",
     ],

@@ -47,6 +47,9 @@ class _OddDownstream:
             return Reply.json(200, {"reorder_window": 4})
         return Reply.json(404, {"error": {"code": "not_found", "message": "unknown"}})
 
+    def cancel_on_disconnect(self, event: Any) -> bool:
+        return False
+
 
 @asynccontextmanager
 async def odd_downstream() -> AsyncIterator[str]:

@@ -79,6 +79,9 @@ class EchoApp:
             raise KeyError("another deliberate bug")
         return Reply.json(200, {"status": "ok", "path": event.path})
 
+    def cancel_on_disconnect(self, event: EndpointRequest | ActivationReceived) -> bool:
+        return False
+
 
 def activation(shape: tuple[int, ...] = (1, 4), session: str = SID, body: bytes | None = None,
                length: int | None = None, extra: bytes = b"") -> bytes:  # fmt: skip

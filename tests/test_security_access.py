@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 import trustme
 
-import meshnet_proto._server as server_module
+import meshnet_proto._head_checks as server_module
 from gateway_support import spawn
 from meshnet_cli.__main__ import main as meshnet_main
 from meshnet_proto import NEED_DATA, ProtocolErrorReceived, ServerConnection

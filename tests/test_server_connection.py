@@ -158,6 +158,14 @@ def test_received_tensor_is_read_only_and_exact() -> None:
     np.testing.assert_array_equal(received.tensor, array)
 
 
+def test_large_body_whole_and_in_pieces() -> None:
+    # From 256 KiB on the body buffer is uncommitted memory, not a bytearray.
+    array = tensor(rows=256, width=300)
+    whole = roundtrip_activation(ServerConnection(), activation_request(array))
+    assert whole[-1][0] == "received" and whole[-1][-1] == array.nbytes
+    assert roundtrip_activation(ServerConnection(), activation_request(array), 4096) == whole
+
+
 def test_keep_alive_across_many_requests() -> None:
     conn = ServerConnection()
     for index in range(60):

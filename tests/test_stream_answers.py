@@ -109,6 +109,9 @@ class _App:
     async def handle_activation(self, event: object, ctx: object) -> Reply:
         raise AssertionError("no activations here")
 
+    def cancel_on_disconnect(self, event: object) -> bool:
+        return False
+
     async def handle_endpoint(self, event: EndpointRequest, ctx: object) -> Reply | StreamReply:
         if event.path == "/plain":
             return Reply.json(200, {"sent": self.sent, "cancelled": self.cancelled})

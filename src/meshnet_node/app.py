@@ -524,6 +524,10 @@ class NodeApp:
         if self.downstream is not None:
             await self.downstream.aclose()
 
+    def cancel_on_disconnect(self, event: EndpointRequest | ActivationReceived) -> bool:
+        """A node finishes every request it took, even for a client that left."""
+        return False
+
 
 def _stage_key(identity: dict[str, Any]) -> tuple[str, int, int] | None:
     """``(model, start, stop)`` from the node's identity, when it has layers."""

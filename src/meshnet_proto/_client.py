@@ -28,6 +28,7 @@ import h11
 import numpy as np
 import zstandard
 
+from ._body import Body, BodyReader, Output, as_byte_buffer, body_buffer
 from ._body_bypass import take_body_bytes
 from ._codec import body_bound, decode_tensor
 from ._errors import DownstreamError, MeshnetError
@@ -42,7 +43,8 @@ from ._events import (
 from ._headers import WireHeaders, parse_wire_headers
 from ._integers import parse_canonical_uint
 from ._limits import Limits, MiB
-from ._server import Body, Output, _as_byte_buffer, body_buffer
+from ._reading import H11Reader
+from ._state import ClientPhase, ClientTrigger, client_next
 
 __all__ = ["ClientConnection"]
 
@@ -56,12 +58,7 @@ _SNIPPET = 200
 _SEQUENCING_HEADERS = (b"x-meshnet-session", b"x-meshnet-chunk-index", b"x-meshnet-chunk-total")
 
 
-class _Phase(enum.Enum):
-    IDLE = "idle"  # no request outstanding
-    AWAITING = "awaiting response"  # request sent, response head not complete
-    BODY = "response body"  # reading the response body
-    ERROR = "error"  # a DownstreamError was raised; it is raised again
-    CLOSED = "closed"  # the connection cannot be used again
+_P, _T = ClientPhase, ClientTrigger
 
 
 class _Kind(enum.Enum):
@@ -75,13 +72,14 @@ class _Pending:
     kind: _Kind
     status: int
     headers: tuple[tuple[bytes, bytes], ...]
-    buffer: bytearray | memoryview
-    limit: int
+    body: BodyReader
     wire: WireHeaders | None = None
-    filled: int = 0
 
 
-class ClientConnection:
+_Answer = ActivationResponse | ErrorResponse | Response
+
+
+class ClientConnection(H11Reader[_Answer]):
     """The client side of one connection toward a downstream.
 
     ``host`` goes in the ``Host`` header; ``token`` is presented as
@@ -108,6 +106,7 @@ class ClientConnection:
             raise ValueError("token must be a non-empty str or None")
         if max_response_body < 0:
             raise ValueError("max_response_body must be >= 0")
+        super().__init__(h11.CLIENT, limits)
         self._limits = limits
         self._host = host.encode("ascii")
         self._token = token.encode("ascii") if token is not None else None
@@ -115,10 +114,7 @@ class ClientConnection:
         self._decode = decode
         self._max_response_body = max_response_body
         self._decompressor = decompressor
-        self._h11 = h11.Connection(h11.CLIENT, max_incomplete_event_size=limits.max_header_bytes)
-        # True from h11's NEED_DATA until bytes are fed to it: it holds none.
-        self._h11_drained = False
-        self._phase = _Phase.IDLE
+        self._phase = _P.IDLE
         self._activation = False
         self._pending: _Pending | None = None
         self._error: DownstreamError | None = None
@@ -131,7 +127,7 @@ class ClientConnection:
         """True when a new request may be sent on this connection: nothing
         outstanding, no error, no ``Connection: close``, no end of stream."""
         return (
-            self._phase is _Phase.IDLE
+            self._phase is _P.IDLE
             and not self._eof
             and self._h11.our_state is h11.IDLE
             and self._h11.their_state is h11.IDLE
@@ -151,8 +147,11 @@ class ClientConnection:
             hop=self._hop,
         )
 
+    def _move(self, trigger: ClientTrigger) -> None:
+        self._phase = client_next(self._phase, trigger)
+
     def _fail(self, error: DownstreamError) -> DownstreamError:
-        self._phase = _Phase.ERROR
+        self._move(_T.BAD_RESPONSE)
         self._pending = None
         self._error = error
         return error
@@ -164,7 +163,7 @@ class ClientConnection:
         ``body`` itself (pass-through: write the pieces in order)."""
         if not isinstance(headers, WireHeaders):
             raise TypeError("headers must be a WireHeaders")
-        data = _as_byte_buffer(body)
+        data = as_byte_buffer(body)
         pairs: list[tuple[bytes, bytes]] = [
             (b"Host", self._host),
             *headers.to_pairs(),
@@ -186,7 +185,7 @@ class ClientConnection:
         ``Host``, ``Content-Length`` (when there is a body, or for POST/PUT)
         and ``Authorization`` (when a token is set) are added unless given.
         """
-        data = _as_byte_buffer(body)
+        data = as_byte_buffer(body)
         pairs: list[tuple[bytes, bytes]] = [
             (_to_bytes(name), _to_bytes(value)) for name, value in headers
         ]
@@ -230,10 +229,10 @@ class ClientConnection:
                 out += self._h11.send_with_data_passthrough(data_event) or ()
             self._h11.send(h11.EndOfMessage())
         except h11.LocalProtocolError as exc:
-            self._phase = _Phase.CLOSED
+            self._move(_T.SEND_REFUSED)
             raise ValueError(f"cannot send this request: {exc}") from exc
         self._activation = activation
-        self._phase = _Phase.AWAITING
+        self._move(_T.REQUEST_SENT)
         return out
 
     # ------------------------------------------------------------- input
@@ -247,15 +246,12 @@ class ClientConnection:
         if not data:
             self._eof = True
         elif self._h11_drained and self._pending is not None:
-            data = take_body_bytes(self._h11, data, self._on_data)
+            data = take_body_bytes(self._h11, data, self._pending.body.add)
             if not data:
                 return
-        self._h11_drained = False
-        self._h11.receive_data(data)  # type: ignore[arg-type]  # any bytes-like
+        self._feed(data)
 
-    def next_event(
-        self,
-    ) -> ActivationResponse | ErrorResponse | Response | ConnectionClosed | NeedData:
+    def next_event(self) -> _Answer | ConnectionClosed | NeedData:
         """The response to the outstanding request, `NEED_DATA`, or
         `ConnectionClosed` (idle connection ended: drop it from the pool).
 
@@ -264,19 +260,12 @@ class ClientConnection:
         """
         if self._error is not None:
             raise self._error
-        if self._phase is _Phase.CLOSED:
+        if self._phase is _P.CLOSED:
             return ConnectionClosed()
-        if self._phase is _Phase.IDLE:
+        if self._phase is _P.IDLE:
             return self._next_idle()
         try:
-            while True:
-                event = self._h11.next_event()
-                if event is h11.NEED_DATA:
-                    self._h11_drained = True  # h11 holds no unread byte now
-                    return NEED_DATA
-                result = self._handle(event)
-                if result is not None:
-                    return result
+            return self._pump()
         except h11.RemoteProtocolError as exc:
             reason = str(exc).split(":", 1)[0]
             if self._eof:
@@ -305,18 +294,19 @@ class ClientConnection:
             event = None
         if event is h11.NEED_DATA:
             return NEED_DATA
-        self._phase = _Phase.CLOSED
+        self._move(_T.PEER_CLOSED)
         return ConnectionClosed()
 
-    def _handle(self, event: object) -> ActivationResponse | ErrorResponse | Response | None:
+    def _handle(self, event: object) -> _Answer | None:
         if isinstance(event, h11.InformationalResponse):
             return None  # 100 Continue and friends: the real answer follows
         if isinstance(event, h11.Response):
             self._pending = self._on_head(event)
-            self._phase = _Phase.BODY
+            self._move(_T.RESPONSE_HEAD)
             return None
         if isinstance(event, h11.Data):
-            self._on_data(event.data)
+            assert self._pending is not None
+            self._pending.body.add(event.data)
             return None
         # A client-side h11 yields nothing else mid-response: a close is
         # raised as RemoteProtocolError.
@@ -361,23 +351,17 @@ class ClientConnection:
             size = limit
         else:
             size = 0
-        return _Pending(kind, status, headers, body_buffer(size), limit, wire)
+        # A bytearray (size 0: small bodies) grows as it fills.
+        body = BodyReader(body_buffer(size), limit, what="response")
+        return _Pending(kind, status, headers, body, wire)
 
-    def _on_data(self, data: bytes | bytearray | memoryview) -> None:
-        pending = self._pending
-        assert pending is not None
-        end = pending.filled + len(data)
-        if end > pending.limit:
-            raise self._bad(f"response body over its bound of {pending.limit} bytes")
-        pending.buffer[pending.filled : end] = data  # a bytearray grows (small bodies)
-        pending.filled = end
-
-    def _on_end(self) -> ActivationResponse | ErrorResponse | Response:
+    def _on_end(self) -> _Answer:
         pending = self._pending
         assert pending is not None
         self._pending = None
-        body = memoryview(pending.buffer)[: pending.filled].toreadonly()
-        result: ActivationResponse | ErrorResponse | Response
+        body = pending.body.view().toreadonly()
+        filled = pending.body.filled
+        result: _Answer
         if pending.kind is _Kind.ACTIVATION:
             wire = pending.wire
             assert wire is not None
@@ -386,8 +370,8 @@ class ClientConnection:
                 tensor = decode_tensor(
                     wire, body, limits=self._limits, decompressor=self._decompressor
                 )
-            elif wire.encoding == "identity" and pending.filled != wire.nbytes:
-                raise self._bad(f"identity body of {pending.filled} bytes for {wire.nbytes}")
+            elif wire.encoding == "identity" and filled != wire.nbytes:
+                raise self._bad(f"identity body of {filled} bytes for {wire.nbytes}")
             result = ActivationResponse(status=200, headers=wire, body=body, tensor=tensor)
         elif pending.kind is _Kind.ERROR:
             raw = bytes(body)
@@ -402,11 +386,11 @@ class ClientConnection:
             result = Response(status=pending.status, headers=pending.headers, body=bytes(body))
         if self._h11.our_state is h11.DONE and self._h11.their_state is h11.DONE:
             self._h11.start_next_cycle()
-            self._phase = _Phase.IDLE
+            self._move(_T.RESPONSE_DONE_KEEP_ALIVE)
         else:
             # Connection: close, HTTP/1.0, or a server that answered before
             # taking our whole request: this connection is spent.
-            self._phase = _Phase.CLOSED
+            self._move(_T.RESPONSE_DONE_CLOSE)
         return result
 
 

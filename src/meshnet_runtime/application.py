@@ -1,0 +1,103 @@
+"""What an application and the serving loop exchange: the `Application`
+protocol the loop calls, the `RequestContext` it passes, and the replies an
+application returns (`ActivationReply`, `Reply`, `StreamReply`).
+
+Each handler returns what to send; an error is *raised* as a
+``MeshnetError`` and answered with ``send_error``.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from meshnet_proto import ActivationHead, ActivationReceived, EndpointRequest, WireHeaders
+
+__all__ = [
+    "ActivationReply",
+    "Application",
+    "Reply",
+    "RequestContext",
+    "StreamReply",
+    "StreamSend",
+]
+
+
+@dataclass(frozen=True, slots=True)
+class ActivationReply:
+    """A ``200`` wire-2 answer: ``send_activation(headers, body)``."""
+
+    headers: WireHeaders
+    body: bytes | bytearray | memoryview
+
+
+@dataclass(frozen=True, slots=True)
+class Reply:
+    """Any other answer: ``send_response(status, headers, body)``."""
+
+    status: int
+    headers: Sequence[tuple[bytes | str, bytes | str]] = ()
+    body: bytes = b""
+
+    @classmethod
+    def json(cls, status: int, document: Any) -> Reply:
+        body = json.dumps(document, separators=(",", ":")).encode()
+        return cls(status, [(b"content-type", b"application/json")], body)
+
+
+StreamSend = Callable[[bytes], Awaitable[None]]
+
+
+@dataclass(frozen=True, slots=True)
+class StreamReply:
+    """An answer whose body is produced while it is sent (server-sent events).
+
+    The driver writes the head, then awaits ``produce(send)``; each
+    ``await send(piece)`` writes one piece. When the client goes away
+    mid-stream (a reset on its side, or a write that fails), ``produce`` is
+    *cancelled*. A client's end of stream is only a half-close: while
+    nothing else is written, ``heartbeat`` (when set) is, every
+    ``HALF_CLOSE_PROBE`` seconds, to find out. ``produce`` must free what it holds in a
+    ``finally`` (shielded where that awaits). An exception out of
+    ``produce`` after the head went out can no longer become an error
+    answer: it is logged and the connection closed.
+    """
+
+    status: int
+    headers: Sequence[tuple[bytes | str, bytes | str]]
+    produce: Callable[[StreamSend], Awaitable[None]]
+    # A piece the client ignores (an SSE comment): written while a client
+    # that half-closed is checked for still being there (see client_watch).
+    heartbeat: bytes = b""
+
+
+@dataclass(slots=True)
+class RequestContext:
+    """What the driver knows about a request beyond its event."""
+
+    started: float  # anyio clock when the head (or whole request) was parsed
+    path: str
+    # The peer's host (TCP: its address without the port; "unix" for every
+    # Unix-socket peer; None for a stream without one): the client of the
+    # per-client session quota (wire-2 §3.9).
+    peer: str | None = None
+
+
+class Application(Protocol):
+    async def handle_activation_head(self, event: ActivationHead, ctx: RequestContext) -> None:
+        """Header-only checks; raise ``MeshnetError`` to reject before the body."""
+
+    async def handle_activation(
+        self, event: ActivationReceived, ctx: RequestContext
+    ) -> ActivationReply | Reply: ...
+
+    async def handle_endpoint(
+        self, event: EndpointRequest, ctx: RequestContext
+    ) -> ActivationReply | Reply | StreamReply: ...
+
+    def cancel_on_disconnect(self, event: EndpointRequest | ActivationReceived) -> bool:
+        """True: cancel the handler of this complete request when its client
+        leaves (nobody would read the answer); the connection closes."""
+        ...

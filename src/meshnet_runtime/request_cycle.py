@@ -1,0 +1,337 @@
+"""One client connection's request cycles: read a request, hand it to the
+application, write its answer; again while the connection stays open.
+
+Each cycle runs under the head timeout (then the body timeout, bounded by
+the sender's deadline); an error raised by the application is answered with
+``send_error`` while the connection can still answer one
+(`ServerConnection.can_send_error`), and any other exception is our bug:
+logged, answered 500 ``internal_error`` when it still can, and never taking
+down the server or another connection.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import anyio
+import anyio.lowlevel
+from anyio.abc import ByteStream
+
+from meshnet_proto import (
+    NEED_DATA,
+    ActivationHead,
+    ActivationReceived,
+    ConnectionClosed,
+    EndpointRequest,
+    MeshnetError,
+    ProtocolErrorReceived,
+    ServerConnection,
+    WireHeaders,
+)
+from meshnet_proto.lowlevel import ByteBudget, body_bound
+
+from .application import ActivationReply, Application, Reply, RequestContext, StreamReply
+from .client_watch import watching_client
+from .codec_pool import CodecPool
+from .deadlines import Deadline, deadline_exceeded
+from .metrics import ServerMetrics
+from .server_errors import internal_error, request_timeout, shutting_down
+from .server_io import Closed, drain, event_path, peer_host, read_event, write
+from .server_settings import ServerSettings
+from .streams import DEAD_STREAM, body_read_size
+
+__all__ = ["ConnectionCycle", "CycleHost"]
+
+log = logging.getLogger("meshnet.server")
+
+
+class CycleHost(Protocol):
+    """What a connection's cycles use of the server that accepted it
+    (`meshnet_runtime.http_server.HttpServer`)."""
+
+    app: Application
+    settings: ServerSettings
+    codecs: CodecPool | None
+    budget: ByteBudget | None
+    cost: Callable[[WireHeaders], int]
+    metrics: ServerMetrics | None
+    draining: bool
+    make_connection: Callable[[], ServerConnection]
+
+    def count_answer(self, path: str, status: int) -> None: ...
+
+
+@dataclass(eq=False, slots=True)
+class ConnectionCycle:
+    """One client connection: a loop of request cycles."""
+
+    server: CycleHost
+    stream: ByteStream
+    conn: ServerConnection = field(init=False)
+    # fast_acquire: an uncontended write (the usual case) takes no extra
+    # trip through the scheduler (one of three per decode step; section decode).
+    lock: anyio.Lock = field(default_factory=lambda: anyio.Lock(fast_acquire=True))
+    idle_scope: anyio.CancelScope | None = None
+    closed_idle: bool = False  # the idle scope was cancelled by a shutdown
+    cycle_bytes: list[int] = field(default_factory=lambda: [0])
+
+    peer: str | None = field(init=False, default=None)
+
+    def __post_init__(self) -> None:
+        self.conn = self.server.make_connection()
+        self.peer = peer_host(self.stream)
+
+    def close_if_idle(self) -> None:
+        # Only a connection waiting for a request it has no byte of is idle;
+        # one with part of a head will get its 503 shutting_down.
+        if self.idle_scope is not None and self.cycle_bytes[0] == 0:
+            self.closed_idle = True
+            self.idle_scope.cancel()
+
+    async def run(self) -> None:
+        try:
+            while await self._cycle():
+                pass  # the core restarts the cycle itself after an answer
+        except Closed:
+            pass
+
+    async def _cycle(self) -> bool:
+        """One request and its answer; ``False`` when the connection is done."""
+        settings = self.server.settings
+        self.cycle_bytes[0] = 0
+        event: Any = None
+        # One scope for the head timeout and for a shutdown closing an idle
+        # connection (one scope fewer per request: section decode);
+        # `closed_idle` tells the two apart.
+        self.closed_idle = False
+        with anyio.move_on_after(settings.head_timeout) as head_scope:
+            self.idle_scope = head_scope
+
+            def body_started() -> None:
+                # An endpoint's body (a /v1 prompt) gets the body timeout
+                # from the end of its head, as a /forward body does.
+                head_scope.deadline = anyio.current_time() + settings.body_timeout
+
+            if self.server.draining:
+                self.close_if_idle()  # checked here too: shutdown may precede this cycle
+            event = await read_event(self.conn, self.stream, self.cycle_bytes, on_body=body_started)
+        self.idle_scope = None
+        if head_scope.cancelled_caught:
+            if self.cycle_bytes[0] and not self.closed_idle:
+                what = "body" if self.conn.reading_body else "head"
+                await self._error("other", request_timeout(what))
+            return False
+        ctx = RequestContext(started=anyio.current_time(), path=event_path(event), peer=self.peer)
+
+        if isinstance(event, ConnectionClosed):
+            return False
+        if isinstance(event, ProtocolErrorReceived):
+            await self._error(ctx.path, event.error)
+            return False
+        if self.server.draining:
+            await self._error(ctx.path, shutting_down(settings.retry_after))
+            return False
+        if isinstance(event, ActivationHead):
+            try:
+                await self.server.app.handle_activation_head(event, ctx)
+            except MeshnetError as err:
+                await self._error(ctx.path, err)
+                return False
+            except Exception:
+                log.exception("handle_activation_head failed")
+                await self._error(ctx.path, internal_error())
+                return False
+            reservation = None
+            if self.server.budget is not None:
+                try:
+                    reservation = self.server.budget.reserve(self.server.cost(event.headers))
+                except MeshnetError as err:  # 503 memory_full, before any body byte
+                    await self._error(ctx.path, err)
+                    return False
+            with reservation or contextlib.nullcontext():
+                return await self._activation(event, ctx)
+        if isinstance(event, EndpointRequest):
+            app = self.server.app
+            watch = app.cancel_on_disconnect(event)
+            return await self._handle(app.handle_endpoint, event, ctx, watch=watch)
+        log.error("unexpected event from ServerConnection: %r", event)
+        await self._error(ctx.path, internal_error())
+        return False
+
+    async def _activation(self, event: ActivationHead, ctx: RequestContext) -> bool:
+        """An accepted head: its body, the application, the answer."""
+        settings = self.server.settings
+        if event.expects_continue:
+            await self._send([self.conn.send_continue()])
+        offload = None
+        codecs = self.server.codecs
+        if (
+            codecs is not None
+            and event.headers.encoding == "zstd"
+            and event.headers.nbytes >= codecs.inline_bytes
+        ):
+            offload = codecs
+        # Reads sized to the body's bound, at least 64 KiB, at most 1 MiB.
+        read_size = body_read_size(body_bound(event.headers))
+        # A small body usually came with its head: then it is parsed here at
+        # once, without a timer (a cancel scope is a few percent of a decode
+        # step's node time). Offloaded bodies decode in next_event: a thread.
+        received = NEED_DATA if offload is not None else self.conn.next_event()
+        if received is NEED_DATA:
+            # The sender's deadline bounds the body too: past it nobody waits
+            # for the answer, however long our own body timeout is.
+            deadline = Deadline.start(ctx.started, settings.body_timeout, event.headers.deadline_ms)
+            with anyio.move_on_after(deadline.remaining()) as body_timer:
+                received = await read_event(
+                    self.conn, self.stream, offload=offload, read_size=read_size
+                )
+            if body_timer.cancelled_caught:
+                late: MeshnetError = request_timeout("body")
+                if event.headers.deadline_ms is not None and deadline.expired:
+                    late = deadline_exceeded()
+                await self._error(ctx.path, late)
+                return False
+        if isinstance(received, ConnectionClosed):
+            return False
+        if isinstance(received, ProtocolErrorReceived):
+            await self._error(ctx.path, received.error)
+            return False
+        if not isinstance(received, ActivationReceived):
+            log.error("unexpected event after ActivationHead: %r", received)
+            await self._error(ctx.path, internal_error())
+            return False
+        if self.server.metrics:
+            self.server.metrics.labelled(self.server.metrics.bytes_in, "upstream").inc(
+                received.body_nbytes
+            )
+        app = self.server.app
+        watch = app.cancel_on_disconnect(received)
+        return await self._handle(app.handle_activation, received, ctx, watch=watch)
+
+    async def _handle(
+        self, handler: Any, event: Any, ctx: RequestContext, *, watch: bool = False
+    ) -> bool:
+        """Run the application on a complete request and write its answer.
+
+        ``watch``: cancel the handler if the client leaves while it works
+        (the application's ``cancel_on_disconnect`` asked for it); nobody
+        would read the answer, and the connection closes.
+        """
+        try:
+            if watch:
+                reply = await self._unless_client_leaves(handler, event, ctx)
+                if reply is None:
+                    return False
+            else:
+                reply = await handler(event, ctx)  # type: ignore[arg-type]
+        except MeshnetError as err:
+            await self._error(ctx.path, err)
+            return not self.conn.should_close
+        except Exception:
+            log.exception("request handler failed on %s", ctx.path)
+            await self._error(ctx.path, internal_error())
+            return False
+        await self._answer(ctx.path, reply)
+        # Finishing the answer in flight is what a graceful shutdown promised;
+        # the connection itself ends here.
+        return not self.conn.should_close and not self.server.draining
+
+    async def _answer(self, path: str, reply: ActivationReply | Reply | StreamReply) -> None:
+        if isinstance(reply, StreamReply):
+            await self._stream(path, reply)
+            return
+        if isinstance(reply, ActivationReply):
+            parts = self.conn.send_activation(reply.headers, reply.body)
+            status = 200
+            if self.server.metrics:
+                self.server.metrics.labelled(self.server.metrics.bytes_out, "upstream").inc(
+                    len(reply.body)
+                )
+        else:
+            parts = self.conn.send_response(reply.status, list(reply.headers), reply.body)
+            status = reply.status
+        self.server.count_answer(path, status)
+        await self._send(parts)
+
+    def _interim_probe(self) -> list[bytes]:
+        return [self.conn.send_interim()]
+
+    async def _unless_client_leaves(
+        self, handler: Any, event: Any, ctx: RequestContext
+    ) -> ActivationReply | Reply | StreamReply | None:
+        """``handler(event, ctx)``, or None once it was cancelled because the client left."""
+
+        failure: list[Exception] = []
+
+        async def work(leave: Callable[[], None]) -> Any:
+            try:
+                return await handler(event, ctx)
+            except Exception as exc:
+                # Raised out of the watching task group it would come out as
+                # an ExceptionGroup; re-raised bare, it is answered as usual.
+                failure.append(exc)
+                return None
+
+        reply, client_gone = await watching_client(
+            self.stream, self.conn, self._send, work, self._interim_probe
+        )
+        if failure and not client_gone:
+            raise failure[0]
+        return None if client_gone else reply
+
+    async def _stream(self, path: str, reply: StreamReply) -> None:
+        """Write a streamed answer; cancel its producer when the client leaves."""
+        head = self.conn.send_stream_start(reply.status, list(reply.headers))
+        self.server.count_answer(path, reply.status)
+        await self._send([head])
+
+        async def produce(leave: Callable[[], None]) -> bool:
+            async def send(piece: bytes) -> None:
+                try:
+                    await self._send(self.conn.send_stream_data(piece))
+                except Closed:
+                    leave()  # the client is gone: the producer is cancelled here
+                    await anyio.lowlevel.checkpoint()
+                    raise
+
+            try:
+                await reply.produce(send)
+            except Closed:
+                return False  # pragma: no cover - send() cancels before this
+            except Exception:
+                log.exception("streamed answer on %s failed", path)
+                return False  # half an answer: closing is the only signal left
+            return True
+
+        def heartbeat() -> Sequence[Any]:
+            return self.conn.send_stream_data(reply.heartbeat) if reply.heartbeat else []
+
+        whole, client_gone = await watching_client(
+            self.stream, self.conn, self._send, produce, heartbeat
+        )
+        if client_gone or not whole:
+            raise Closed("client left mid-stream")
+        await self._send(self.conn.send_stream_end())
+
+    async def _error(self, path: str, error: MeshnetError) -> None:
+        """Answer ``error`` when the protocol state allows it; drain if closing."""
+        if not self.conn.can_send_error:
+            # A response already started, or the connection closed: closing
+            # is the only honest signal left.
+            log.debug("cannot answer %r on this connection", error)
+            raise Closed
+        parts = self.conn.send_error(error)
+        self.server.count_answer(path, error.status)
+        await self._send(parts)
+        if self.conn.needs_drain:
+            await drain(self.stream)
+
+    async def _send(self, parts: Sequence[Any]) -> None:
+        try:
+            await write(self.stream, self.lock, parts, self.server.settings.write_timeout)
+        except DEAD_STREAM as exc:
+            raise Closed from exc

@@ -1,0 +1,18 @@
+"""The serving loop's settings: its timeouts, its connection cap, and the
+back-off it asks of a client it turns away."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["ServerSettings"]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ServerSettings:
+    head_timeout: float = 10.0  # wire-2 §4: 408 when the head is slower
+    body_timeout: float = 60.0  # the whole body; the server's --timeout
+    write_timeout: float = 60.0  # one answer to a peer that stopped reading
+    max_connections: int = 256
+    shutdown_timeout: float = 30.0  # in-flight requests get this long
+    retry_after: int = 1  # seconds, on 503 too_many_connections / shutting_down
