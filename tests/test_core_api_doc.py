@@ -52,7 +52,6 @@ _LANDING_WITH_OTHER_BRANCHES = frozenset(
         "ActivationHead.replay",
         "ActivationReceived.replay",
         "WireHeaders.starts_session",
-        "ServerConnection.can_send_error",
         "meshnet_runtime.sequencing",
         "meshnet_runtime.sequencing.SequencedTable",
         "SequencedTable.admit",
@@ -391,13 +390,16 @@ def _documented_callable(sec: Section, written: str) -> tuple[str, Any] | None:
         return name, resolve(name)
     if hasattr(builtins, name) or name in _NOT_THE_CORES:
         return None
+    # A method of the section's class first: a bare name written in a class's
+    # section (`check_head(...)` under SessionTable) is that class's, even
+    # where a module function of the core has the same name.
+    owned = None if name[0].isupper() else _owner_of(sec, name)
+    if owned is not None:
+        return f"{owned[0]}.{name}", owned[1]
     if name[0].isupper() or name in registry():
         value = registry().get(name, _MISSING)
         if value is not _MISSING or name[0].isupper():
             return name, value
-    owned = _owner_of(sec, name)
-    if owned is not None:
-        return f"{owned[0]}.{name}", owned[1]
     if not sec.classes:
         return None  # a method named in passing, outside any class's section
     return f"{_expected_owner(sec)}.{name}", _MISSING

@@ -6,7 +6,12 @@ One concern per module, imported from the module that owns it:
 
 * ``endpoints``   — ``http://``, ``https://``, ``unix:`` URLs
 * ``transports``  — listen/connect on TCP, TLS, Unix sockets; memory pairs
-* ``http_server`` — the serving loop (timeouts, cap, keep-alive, shutdown)
+* ``http_server`` — the serving loop (accepting, the connection cap, shutdown)
+* ``application`` — the ``Application`` protocol and the replies it returns
+* ``request_cycle`` — one connection's request and answer cycles (timeouts, keep-alive)
+* ``client_watch`` — cancelling work for a client that left
+* ``server_io``, ``server_settings``, ``server_errors`` — bytes between stream and
+  connection, the server's settings, the errors the loop sends itself
 * ``downstream``  — pooled keep-alive client to one downstream
 * ``codec_pool``  — zstd and large copies in worker threads
 * ``deadlines``   — ``X-Meshnet-Deadline-Ms`` arithmetic
