@@ -52,7 +52,7 @@ from meshnet_proto import (
 )
 from meshnet_proto.lowlevel import ByteBudget, Ticket, request_cost
 from meshnet_runtime.codec_pool import CodecPool
-from meshnet_runtime.control import ControlEndpoints, is_replay
+from meshnet_runtime.control import ControlEndpoints
 from meshnet_runtime.deadlines import Deadline
 from meshnet_runtime.downstream import DownstreamPool, key_headers
 from meshnet_runtime.http_server import (
@@ -195,7 +195,7 @@ class NodeApp:
         if stage_check is not None:  # a stage that can refuse by shape and dtype alone
             stage_check(event.headers.shape, event.headers.dtype, event.headers.position)
         self.table.check_head(
-            event.headers, anyio.current_time(), replay=is_replay(event.query), client=ctx.peer
+            event.headers, anyio.current_time(), replay=event.replay, client=ctx.peer
         )
 
     def _check_stage(self, expected: str) -> None:
@@ -224,7 +224,7 @@ class NodeApp:
         # A replay (docs/failover.md): an upstream hop rebuilds this node's
         # state for a session that failed over to it; nothing goes further.
         # It never rewrites a live session (the table: 409 session_exists).
-        replay = is_replay(event.query)
+        replay = event.replay
         deadline = Deadline.start(ctx.started, self.config.timeout, headers.deadline_ms)
         fingerprint = await self.codecs.run(headers.nbytes, tensor_fingerprint, event.tensor)
         waiter = None

@@ -44,7 +44,7 @@ from .downstream import DownstreamPool, key_headers
 from .http_server import Reply, RequestContext
 from .metrics import METRICS_CONTENT_TYPE, ServerMetrics
 
-__all__ = ["HEALTH_CACHE", "HEALTH_TIMEOUT", "ControlEndpoints", "is_replay"]
+__all__ = ["HEALTH_CACHE", "HEALTH_TIMEOUT", "ControlEndpoints"]
 
 log = logging.getLogger("meshnet.control")
 
@@ -228,7 +228,7 @@ class ControlEndpoints:
         # ``?replay=1``: a hop about to rebuild this node's copy by replay
         # ends it here only — the stages below hold their own state, as a
         # replayed chunk is not forwarded either (wire-2 §3.8).
-        if pool is not None and not is_replay(event.query):
+        if pool is not None and not event.replay:
             deadline = Deadline.start(ctx.started, self.timeout, None)
             try:
                 response = await pool.request(
@@ -246,12 +246,6 @@ class ControlEndpoints:
         if not known:
             raise ProtocolError(f"session {session} is unknown", code="not_found", status=404)
         return Reply(204)
-
-
-def is_replay(query: str) -> bool:
-    """wire-2 §3.8: ``replay=1`` among a request's query parameters marks a
-    replay (``POST /forward``) or a rebuild's end of a stale copy (``DELETE``)."""
-    return "replay=1" in query.split("&")
 
 
 def _outcome(outcome: dict[str, Any] | MeshnetError | None) -> dict[str, Any]:
