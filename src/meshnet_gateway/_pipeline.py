@@ -25,8 +25,7 @@ import numpy as np
 from meshnet_proto import DownstreamError, ErrorResponse, MeshnetError, WireHeaders
 from meshnet_proto.lowlevel import ChunkAssembler, plan_chunks
 from meshnet_runtime.deadlines import Deadline
-from meshnet_runtime.downstream import DownstreamPool
-from meshnet_runtime.replicas import ReplicaSet
+from meshnet_runtime.downstream import Downstream
 from meshnet_runtime.wire_encoder import WireEncoder
 
 from ._retry import RetryPolicy, send_with_retries
@@ -54,7 +53,7 @@ class RunResult:
     chunks: list[ChunkResult]
 
 
-def _mismatch(pool: DownstreamPool | ReplicaSet, index: int, what: str) -> DownstreamError:
+def _mismatch(pool: Downstream, index: int, what: str) -> DownstreamError:
     return DownstreamError(
         f"{pool.url}: answer to chunk {index} {what}",
         code="downstream_bad_response",
@@ -62,7 +61,7 @@ def _mismatch(pool: DownstreamPool | ReplicaSet, index: int, what: str) -> Downs
     )
 
 
-def check_response(pool: DownstreamPool | ReplicaSet, sent: WireHeaders, got: WireHeaders) -> None:
+def check_response(pool: Downstream, sent: WireHeaders, got: WireHeaders) -> None:
     """The answer must describe the chunk we sent; a relay mixing up answers
     would otherwise corrupt the output silently."""
     index = sent.chunk_index
@@ -74,7 +73,7 @@ def check_response(pool: DownstreamPool | ReplicaSet, sent: WireHeaders, got: Wi
 
 
 async def run_chunks(
-    pool: DownstreamPool | ReplicaSet,
+    pool: Downstream,
     encoder: WireEncoder,
     array: np.ndarray,
     *,

@@ -45,7 +45,7 @@ from meshnet_proto.lowlevel import ChainProblem, Lease, apply_wire_dtype
 from meshnet_runtime.codec_pool import CodecPool
 from meshnet_runtime.control import ControlEndpoints
 from meshnet_runtime.deadlines import Deadline
-from meshnet_runtime.downstream import DownstreamPool, key_headers
+from meshnet_runtime.downstream import Downstream, DownstreamPool, key_headers
 from meshnet_runtime.http_server import ActivationReply, Reply, RequestContext, StreamReply
 from meshnet_runtime.link import LinkEstimate
 from meshnet_runtime.metrics import ServerMetrics
@@ -106,7 +106,7 @@ class GatewayApp:
         self,
         config: GatewayConfig,
         *,
-        pool: DownstreamPool | None = None,
+        pool: Downstream | None = None,
         codecs: CodecPool | None = None,
         metrics: ServerMetrics | None = None,
     ) -> None:
@@ -115,7 +115,7 @@ class GatewayApp:
         self.config = config
         self.metrics = metrics or ServerMetrics("gateway")
         self.codecs = codecs or CodecPool(limits=config.limits, metrics=self.metrics)
-        self.pool: DownstreamPool | ReplicaSet = pool or _entry_pool(config, self.metrics)
+        self.pool: Downstream = pool or _entry_pool(config, self.metrics)
         self.sessions = ClientSessionTable(
             config.max_sessions,
             config.session_ttl,
@@ -148,8 +148,7 @@ class GatewayApp:
         self.expected_entry: str | None = None
         self._recheck: anyio.Event | None = None
         self.facts = _gateway_facts(config)
-        if isinstance(self.pool, ReplicaSet):
-            self.pool.on_change = self.chain_changed
+        self.pool.on_change = self.chain_changed  # a replica set's changes (a node has none)
         self.entry_window: int | None = None  # the entry node's reorder window, once known
         self.entry_info_read = False  # its /info answered (a window may still be absent)
         self._refreshing = False
@@ -186,8 +185,7 @@ class GatewayApp:
     async def running(self) -> AsyncIterator[GatewayApp]:
         async with anyio.create_task_group() as tg:
             self._background = tg
-            if isinstance(self.pool, ReplicaSet):
-                tg.start_soon(self.pool.maintain)  # health probes of the entry's replicas
+            tg.start_soon(self.pool.maintain)  # health probes of the entry's replicas, if any
             self._recheck = anyio.Event()
             try:
                 if await self.refresh_entry_window(quiet=True) is None and not self.entry_info_read:
@@ -489,7 +487,7 @@ class GatewayApp:
             "role": "gateway",
             "wire": WIRE_VERSION,
             "entry": self.pool.url,
-            "replicas": self.pool.describe() if isinstance(self.pool, ReplicaSet) else None,
+            "replicas": self.pool.describe(),
             "chunk_tokens": config.chunk_tokens,
             "inflight": {
                 "configured": config.inflight,
@@ -633,7 +631,7 @@ def _client_ssl(config: GatewayConfig) -> Any:
     return None
 
 
-def _entry_pool(config: GatewayConfig, metrics: ServerMetrics) -> DownstreamPool | ReplicaSet:
+def _entry_pool(config: GatewayConfig, metrics: ServerMetrics) -> Downstream:
     """The entry hop: one node's pool, or a replica set (docs/failover.md)."""
     assert config.entry is not None
     replicas = config.entry_replicas or (config.entry,)

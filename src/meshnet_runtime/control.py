@@ -14,7 +14,6 @@ which entry matched, and that is the key of :attr:`ControlEndpoints.handlers`.
 
 from __future__ import annotations
 
-import json
 import logging
 import secrets
 from collections.abc import Awaitable, Callable
@@ -40,7 +39,7 @@ from meshnet_proto.lowlevel import (
 )
 
 from .deadlines import Deadline
-from .downstream import DownstreamPool, key_headers
+from .downstream import Downstream, key_headers
 from .http_server import Reply, RequestContext
 from .metrics import METRICS_CONTENT_TYPE, ServerMetrics
 
@@ -77,7 +76,7 @@ class ControlEndpoints:
         *,
         role: str,
         metrics: ServerMetrics,
-        downstream: DownstreamPool | Any | None,  # or a replicas.ReplicaSet
+        downstream: Downstream | None,
         timeout: float,
         info: Callable[[], dict[str, Any]],
         end_here: Callable[[str], bool],
@@ -132,7 +131,7 @@ class ControlEndpoints:
         before such a change is not joined.
         """
         while True:
-            version = getattr(self.downstream, "version", 0)
+            version = self.downstream.version if self.downstream is not None else 0
             cached = self._health_cache
             now = anyio.current_time()
             if cached is not None and cached[0] > now and cached[1] == version:
@@ -167,25 +166,11 @@ class ControlEndpoints:
             document["identity"] = self.identity
             document["reorder_window"] = self.reorder_window
         pool = self.downstream
-        deep_health = getattr(pool, "deep_health", None)
         deadline = Deadline.start(started, min(self.timeout, HEALTH_TIMEOUT), None)
         below: Any = None
-        if deep_health is not None:  # a replica set: each replica's own answer
-            below = document["downstream"] = await deep_health(deadline)
-        elif pool is not None:
-            response = await pool.request("GET", "/health?deep=1", deadline)
-            document["next"] = pool.url
-            if isinstance(response, ErrorResponse):
-                if response.status != 401:
-                    raise response.to_error(hop=pool.url)
-                # Our token is not the next hop's: a chain problem, not an outage.
-                below = document["downstream"] = {"status": "cannot_serve",
-                                                  "error": response.error}  # fmt: skip
-            else:
-                try:
-                    below = document["downstream"] = json.loads(response.body)
-                except ValueError:
-                    raise _bad_health(pool.url, "is not JSON") from None
+        if pool is not None:  # a replica set: each replica's own answer; a node: its own
+            document.update(await pool.deep_health(deadline))
+            below = document.get("downstream")
         if pool is not None:
             try:
                 hops = chain_from_health(document)
