@@ -54,7 +54,7 @@ from meshnet_proto.lowlevel import ByteBudget, Ticket, request_cost
 from meshnet_runtime.codec_pool import CodecPool
 from meshnet_runtime.control import ControlEndpoints
 from meshnet_runtime.deadlines import Deadline
-from meshnet_runtime.downstream import DownstreamPool, key_headers
+from meshnet_runtime.downstream import Downstream, DownstreamPool, key_headers
 from meshnet_runtime.http_server import (
     ActivationReply,
     HttpServer,
@@ -67,7 +67,7 @@ from meshnet_runtime.replicas import ReplicaSet, needs_replica_set
 from meshnet_runtime.transports import client_ssl_context, listen
 from meshnet_runtime.wire_encoder import WireEncoder
 
-from .backends import StageBackend, StageContext, make_stage, stub_identity
+from .backends import StageBackend, StageContext, make_stage
 from .config import NodeConfig
 from .model_stage import stage_from_config
 
@@ -128,16 +128,14 @@ class NodeApp:
         self._keys: dict[str, str | None] = {}
         self.metrics = metrics or ServerMetrics("node")
         self.metrics.sessions.set_function(lambda: len(self.table))
-        bind_metrics = getattr(self.stage, "bind_metrics", None)
-        if bind_metrics is not None:  # a stage with gauges of its own (a model's KV cache)
-            bind_metrics(self.metrics.registry)
+        self.stage.bind_metrics(self.metrics.registry)  # its own gauges (a model's KV cache)
         self.codecs = CodecPool(limits=self.limits, metrics=self.metrics)
         # Tokens the stage ran on (replays included): what a failover cost here.
         self.stage_tokens = Counter(
             "meshnet_stage_tokens", "Tokens the stage computed", registry=self.metrics.registry
         )
         self.tokens_computed = 0
-        self.downstream: DownstreamPool | ReplicaSet | None = None
+        self.downstream: Downstream | None = None
         replicas = config.next_replicas or ((config.next,) if config.next else ())
         if needs_replica_set(replicas):
             # Several nodes serve the next stage: sessions stick, fail over, replay.
@@ -191,9 +189,8 @@ class NodeApp:
             Deadline(ctx.started).check()
         if event.headers.stage is not None:
             self._check_stage(event.headers.stage)
-        stage_check = getattr(self.stage, "check_head", None)
-        if stage_check is not None:  # a stage that can refuse by shape and dtype alone
-            stage_check(event.headers.shape, event.headers.dtype, event.headers.position)
+        # A stage may refuse by shape and dtype alone (a model's stage).
+        self.stage.check_head(event.headers.shape, event.headers.dtype, event.headers.position)
         self.table.check_head(
             event.headers, anyio.current_time(), replay=event.replay, client=ctx.peer
         )
@@ -316,7 +313,7 @@ class NodeApp:
         """The table forgot ``session``: the stage frees its state at once, and
         the hop's replay history for it goes too."""
         self.stage.end_session(session)
-        if isinstance(self.downstream, ReplicaSet):
+        if self.downstream is not None:
             self.downstream.forget(session)
         if self._busy.get(session):
             self._orphans.add(session)
@@ -414,7 +411,7 @@ class NodeApp:
             stage=None,
         )
         down = out if stage_key is None else out.replace(stage=f"{stage_key[0]}/{stage_key[2]}")
-        if replay and isinstance(self.downstream, ReplicaSet):
+        if replay and self.downstream is not None:
             # Kept as if sent: a failover of the hop below replays it.
             self.downstream.record_replayed(ticket.session, down, body)
         if self.downstream is None or replay:
@@ -484,9 +481,7 @@ class NodeApp:
             "wire": WIRE_VERSION,
             "stage": self.stage.describe(),
             "downstream": self.downstream.url if self.downstream else None,
-            "replicas": self.downstream.describe()
-            if isinstance(self.downstream, ReplicaSet)
-            else None,
+            "replicas": self.downstream.describe() if self.downstream else None,
             "stage_tokens": self.tokens_computed,
             "reorder_window": limits.reorder_window,
             "limits": self.config.limits_info(),
@@ -513,8 +508,8 @@ class NodeApp:
         """Forget idle sessions (TTL), waking anything that waits on them."""
         interval = min(self.limits.session_ttl / 4, _EXPIRY_INTERVAL)
         async with anyio.create_task_group() as tg:
-            if isinstance(self.downstream, ReplicaSet):
-                tg.start_soon(self.downstream.maintain)  # health probes, DNS
+            if self.downstream is not None:
+                tg.start_soon(self.downstream.maintain)  # a replica set's probes, DNS
             while True:
                 await anyio.sleep(interval)
                 for session in self.table.expire(anyio.current_time()):
@@ -541,12 +536,8 @@ def _stage_key(identity: dict[str, Any]) -> tuple[str, int, int] | None:
 def node_identity(stage: StageBackend, wire_dtype: str, encoding: str) -> dict[str, Any]:
     """The ``identity`` of a node's ``/info`` (wire-2 §6.1): the stage's
     fields, the wire settings, and the fingerprint over all of them.
-
-    A stage without ``identity()`` (a test's or a third party's) is
-    described as a stub of its name: nothing to compare but the wire.
     """
-    own = getattr(stage, "identity", None)
-    fields = dict(own() if own is not None else stub_identity(stage.name))
+    fields = dict(stage.identity())
     fields.pop("fingerprint", None)
     fields["wire_dtype"] = wire_dtype
     fields["encoding"] = encoding
