@@ -112,6 +112,9 @@ class SequencedTable(Generic[R]):
         Raises what the table raises (a ``SequencingError``: out of window,
         timed out waiting, session gone …). Cancelled while waiting, the
         table's place for the chunk is given up before the cancel goes on.
+        A ``Process`` or ``Reforward`` must go to ``run`` with no ``await``
+        in between: a retransmission told ``Join`` meanwhile would find no
+        run to join (``gone()``).
         """
         waiter = None
         timed_out = False
