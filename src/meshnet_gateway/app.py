@@ -14,7 +14,6 @@ the answer.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 from collections.abc import AsyncIterator
@@ -30,8 +29,6 @@ from meshnet_proto import (
     ActivationReceived,
     ClientSessionTable,
     EndpointRequest,
-    ErrorResponse,
-    Limits,
     MeshnetError,
     ProtocolError,
     SequencingError,
@@ -50,16 +47,9 @@ from meshnet_runtime.wire_encoder import WireEncoder
 from ._pipeline import run_chunks
 from ._retry import RetryPolicy
 from .admission import Admission
-from .chain import (
-    RECHECK_CODES,
-    STARTUP_INFO_ATTEMPTS,
-    STARTUP_INFO_RETRY_S,
-    ChainCheck,
-    ChainMismatch,
-    gateway_facts,
-)
+from .chain import RECHECK_CODES, ChainCheck, ChainMismatch, gateway_facts
 from .config import GatewayConfig
-from .entry import entry_downstream, reorder_window
+from .entry import EntryWindow, entry_downstream
 from .info import gateway_info
 from .openai import OpenAIService, ServedModel
 from .openai.api import OPENAI_ROUTES
@@ -71,12 +61,6 @@ __all__ = ["ChainMismatch", "GatewayApp"]
 
 log = logging.getLogger("meshnet.gateway")
 
-# Asking the entry node for its /info must not hold up startup for long, and
-# never a request: until it answers, one chunk at a time (every window is
-# >= 1) and the question is asked again, in the background, on each request.
-INFO_TIMEOUT = 2.0
-# What a node whose /info names none has: the core's (wire-2 §3) default.
-WIRE2_REORDER_WINDOW = Limits().reorder_window
 # Background DELETEs down the chain after a failed chunk: bounded, so a hung
 # node costs one waiting task for at most this long.
 DELETE_TIMEOUT = 10.0
@@ -126,9 +110,8 @@ class GatewayApp:
         )
         # The gateway's own side of the chain check (its model's facts).
         self.facts = gateway_facts(config)
-        self.entry_window: int | None = None  # the entry node's reorder window, once known
-        self.entry_info_read = False  # its /info answered (a window may still be absent)
-        self._refreshing = False
+        # The entry node's reorder window (until its /info is read: one chunk at a time).
+        self.entry = EntryWindow(self.pool, config.inflight)
         self._background: anyio.abc.TaskGroup | None = None
         # Sessions with a request in progress: checked on the head, before
         # the body is read (wire-2 §2 order: header-only sequencing first).
@@ -170,8 +153,8 @@ class GatewayApp:
             tg.start_soon(self.pool.maintain)  # health probes of the entry's replicas, if any
             self.chain.arm()
             try:
-                if await self.refresh_entry_window(quiet=True) is None and not self.entry_info_read:
-                    tg.start_soon(self._read_entry_window_at_start)
+                if await self.entry.refresh(quiet=True) is None and not self.entry.read:
+                    tg.start_soon(self.entry.read_at_start)
                 await self.chain.start(tg)
                 yield self
             finally:
@@ -184,40 +167,21 @@ class GatewayApp:
     @property
     def inflight(self) -> int:
         """``--inflight`` capped at the entry node's reorder window (wire-2 §1)."""
-        if not self.entry_info_read:
-            return 1  # safe under any window until the entry tells us its own
-        return min(self.config.inflight, self.entry_window or WIRE2_REORDER_WINDOW)
+        return self.entry.inflight
+
+    @property
+    def entry_window(self) -> int | None:
+        """The entry node's reorder window, once known."""
+        return self.entry.window
+
+    @property
+    def entry_info_read(self) -> bool:
+        """Its /info answered (a window may still be absent)."""
+        return self.entry.read
 
     async def refresh_entry_window(self, *, quiet: bool = False) -> int | None:
-        """Read the entry node's reorder window from its ``GET /info``.
-
-        ``quiet``: a failure is logged at debug level (the startup attempts).
-        """
-        try:
-            response = await self.pool.request("GET", "/info", Deadline.after(INFO_TIMEOUT))
-            if isinstance(response, ErrorResponse):
-                raise response.to_error(hop=self.pool.url)
-            self.entry_window = reorder_window(json.loads(response.body))
-        except (MeshnetError, ValueError) as exc:
-            level = logging.DEBUG if quiet else logging.WARNING
-            log.log(level, "cannot read the reorder window of %s: %s", self.pool.url, exc)
-            return None
-        self.entry_info_read = True
-        if self.entry_window is None:
-            log.warning("%s /info shows no reorder window; assuming %d",
-                        self.pool.url, WIRE2_REORDER_WINDOW)  # fmt: skip
-        elif self.config.inflight > self.entry_window:
-            log.info("--inflight %d capped at the entry node's reorder window %d",
-                     self.config.inflight, self.entry_window)  # fmt: skip
-        return self.entry_window
-
-    async def _read_entry_window_at_start(self) -> None:
-        for attempt in range(1, STARTUP_INFO_ATTEMPTS + 1):
-            await anyio.sleep(STARTUP_INFO_RETRY_S)
-            if not self.entry_info_read:  # a request's own refresh may have got there
-                await self.refresh_entry_window(quiet=attempt < STARTUP_INFO_ATTEMPTS)
-            if self.entry_info_read:
-                return
+        """Read the entry node's reorder window now (see ``EntryWindow.refresh``)."""
+        return await self.entry.refresh(quiet=quiet)
 
     # ------------------------------------------------------------ chain check
 
@@ -252,13 +216,6 @@ class GatewayApp:
     def fail_fast(self, on: bool) -> None:
         self.chain.fail_fast = on
 
-    async def _refresh_in_background(self) -> None:
-        self._refreshing = True
-        try:
-            await self.refresh_entry_window()
-        finally:
-            self._refreshing = False
-
     # ------------------------------------------------------------ /forward
 
     async def handle_activation_head(self, event: ActivationHead, ctx: RequestContext) -> None:
@@ -291,8 +248,7 @@ class GatewayApp:
             # toward a slower link (zstd), never toward a faster one.
             nbytes = event.body_nbytes
             self.to_clients.auto.link.observe(nbytes, nbytes, anyio.current_time() - ctx.started)
-        if not self.entry_info_read and self._background is not None and not self._refreshing:
-            self._background.start_soon(self._refresh_in_background)
+        self.entry.refresh_soon(self._background)  # until the entry's /info is read
         now = anyio.current_time()
         self.sessions.expire(now)
         lease = self.sessions.begin(

@@ -22,23 +22,11 @@ from meshnet_proto.lowlevel import ChainProblem
 from meshnet_runtime.control import ControlEndpoints
 
 from .config import GatewayConfig
+from .entry import STARTUP_INFO_ATTEMPTS, STARTUP_INFO_RETRY_S
 
-__all__ = [
-    "RECHECK_CODES",
-    "STARTUP_INFO_ATTEMPTS",
-    "STARTUP_INFO_RETRY_S",
-    "ChainCheck",
-    "ChainMismatch",
-    "gateway_facts",
-]
+__all__ = ["RECHECK_CODES", "ChainCheck", "ChainMismatch", "gateway_facts"]
 
 log = logging.getLogger("meshnet.gateway")
-
-# Started together with its chain (one shell, `&`), the gateway may come up
-# before the entry node listens: it asks again this often, this many times,
-# quietly, and warns only if the entry still has not answered.
-STARTUP_INFO_RETRY_S = 0.5
-STARTUP_INFO_ATTEMPTS = 20
 
 # Answers below that may mean the chain changed under us (wire-2 §6.2):
 # the check runs again at once rather than at the next interval.
