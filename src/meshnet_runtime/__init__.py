@@ -7,7 +7,9 @@ One concern per module, imported from the module that owns it:
 * ``endpoints``   — ``http://``, ``https://``, ``unix:`` URLs
 * ``transports``  — listen/connect on TCP, TLS, Unix sockets; memory pairs
 * ``http_server`` — the serving loop (timeouts, cap, keep-alive, shutdown)
-* ``downstream``  — pooled keep-alive client to one downstream
+* ``downstream``  — pooled keep-alive client to one downstream; ``Downstream``,
+  the protocol it and ``replicas.ReplicaSet`` share
+* ``sequencing``  — the waits, wake-ups and joins around the core's ``SessionTable``
 * ``codec_pool``  — zstd and large copies in worker threads
 * ``deadlines``   — ``X-Meshnet-Deadline-Ms`` arithmetic
 * ``config``      — the flags every server takes, ``MESHNET_*`` environment (wire-2 §9)
