@@ -56,6 +56,12 @@ async def admit(seq: SequencedTable[str], index: int, seconds: float = 10.0, **k
     return await seq.admit(hdr(index, **kw), tag(index, **kw), Deadline.after(seconds))
 
 
+async def forever() -> str:
+    """A run that never answers (until cancelled)."""
+    await anyio.sleep_forever()
+    raise AssertionError("unreachable")
+
+
 async def until_waiting(seq: SequencedTable[str], sessions: int = 1) -> None:
     with anyio.fail_after(5):
         while seq.sessions_with_waiters < sessions:
@@ -191,7 +197,7 @@ async def test_a_cancelled_run_tells_its_joiners_gone() -> None:
 
         async def runs() -> None:
             with run:
-                await seq.run(first.ticket, anyio.sleep_forever)
+                await seq.run(first.ticket, forever)
 
         tg.start_soon(runs)
         await anyio.sleep(0.01)
@@ -206,7 +212,7 @@ async def test_a_join_ends_at_its_deadline() -> None:
     first = await admit(seq, 0)
     errors: list[MeshnetError] = []
     async with anyio.create_task_group() as tg:
-        tg.start_soon(seq.run, first.ticket, anyio.sleep_forever)
+        tg.start_soon(seq.run, first.ticket, forever)
         await anyio.sleep(0.01)
         try:
             await seq.join(first.ticket, Deadline.after(0.05))
