@@ -103,6 +103,15 @@ def test_no_hook_is_looked_up_by_name() -> None:
     assert not found, "make the hook a method of the role's Protocol:\n" + "\n".join(found)
 
 
+def test_no_hook_is_probed_with_hasattr() -> None:
+    found = [
+        f"{where}:{line}: hasattr(...)"
+        for where, line, call in _calls("hasattr")
+        if len(call.args) == 2 and isinstance(call.args[1], ast.Constant)
+    ]
+    assert not found, "make the hook a method of the role's Protocol:\n" + "\n".join(found)
+
+
 def test_no_server_asks_which_downstream_it_holds() -> None:
     found = [
         f"{where}:{line}: isinstance(..., {cls})"
