@@ -25,8 +25,8 @@ from meshnet_gateway import (
     forward_via_gateway,
     open_gateway,
 )
-from meshnet_gateway.app import _reorder_window
 from meshnet_gateway.config import GatewayConfig
+from meshnet_gateway.entry import reorder_window
 from meshnet_node import serve_node
 from meshnet_node.config import NodeConfig
 from meshnet_proto import DownstreamError, MeshnetError
@@ -112,7 +112,7 @@ async def test_inflight_4_is_bit_identical_to_inflight_1() -> None:
     assert same_bits(outputs[1].output, array)
 
 
-async def test_inflight_is_capped_at_the_entry_reorder_window() -> None:
+async def test_inflight_is_capped_at_the_entryreorder_window() -> None:
     async with chain(2, node_flags=["--reorder-window", "2"],
                      gateway_flags=["--inflight", "8"]) as c:  # fmt: skip
         assert c.gateway.app.inflight == 2
@@ -379,11 +379,11 @@ async def test_token_is_required_and_presented_downstream() -> None:
 
 
 def test_reorder_window_is_read_from_top_level_or_limits() -> None:
-    assert _reorder_window({"reorder_window": 4}) == 4
-    assert _reorder_window({"limits": {"reorder_window": 3}}) == 3
-    assert _reorder_window({"limits": {"reorder_window": True}}) is None
+    assert reorder_window({"reorder_window": 4}) == 4
+    assert reorder_window({"limits": {"reorder_window": 3}}) == 3
+    assert reorder_window({"limits": {"reorder_window": True}}) is None
     with pytest.raises(ValueError):
-        _reorder_window([])
+        reorder_window([])
 
 
 def _deadline():  # type: ignore[no-untyped-def]

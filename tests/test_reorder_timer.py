@@ -28,6 +28,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from meshnet_node import RunningNode, serve_node
+from meshnet_node.backends import stub_identity
 from meshnet_node.config import NodeConfig
 from meshnet_proto import (
     ActivationResponse,
@@ -454,8 +455,17 @@ class OneAtATime:
     def end_session(self, session: str) -> None:
         """Stateless."""
 
+    def check_head(self, shape: tuple[int, ...], dtype: str, position: int | None = None) -> None:
+        """Any tensor goes."""
+
+    def bind_metrics(self, registry: Any) -> None:
+        """No gauges of its own."""
+
     def describe(self) -> dict[str, Any]:
         return {"backend": self.name}
+
+    def identity(self) -> dict[str, Any]:
+        return stub_identity(self.name)
 
 
 @asynccontextmanager

@@ -18,15 +18,17 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 import anyio
+import anyio.abc
 import numpy as np
 
 from meshnet_proto import DownstreamError, ErrorResponse, MeshnetError, WireHeaders
 from meshnet_proto.lowlevel import ChunkAssembler, plan_chunks
+from meshnet_runtime.codec_pool import CodecPool
 from meshnet_runtime.deadlines import Deadline
-from meshnet_runtime.downstream import DownstreamPool
-from meshnet_runtime.replicas import ReplicaSet
+from meshnet_runtime.downstream import Downstream
 from meshnet_runtime.wire_encoder import WireEncoder
 
 from ._retry import RetryPolicy, send_with_retries
@@ -54,7 +56,7 @@ class RunResult:
     chunks: list[ChunkResult]
 
 
-def _mismatch(pool: DownstreamPool | ReplicaSet, index: int, what: str) -> DownstreamError:
+def _mismatch(pool: Downstream, index: int, what: str) -> DownstreamError:
     return DownstreamError(
         f"{pool.url}: answer to chunk {index} {what}",
         code="downstream_bad_response",
@@ -62,7 +64,7 @@ def _mismatch(pool: DownstreamPool | ReplicaSet, index: int, what: str) -> Downs
     )
 
 
-def check_response(pool: DownstreamPool | ReplicaSet, sent: WireHeaders, got: WireHeaders) -> None:
+def check_response(pool: Downstream, sent: WireHeaders, got: WireHeaders) -> None:
     """The answer must describe the chunk we sent; a relay mixing up answers
     would otherwise corrupt the output silently."""
     index = sent.chunk_index
@@ -74,7 +76,7 @@ def check_response(pool: DownstreamPool | ReplicaSet, sent: WireHeaders, got: Wi
 
 
 async def run_chunks(
-    pool: DownstreamPool | ReplicaSet,
+    pool: Downstream,
     encoder: WireEncoder,
     array: np.ndarray,
     *,
@@ -123,45 +125,9 @@ async def run_chunks(
     """
     if inflight < 1:
         raise ValueError(f"inflight must be >= 1, got {inflight}")
-    codecs = encoder.codecs
     chunks = plan_chunks(array, chunk_tokens)
-    last = len(chunks) - 1
-    assembler = ChunkAssembler(1 if last_only else len(chunks))
-    results: dict[int, ChunkResult] = {}
-    failures: dict[int, MeshnetError] = {}
-    slots = anyio.Semaphore(inflight)
-    joined = [0]  # bytes of the answers kept: what the join copies
-
-    def as_error(response: ErrorResponse) -> MeshnetError:
-        return response.to_error(hop=pool.url) if relay is None else relay(response, pool.url)
-
-    async def send(
-        index: int, headers: WireHeaders, body: bytes | memoryview, encode_s: float
-    ) -> None:
-        started = time.perf_counter()
-        try:
-            response = await send_with_retries(
-                pool, headers, body, deadline, retry, as_error=as_error, on_retry=on_retry
-            )
-            check_response(pool, headers, response.headers)
-            if not last_only or index == last:
-                tensor = await codecs.decode(response.headers, response.body)
-                assembler.add(0 if last_only else index, tensor)
-                joined[0] += tensor.nbytes
-            results[index] = ChunkResult(
-                request=headers,
-                response=response.headers,
-                raw_bytes=headers.nbytes,
-                sent_bytes=memoryview(body).nbytes,
-                received_bytes=len(response.body),
-                seconds=encode_s + time.perf_counter() - started,
-            )
-        except MeshnetError as exc:
-            failures[index] = exc
-            tg.cancel_scope.cancel()
-        finally:
-            slots.release()
-
+    run = _Run(pool, encoder.codecs, len(chunks), deadline, inflight, last_only=last_only,
+               relay=relay, retry=retry, on_retry=on_retry)  # fmt: skip
     async with anyio.create_task_group() as tg:
         for chunk in chunks:
             # An error here (not in a chunk's task) would leave the task
@@ -172,28 +138,125 @@ async def run_chunks(
                 # Encode before taking a slot: chunk k+1 is compressed while
                 # chunk k is still downstream, even with inflight 1.
                 dtype, encoding, body = await encoder.encode(chunk.view, request_encoding)
-                headers = WireHeaders(
-                    shape=tuple(chunk.view.shape),
-                    dtype=dtype,
-                    session=session,
-                    chunk_index=chunk.index,
-                    chunk_total=chunk.total,
-                    encoding=encoding,
-                    position=base_position + chunk.position,
-                    stage=stage,
-                    session_key=session_key,
-                )
+                headers = _chunk_headers(chunk, dtype, encoding, session, base_position,
+                                         stage=stage, session_key=session_key)  # fmt: skip
                 encode_s = time.perf_counter() - started
-                await slots.acquire()
+                await run.slots.acquire()
             except MeshnetError as exc:
-                failures[chunk.index] = exc
-                tg.cancel_scope.cancel()
+                run.fail(tg, chunk.index, exc)
                 break
             if on_send is not None:
                 on_send(headers)
-            tg.start_soon(send, chunk.index, headers, body, encode_s)
-    if failures:
-        raise failures[min(failures)]
-    # The join copies every answer (up to max_tensor_bytes): off the loop when large.
-    output = await codecs.run(joined[0], assembler.result)
-    return RunResult(output=output, chunks=[results[i] for i in range(len(chunks))])
+            tg.start_soon(run.send, tg, chunk.index, headers, body, encode_s)
+    return await run.result()
+
+
+class _Planned(Protocol):
+    """A chunk of ``plan_chunks``: what its headers need of it."""
+
+    @property
+    def view(self) -> np.ndarray: ...
+    @property
+    def index(self) -> int: ...
+    @property
+    def total(self) -> int: ...
+    @property
+    def position(self) -> int: ...
+
+
+def _chunk_headers(
+    chunk: _Planned,
+    dtype: str,
+    encoding: str,
+    session: str,
+    base_position: int,
+    *,
+    stage: str | None,
+    session_key: str | None,
+) -> WireHeaders:
+    """What one chunk of the run goes down with (the deadline is set when written)."""
+    return WireHeaders(
+        shape=tuple(chunk.view.shape),
+        dtype=dtype,
+        session=session,
+        chunk_index=chunk.index,
+        chunk_total=chunk.total,
+        encoding=encoding,
+        position=base_position + chunk.position,
+        stage=stage,
+        session_key=session_key,
+    )
+
+
+class _Run:
+    """One run's chunks in flight: their slots, answers and failures."""
+
+    def __init__(
+        self,
+        pool: Downstream,
+        codecs: CodecPool,
+        count: int,
+        deadline: Deadline,
+        inflight: int,
+        *,
+        last_only: bool,
+        relay: Callable[[ErrorResponse, str], MeshnetError] | None,
+        retry: RetryPolicy | None,
+        on_retry: Callable[[int, MeshnetError], None] | None,
+    ) -> None:
+        self.pool, self.codecs, self.count, self.deadline = pool, codecs, count, deadline
+        self.last_only, self.relay, self.retry, self.on_retry = last_only, relay, retry, on_retry
+        self.last = count - 1
+        self.assembler = ChunkAssembler(1 if last_only else count)
+        self.results: dict[int, ChunkResult] = {}
+        self.failures: dict[int, MeshnetError] = {}
+        self.slots = anyio.Semaphore(inflight)
+        self.joined = 0  # bytes of the answers kept: what the join copies
+
+    def as_error(self, response: ErrorResponse) -> MeshnetError:
+        url = self.pool.url
+        return response.to_error(hop=url) if self.relay is None else self.relay(response, url)
+
+    def fail(self, tg: anyio.abc.TaskGroup, index: int, error: MeshnetError) -> None:
+        """The chunk failed for good: the run ends, its other chunks are cancelled."""
+        self.failures[index] = error
+        tg.cancel_scope.cancel()
+
+    async def send(
+        self,
+        tg: anyio.abc.TaskGroup,
+        index: int,
+        headers: WireHeaders,
+        body: bytes | memoryview,
+        encode_s: float,
+    ) -> None:
+        started = time.perf_counter()
+        try:
+            response = await send_with_retries(self.pool, headers, body, self.deadline,
+                                               self.retry, as_error=self.as_error,
+                                               on_retry=self.on_retry)  # fmt: skip
+            check_response(self.pool, headers, response.headers)
+            if not self.last_only or index == self.last:
+                tensor = await self.codecs.decode(response.headers, response.body)
+                self.assembler.add(0 if self.last_only else index, tensor)
+                self.joined += tensor.nbytes
+            self.results[index] = ChunkResult(
+                request=headers,
+                response=response.headers,
+                raw_bytes=headers.nbytes,
+                sent_bytes=memoryview(body).nbytes,
+                received_bytes=len(response.body),
+                seconds=encode_s + time.perf_counter() - started,
+            )
+        except MeshnetError as exc:
+            self.fail(tg, index, exc)
+        finally:
+            self.slots.release()
+
+    async def result(self) -> RunResult:
+        """The run's answers, or the failure of its lowest-indexed failed chunk."""
+        if self.failures:
+            raise self.failures[min(self.failures)]
+        # The join copies every answer (up to max_tensor_bytes): off the loop when large.
+        output = await self.codecs.run(self.joined, self.assembler.result)
+        return RunResult(output=output, chunks=[self.results[i] for i in range(self.count)])

@@ -31,8 +31,7 @@ import anyio
 
 from meshnet_proto import ActivationResponse, ErrorResponse, MeshnetError, WireHeaders
 from meshnet_runtime.deadlines import Deadline
-from meshnet_runtime.downstream import DownstreamPool
-from meshnet_runtime.replicas import ReplicaSet
+from meshnet_runtime.downstream import Downstream
 
 __all__ = ["MIN_ATTEMPT_SECONDS", "RETRYABLE_STATUSES", "RetryPolicy", "send_with_retries"]
 
@@ -87,7 +86,7 @@ class RetryPolicy:
 
 
 async def send_with_retries(
-    pool: DownstreamPool | ReplicaSet,
+    pool: Downstream,
     headers: WireHeaders,
     body: bytes | bytearray | memoryview,
     deadline: Deadline,

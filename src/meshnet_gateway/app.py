@@ -14,13 +14,10 @@ the answer.
 
 from __future__ import annotations
 
-import json
 import logging
-import math
 import os
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from pathlib import Path
 from typing import Any
 
 import anyio
@@ -28,14 +25,10 @@ import anyio.abc
 import numpy as np
 
 from meshnet_proto import (
-    WIRE_VERSION,
     ActivationHead,
     ActivationReceived,
-    CapacityError,
     ClientSessionTable,
     EndpointRequest,
-    ErrorResponse,
-    Limits,
     MeshnetError,
     ProtocolError,
     SequencingError,
@@ -45,17 +38,19 @@ from meshnet_proto.lowlevel import ChainProblem, Lease, apply_wire_dtype
 from meshnet_runtime.codec_pool import CodecPool
 from meshnet_runtime.control import ControlEndpoints
 from meshnet_runtime.deadlines import Deadline
-from meshnet_runtime.downstream import DownstreamPool, key_headers
+from meshnet_runtime.downstream import Downstream, key_headers
 from meshnet_runtime.http_server import ActivationReply, Reply, RequestContext, StreamReply
 from meshnet_runtime.link import LinkEstimate
 from meshnet_runtime.metrics import ServerMetrics
-from meshnet_runtime.replicas import ReplicaSet, needs_replica_set
 from meshnet_runtime.wire_encoder import WireEncoder
 
 from ._pipeline import run_chunks
 from ._retry import RetryPolicy
 from .admission import Admission
+from .chain import RECHECK_CODES, ChainCheck, ChainMismatch, gateway_facts
 from .config import GatewayConfig
+from .entry import EntryWindow, entry_downstream
+from .info import gateway_info
 from .openai import OpenAIService, ServedModel
 from .openai.api import OPENAI_ROUTES
 from .openai.errors import from_meshnet
@@ -66,33 +61,9 @@ __all__ = ["ChainMismatch", "GatewayApp"]
 
 log = logging.getLogger("meshnet.gateway")
 
-# Asking the entry node for its /info must not hold up startup for long, and
-# never a request: until it answers, one chunk at a time (every window is
-# >= 1) and the question is asked again, in the background, on each request.
-INFO_TIMEOUT = 2.0
-# Started together with its chain (one shell, `&`), the gateway may come up
-# before the entry node listens: it asks again this often, this many times,
-# quietly, and warns only if the entry still has not answered.
-STARTUP_INFO_RETRY_S = 0.5
-STARTUP_INFO_ATTEMPTS = 20
-# What a node whose /info names none has: the core's (wire-2 §3) default.
-WIRE2_REORDER_WINDOW = Limits().reorder_window
 # Background DELETEs down the chain after a failed chunk: bounded, so a hung
 # node costs one waiting task for at most this long.
 DELETE_TIMEOUT = 10.0
-
-
-# Answers below that may mean the chain changed under us (wire-2 §6.2):
-# the check runs again at once rather than at the next interval.
-RECHECK_CODES = frozenset({"stage_mismatch", "session_unknown"})
-
-
-class ChainMismatch(Exception):
-    """The chain failed its check at start (wire-2 §6.2): the process exits 2."""
-
-    def __init__(self, problems: list[ChainProblem]) -> None:
-        super().__init__(problems[0].line())
-        self.problems = problems
 
 
 class GatewayApp:
@@ -106,7 +77,7 @@ class GatewayApp:
         self,
         config: GatewayConfig,
         *,
-        pool: DownstreamPool | None = None,
+        pool: Downstream | None = None,
         codecs: CodecPool | None = None,
         metrics: ServerMetrics | None = None,
     ) -> None:
@@ -115,7 +86,7 @@ class GatewayApp:
         self.config = config
         self.metrics = metrics or ServerMetrics("gateway")
         self.codecs = codecs or CodecPool(limits=config.limits, metrics=self.metrics)
-        self.pool: DownstreamPool | ReplicaSet = pool or _entry_pool(config, self.metrics)
+        self.pool: Downstream = pool or entry_downstream(config, self.metrics)
         self.sessions = ClientSessionTable(
             config.max_sessions,
             config.session_ttl,
@@ -137,22 +108,10 @@ class GatewayApp:
             level=level,
             link=LinkEstimate(),
         )
-        # The chain check (wire-2 §6.2): what was found at the last walk that
-        # got an answer ([] = fine, None = not walked yet); while it lists
-        # problems, nothing is sent down. ``fail_fast``: at start, problems
-        # end the process (``ChainMismatch``) instead (meshnet-gateway).
-        self.chain_problems: list[ChainProblem] | None = None
-        self.fail_fast = False
-        # The stage the entry must be ("<model>/0", X-Meshnet-Stage), from the
-        # entry's identity once the check has seen it (a model stage only).
-        self.expected_entry: str | None = None
-        self._recheck: anyio.Event | None = None
-        self.facts = _gateway_facts(config)
-        if isinstance(self.pool, ReplicaSet):
-            self.pool.on_change = self.chain_changed
-        self.entry_window: int | None = None  # the entry node's reorder window, once known
-        self.entry_info_read = False  # its /info answered (a window may still be absent)
-        self._refreshing = False
+        # The gateway's own side of the chain check (its model's facts).
+        self.facts = gateway_facts(config)
+        # The entry node's reorder window (until its /info is read: one chunk at a time).
+        self.entry = EntryWindow(self.pool, config.inflight)
         self._background: anyio.abc.TaskGroup | None = None
         # Sessions with a request in progress: checked on the head, before
         # the body is read (wire-2 §2 order: header-only sequencing first).
@@ -179,6 +138,11 @@ class GatewayApp:
             check_facts=self.check_facts,
             owner=self._owner,
         )
+        # The chain check (wire-2 §6.2): while it lists problems, nothing is
+        # sent down; ``fail_fast``: at start, problems end the process
+        # (``ChainMismatch``) instead (meshnet-gateway).
+        self.chain = ChainCheck(self.control, self.pool.url, config.health_interval)
+        self.pool.on_change = self.chain.changed  # a replica set's changes (a node has none)
 
     # ------------------------------------------------------------ lifecycle
 
@@ -186,17 +150,12 @@ class GatewayApp:
     async def running(self) -> AsyncIterator[GatewayApp]:
         async with anyio.create_task_group() as tg:
             self._background = tg
-            if isinstance(self.pool, ReplicaSet):
-                tg.start_soon(self.pool.maintain)  # health probes of the entry's replicas
-            self._recheck = anyio.Event()
+            tg.start_soon(self.pool.maintain)  # health probes of the entry's replicas, if any
+            self.chain.arm()
             try:
-                if await self.refresh_entry_window(quiet=True) is None and not self.entry_info_read:
-                    tg.start_soon(self._read_entry_window_at_start)
-                if await self.check_chain(quiet=True) is None:
-                    tg.start_soon(self._check_at_start)  # the entry is not up yet
-                else:
-                    self._fail_fast()
-                tg.start_soon(self._recheck_loop)
+                if await self.entry.refresh(quiet=True) is None and not self.entry.read:
+                    tg.start_soon(self.entry.read_at_start)
+                await self.chain.start(tg)
                 yield self
             finally:
                 self._background = None
@@ -208,40 +167,21 @@ class GatewayApp:
     @property
     def inflight(self) -> int:
         """``--inflight`` capped at the entry node's reorder window (wire-2 §1)."""
-        if not self.entry_info_read:
-            return 1  # safe under any window until the entry tells us its own
-        return min(self.config.inflight, self.entry_window or WIRE2_REORDER_WINDOW)
+        return self.entry.inflight
+
+    @property
+    def entry_window(self) -> int | None:
+        """The entry node's reorder window, once known."""
+        return self.entry.window
+
+    @property
+    def entry_info_read(self) -> bool:
+        """Its /info answered (a window may still be absent)."""
+        return self.entry.read
 
     async def refresh_entry_window(self, *, quiet: bool = False) -> int | None:
-        """Read the entry node's reorder window from its ``GET /info``.
-
-        ``quiet``: a failure is logged at debug level (the startup attempts).
-        """
-        try:
-            response = await self.pool.request("GET", "/info", Deadline.after(INFO_TIMEOUT))
-            if isinstance(response, ErrorResponse):
-                raise response.to_error(hop=self.pool.url)
-            self.entry_window = _reorder_window(json.loads(response.body))
-        except (MeshnetError, ValueError) as exc:
-            level = logging.DEBUG if quiet else logging.WARNING
-            log.log(level, "cannot read the reorder window of %s: %s", self.pool.url, exc)
-            return None
-        self.entry_info_read = True
-        if self.entry_window is None:
-            log.warning("%s /info shows no reorder window; assuming %d",
-                        self.pool.url, WIRE2_REORDER_WINDOW)  # fmt: skip
-        elif self.config.inflight > self.entry_window:
-            log.info("--inflight %d capped at the entry node's reorder window %d",
-                     self.config.inflight, self.entry_window)  # fmt: skip
-        return self.entry_window
-
-    async def _read_entry_window_at_start(self) -> None:
-        for attempt in range(1, STARTUP_INFO_ATTEMPTS + 1):
-            await anyio.sleep(STARTUP_INFO_RETRY_S)
-            if not self.entry_info_read:  # a request's own refresh may have got there
-                await self.refresh_entry_window(quiet=attempt < STARTUP_INFO_ATTEMPTS)
-            if self.entry_info_read:
-                return
+        """Read the entry node's reorder window now (see ``EntryWindow.refresh``)."""
+        return await self.entry.refresh(quiet=quiet)
 
     # ------------------------------------------------------------ chain check
 
@@ -250,79 +190,37 @@ class GatewayApp:
         return {**self.facts, "inflight": self.config.inflight}
 
     async def check_chain(self, *, quiet: bool = False) -> list[ChainProblem] | None:
-        """Walk the chain by deep health and check it; the problems, or None
-        when the walk got no answer (the state stays what it was)."""
-        try:
-            # Its own walk: a client's deep health must not wait on (or be
-            # answered by) a check that started before the chain changed.
-            await self.control.walk(anyio.current_time())
-        except MeshnetError as exc:
-            level = logging.DEBUG if quiet else logging.WARNING
-            log.log(level, "cannot check the chain at %s: %s", self.pool.url, exc)
-            return None
-        problems = self.control.problems
-        assert problems is not None
-        if problems and problems != self.chain_problems and not self.fail_fast:
-            # (at start, meshnet-gateway says it in its one line and exits 2)
-            log.error("the chain cannot serve: %s", "; ".join(p.line() for p in problems))
-        elif not problems and self.chain_problems:
-            log.info("the chain passes its check again")
-        self.chain_problems = problems
-        entry = self.control.hops[0] if self.control.hops else []
-        for report in entry:
-            if report.identity is not None and report.identity.layers is not None:
-                self.expected_entry = f"{report.identity.model}/{report.identity.layers[0]}"
-                break
-        return problems
+        """Walk the chain and check it now (see ``ChainCheck.check``)."""
+        return await self.chain.check(quiet=quiet)
 
-    def chain_changed(self) -> None:
-        """A hop's replica set changed (or a request saw a sign of it): check again."""
-        if self._recheck is not None:
-            self._recheck.set()
+    @property
+    def chain_problems(self) -> list[ChainProblem] | None:
+        """What the last check found ([] = fine, None = not walked yet)."""
+        return self.chain.problems
 
-    def _fail_fast(self) -> None:
-        if self.fail_fast and self.chain_problems:
-            raise ChainMismatch(self.chain_problems)
+    @property
+    def expected_entry(self) -> str | None:
+        """The stage the entry must be (``"<model>/0"``), once the check saw it."""
+        return self.chain.expected_entry
 
-    async def _check_at_start(self) -> None:
-        for attempt in range(1, STARTUP_INFO_ATTEMPTS + 1):
-            await anyio.sleep(STARTUP_INFO_RETRY_S)
-            if self.chain_problems is None:  # the periodic check may have got there
-                await self.check_chain(quiet=attempt < STARTUP_INFO_ATTEMPTS)
-            if self.chain_problems is not None:
-                self._fail_fast()
-                return
+    @expected_entry.setter
+    def expected_entry(self, stage: str | None) -> None:
+        self.chain.expected_entry = stage
 
-    async def _recheck_loop(self) -> None:
-        """Every health interval, and at once after a change (wire-2 §6.2)."""
-        while True:
-            assert self._recheck is not None
-            with anyio.move_on_after(self.config.health_interval):
-                await self._recheck.wait()
-            self._recheck = anyio.Event()
-            await self.check_chain(quiet=True)
+    @property
+    def fail_fast(self) -> bool:
+        """Problems found at start end the process (``ChainMismatch``)."""
+        return self.chain.fail_fast
 
-    def _refuse_if_mismatched(self) -> None:
-        problems = self.chain_problems
-        if problems:
-            raise CapacityError(
-                "the chain cannot serve (wire-2 §6.2): " + "; ".join(p.line() for p in problems),
-                code="chain_mismatch",
-                retry_after=max(1, math.ceil(self.config.health_interval)),
-            )
-
-    async def _refresh_in_background(self) -> None:
-        self._refreshing = True
-        try:
-            await self.refresh_entry_window()
-        finally:
-            self._refreshing = False
+    @fail_fast.setter
+    def fail_fast(self, on: bool) -> None:
+        self.chain.fail_fast = on
 
     # ------------------------------------------------------------ /forward
 
     async def handle_activation_head(self, event: ActivationHead, ctx: RequestContext) -> None:
         # Reject before reading what may be hundreds of MiB of body.
-        self._refuse_if_mismatched()
+        self.chain.refuse_if_mismatched()
         session = event.headers.session
         if session is not None:
             self.sessions.check_owner(session, event.headers.session_key)  # 403, wire-2 §3.9
@@ -350,8 +248,7 @@ class GatewayApp:
             # toward a slower link (zstd), never toward a faster one.
             nbytes = event.body_nbytes
             self.to_clients.auto.link.observe(nbytes, nbytes, anyio.current_time() - ctx.started)
-        if not self.entry_info_read and self._background is not None and not self._refreshing:
-            self._background.start_soon(self._refresh_in_background)
+        self.entry.refresh_soon(self._background)  # until the entry's /info is read
         now = anyio.current_time()
         self.sessions.expire(now)
         lease = self.sessions.begin(
@@ -411,7 +308,7 @@ class GatewayApp:
         may have changed since it was checked, so it is checked again before
         anything more is sent (wire-2 §6.2). The one place both the wire-2
         path (``_fail``) and the OpenAI path ask for it."""
-        self.chain_changed()
+        self.chain.changed()
 
     def cancel_on_disconnect(self, event: EndpointRequest | ActivationReceived) -> bool:
         """The serving loop cancels these requests when their client leaves:
@@ -464,7 +361,7 @@ class GatewayApp:
     ) -> Reply | StreamReply:
         if self.openai is not None and event.route in OPENAI_ROUTES:
             try:
-                self._refuse_if_mismatched()
+                self.chain.refuse_if_mismatched()
             except MeshnetError as exc:
                 return from_meshnet(exc).reply()
             return await self.openai.handle(event)
@@ -484,41 +381,7 @@ class GatewayApp:
         return self.sessions.end(session)
 
     def info(self) -> dict[str, Any]:
-        config = self.config
-        return {
-            "role": "gateway",
-            "wire": WIRE_VERSION,
-            "entry": self.pool.url,
-            "replicas": self.pool.describe() if isinstance(self.pool, ReplicaSet) else None,
-            "chunk_tokens": config.chunk_tokens,
-            "inflight": {
-                "configured": config.inflight,
-                "entry_reorder_window": self.entry_window,
-                "effective": self.inflight,
-            },
-            "encoding": config.encoding,
-            "auto_encoding": None
-            if self.to_entry.auto is None
-            else {"to_entry": self.to_entry.describe(), "to_clients": self.to_clients.describe()},
-            "wire_dtype": config.wire_dtype,
-            "zstd_level": config.zstd_level,
-            "timeout_s": config.timeout,
-            "retries": {"max": config.retries, "backoff_ms": config.retry_backoff_ms},
-            "sessions": {
-                "held": len(self.sessions),
-                "max": config.max_sessions,
-                "ttl_s": config.session_ttl,
-            },
-            "limits": config.limits_info(),
-            "auth": config.token is not None,
-            "model": self.openai.model.name if self.openai is not None else None,
-            "admission": self.admission.describe() if self.openai is not None else None,
-            "chain": {
-                "checked": self.chain_problems is not None,
-                "problems": [p.to_json() for p in self.chain_problems or []],
-                "expected_entry": self.expected_entry,
-            },
-        }
+        return gateway_info(self)
 
 
 def _response_headers(output: np.ndarray, dtype: str, encoding: str, lease: Lease) -> WireHeaders:
@@ -543,51 +406,6 @@ def _session_busy(session: str) -> SequencingError:
         code="session_busy",
         header="x-meshnet-session",
     )
-
-
-def _reorder_window(info: Any) -> int | None:
-    """The reorder window in a node's ``/info`` (top level or under ``limits``)."""
-    if not isinstance(info, dict):
-        raise ValueError("/info is not a JSON object")
-    for where in (info, info.get("limits"), info.get("sessions")):
-        if isinstance(where, dict):
-            value = where.get("reorder_window")
-            if isinstance(value, int) and not isinstance(value, bool) and value >= 1:
-                return value
-    return None
-
-
-def _gateway_facts(config: GatewayConfig) -> dict[str, Any]:
-    """The gateway's own side of the chain check: with ``--model``, its
-    checkpoint's id and vocabulary, its context, and that it samples logits."""
-    facts: dict[str, Any] = {}
-    if config.max_context:
-        facts["max_context"] = config.max_context
-    if config.model is None:
-        return facts
-    facts["require_logits"] = True
-    from meshnet_gateway.openai.tokenizer import ModelTokenizer
-    from meshnet_model.source import is_gguf, load_config
-
-    root = Path(config.model)
-    try:
-        vocab = ModelTokenizer.load(root).vocab_size
-        if is_gguf(root) or (root / "config.json").is_file():
-            # A padded embedding (more rows than tokens) is the checkpoint's
-            # own choice: the nodes' vocabulary is the config's then.
-            vocab = max(vocab, load_config(root).vocab_size)
-        facts["vocab"] = vocab
-    except (OSError, ValueError) as exc:  # checked again, loudly, by ServedModel.load
-        log.warning("cannot read the vocabulary of --model %s: %s", config.model, exc)
-    # The same id every stage of this checkpoint reports (wire-2 §6.1): a
-    # chain serving another checkpoint, even of the same shape, is refused.
-    from meshnet_model.identity import checkpoint_model_id
-
-    try:
-        facts["model"] = checkpoint_model_id(root)
-    except (OSError, ValueError) as exc:  # checked again, loudly, by ServedModel.load
-        log.warning("cannot read the identity of --model %s: %s", config.model, exc)
-    return facts
 
 
 def _openai_service(app: GatewayApp) -> OpenAIService:
@@ -622,36 +440,4 @@ def _openai_service(app: GatewayApp) -> OpenAIService:
         metrics=GenerationMetrics(app.metrics.registry),
         admission=app.admission,
         spawn=app._spawn,
-    )
-
-
-def _client_ssl(config: GatewayConfig) -> Any:
-    if config.entry is not None and config.entry.tls:
-        from meshnet_runtime.transports import client_ssl_context
-
-        return client_ssl_context(config.tls_ca)
-    return None
-
-
-def _entry_pool(config: GatewayConfig, metrics: ServerMetrics) -> DownstreamPool | ReplicaSet:
-    """The entry hop: one node's pool, or a replica set (docs/failover.md)."""
-    assert config.entry is not None
-    replicas = config.entry_replicas or (config.entry,)
-    if needs_replica_set(replicas):
-        return ReplicaSet(
-            replicas,
-            limits=config.limits,
-            token=config.token,
-            ssl_context=_client_ssl(config),
-            metrics=metrics,
-            health_interval=config.health_interval,
-            probe_timeout=config.probe_timeout,
-            max_history_bytes=config.max_history_bytes,
-        )
-    return DownstreamPool(
-        config.entry,
-        limits=config.limits,
-        token=config.token,
-        ssl_context=_client_ssl(config),
-        metrics=metrics,
     )

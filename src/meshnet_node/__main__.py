@@ -30,8 +30,7 @@ def ready_line(config: NodeConfig, url: str, stage: StageBackend | None = None) 
 
 def _model_summary(stage: StageBackend | None) -> str:
     """What a model stage computes with and holds: engine, held forms, bytes, threads."""
-    describe = getattr(stage, "describe", None)
-    info = describe() if callable(describe) else {}
+    info = stage.describe() if stage is not None else {}
     if info.get("backend") != "model":
         return ""
     held = info.get("weights_held") or {info.get("weights_dtype"): None}

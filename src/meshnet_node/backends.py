@@ -19,6 +19,7 @@ from typing import Any, Protocol
 
 import anyio
 import numpy as np
+from prometheus_client import CollectorRegistry
 
 __all__ = [
     "BACKENDS",
@@ -82,10 +83,14 @@ class StageBackend(Protocol):
     session — DELETE, TTL expiry, expiry to make room — also while one of its
     chunks is still computing. A stage raising ``MeshnetError`` has it
     answered as is (a 4xx for a chunk it cannot take, 503 when full); any
-    other exception is a 500. A stage may also have
-    ``check_head(shape, dtype, position)``, raising ``MeshnetError`` to refuse a
-    chunk from its headers alone, before the body is read (``position``: the
-    header's ``x-meshnet-position``, or None when the chunk has none).
+    other exception is a 500. ``check_head(shape, dtype, position)`` raises
+    ``MeshnetError`` to refuse a chunk from its headers alone, before the
+    body is read (``position``: the header's ``x-meshnet-position``, or None
+    when the chunk has none); ``bind_metrics(registry)`` adds the stage's own
+    gauges (a model's KV cache) to the node's ``/metrics``. Every stage has
+    all of it (the node never asks which parts a stage has): ``Stage`` and
+    ``ModelStage`` implement it, ``Stage``'s ``check_head`` and
+    ``bind_metrics`` doing nothing.
     """
 
     name: str
@@ -96,6 +101,12 @@ class StageBackend(Protocol):
     ) -> np.ndarray: ...
 
     def end_session(self, session: str) -> None: ...
+
+    def check_head(
+        self, shape: tuple[int, ...], dtype: str, position: int | None = None
+    ) -> None: ...
+
+    def bind_metrics(self, registry: CollectorRegistry) -> None: ...
 
     def describe(self) -> dict[str, Any]: ...
 
@@ -153,6 +164,12 @@ class Stage:
 
     def end_session(self, session: str) -> None:
         """Stateless: nothing to free."""
+
+    def check_head(self, shape: tuple[int, ...], dtype: str, position: int | None = None) -> None:
+        """Any tensor goes: the function decides nothing from headers."""
+
+    def bind_metrics(self, registry: CollectorRegistry) -> None:
+        """No gauges of its own."""
 
     def describe(self) -> dict[str, Any]:
         return {"backend": self.name, "delay_ms": self.delay_ms}

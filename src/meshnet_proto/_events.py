@@ -16,7 +16,7 @@ few ``isinstance`` checks per message, never a pass over a tensor.
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Final, Literal
 
 import numpy as np
@@ -80,6 +80,11 @@ def _check_query(query: Any) -> None:
         raise TypeError("query must be a str")
 
 
+def _is_replay(query: str) -> bool:
+    """wire-2 §3.8: ``replay=1`` among the query's ``&``-separated parameters."""
+    return "replay=1" in query.split("&")
+
+
 def _check_buffer(body: Any, field: str) -> None:
     if not isinstance(body, (bytes, bytearray, memoryview)):
         raise TypeError(f"{field} must be bytes, bytearray or memoryview")
@@ -106,6 +111,8 @@ class ActivationHead:
     # The request target's query (after "?"): a hop's replay to a new
     # replica is ``/forward?replay=1`` (docs/failover.md).
     query: str = ""
+    # ``replay=1`` among the query's parameters (wire-2 §3.8): read once, here.
+    replay: bool = field(init=False)
 
     def __post_init__(self) -> None:
         if not isinstance(self.headers, WireHeaders):
@@ -113,6 +120,7 @@ class ActivationHead:
         if not isinstance(self.expects_continue, bool):
             raise TypeError("expects_continue must be a bool")
         _check_query(self.query)
+        object.__setattr__(self, "replay", _is_replay(self.query))
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -124,6 +132,7 @@ class ActivationReceived:
     tensor: np.ndarray
     body_nbytes: int
     query: str = ""  # as on ActivationHead
+    replay: bool = field(init=False)  # as on ActivationHead
 
     def __post_init__(self) -> None:
         if not isinstance(self.headers, WireHeaders):
@@ -133,6 +142,7 @@ class ActivationReceived:
         if not isinstance(self.body_nbytes, int) or self.body_nbytes < 0:
             raise ValueError("body_nbytes must be a non-negative int")
         _check_query(self.query)
+        object.__setattr__(self, "replay", _is_replay(self.query))
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -154,6 +164,9 @@ class EndpointRequest:
     headers: Pairs
     body: bytes
     route: str = ""
+    # ``replay=1`` among the query's parameters: a ``DELETE /sessions/{id}``
+    # that ends a stale copy here only (wire-2 §3.8), as on ActivationHead.
+    replay: bool = field(init=False)
 
     def __post_init__(self) -> None:
         if not isinstance(self.method, str) or not self.method:
@@ -167,6 +180,7 @@ class EndpointRequest:
             raise TypeError("body must be bytes")
         if not isinstance(self.route, str):
             raise TypeError("route must be a str")
+        object.__setattr__(self, "replay", _is_replay(self.query))
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

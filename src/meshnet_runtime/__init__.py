@@ -12,7 +12,9 @@ One concern per module, imported from the module that owns it:
 * ``client_watch`` — cancelling work for a client that left
 * ``server_io``, ``server_settings``, ``server_errors`` — bytes between stream and
   connection, the server's settings, the errors the loop sends itself
-* ``downstream``  — pooled keep-alive client to one downstream
+* ``downstream``  — pooled keep-alive client to one downstream; ``Downstream``,
+  the protocol it and ``replicas.ReplicaSet`` share
+* ``sequencing``  — the waits, wake-ups and joins around the core's ``SessionTable``
 * ``codec_pool``  — zstd and large copies in worker threads
 * ``deadlines``   — ``X-Meshnet-Deadline-Ms`` arithmetic
 * ``config``      — the flags every server takes, ``MESHNET_*`` environment (wire-2 §9)

@@ -14,7 +14,6 @@ which entry matched, and that is the key of :attr:`ControlEndpoints.handlers`.
 
 from __future__ import annotations
 
-import json
 import logging
 import secrets
 from collections.abc import Awaitable, Callable
@@ -40,11 +39,11 @@ from meshnet_proto.lowlevel import (
 )
 
 from .deadlines import Deadline
-from .downstream import DownstreamPool, key_headers
+from .downstream import Downstream, key_headers
 from .http_server import Reply, RequestContext
 from .metrics import METRICS_CONTENT_TYPE, ServerMetrics
 
-__all__ = ["HEALTH_CACHE", "HEALTH_TIMEOUT", "ControlEndpoints", "is_replay"]
+__all__ = ["HEALTH_CACHE", "HEALTH_TIMEOUT", "ControlEndpoints"]
 
 log = logging.getLogger("meshnet.control")
 
@@ -77,7 +76,7 @@ class ControlEndpoints:
         *,
         role: str,
         metrics: ServerMetrics,
-        downstream: DownstreamPool | Any | None,  # or a replicas.ReplicaSet
+        downstream: Downstream | None,
         timeout: float,
         info: Callable[[], dict[str, Any]],
         end_here: Callable[[str], bool],
@@ -132,7 +131,7 @@ class ControlEndpoints:
         before such a change is not joined.
         """
         while True:
-            version = getattr(self.downstream, "version", 0)
+            version = self.downstream.version if self.downstream is not None else 0
             cached = self._health_cache
             now = anyio.current_time()
             if cached is not None and cached[0] > now and cached[1] == version:
@@ -167,25 +166,11 @@ class ControlEndpoints:
             document["identity"] = self.identity
             document["reorder_window"] = self.reorder_window
         pool = self.downstream
-        deep_health = getattr(pool, "deep_health", None)
         deadline = Deadline.start(started, min(self.timeout, HEALTH_TIMEOUT), None)
         below: Any = None
-        if deep_health is not None:  # a replica set: each replica's own answer
-            below = document["downstream"] = await deep_health(deadline)
-        elif pool is not None:
-            response = await pool.request("GET", "/health?deep=1", deadline)
-            document["next"] = pool.url
-            if isinstance(response, ErrorResponse):
-                if response.status != 401:
-                    raise response.to_error(hop=pool.url)
-                # Our token is not the next hop's: a chain problem, not an outage.
-                below = document["downstream"] = {"status": "cannot_serve",
-                                                  "error": response.error}  # fmt: skip
-            else:
-                try:
-                    below = document["downstream"] = json.loads(response.body)
-                except ValueError:
-                    raise _bad_health(pool.url, "is not JSON") from None
+        if pool is not None:  # a replica set: each replica's own answer; a node: its own
+            document.update(await pool.deep_health(deadline))
+            below = document.get("downstream")
         if pool is not None:
             try:
                 hops = chain_from_health(document)
@@ -228,7 +213,7 @@ class ControlEndpoints:
         # ``?replay=1``: a hop about to rebuild this node's copy by replay
         # ends it here only — the stages below hold their own state, as a
         # replayed chunk is not forwarded either (wire-2 §3.8).
-        if pool is not None and not is_replay(event.query):
+        if pool is not None and not event.replay:
             deadline = Deadline.start(ctx.started, self.timeout, None)
             try:
                 response = await pool.request(
@@ -246,12 +231,6 @@ class ControlEndpoints:
         if not known:
             raise ProtocolError(f"session {session} is unknown", code="not_found", status=404)
         return Reply(204)
-
-
-def is_replay(query: str) -> bool:
-    """wire-2 §3.8: ``replay=1`` among a request's query parameters marks a
-    replay (``POST /forward``) or a rebuild's end of a stale copy (``DELETE``)."""
-    return "replay=1" in query.split("&")
 
 
 def _outcome(outcome: dict[str, Any] | MeshnetError | None) -> dict[str, Any]:

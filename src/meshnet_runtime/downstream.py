@@ -11,11 +11,12 @@ raised: relaying it is the caller's decision (``ErrorResponse.to_error``).
 
 from __future__ import annotations
 
+import json
 import logging
 import ssl
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import anyio
 from anyio.abc import ByteStream
@@ -40,7 +41,7 @@ from .metrics import ServerMetrics
 from .streams import DEAD_STREAM, aclose_quietly, body_read_size
 from .transports import coalesce, connect
 
-__all__ = ["DownstreamPool"]
+__all__ = ["Downstream", "DownstreamPool", "key_headers"]
 
 log = logging.getLogger("meshnet.downstream")
 
@@ -64,6 +65,79 @@ def key_headers(key: str | None) -> list[tuple[bytes, bytes]]:
     """The ``X-Meshnet-Session-Key`` header of a request on a keyed session
     (a ``DELETE /sessions/{id}`` passed down: wire-2 §3.9), or none."""
     return [] if key is None else [(b"X-Meshnet-Session-Key", key.encode("ascii"))]
+
+
+Body = bytes | bytearray | memoryview
+
+
+class Downstream(Protocol):
+    """The hop below a server (a node's ``--next``, the gateway's ``--entry``):
+    one node (``DownstreamPool``) or several serving the same stage
+    (``replicas.ReplicaSet``). Servers hold either through this protocol and
+    never ask which it is: what only a replica set does (failover state,
+    probes, replay history) is a trivial method of ``DownstreamPool``.
+    """
+
+    @property
+    def url(self) -> str:
+        """The hop as configured (one URL, or the replicas' joined by commas)."""
+        ...
+
+    # How fast answers arrive from below (for --encoding auto).
+    link: LinkEstimate
+    # Told of every change of membership or state below (the gateway's chain
+    # re-check); a single node never changes, so never calls it.
+    on_change: Callable[[], None] | None
+
+    async def forward(
+        self, headers: WireHeaders, body: Body, deadline: Deadline, path: str = "/forward"
+    ) -> ActivationResponse | ErrorResponse:
+        """POST one activation (``path``: ``/forward?replay=1`` for a replay)."""
+        ...
+
+    async def request(
+        self,
+        method: str,
+        target: str,
+        deadline: Deadline,
+        headers: Sequence[tuple[bytes, bytes]] = (),
+        body: bytes = b"",
+    ) -> Response | ErrorResponse:
+        """Any other request (``GET /health``, ``DELETE /sessions/…``)."""
+        ...
+
+    async def deep_health(self, deadline: Deadline) -> dict[str, Any]:
+        """What a deep health document says of the hop below (wire-2 §6.2):
+        ``downstream`` (its answer) and, for a single node, ``next`` (its URL)."""
+        ...
+
+    @property
+    def version(self) -> int:
+        """Changes whenever the hop's replicas change (a cache of deep health is keyed by it)."""
+        ...
+
+    def describe(self) -> dict[str, Any] | None:
+        """The replicas' state for ``/info`` (None: a single node)."""
+        ...
+
+    def forget(self, session: str) -> None:
+        """The session ended here: drop what is kept for it (history, stickiness)."""
+        ...
+
+    def record_replayed(self, session: str, headers: WireHeaders, body: Body) -> None:
+        """A replay rebuilt this node: keep what it would have sent, as if sent."""
+        ...
+
+    async def maintain(self) -> None:
+        """The hop's upkeep task (health probes, DNS); returns at once when there is none."""
+        ...
+
+    @property
+    def idle_connections(self) -> int:
+        """Connections kept open for reuse."""
+        ...
+
+    async def aclose(self) -> None: ...
 
 
 class DownstreamPool:
@@ -107,6 +181,7 @@ class DownstreamPool:
         self._closed = False
         # How fast answers arrive from this downstream (for --encoding auto).
         self.link = LinkEstimate()
+        self.on_change: Callable[[], None] | None = None  # one node: nothing changes
 
     @property
     def url(self) -> str:
@@ -170,6 +245,41 @@ class DownstreamPool:
     def idle_connections(self) -> int:
         """Connections kept open for reuse (a fresh request takes one)."""
         return len(self._idle)
+
+    async def deep_health(self, deadline: Deadline) -> dict[str, Any]:
+        """The next node's own deep health, as the ``downstream`` of ours.
+
+        A 401 (our token is not the next hop's) is a chain problem, not an
+        outage: it is reported as that node's ``cannot_serve``."""
+        response = await self.request("GET", "/health?deep=1", deadline)
+        if isinstance(response, ErrorResponse):
+            if response.status != 401:
+                raise response.to_error(hop=self.url)
+            below: Any = {"status": "cannot_serve", "error": response.error}
+        else:
+            try:
+                below = json.loads(response.body)
+            except ValueError:
+                raise self._error("/health is not JSON", "downstream_bad_response") from None
+        return {"next": self.url, "downstream": below}
+
+    # The replica-only parts of ``Downstream``: one node has none of that state.
+
+    @property
+    def version(self) -> int:
+        return 0
+
+    def describe(self) -> dict[str, Any] | None:
+        return None
+
+    def forget(self, session: str) -> None:
+        """No history, no stickiness to drop."""
+
+    def record_replayed(self, session: str, headers: WireHeaders, body: Body) -> None:
+        """Nothing is kept for a failover: there is no other node to move to."""
+
+    async def maintain(self) -> None:
+        """No probes, no names to resolve."""
 
     async def aclose(self) -> None:
         self._closed = True

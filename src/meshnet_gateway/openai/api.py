@@ -38,9 +38,8 @@ import anyio
 from meshnet_model.source import is_gguf, load_config, model_name
 from meshnet_proto import EndpointRequest, MeshnetError
 from meshnet_runtime.codec_pool import CodecPool
-from meshnet_runtime.downstream import DownstreamPool
+from meshnet_runtime.downstream import Downstream
 from meshnet_runtime.http_server import Reply, StreamReply, StreamSend
-from meshnet_runtime.replicas import ReplicaSet
 
 from ..admission import Admission, AdmissionRefused, Ticket
 from .defaults import GenerationDefaults
@@ -131,7 +130,7 @@ class OpenAIService:
     def __init__(
         self,
         model: ServedModel,
-        pool: DownstreamPool | ReplicaSet,
+        pool: Downstream,
         codecs: CodecPool,
         chain_settings: Callable[[], ChainSettings],
         *,

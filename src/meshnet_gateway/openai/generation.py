@@ -27,8 +27,7 @@ import numpy as np
 from meshnet_proto import ErrorResponse, MeshnetError, WireHeaders
 from meshnet_runtime.codec_pool import CodecPool
 from meshnet_runtime.deadlines import Deadline
-from meshnet_runtime.downstream import DownstreamPool, key_headers
-from meshnet_runtime.replicas import ReplicaSet
+from meshnet_runtime.downstream import Downstream, key_headers
 from meshnet_runtime.wire_encoder import WireEncoder
 
 from .._pipeline import run_chunks
@@ -75,7 +74,7 @@ class ChainSession:
 
     def __init__(
         self,
-        pool: DownstreamPool | ReplicaSet,
+        pool: Downstream,
         codecs: CodecPool,
         settings: ChainSettings,
         *,

@@ -244,9 +244,10 @@ class ReplicaSet:
         )
 
     async def deep_health(self, deadline: Deadline) -> dict[str, Any]:
-        """Each replica's ``/health?deep=1``: ``ok``, ``degraded`` (some down,
-        here or below) or a 502 when none answers (the stage is down)."""
-        return await deep_health(self.url, self.replicas, deadline)
+        """``downstream``: each replica's ``/health?deep=1``, ``ok``,
+        ``degraded`` (some down, here or below) or a 502 when none answers
+        (the stage is down)."""
+        return {"downstream": await deep_health(self.url, self.replicas, deadline)}
 
     # ------------------------------------------------------------ upkeep
 

@@ -1,0 +1,224 @@
+"""The waiting around ``SessionTable``: wait, wake, give up, join (wire-2 §3).
+
+``SessionTable`` (the core) decides and never waits: ``offer`` answers
+``Wait`` for a chunk that came before its predecessor, and the embedder
+sleeps until the session moves on or the reorder timer runs out, then
+offers again. A retransmission of a chunk still computing is answered
+``Join``: it waits for the original's answer. ``SequencedTable`` is that
+loop, once, for any anyio embedder (trio or asyncio)::
+
+    seq = SequencedTable(SessionTable(limits))
+    decision = await seq.admit(headers, fingerprint, deadline, replay=False)
+    if isinstance(decision, Process):
+        reply = await seq.run(decision.ticket, compute_and_forward)
+    elif isinstance(decision, Join):
+        reply = await seq.join(decision.ticket, deadline)
+    ...
+
+and its ``stage_done``, ``stage_failed``, ``end_session`` and ``expire``
+are the table's, waking the session's waiters after each (a session's
+next chunk may go; an ended one's waiters find it gone).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any, Generic, TypeVar
+
+import anyio
+
+from meshnet_proto import (
+    Join,
+    MeshnetError,
+    Process,
+    Reforward,
+    Replay,
+    SessionTable,
+    Wait,
+    WireHeaders,
+)
+from meshnet_proto.lowlevel import Ticket
+
+from .deadlines import Deadline
+
+__all__ = ["Admitted", "Outcome", "SequencedTable", "gone"]
+
+R = TypeVar("R")
+
+# What ``admit`` hands back: every decision but ``Wait``, which it waits out.
+Admitted = Process | Reforward | Replay | Join
+
+
+def gone() -> MeshnetError:
+    """What a joined retransmission gets when the original ended without an answer."""
+    return MeshnetError(
+        "the original request for this chunk ended without an answer",
+        code="internal_error",
+        status=500,
+    )
+
+
+@dataclass(eq=False, slots=True)
+class Outcome(Generic[R]):
+    """The answer of one in-flight run, for retransmissions that ``Join`` it."""
+
+    done: anyio.Event = field(default_factory=anyio.Event)
+    reply: R | None = None
+    error: MeshnetError | None = None
+
+    def finish(self, reply: R | None, error: MeshnetError | None) -> None:
+        if not self.done.is_set():
+            self.reply, self.error = reply, error
+            self.done.set()
+
+
+class SequencedTable(Generic[R]):
+    """A ``SessionTable`` with the waiting its decisions ask for.
+
+    ``R`` is what a run answers (the embedder's reply), handed to the
+    retransmissions that join it. ``on_wait_timeout`` is told each time a
+    chunk's wait ended in the table's error (wire-2 §3.3: the reorder timer
+    ran out), e.g. to count it.
+    """
+
+    def __init__(
+        self, table: SessionTable, *, on_wait_timeout: Callable[[], None] | None = None
+    ) -> None:
+        self.table = table
+        self.on_wait_timeout = on_wait_timeout
+        # One wake-up event per session with waiters: set (and dropped) when
+        # the session may have moved on; its waiters then offer again.
+        self._wakeups: dict[str, anyio.Event] = {}
+        # The run of each ticket in flight, by serial: what a Join waits on.
+        self._outcomes: dict[int, Outcome[R]] = {}
+
+    @property
+    def sessions_with_waiters(self) -> int:
+        """Sessions whose chunks sleep until woken (each holds one wake-up event)."""
+        return len(self._wakeups)
+
+    async def admit(
+        self,
+        headers: WireHeaders,
+        fingerprint: bytes,
+        deadline: Deadline,
+        *,
+        replay: bool = False,
+        client: str | None = None,
+    ) -> Admitted:
+        """Offer the chunk until the table answers anything but ``Wait``.
+
+        Raises what the table raises (a ``SequencingError``: out of window,
+        timed out waiting, session gone …). Cancelled while waiting, the
+        table's place for the chunk is given up before the cancel goes on.
+        A ``Process`` or ``Reforward`` must go to ``run`` with no ``await``
+        in between: a retransmission told ``Join`` meanwhile would find no
+        run to join (``gone()``).
+        """
+        waiter = None
+        timed_out = False
+        while True:
+            now = anyio.current_time()
+            try:
+                decision = self.table.offer(
+                    headers,
+                    fingerprint,
+                    now,
+                    waiter=waiter,
+                    deadline=deadline.at,
+                    replay=replay,
+                    client=client,
+                )
+            except MeshnetError:
+                if timed_out:  # the table ended the wait (wire-2 §3.3)
+                    if self.on_wait_timeout is not None:
+                        self.on_wait_timeout()
+                    # Wake the session's other waiters (they re-offer and wait
+                    # again on a fresh event) so its wake-up event is not left
+                    # behind: for a session that never starts, nothing else
+                    # would ever pop it, and those would pile up.
+                    assert headers.session is not None
+                    self.wake(headers.session)
+                raise
+            if not isinstance(decision, Wait):
+                return decision
+            waiter = decision.waiter
+            assert headers.session is not None
+            wake = self._wakeups.setdefault(headers.session, anyio.Event())
+            try:
+                with anyio.move_on_after(decision.until - now) as timer:
+                    await wake.wait()
+            except anyio.get_cancelled_exc_class():
+                # Cancelled from outside (shutdown, a caller's scope): the
+                # table must not keep a place for a chunk nobody will offer.
+                self.table.give_up(waiter, anyio.current_time())
+                raise
+            # At until, offer again rather than give up: the table knows
+            # whether the session progressed meanwhile (its predecessor may
+            # be in the stage now), which stops the reorder timer.
+            timed_out = timer.cancelled_caught
+
+    async def run(self, ticket: Ticket, work: Callable[[], Awaitable[R]]) -> R:
+        """``work()`` for an admitted ticket (``Process``, ``Reforward``): its
+        answer or its ``MeshnetError`` goes to every retransmission joined
+        meanwhile; any other end (a cancel, a bug) tells them ``gone()``."""
+        outcome: Outcome[R] = Outcome()
+        self._outcomes[ticket.serial] = outcome
+        try:
+            reply = await work()
+            outcome.finish(reply, None)
+            return reply
+        except MeshnetError as err:
+            outcome.finish(None, err)
+            raise
+        finally:
+            if not outcome.done.is_set():  # cancelled: joined retransmissions must not hang
+                outcome.finish(None, gone())
+            del self._outcomes[ticket.serial]
+
+    async def join(self, ticket: Ticket, deadline: Deadline) -> R:
+        """A ``Join``: the answer of the ticket's run in flight (its error
+        raised), or the deadline's 504 if it does not come in time."""
+        outcome = self._outcomes.get(ticket.serial)
+        if outcome is None:  # cannot happen: a ticket in flight has its outcome
+            raise gone()
+        with anyio.move_on_after(max(deadline.remaining(), 0)):
+            await outcome.done.wait()
+        if not outcome.done.is_set():
+            deadline.check()
+        if outcome.error is not None:
+            raise outcome.error
+        assert outcome.reply is not None
+        return outcome.reply
+
+    def wake(self, session: str) -> None:
+        """Let the session's waiting chunks offer again."""
+        event = self._wakeups.pop(session, None)
+        if event is not None:
+            event.set()
+
+    # The table's steps that may let a waiting chunk go, each with its wake-up.
+
+    def stage_done(self, ticket: Ticket, stage_output: Any) -> None:
+        """The stage ran the ticket's chunk: the session's next may start."""
+        self.table.stage_done(ticket, stage_output, anyio.current_time())
+        self.wake(ticket.session)
+
+    def stage_failed(self, ticket: Ticket) -> None:
+        """The stage failed on it: the chunk may come again, its successors wait on."""
+        self.table.stage_failed(ticket, anyio.current_time())
+        self.wake(ticket.session)
+
+    def end_session(self, session: str) -> bool:
+        """Forget the session (a DELETE); its waiters find it gone. Whether it was known."""
+        known = self.table.end_session(session)
+        self.wake(session)
+        return known
+
+    def expire(self) -> list[str]:
+        """Forget the sessions idle past their TTL, waking their waiters."""
+        expired = self.table.expire(anyio.current_time())
+        for session in expired:
+            self.wake(session)
+        return expired
