@@ -19,10 +19,7 @@ each section tied to the classes it describes. Checked:
 * the modules table lists exactly the core's private modules;
 * the fenced driver loops call only methods their objects have.
 
-A failure names each missing item. Names other branches add in parallel are
-in ``_LANDING_WITH_OTHER_BRANCHES``: they are expected missing until those
-branches merge, and the last test fails as soon as one exists, so the set is
-emptied at the merge rather than left to hide a regression.
+A failure names each missing item.
 """
 
 from __future__ import annotations
@@ -44,19 +41,6 @@ from meshnet_proto import lowlevel
 ROOT = Path(__file__).resolve().parent.parent
 DOC = (ROOT / "docs" / "core-api.md").read_text(encoding="utf-8")
 CORE = ROOT / "src" / "meshnet_proto"
-
-# Documented in core-api.md, added by the branches merged with this one
-# (issue 21). The lead empties this set when they land.
-_LANDING_WITH_OTHER_BRANCHES = frozenset(
-    {
-        "ActivationHead.replay",
-        "ActivationReceived.replay",
-        "WireHeaders.starts_session",
-        "meshnet_runtime.sequencing",
-        "meshnet_runtime.sequencing.SequencedTable",
-        "SequencedTable.admit",
-    }
-)
 
 _MISSING = object()
 
@@ -323,13 +307,8 @@ def _python_signatures(body: str) -> list[str]:
 # ---------------------------------------------------------------- checks
 
 
-def _key(item: str) -> str:
-    """The name an item of a report is about (``X.y`` of ``X.y (section …)``)."""
-    return re.split(r"[ (:]", item, maxsplit=1)[0]
-
-
 def _report(missing: list[str], what: str) -> None:
-    missing = sorted({m for m in missing if _key(m) not in _LANDING_WITH_OTHER_BRANCHES})
+    missing = sorted(set(missing))
     assert missing == [], f"core-api.md {what}:\n  " + "\n  ".join(missing)
 
 
@@ -592,19 +571,6 @@ def test_the_driver_loops_call_only_what_exists() -> None:
                 if member(cls, attr) is _MISSING:
                     missing.append(f"{cls.__name__}.{attr} (a loop in section {sec.title})")
     _report(missing, "driver loops call what the code lacks")
-
-
-def test_the_landing_names_are_documented_and_not_yet_in_the_code() -> None:
-    """Each name of _LANDING_WITH_OTHER_BRANCHES is written in core-api.md;
-    once its branch has merged it exists, and this fails until the name
-    leaves the set (where it would hide a later loss)."""
-    written = [n for n in _LANDING_WITH_OTHER_BRANCHES if n.rsplit(".", 1)[-1] not in DOC]
-    assert written == [], f"in _LANDING_WITH_OTHER_BRANCHES but not in core-api.md: {written}"
-    landed = sorted(n for n in _LANDING_WITH_OTHER_BRANCHES if resolve(n) is not _MISSING)
-    assert landed == [], (
-        "these exist now: remove them from _LANDING_WITH_OTHER_BRANCHES in "
-        f"{Path(__file__).name}: {landed}"
-    )
 
 
 def test_the_checks_see_the_document() -> None:

@@ -544,3 +544,38 @@ def test_stage_is_checked_after_the_deadline_and_duplicates_are_refused() -> Non
     with pytest.raises(ProtocolError) as info:
         parse_wire_headers(twice)
     assert (info.value.code, info.value.header) == ("duplicate_header", "x-meshnet-stage")
+
+
+@pytest.mark.parametrize(
+    ("chunk_index", "position", "starts"),
+    [
+        (None, None, True),
+        (0, None, True),
+        (None, 0, True),
+        (0, 0, True),
+        (1, None, False),
+        (0, 4, False),
+        (None, 4, False),
+        (2, 8, False),
+    ],
+)
+def test_starts_session_is_a_first_chunk_with_nothing_before_it(
+    chunk_index: int | None, position: int | None, starts: bool
+) -> None:
+    total = None if chunk_index is None else chunk_index + 1
+    built = WireHeaders(
+        shape=(1, 4, 8),
+        dtype="float32",
+        chunk_index=chunk_index,
+        chunk_total=total,
+        position=position,
+    )
+    assert built.starts_session is starts
+    # The parser's headers say the same.
+    overrides: dict[str, bytes | None] = {
+        "x_meshnet_chunk_index": None if chunk_index is None else str(chunk_index).encode(),
+        "x_meshnet_chunk_total": None if total is None else str(total).encode(),
+        "x_meshnet_position": None if position is None else str(position).encode(),
+    }
+    parsed = parse_wire_headers(pairs(**overrides), require_sequencing=chunk_index is not None)
+    assert parsed.starts_session is starts

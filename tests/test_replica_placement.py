@@ -22,7 +22,6 @@ from meshnet_runtime.replicas.placement import (
     Route,
     address_url,
     needs_replica_set,
-    starts,
 )
 
 SESSION = "00000000-0000-4000-8000-000000000001"
@@ -230,7 +229,8 @@ def test_names_addresses_and_first_chunks() -> None:
         return WireHeaders(shape=(1, 2, 4), dtype="float32", session=SESSION,
                            chunk_index=index, chunk_total=4, position=position)  # fmt: skip
 
-    assert starts(chunk(0, 0)) and not starts(chunk(1, 2)) and not starts(chunk(0, 2))
+    assert chunk(0, 0).starts_session
+    assert not chunk(1, 2).starts_session and not chunk(0, 2).starts_session
 
 
 @pytest.mark.parametrize("interval", [0.1, 2.0])

@@ -29,6 +29,8 @@ from meshnet_proto import (
     WireHeaders,
     tensor_fingerprint,
 )
+from meshnet_proto._capacity import Capacity
+from meshnet_proto._routing import Session
 from meshnet_proto._sequencer import Ticket
 from meshnet_proto._waiters import Waiter
 
@@ -515,14 +517,14 @@ def test_a_full_table_does_not_rescan_every_session_per_refused_request(
     for i in range(sessions):
         node.run(1, session=f"00000000-0000-4000-8000-{i:012d}")
     scans = 0
-    busy = SessionTable._busy
+    busy = Capacity.busy
 
-    def counting(self: SessionTable, s: object, now: float) -> bool:
+    def counting(self: Capacity, s: Session, now: float) -> bool:
         nonlocal scans
         scans += 1
         return busy(self, s, now)
 
-    monkeypatch.setattr(SessionTable, "_busy", counting)
+    monkeypatch.setattr(Capacity, "busy", counting)
     for attempt in range(1000):
         node.now = 10.0 + attempt / 10_000  # all within the reuse window
         with pytest.raises(CapacityError) as err:
@@ -953,3 +955,19 @@ def test_on_forget_is_told_every_way_a_session_goes() -> None:
     start("d", 13.0)  # table full with c, d
     start("e", 30.0)  # makes room: c and d are idle past the TTL
     assert sorted(forgotten) == ["a", "b", "c", "d"]
+
+
+def test_an_answer_evicted_by_the_stored_bytes_budget_is_refused_not_rerun() -> None:
+    node = Node(Limits(max_stored_bytes=100))
+    first = node.process(0)
+    node.table.stage_done(first, "out0", node.now)
+    node.table.response_ready(first, "resp0", node.now, nbytes=60)
+    assert node.table.stored_bytes == 60
+    second = node.process(1)
+    node.table.stage_done(second, "out1", node.now)
+    node.table.response_ready(second, "resp1", node.now, nbytes=60)
+    assert node.table.stored_bytes == 60  # chunk 0's answer went to make room
+    assert node.offer(1) == Replay("resp1")
+    with pytest.raises(SequencingError) as err:
+        node.offer(0)
+    assert err.value.code == "chunk_conflict"

@@ -197,19 +197,7 @@ def run(options: BenchOptions) -> SectionResult:
             for label, flags in engines:
                 for n in plan.nodes:
                     options.progress(f"engines: starting {label} on {n} node(s)")
-                    url: str | None = None
-                    pids: list[int] = []
-                    for a, b in reversed(even_splits(plan.layers, n)):
-                        argv = ["--port", "0", "--model", directory, "--layers", f"{a}:{b}",
-                                "--log-level", "warning", *flags]  # fmt: skip
-                        if url is not None:
-                            argv += ["--next", url]
-                        proc, url = stack.enter_context(
-                            server_process("meshnet_node", *argv, timeout=180.0)
-                        )
-                        pids.insert(0, proc.pid)
-                    assert url is not None  # a chain has at least one node
-                    chains.append(_Chain(label, n, pids, DownstreamPool(url)))
+                    chains.append(_start_chain(stack, directory, plan, label, flags, n))
             anyio.run(_measure, chains, plan, config.vocab_size, options.progress,
                       backend=options.async_backend)  # fmt: skip
         reference: tuple[float, float] | None = None
@@ -247,6 +235,52 @@ def run(options: BenchOptions) -> SectionResult:
             "decode tok/s": f"{limits[dtype]:.1f}", "decode vs numpy 1 node": "-",
             "RSS per stage MiB": "-",
         })  # fmt: skip
+    keys = _keys(rate, bandwidth, limits, load, reference)
+    if ("torch float32", 1) not in rate:
+        result.notes.append("torch is not installed: pip install 'meshnet[torch]' for its rows.")
+    result.keys = keys
+    result.notes.append(
+        f"Load average {load:.1f} on {_cpus()} CPUs while measuring: the machine was shared; "
+        "read the ratios (measured side by side), not the absolute figures."
+    )
+    result.notes.append(
+        "llama.cpp on this machine kind, 2 threads (issue 15, quoted, not measured here): "
+        + "; ".join(f"{d} pp512 {p:.0f} / decode {t:.1f} tok/s" for d, (p, t) in LLAMA_CPP.items())
+    )
+    return result
+
+
+def _start_chain(
+    stack: contextlib.ExitStack,
+    directory: str,
+    plan: _Plan,
+    label: str,
+    flags: tuple[str, ...],
+    n: int,
+) -> _Chain:
+    """``n`` nodes of one engine over the checkpoint's layers, last node first."""
+    url: str | None = None
+    pids: list[int] = []
+    for a, b in reversed(even_splits(plan.layers, n)):
+        argv = ["--port", "0", "--model", directory, "--layers", f"{a}:{b}",
+                "--log-level", "warning", *flags]  # fmt: skip
+        if url is not None:
+            argv += ["--next", url]
+        proc, url = stack.enter_context(server_process("meshnet_node", *argv, timeout=180.0))
+        pids.insert(0, proc.pid)
+    assert url is not None  # a chain has at least one node
+    return _Chain(label, n, pids, DownstreamPool(url))
+
+
+def _keys(
+    rate: dict[tuple[str, int], tuple[float, float]],
+    bandwidth: float,
+    limits: dict[str, float],
+    load: float,
+    reference: tuple[float, float] | None,
+) -> dict[str, float | int | str | None]:
+    """The section's keys: the figures and the torch engines against numpy's."""
+    numpy_single = rate[("numpy float32", 1)]
     keys: dict[str, float | int | str | None] = dict.fromkeys(KEYS)
     keys["engines_memory_bandwidth_gb_s"] = round(bandwidth, 2)
     keys["engines_f32_decode_limit_tokens_per_s"] = round(limits["float32"], 2)
@@ -265,18 +299,7 @@ def run(options: BenchOptions) -> SectionResult:
             "engines_torch_f32_decode_tokens_per_s": round(f32[1], 2),
             "engines_torch_f32_prefill_tokens_per_s": round(f32[0], 2),
         })  # fmt: skip
-    else:
-        result.notes.append("torch is not installed: pip install 'meshnet[torch]' for its rows.")
-    result.keys = keys
-    result.notes.append(
-        f"Load average {load:.1f} on {_cpus()} CPUs while measuring: the machine was shared; "
-        "read the ratios (measured side by side), not the absolute figures."
-    )
-    result.notes.append(
-        "llama.cpp on this machine kind, 2 threads (issue 15, quoted, not measured here): "
-        + "; ".join(f"{d} pp512 {p:.0f} / decode {t:.1f} tok/s" for d, (p, t) in LLAMA_CPP.items())
-    )
-    return result
+    return keys
 
 
 def _cpus() -> int:

@@ -378,75 +378,9 @@ def run(options: BenchOptions) -> SectionResult:
     load_after = _load_average()
     for model in models:
         cells = {c.name: _cells(c, plan) for c in model.chains}
-        for chain in model.chains:
-            mine = cells[chain.name]
-            agreement = model.quality.get(chain.name)
-            result.rows.append({
-                "model": model.label, "engine": chain.label,
-                "prefill tok/s": f"{mine['prefill']:.1f}",
-                "decode tok/s": f"{mine['decode']:.1f}",
-                "RSS/file per stage": " + ".join(f"{s.rss / s.file_bytes:.2f}"
-                                                 for s in chain.stages),
-                "RSS MiB": " + ".join(f"{s.rss / MiB:.0f}" for s in chain.stages),
-                "peak/RSS": " + ".join(f"{s.peak / s.rss:.2f}" for s in chain.stages),
-                "load s": " + ".join(f"{s.load_s:.1f}" for s in chain.stages),
-                "KL mean (max)": "-" if agreement is None
-                else f"{agreement.kl_mean:.4f} ({agreement.kl_max:.3f})",
-                "top-1": "-" if agreement is None else f"{agreement.top1:.3f}",
-            })  # fmt: skip
-            prefix = f"quant_{model.key}_{chain.name}_"
-            keys[prefix + "decode_tokens_per_s"] = round(mine["decode"], 2)
-            keys[prefix + "prefill_tokens_per_s"] = round(mine["prefill"], 2)
-            keys[prefix + "rss_over_file"] = round(mine["rss_over_file"], 3)
-            keys[prefix + "peak_over_rss"] = round(mine["peak_over_rss"], 3)
-            keys[prefix + "load_s"] = round(mine["load_s"], 2)
-            if agreement is not None:
-                keys[prefix + "kl_mean"] = round(agreement.kl_mean, 6)
-                keys[prefix + "top1"] = round(agreement.top1, 4)
-        if "keep" not in cells:
-            continue
-        keep = cells["keep"]
-        for other in ("numpy", "bf16"):
-            for what in ("decode", "prefill"):
-                keys[f"quant_{model.key}_keep_over_{other}_{what}"] = round(
-                    keep[what] / cells[other][what], 3
-                )
-        result.notes.append(
-            f"{model.label}: quantized / numpy float32 decode "
-            f"{keep['decode'] / cells['numpy']['decode']:.2f}x, prefill "
-            f"{keep['prefill'] / cells['numpy']['prefill']:.2f}x; quantized / bf16 decode "
-            f"{keep['decode'] / cells['bf16']['decode']:.2f}x, prefill "
-            f"{keep['prefill'] / cells['bf16']['prefill']:.2f}x"
-        )
-        quoted = LLAMA_CPP.get(model.key)
-        if quoted is None:
-            continue
-        if WHOLE in cells:  # llama.cpp ran one process with 2 threads: so does this one
-            keep = cells[WHOLE]
-        chain = next(c for c in model.chains if c.name == (WHOLE if WHOLE in cells else "keep"))
-        if model.key == "smollm2":
-            decode, prefill = keep["decode"] / quoted["decode"], keep["prefill"] / quoted["prefill"]
-            keys["quant_smollm2_keep_over_llama_cpp_decode"] = round(decode, 3)
-            keys["quant_smollm2_keep_over_llama_cpp_prefill"] = round(prefill, 3)
-            result.notes.append(
-                f"llama.cpp on {model.label} (issue, 2 threads, quoted): decode "
-                f"{quoted['decode']} tok/s, pp512 {quoted['prefill']:.0f} tok/s; ours quantized "
-                f"/ llama.cpp: decode {decode:.2f}x, prefill {prefill:.2f}x"
-            )
-        else:
-            rss = sum(s.rss for s in chain.stages) / MiB
-            ratios = (keep["decode"] / quoted["decode"], keep["load_s"] / quoted["load_s"],
-                      rss / quoted["rss_mib"])  # fmt: skip
-            keys["quant_llama1b_keep_over_llama_cpp_decode"] = round(ratios[0], 3)
-            keys["quant_llama1b_keep_over_llama_cpp_load"] = round(ratios[1], 3)
-            keys["quant_llama1b_keep_over_llama_cpp_rss"] = round(ratios[2], 3)
-            result.notes.append(
-                f"llama.cpp on a Llama-3.2-1B Q4_0 (issue, 2 threads, quoted): load "
-                f"{quoted['load_s']} s, decode {quoted['decode']} tok/s, RSS "
-                f"{quoted['rss_mib']:.0f} MiB; ours quantized / llama.cpp: decode "
-                f"{ratios[0]:.2f}x, load {ratios[1]:.2f}x, RSS "
-                f"{ratios[2]:.2f}x"
-            )
+        _chain_rows(model, cells, result, keys)
+        if "keep" in cells:
+            _keep_ratios(model, cells, result, keys)
     keys["quant_load_average"] = round(max(load_before, load_after), 2)
     result.keys = keys
     result.notes += [
@@ -463,3 +397,83 @@ def run(options: BenchOptions) -> SectionResult:
         f"{os.cpu_count()} CPUs: read the ratios (measured side by side), not the absolutes.",
     ]
     return result
+
+
+def _chain_rows(
+    model: _Model, cells: dict[str, dict[str, float]], result: SectionResult, keys: dict[str, Any]
+) -> None:
+    """One table row and the keys of each chain of ``model``."""
+    for chain in model.chains:
+        mine = cells[chain.name]
+        agreement = model.quality.get(chain.name)
+        result.rows.append({
+            "model": model.label, "engine": chain.label,
+            "prefill tok/s": f"{mine['prefill']:.1f}",
+            "decode tok/s": f"{mine['decode']:.1f}",
+            "RSS/file per stage": " + ".join(f"{s.rss / s.file_bytes:.2f}"
+                                             for s in chain.stages),
+            "RSS MiB": " + ".join(f"{s.rss / MiB:.0f}" for s in chain.stages),
+            "peak/RSS": " + ".join(f"{s.peak / s.rss:.2f}" for s in chain.stages),
+            "load s": " + ".join(f"{s.load_s:.1f}" for s in chain.stages),
+            "KL mean (max)": "-" if agreement is None
+            else f"{agreement.kl_mean:.4f} ({agreement.kl_max:.3f})",
+            "top-1": "-" if agreement is None else f"{agreement.top1:.3f}",
+        })  # fmt: skip
+        prefix = f"quant_{model.key}_{chain.name}_"
+        keys[prefix + "decode_tokens_per_s"] = round(mine["decode"], 2)
+        keys[prefix + "prefill_tokens_per_s"] = round(mine["prefill"], 2)
+        keys[prefix + "rss_over_file"] = round(mine["rss_over_file"], 3)
+        keys[prefix + "peak_over_rss"] = round(mine["peak_over_rss"], 3)
+        keys[prefix + "load_s"] = round(mine["load_s"], 2)
+        if agreement is not None:
+            keys[prefix + "kl_mean"] = round(agreement.kl_mean, 6)
+            keys[prefix + "top1"] = round(agreement.top1, 4)
+
+
+def _keep_ratios(
+    model: _Model, cells: dict[str, dict[str, float]], result: SectionResult, keys: dict[str, Any]
+) -> None:
+    """The quantized chain against numpy float32 and bf16, and against the
+    llama.cpp figures the issue quotes for this model."""
+    keep = cells["keep"]
+    for other in ("numpy", "bf16"):
+        for what in ("decode", "prefill"):
+            keys[f"quant_{model.key}_keep_over_{other}_{what}"] = round(
+                keep[what] / cells[other][what], 3
+            )
+    result.notes.append(
+        f"{model.label}: quantized / numpy float32 decode "
+        f"{keep['decode'] / cells['numpy']['decode']:.2f}x, prefill "
+        f"{keep['prefill'] / cells['numpy']['prefill']:.2f}x; quantized / bf16 decode "
+        f"{keep['decode'] / cells['bf16']['decode']:.2f}x, prefill "
+        f"{keep['prefill'] / cells['bf16']['prefill']:.2f}x"
+    )
+    quoted = LLAMA_CPP.get(model.key)
+    if quoted is None:
+        return
+    if WHOLE in cells:  # llama.cpp ran one process with 2 threads: so does this one
+        keep = cells[WHOLE]
+    chain = next(c for c in model.chains if c.name == (WHOLE if WHOLE in cells else "keep"))
+    if model.key == "smollm2":
+        decode, prefill = keep["decode"] / quoted["decode"], keep["prefill"] / quoted["prefill"]
+        keys["quant_smollm2_keep_over_llama_cpp_decode"] = round(decode, 3)
+        keys["quant_smollm2_keep_over_llama_cpp_prefill"] = round(prefill, 3)
+        result.notes.append(
+            f"llama.cpp on {model.label} (issue, 2 threads, quoted): decode "
+            f"{quoted['decode']} tok/s, pp512 {quoted['prefill']:.0f} tok/s; ours quantized "
+            f"/ llama.cpp: decode {decode:.2f}x, prefill {prefill:.2f}x"
+        )
+        return
+    rss = sum(s.rss for s in chain.stages) / MiB
+    ratios = (keep["decode"] / quoted["decode"], keep["load_s"] / quoted["load_s"],
+              rss / quoted["rss_mib"])  # fmt: skip
+    keys["quant_llama1b_keep_over_llama_cpp_decode"] = round(ratios[0], 3)
+    keys["quant_llama1b_keep_over_llama_cpp_load"] = round(ratios[1], 3)
+    keys["quant_llama1b_keep_over_llama_cpp_rss"] = round(ratios[2], 3)
+    result.notes.append(
+        f"llama.cpp on a Llama-3.2-1B Q4_0 (issue, 2 threads, quoted): load "
+        f"{quoted['load_s']} s, decode {quoted['decode']} tok/s, RSS "
+        f"{quoted['rss_mib']:.0f} MiB; ours quantized / llama.cpp: decode "
+        f"{ratios[0]:.2f}x, load {ratios[1]:.2f}x, RSS "
+        f"{ratios[2]:.2f}x"
+    )

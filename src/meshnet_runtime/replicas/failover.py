@@ -27,7 +27,7 @@ from ..deadlines import Deadline
 from ..downstream import key_headers
 from ..history import HistoryStore, SentChunk
 from .monitor import HealthMonitor
-from .placement import Placement, starts
+from .placement import Placement
 from .replica import Replica
 
 __all__ = ["REPLAY_PATH", "Failover", "Lost", "lost_session"]
@@ -67,7 +67,7 @@ def lost_session(response: Answer) -> bool:
 
 def _stale_copy(response: Answer, headers: WireHeaders) -> bool:
     """The replica answered a replay's first chunk that it holds the session."""
-    return _own_error(response, "session_exists") and starts(headers)
+    return _own_error(response, "session_exists") and headers.starts_session
 
 
 class Failover:
@@ -238,7 +238,7 @@ class Failover:
             if found is not None:
                 return found
         past = self.history.chunks(session, before=headers.position)
-        if not past and not starts(headers):
+        if not past and not headers.starts_session:
             raise self.unrecoverable(session, "no history of it is kept at this hop")
         # Ranked again after each loss: with no healthy replica left, the
         # down ones become candidates (see ``Placement.ranked``).

@@ -18,8 +18,6 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
-from meshnet_proto import WireHeaders
-
 from ..endpoints import Endpoint
 
 __all__ = [
@@ -30,7 +28,6 @@ __all__ = [
     "address_url",
     "is_name",
     "needs_replica_set",
-    "starts",
 ]
 
 log = logging.getLogger("meshnet.replicas")
@@ -61,11 +58,6 @@ def address_url(endpoint: Endpoint, address: str) -> str:
     """The URL of one address a name of ``endpoint`` resolved to."""
     host = f"[{address}]" if ":" in address else address
     return f"{endpoint.scheme}://{host}:{endpoint.port}"
-
-
-def starts(headers: WireHeaders) -> bool:
-    """The first chunk of a new session: nothing to replay before it."""
-    return (headers.chunk_index or 0) == 0 and (headers.position or 0) == 0
 
 
 @dataclass(eq=False, slots=True)

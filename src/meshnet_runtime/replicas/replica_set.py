@@ -35,7 +35,7 @@ from ..metrics import ServerMetrics
 from .failover import Failover, Lost, lost_session
 from .fanout import deep_health, delete_everywhere
 from .monitor import HealthMonitor, Resolver, resolve_name
-from .placement import Placement, is_name, starts
+from .placement import Placement, is_name
 from .replica import Replica, open_replica
 from .views import ReplicaCollector, describe
 
@@ -172,7 +172,7 @@ class ReplicaSet:
         session = headers.session
         if session is None:  # nothing to stick to: any healthy replica
             return await self._any(lambda r: r.pool.forward(headers, body, deadline, path))
-        route = self.placement.route(session, starts(headers))
+        route = self.placement.route(session, headers.starts_session)
         if route is None:
             raise self._none_left(session)
         failover = self.failover

