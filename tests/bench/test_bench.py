@@ -18,10 +18,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from gateway_support import clean_env
 from meshnet_bench import BenchOptions, SectionResult, runner
 from meshnet_bench._support import percentile
 from meshnet_bench._wire1 import Wire1Client, decode_body, encode_body, serve_wire1
+from support.gateway import clean_env
 
 pytestmark = pytest.mark.slow
 

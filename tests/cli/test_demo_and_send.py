@@ -10,7 +10,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from gateway_support import activation, clean_env, process_chain, stop
+from support.gateway import activation, clean_env, process_chain, stop
 
 pytestmark = pytest.mark.slow
 

@@ -13,11 +13,11 @@ from pathlib import Path
 import anyio
 import pytest
 
-from gateway_support import clean_env, closed_port_url, spawn, stop
 from meshnet_cli.__main__ import build_parser
 from meshnet_cli.generate import run_generate
 from meshnet_gateway.openai.tokenizer import ModelTokenizer
-from openai_support import reference_greedy, serve_openai, write_model_dir
+from support.gateway import clean_env, closed_port_url, spawn, stop
+from support.openai import reference_greedy, serve_openai, write_model_dir
 
 pytestmark = pytest.mark.anyio
 

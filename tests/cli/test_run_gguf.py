@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from gateway_support import clean_env, stop
-from gguf_support import build_model, hf_from_gguf, write_model_gguf
 from meshnet_cli.__main__ import build_parser
 from meshnet_cli.generate import run_generate
+from support.gateway import clean_env, stop
+from support.gguf import build_model, hf_from_gguf, write_model_gguf
 
 transformers = pytest.importorskip("transformers")
 pytestmark = pytest.mark.slow

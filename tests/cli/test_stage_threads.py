@@ -20,9 +20,9 @@ import numpy as np
 import pytest
 import torch
 
-from gguf_support import build_model, write_model_gguf
 from meshnet_cli.run import serve_local
 from meshnet_model.engines.choice import blas_threads, choose_engine, share_cores, usable_cores
+from support.gguf import build_model, write_model_gguf
 
 
 def test_the_cores_are_shared_between_stages() -> None:

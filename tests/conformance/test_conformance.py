@@ -19,8 +19,8 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
-from gateway_support import clean_env, spawn, stop
 from meshnet_conformance import ALL_CASES, check_server
+from support.gateway import clean_env, spawn, stop
 
 pytestmark = pytest.mark.slow
 

@@ -11,7 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "asyncio_stage.py"
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "asyncio_stage.py"
 
 
 def test_asyncio_program_embeds_a_node_with_its_own_stage() -> None:

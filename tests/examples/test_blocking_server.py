@@ -28,7 +28,7 @@ from meshnet_proto import (
     encode_tensor,
 )
 
-EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "blocking_server.py"
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "blocking_server.py"
 SESSION = "5b1e0c2a-9f3d-4c1e-8a7b-0123456789ab"
 
 

@@ -27,7 +27,7 @@ from meshnet_cli.run import serve_local
 
 pytestmark = pytest.mark.slow
 
-EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "real_model.py"
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "real_model.py"
 PROMPT = "The capital of France is"
 MAX_TOKENS = 16
 

@@ -25,7 +25,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from meshnet_gateway.admission import Admission, AdmissionRefused, Ticket
 from meshnet_gateway.config import GatewayConfig
-from openai_support import Served, fake_stages, serve_openai, write_model_dir
+from support.openai import Served, fake_stages, serve_openai, write_model_dir
 
 LIMIT = 30  # every wait is bounded: a hang fails the test, not the run
 T = TypeVar("T")

@@ -20,11 +20,11 @@ import numpy as np
 import pytest
 from anyio.abc import SocketAttribute
 
-from gateway_support import chain
 from meshnet_runtime.endpoints import parse_endpoint
 from meshnet_runtime.transports import connect
-from openai_support import fake_stages, serve_openai, write_model_dir
-from wire_support import forward_request, read_answer
+from support.gateway import chain
+from support.openai import fake_stages, serve_openai, write_model_dir
+from support.wire import forward_request, read_answer
 
 pytestmark = pytest.mark.anyio
 

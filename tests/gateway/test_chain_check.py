@@ -20,7 +20,6 @@ from typing import Any
 import anyio
 import pytest
 
-from gateway_support import QUIET, activation
 from meshnet_gateway import open_gateway
 from meshnet_gateway.client import Client
 from meshnet_gateway.config import GatewayConfig
@@ -30,6 +29,7 @@ from meshnet_node.config import NodeConfig
 from meshnet_proto import ErrorResponse
 from meshnet_runtime.deadlines import Deadline
 from meshnet_runtime.downstream import DownstreamPool
+from support.gateway import QUIET, activation
 
 pytestmark = pytest.mark.anyio
 

@@ -16,8 +16,8 @@ from meshnet_gateway.openai.sampling import SamplingParams
 from meshnet_gateway.openai.testing import write_tokenizer
 from meshnet_gateway.openai.tokenizer import FALLBACK_TEMPLATE, ModelTokenizer
 from meshnet_node.__main__ import main as node_main
-from openai_support import VOCAB, reference_greedy, serve_openai, write_model_dir
-from test_openai_api import client_for, in_thread
+from support.openai import VOCAB, reference_greedy, serve_openai, write_model_dir
+from tests.gateway.test_openai_api import client_for, in_thread
 
 
 def _set_config(directory: Path, **values: object) -> None:

@@ -19,7 +19,7 @@ import pytest
 
 from meshnet_gateway.openai.tokenizer import ModelTokenizer
 
-FUZZ = Path(__file__).resolve().parent.parent / "fuzz"
+FUZZ = Path(__file__).resolve().parents[2] / "fuzz"
 
 
 def load_harness() -> ModuleType:

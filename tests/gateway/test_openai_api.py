@@ -1,7 +1,7 @@
 """The gateway's OpenAI API end to end, driven by the official ``openai`` client.
 
 Real model nodes (a tiny random Llama split over 2 or 3 nodes) and the
-gateway run in-process on loopback (``openai_support``); the sync
+gateway run in-process on loopback (``support.openai``); the sync
 ``openai`` client runs in a worker thread so the servers keep running on
 the test's event loop (trio or asyncio).
 """
@@ -21,11 +21,11 @@ import numpy as np
 import openai
 import pytest
 
-from fault_support import drop_first_attempts
 from meshnet_gateway.openai.tokenizer import ModelTokenizer
 from meshnet_node.backends import Stage
 from meshnet_proto import CapacityError
-from openai_support import (
+from support.fault import drop_first_attempts
+from support.openai import (
     Served,
     fake_head,
     fake_stages,
@@ -34,7 +34,7 @@ from openai_support import (
     serve_openai,
     write_model_dir,
 )
-from wire_support import http_request
+from support.wire import http_request
 
 pytestmark = pytest.mark.anyio
 

@@ -16,7 +16,6 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from gateway_support import QUIET, activation, chain, chunks_counted, closed_port_url, same_bits
 from meshnet_gateway import (
     Client,
     RemoteError,
@@ -30,6 +29,7 @@ from meshnet_gateway.config import GatewayConfig
 from meshnet_node import serve_node
 from meshnet_node.config import NodeConfig
 from meshnet_proto import DownstreamError, MeshnetError
+from support.gateway import QUIET, activation, chain, chunks_counted, closed_port_url, same_bits
 
 pytestmark = pytest.mark.anyio
 

@@ -8,7 +8,9 @@ import sys
 import anyio
 import pytest
 
-from gateway_support import (
+from meshnet_gateway import RemoteError, forward_via_chain, forward_via_gateway
+from meshnet_proto import MeshnetError
+from support.gateway import (
     activation,
     clean_env,
     closed_port_url,
@@ -17,8 +19,6 @@ from gateway_support import (
     spawn,
     stop,
 )
-from meshnet_gateway import RemoteError, forward_via_chain, forward_via_gateway
-from meshnet_proto import MeshnetError
 
 pytestmark = pytest.mark.slow
 

@@ -21,11 +21,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from gguf_support import build_model, write_model_gguf
 from meshnet_model import KVBudgetExceeded, SessionEnded, StageInputError, StageRunner
 from meshnet_model.engines.torch.engine import load_torch_runner
 from meshnet_model.stage.runner import StageWork
 from meshnet_model.testing import small_config, write_checkpoint
+from support.gguf import build_model, write_model_gguf
 
 PROMPTS = [[3, 17, 5, 99, 42], [7] * 9, [250, 1, 2], list(range(30, 42))]
 DECODE_STEPS = 6

@@ -11,7 +11,6 @@ import gguf
 import numpy as np
 import pytest
 
-from gateway_support import clean_env
 from meshnet_model import StageWeights
 from meshnet_model.errors import CheckpointError
 from meshnet_model.formats.config import LlamaConfig
@@ -21,6 +20,7 @@ from meshnet_model.rope import Rope
 from meshnet_model.source import load_config, model_name, open_checkpoint
 from meshnet_model.testing import random_weights, small_config
 from meshnet_model.testing.gguf import permute, write_gguf
+from support.gateway import clean_env
 
 QUANTIZABLE = ["F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1"]
 
@@ -225,8 +225,8 @@ def test_bad_gguf_files_are_one_line_and_exit_2_at_node_start(tmp_path: Path) ->
 
 
 def test_the_fast_reader_reads_every_field_as_the_gguf_package_does(tmp_path: Path) -> None:
-    from gguf_support import vocab_for
     from meshnet_model.formats.gguf.file import _field_value
+    from support.gguf import vocab_for
 
     for kind in ("llama", "qwen2"):
         vocab = vocab_for(kind)

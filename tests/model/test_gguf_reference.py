@@ -30,7 +30,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from gguf_support import (
+from meshnet_model.formats.gguf.checkpoint import GGUFCheckpoint
+from meshnet_model.source import load_config
+from meshnet_node.model_chain import ModelSession, even_splits, start_model_chain
+from meshnet_runtime.downstream import DownstreamPool
+from support.gguf import (
     build_model,
     hf_from_gguf,
     hf_greedy,
@@ -38,11 +42,7 @@ from gguf_support import (
     write_k_quant_gguf,
     write_model_gguf,
 )
-from meshnet_model.formats.gguf.checkpoint import GGUFCheckpoint
-from meshnet_model.source import load_config
-from meshnet_node.model_chain import ModelSession, even_splits, start_model_chain
-from meshnet_runtime.downstream import DownstreamPool
-from reference_support import chain_generate, logit_error
+from support.reference import chain_generate, logit_error
 
 pytest.importorskip("transformers", reason="the reference tests need the test extra")
 

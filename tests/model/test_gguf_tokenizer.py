@@ -6,14 +6,14 @@ from pathlib import Path
 
 import pytest
 
-from gguf_support import CHAT_TEMPLATE, vocab_for
 from meshnet_gateway.openai.api import ServedModel
 from meshnet_gateway.openai.tokenizer import ModelTokenizer
 from meshnet_model.errors import CheckpointError
 from meshnet_model.formats.gguf.tokenizer import byte_alphabet, load_gguf_tokenizer
 from meshnet_model.testing import random_weights, small_config
 from meshnet_model.testing.gguf import write_gguf
-from vocab_support import SAMPLE_TEXT
+from support.gguf import CHAT_TEMPLATE, vocab_for
+from support.vocab import SAMPLE_TEXT
 
 transformers = pytest.importorskip("transformers")
 

@@ -23,7 +23,7 @@ from meshnet_model import ConfigError, ModelConfig
 from meshnet_model.formats.config import FOREIGN_KEYS, IGNORED_KEYS
 from meshnet_node.model_chain import ModelSession, start_model_chain
 from meshnet_runtime.downstream import DownstreamPool
-from reference_support import (
+from support.reference import (
     HIDDEN,
     LAYERS,
     LOGIT_TOLERANCE,

@@ -21,7 +21,6 @@ import torch
 from gguf import GGMLQuantizationType
 from gguf.quants import quantize
 
-from gguf_support import build_model, write_model_gguf
 from meshnet_model.engines.torch.engine import load_torch_runner
 from meshnet_model.engines.torch.qlinear import (
     Int4Matrix,
@@ -34,6 +33,7 @@ from meshnet_model.engines.torch.weights import MappedEmbedding
 from meshnet_model.formats.gguf.blocks import INT4_FORMS, int4_split
 from meshnet_model.formats.gguf.quants import GGML_TYPES, decode
 from meshnet_model.testing.gguf import random_k_quant
+from support.gguf import build_model, write_model_gguf
 
 KINDS = {t.name: t for t in GGML_TYPES.values()}
 
@@ -130,8 +130,8 @@ def test_a_quantized_stage_reads_its_tensors_and_maps_only_the_embedding(
 def test_the_footprint_predicts_the_bytes_the_stage_holds(tmp_path: Path, qtype: str) -> None:
     """engines.footprint reads headers only; what the loader then holds is the
     same number of bytes, stage by stage (first, middle, last)."""
-    from gguf_support import write_k_quant_gguf
     from meshnet_model.engines.footprint import stage_footprint
+    from support.gguf import write_k_quant_gguf
 
     model = build_model("llama", layers=3, hidden=256)
     if qtype == "Q4_K+Q6_K":

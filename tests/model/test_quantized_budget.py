@@ -26,12 +26,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from gguf_support import build_model, write_k_quant_gguf, write_model_gguf
 from meshnet_model import StageRunner
 from meshnet_model.engines.torch.engine import load_torch_runner
 from meshnet_model.formats.gguf.tokenizer import load_gguf_tokenizer
 from meshnet_model.stage.kv_cache import KVBudget
 from meshnet_model.testing.quality import PROSE, compare
+from support.gguf import build_model, write_k_quant_gguf, write_model_gguf
 
 pytestmark = pytest.mark.slow
 

@@ -27,13 +27,13 @@ import anyio
 import numpy as np
 import pytest
 
-from cgroup_support import memory_cgroup
 from meshnet_bench._support import current_rss_bytes, peak_rss_bytes, server_process
 from meshnet_model.formats.gguf.checkpoint import hf_name
 from meshnet_model.formats.gguf.file import GGUFFile
 from meshnet_model.testing.random_gguf import LLAMA_3_2_1B, LLAMA_3_2_3B, write_random_gguf
 from meshnet_node.model_chain import ModelSession
 from meshnet_runtime.downstream import DownstreamPool
+from support.cgroup import memory_cgroup
 
 pytestmark = pytest.mark.slow
 MiB, GiB = 1 << 20, 1 << 30

@@ -36,8 +36,8 @@ from meshnet_node import serve_node
 from meshnet_node.backends import Stage
 from meshnet_node.config import NodeConfig
 from meshnet_node.model_stage import ModelStage
-from openai_support import fake_stages, serve_openai, write_model_dir
-from security_support import Answer, request, send, wire
+from support.openai import fake_stages, serve_openai, write_model_dir
+from support.security import Answer, request, send, wire
 
 MiB = 1 << 20
 

@@ -14,7 +14,6 @@ import numpy as np
 import pytest
 import torch
 
-from gateway_support import clean_env
 from meshnet_model import KVBudgetExceeded, SessionEnded, StageRunner
 from meshnet_model.engines.torch import TorchUnavailable, load_torch_runner, parse_device
 from meshnet_model.engines.torch._torch import check_device, import_torch
@@ -23,7 +22,8 @@ from meshnet_model.engines.torch.transfer import Staging, Transfer
 from meshnet_model.testing import small_config, write_checkpoint
 from meshnet_node.__main__ import main as node_main
 from meshnet_node.config import NodeConfig
-from torch_support import greedy
+from support.gateway import clean_env
+from support.torch import greedy
 
 VOCAB, LAYERS = 256, 4
 PROMPT = [(11 * i + 5) % VOCAB for i in range(13)]

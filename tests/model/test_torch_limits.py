@@ -18,12 +18,12 @@ import numpy as np
 import pytest
 
 import meshnet_model.stage.runner as runner_module
-from gguf_support import build_model, write_model_gguf
 from meshnet_model import SessionEnded, StageRunner
 from meshnet_model.engines.torch import load_torch_runner
 from meshnet_model.errors import ChunkTooLarge, ComputeDeadlineExceeded
 from meshnet_model.stage.costs import QUERY_BLOCK, chunk_cost
 from meshnet_model.testing import small_config, write_checkpoint
+from support.gguf import build_model, write_model_gguf
 
 
 @pytest.fixture(scope="module")

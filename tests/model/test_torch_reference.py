@@ -1,6 +1,6 @@
 """The torch engine against transformers and against the numpy engine.
 
-Every family variant of ``reference_support`` (windows smaller than the
+Every family variant of ``support.reference`` (windows smaller than the
 generated length, rope variants, biases, qk-norm, no-rope layers):
 
 * float32 on the CPU: greedy tokens over 32 steps equal transformers'
@@ -25,7 +25,7 @@ import pytest
 import torch
 import transformers
 
-from reference_support import (
+from support.reference import (
     LAYERS,
     LOGIT_TOLERANCE,
     VARIANTS,
@@ -36,7 +36,7 @@ from reference_support import (
     reference_generate,
     save,
 )
-from torch_support import greedy, torch_runners
+from support.torch import greedy, torch_runners
 
 STEPS = 32
 SPLITS = [[(0, LAYERS)], [(0, 1), (1, 2), (2, LAYERS)]]

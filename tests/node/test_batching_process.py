@@ -19,10 +19,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from gateway_support import clean_env, spawn, stop
 from meshnet_model import StageRunner
 from meshnet_model.testing import small_config, write_checkpoint
-from security_support import Answer, get, metric, new_session, request, send, wire
+from support.gateway import clean_env, spawn, stop
+from support.security import Answer, get, metric, new_session, request, send, wire
 
 pytestmark = pytest.mark.slow
 

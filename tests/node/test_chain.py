@@ -30,7 +30,7 @@ from meshnet_proto._chunking import plan_chunks
 from meshnet_proto._codec import decode_tensor
 from meshnet_runtime.deadlines import Deadline
 from meshnet_runtime.downstream import DownstreamPool
-from wire_support import exchange, forward_request, http_request, read_answer
+from support.wire import exchange, forward_request, http_request, read_answer
 
 pytestmark = pytest.mark.anyio
 

@@ -18,7 +18,7 @@ import pytest
 
 from meshnet_node.app import NodeApp
 
-FUZZ = Path(__file__).resolve().parent.parent / "fuzz"
+FUZZ = Path(__file__).resolve().parents[2] / "fuzz"
 
 
 def load_harness() -> ModuleType:

@@ -11,11 +11,11 @@ from pathlib import Path
 
 import pytest
 
-from cgroup_support import memory_cgroup
 from meshnet_model.testing import random_weights, small_config
 from meshnet_model.testing.gguf import write_gguf
 from meshnet_node.config import NodeConfig
 from meshnet_runtime.memory import MemoryLimit, memory_limit, parse_bytes, parse_bytes_or_auto
+from support.cgroup import memory_cgroup
 
 MiB, GiB = 1024**2, 1024**3
 

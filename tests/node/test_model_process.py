@@ -11,7 +11,6 @@ import anyio
 import numpy as np
 import pytest
 
-from gateway_support import clean_env, spawn, stop
 from meshnet_model import StageRunner
 from meshnet_model.testing import small_config, write_checkpoint
 from meshnet_node.__main__ import main as node_main
@@ -19,6 +18,7 @@ from meshnet_node.model_chain import ModelSession
 from meshnet_proto import Response
 from meshnet_runtime.deadlines import Deadline
 from meshnet_runtime.downstream import DownstreamPool
+from support.gateway import clean_env, spawn, stop
 
 pytestmark = pytest.mark.slow
 

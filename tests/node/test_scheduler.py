@@ -12,7 +12,6 @@ import anyio
 import numpy as np
 import pytest
 
-from gguf_support import build_model, write_model_gguf
 from meshnet_model import StageRunner
 from meshnet_model.engines.torch.engine import load_torch_runner
 from meshnet_model.stage.runner import SessionLife
@@ -21,6 +20,7 @@ from meshnet_node.backends import StageContext
 from meshnet_node.model_stage import ModelStage
 from meshnet_node.scheduler import MIN_PREFILL_ROWS, Work, micro_batches_for, plan_step
 from meshnet_proto import CapacityError
+from support.gguf import build_model, write_model_gguf
 
 
 def work(tokens: int, *, batch: int = 1, done: int = 0, name: str = "s") -> Work:

@@ -22,7 +22,6 @@ import anyio
 import numpy as np
 import pytest
 
-from gateway_support import spawn, stop
 from meshnet_gateway import open_gateway
 from meshnet_gateway.config import GatewayConfig
 from meshnet_node import RunningNode, Stage, serve_node
@@ -30,8 +29,9 @@ from meshnet_node.app import NodeApp
 from meshnet_node.backends import echo
 from meshnet_node.config import NodeConfig
 from meshnet_runtime.replicas import ReplicaSet
-from openai_support import fake_embed, fake_head, serve_openai, write_model_dir
-from wire_support import exchange, forward_request, http_request
+from support.gateway import spawn, stop
+from support.openai import fake_embed, fake_head, serve_openai, write_model_dir
+from support.wire import exchange, forward_request, http_request
 
 MODEL = "0123456789abcdef0123456789abcdef"
 

@@ -21,7 +21,7 @@ from meshnet_model.stage.runner import StageWork
 from meshnet_model.testing import small_config, write_checkpoint
 from meshnet_node.model_chain import ChainError, ModelSession, start_model_chain
 from meshnet_runtime.downstream import DownstreamPool
-from torch_support import greedy
+from support.torch import greedy
 
 pytestmark = pytest.mark.anyio
 

@@ -28,7 +28,7 @@ from meshnet_proto import (
 )
 from meshnet_proto._errors import error_body
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 SRC = ROOT / "src"
 DOCS = ROOT / "docs"
 

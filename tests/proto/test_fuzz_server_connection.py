@@ -19,7 +19,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-HARNESS = Path(__file__).resolve().parent.parent / "fuzz" / "fuzz_server_connection.py"
+HARNESS = Path(__file__).resolve().parents[2] / "fuzz" / "fuzz_server_connection.py"
 
 
 def load_harness() -> ModuleType:

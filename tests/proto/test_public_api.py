@@ -15,7 +15,7 @@ from types import ModuleType
 import meshnet_proto
 from meshnet_proto import lowlevel
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = Path(meshnet_proto.__file__).parent
 
 

@@ -23,13 +23,13 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from gateway_support import clean_env, closed_port_url, spawn, stop
 from meshnet_bench import runner
 from meshnet_cli.__main__ import build_parser
+from support.gateway import clean_env, closed_port_url, spawn, stop
 
 pytestmark = pytest.mark.slow
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 README = ROOT / "README.md"
 BIN = Path(sys.executable).parent
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from meshnet_conformance import ALL_CASES
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 SPEC = (ROOT / "docs" / "wire-2.md").read_text(encoding="utf-8")
 
 # The original contract's top-level sections, which "SPEC §n" citations mean.

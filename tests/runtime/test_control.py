@@ -24,7 +24,7 @@ from meshnet_runtime.control import ControlEndpoints
 from meshnet_runtime.http_server import HttpServer, Reply, RequestContext
 from meshnet_runtime.metrics import ServerMetrics
 from meshnet_runtime.transports import listen
-from wire_support import exchange, http_request
+from support.wire import exchange, http_request
 
 pytestmark = pytest.mark.anyio
 

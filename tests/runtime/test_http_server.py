@@ -47,7 +47,7 @@ from meshnet_runtime.transports import (
     memory_stream_pair,
     server_ssl_context,
 )
-from wire_support import read_answer
+from support.wire import read_answer
 
 SID = "5b1e0c4e-8d8a-4c55-9d6e-1f2a3b4c5d6e"
 REJECTED = "00000000-0000-4000-8000-000000000000"

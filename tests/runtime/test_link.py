@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 
-from gateway_support import activation, chain, same_bits
 from meshnet_gateway import Client
 from meshnet_runtime.link import MEASURE_MIN_BYTES, PROBE_EVERY, LinkAwareAuto, LinkEstimate
+from support.gateway import activation, chain, same_bits
 
 MIB = 2**20
 CHUNK = 256 * 1024

@@ -12,7 +12,6 @@ import anyio
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from gateway_support import QUIET, activation, same_bits
 from meshnet_gateway import Client, RemoteError, open_gateway
 from meshnet_gateway.config import GatewayConfig
 from meshnet_node import RunningNode, serve_node
@@ -24,6 +23,7 @@ from meshnet_runtime.endpoints import parse_endpoint
 from meshnet_runtime.history import CHUNK_OVERHEAD, HistoryStore
 from meshnet_runtime.metrics import ServerMetrics
 from meshnet_runtime.replicas import ReplicaSet, needs_replica_set
+from support.gateway import QUIET, activation, same_bits
 
 pytestmark = pytest.mark.anyio
 FAST = ["--health-interval", "0.1", "--probe-timeout", "1"]

@@ -18,7 +18,6 @@ import numpy as np
 import pytest
 
 import meshnet_runtime.codec_pool as codec_pool_module
-from gateway_support import chain as gateway_chain
 from meshnet_gateway._pipeline import run_chunks
 from meshnet_node import serve_node
 from meshnet_node.app import NodeApp
@@ -38,7 +37,8 @@ from meshnet_runtime.http_server import (
 )
 from meshnet_runtime.transports import connect, listen
 from meshnet_runtime.wire_encoder import WireEncoder
-from wire_support import exchange, forward_request, http_request, read_answer
+from support.gateway import chain as gateway_chain
+from support.wire import exchange, forward_request, http_request, read_answer
 
 pytestmark = pytest.mark.anyio
 

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from gateway_support import clean_env
+from support.gateway import clean_env
 
 HEALTH = ["--health-interval", "0.3", "--probe-timeout", "1.5"]
 

@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from meshnet_model.testing.gguf import GGUFVocab, random_k_quant, write_gguf
-from vocab_support import byte_level_vocab, sentencepiece_vocab
+from support.vocab import byte_level_vocab, sentencepiece_vocab
 
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"

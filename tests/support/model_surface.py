@@ -19,10 +19,10 @@ from pathlib import Path
 
 import numpy as np
 
-from gateway_support import clean_env, stop
 from meshnet_gateway.openai.testing import write_tokenizer
 from meshnet_model.testing import small_config, write_checkpoint
-from security_support import Answer, connect, get, request, rss_kib, send, wire
+from support.gateway import clean_env, stop
+from support.security import Answer, connect, get, request, rss_kib, send, wire
 
 VOCAB = 320
 HIDDEN = 128

@@ -22,7 +22,6 @@ from pathlib import Path
 
 import numpy as np
 
-from fault_support import Drop, fault_proxy
 from meshnet_gateway import open_gateway
 from meshnet_gateway.app import GatewayApp
 from meshnet_gateway.config import GatewayConfig
@@ -34,6 +33,7 @@ from meshnet_node.app import NodeApp
 from meshnet_node.backends import Stage, StageBackend
 from meshnet_node.config import NodeConfig
 from meshnet_node.model_chain import even_splits, start_model_chain
+from support.fault import Drop, fault_proxy
 
 VOCAB = 320
 HIDDEN = 8

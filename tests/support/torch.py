@@ -1,5 +1,5 @@
 """Torch-engine stage runners for the tests; they decode through
-``reference_support.greedy``, the one loop every engine's chain shares."""
+``support.reference.greedy``, the one loop every engine's chain shares."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from pathlib import Path
 
 from meshnet_model import StageRunner
 from meshnet_model.engines.torch import load_torch_runner
-from reference_support import greedy
+from support.reference import greedy
 
 __all__ = ["greedy", "torch_runners"]
 

@@ -3,7 +3,7 @@ that cannot be right is refused or made visible — never a 200 with another
 model's text.
 
 Models are tiny safetensors checkpoints of one shape (``MODEL`` in
-model_surface_support): ``a`` and ``b`` differ only in their random weights
+support.model_surface): ``a`` and ``b`` differ only in their random weights
 (two checkpoints of the same shape), ``wide`` has 400 tokens where the
 others have 320. Nodes and gateways are ``python -m`` processes on port 0
 with their ready line; a node restarted "on its port" gets the port back.
@@ -21,10 +21,10 @@ from pathlib import Path
 import h11
 import pytest
 
-from gateway_support import clean_env, stop
 from meshnet_gateway.openai.testing import write_tokenizer
 from meshnet_model.testing import small_config, write_checkpoint
-from model_surface_support import (
+from support.gateway import clean_env, stop
+from support.model_surface import (
     MODEL,
     QUESTION,
     VOCAB,
@@ -32,7 +32,7 @@ from model_surface_support import (
     spawn_logged,
     wait_for,
 )
-from security_support import connect, get
+from support.security import connect, get
 
 
 @pytest.fixture(scope="module")

@@ -23,12 +23,12 @@ import numpy as np
 import openai
 import pytest
 
-from failover_support import HEALTH, ReplicaChain, get_json, replica_chain
 from meshnet_gateway import open_gateway
 from meshnet_gateway.client import Client
 from meshnet_gateway.config import GatewayConfig
 from meshnet_gateway.openai.tokenizer import ModelTokenizer
-from openai_support import reference_greedy, write_model_dir
+from support.failover import HEALTH, ReplicaChain, get_json, replica_chain
+from support.openai import reference_greedy, write_model_dir
 
 pytestmark = pytest.mark.slow
 

@@ -2,7 +2,7 @@
 a node killed and restarted, and sessions whose memory must come back.
 
 In-process nodes and gateways over real loopback sockets, on trio and
-asyncio; the killed node is a real process. ``tests/fault_support.py`` has
+asyncio; the killed node is a real process. ``tests/support/fault.py`` has
 the proxy that loses requests and responses. Stages run ``--backend count``,
 which counts its runs per (session, chunk index, position): "no stage runs a
 chunk twice" is checked against those counts, not assumed.
@@ -21,8 +21,6 @@ import numpy as np
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from fault_support import drop_first_attempts, fault_proxy
-from gateway_support import QUIET, activation, same_bits, spawn, stop
 from meshnet_gateway import Client, RemoteError, open_gateway
 from meshnet_gateway._retry import RetryPolicy
 from meshnet_gateway.config import GatewayConfig
@@ -32,6 +30,8 @@ from meshnet_node.config import NodeConfig
 from meshnet_proto import DownstreamError, ErrorResponse, WireHeaders
 from meshnet_runtime.deadlines import Deadline
 from meshnet_runtime.downstream import DownstreamPool
+from support.fault import drop_first_attempts, fault_proxy
+from support.gateway import QUIET, activation, same_bits, spawn, stop
 
 LIMIT = 30  # every wait is bounded: a hang fails the test, never the run
 

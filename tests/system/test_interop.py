@@ -18,7 +18,7 @@ import anyio
 import numpy as np
 import pytest
 
-from gateway_support import chain
+from support.gateway import chain
 
 pytestmark = pytest.mark.anyio
 

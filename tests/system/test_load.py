@@ -14,9 +14,9 @@ import anyio
 import numpy as np
 import pytest
 
-from gateway_support import activation, chain, chunks_counted, same_bits
 from meshnet_gateway import Client
 from meshnet_node.backends import CountingStage
+from support.gateway import activation, chain, chunks_counted, same_bits
 
 pytestmark = pytest.mark.anyio
 

@@ -26,7 +26,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from model_surface_support import (
+from support.model_surface import (
     CONTEXT,
     HIDDEN,
     VOCAB,
@@ -45,7 +45,7 @@ from model_surface_support import (
     wait_for,
     write_model,
 )
-from security_support import exchange, parse_answer, request, send, wire
+from support.security import exchange, parse_answer, request, send, wire
 
 pytestmark = pytest.mark.slow
 

@@ -16,9 +16,9 @@ from __future__ import annotations
 import anyio
 import pytest
 
-from gateway_support import activation, same_bits
 from meshnet_bench._netns import hosts, unavailable
 from meshnet_gateway import Client, RemoteError
+from support.gateway import activation, same_bits
 
 REASON = unavailable()
 pytestmark = pytest.mark.skipif(REASON is not None, reason=f"multi-host chain: {REASON}")

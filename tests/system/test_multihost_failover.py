@@ -12,10 +12,10 @@ import json
 import anyio
 import pytest
 
-from gateway_support import activation, same_bits
 from meshnet_bench._netns import hosts, unavailable
 from meshnet_gateway import Client
 from meshnet_runtime.deadlines import Deadline
+from support.gateway import activation, same_bits
 
 REASON = unavailable()
 pytestmark = pytest.mark.skipif(REASON is not None, reason=f"multi-host chain: {REASON}")

@@ -14,7 +14,7 @@ from pathlib import Path
 import gguf
 import pytest
 
-from gguf_support import build_model, write_model_gguf
+from support.gguf import build_model, write_model_gguf
 
 pytestmark = pytest.mark.slow
 

@@ -21,10 +21,10 @@ import pytest
 import trustme
 
 import meshnet_proto._server as server_module
-from gateway_support import spawn
 from meshnet_cli.__main__ import main as meshnet_main
 from meshnet_proto import NEED_DATA, ProtocolErrorReceived, ServerConnection
-from security_support import (
+from support.gateway import spawn
+from support.security import (
     connect,
     exchange,
     get,

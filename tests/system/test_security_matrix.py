@@ -23,8 +23,8 @@ from dataclasses import dataclass
 import pytest
 import zstandard
 
-from gateway_support import spawn, stop
-from security_support import (
+from support.gateway import spawn, stop
+from support.security import (
     BODY,
     TENSOR,
     Pairs,
@@ -42,7 +42,7 @@ from security_support import (
     wire,
     without,
 )
-from test_zstd_bomb import GiB, rle_bomb
+from tests.proto.test_zstd_bomb import GiB, rle_bomb
 
 MiB = 1 << 20
 MAX_TENSOR = 16 * MiB

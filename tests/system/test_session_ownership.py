@@ -6,7 +6,7 @@ session's first; one client cannot fill a node's or a gateway's table.
 A tiny random model stage (its logits depend on the whole history in its KV
 cache) serves the victim and an untouched control session fed the same
 tokens: after every refused request the victim's next logits must equal the
-control's, bit for bit. Requests are raw wire-2 bytes (security_support), so
+control's, bit for bit. Requests are raw wire-2 bytes (support.security), so
 nothing tidies what is sent or answered.
 """
 
@@ -21,9 +21,9 @@ from dataclasses import dataclass
 import numpy as np
 import pytest
 
-from gateway_support import spawn, stop
 from meshnet_model.testing.random_gguf import TINY, TINY_WEIGHT_STD, write_random_gguf
-from security_support import (
+from support.gateway import spawn, stop
+from support.security import (
     BODY,
     Answer,
     Pairs,

@@ -11,7 +11,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
-from gateway_support import clean_env
+from support.gateway import clean_env
 
 
 def test_short_soak_reports_throughput_and_rss_without_growth() -> None:
