@@ -10,6 +10,7 @@ from anyio.abc import SocketAttribute
 from meshnet_proto import ActivationResponse, DownstreamError, ErrorResponse, WireHeaders
 from meshnet_runtime.deadlines import Deadline
 from meshnet_runtime.downstream import DownstreamPool
+from support.gateway import closed_port_url
 
 SID = "5b1e0c4e-8d8a-4c55-9d6e-1f2a3b4c5d6e"
 HEADERS = WireHeaders(shape=(1, 4), dtype="float32", session=SID, chunk_index=0, chunk_total=1,
@@ -56,10 +57,8 @@ async def fake_downstream(tg: anyio.abc.TaskGroup, answer, *, close_after: bool 
 
 
 async def free_port_url() -> str:
-    listener = await anyio.create_tcp_listener(local_host="127.0.0.1")
-    port = listener.extra(SocketAttribute.local_port)
-    await listener.aclose()
-    return f"http://127.0.0.1:{port}"
+    """A loopback URL nobody listens on, its port held bound (support.gateway)."""
+    return closed_port_url()
 
 
 @pytest.mark.anyio

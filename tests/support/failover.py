@@ -3,8 +3,10 @@
 Stage 1 (layers 0:1) and stage 2 (1:3) each run as two ``meshnet-node``
 processes; stage 3 (3:4) as one. Every node and the gateway probe their
 replicas every 0.3 s (a probe unanswered for 1.5 s marks a replica down),
-so a hung process is found quickly. The ports are picked first so that all
-five processes start at once (torch's import dominates their start).
+so a hung process is found quickly. Every node binds port 0 and says its
+URL on its ready line; a stage's replicas start at once (torch's import
+dominates their start), downstream first, since a node's ``--next`` names
+the stage below it.
 """
 
 from __future__ import annotations
@@ -14,7 +16,6 @@ import json
 import os
 import select
 import signal
-import socket
 import subprocess
 import sys
 import urllib.error
@@ -27,16 +28,6 @@ from typing import Any
 from support.gateway import clean_env
 
 HEALTH = ["--health-interval", "0.3", "--probe-timeout", "1.5"]
-
-
-def free_ports(count: int) -> list[int]:
-    """Distinct free ports: every socket stays bound until all are picked (one
-    closed at once could be handed out again)."""
-    with contextlib.ExitStack() as stack:
-        socks = [stack.enter_context(socket.socket()) for _ in range(count)]
-        for sock in socks:
-            sock.bind(("127.0.0.1", 0))
-        return [int(sock.getsockname()[1]) for sock in socks]
 
 
 def get_json(url: str, timeout: float = 10.0) -> Any:
@@ -55,34 +46,58 @@ class ReplicaChain:
     stage1: list[str] = field(default_factory=list)  # URLs
     stage2: list[str] = field(default_factory=list)
     stage3: list[str] = field(default_factory=list)
-    procs: dict[str, subprocess.Popen[str]] = field(default_factory=dict)
+    procs: dict[str, subprocess.Popen[str]] = field(default_factory=dict)  # by URL
+    started: list[subprocess.Popen[str]] = field(default_factory=list)  # ready or not
+    stages: dict[str, tuple[str, list[str]]] = field(default_factory=dict)  # layers, --next
 
-    def node_args(self, url: str) -> list[str]:
-        layers, nxt = {
-            **{u: ("0:1", ",".join(self.stage2)) for u in self.stage1},
-            **{u: ("1:3", ",".join(self.stage3)) for u in self.stage2},
-            **{u: ("3:4", "") for u in self.stage3},
-        }[url]
+    def node_args(self, layers: str, nxt: list[str], port: int) -> list[str]:
         args = ["--model", str(self.model_dir), "--layers", layers, *HEALTH]
-        args += ["--port", url.rsplit(":", 1)[1], "--log-level", "warning"]
-        return args + (["--next", nxt] if nxt else [])
+        args += ["--port", str(port), "--log-level", "warning"]
+        return args + (["--next", ",".join(nxt)] if nxt else [])
 
-    def start(self, urls: list[str], timeout: float = 60.0) -> None:
-        """Start the nodes of ``urls`` (at once) and wait for their ready lines."""
-        for url in urls:
-            self.procs[url] = subprocess.Popen(
-                [sys.executable, "-m", "meshnet_node", *self.node_args(url)],
+    def start(
+        self, count: int, layers: str, nxt: list[str], port: int = 0, timeout: float = 180.0
+    ) -> list[str]:
+        """Start ``count`` replicas of one stage at once; their URLs, from their ready lines.
+
+        ``timeout`` only bounds a start that never comes (a loaded machine
+        imports torch slowly); the ready line is the event waited for.
+        """
+        procs = [
+            subprocess.Popen(
+                [sys.executable, "-m", "meshnet_node", *self.node_args(layers, nxt, port)],
                 stdout=subprocess.PIPE,
                 stderr=subprocess.DEVNULL,
                 text=True,
                 env={**clean_env(), "PYTHONPATH": os.environ.get("PYTHONPATH", "")},
             )
-        for url in urls:
-            out = self.procs[url].stdout
+            for _ in range(count)
+        ]
+        self.started += procs
+        urls = []
+        for proc in procs:
+            out = proc.stdout
             assert out is not None
             ready, _, _ = select.select([out], [], [], timeout)
-            assert ready, f"{url}: no ready line within {timeout} s"
-            assert " listening on " in out.readline()
+            assert ready, f"layers {layers}: no ready line within {timeout} s"
+            line = out.readline()
+            assert " listening on " in line, line
+            url = line.split(" listening on ", 1)[1].split()[0]
+            self.procs[url] = proc
+            self.stages[url] = (layers, nxt)
+            urls.append(url)
+        return urls
+
+    def restart(self, url: str) -> None:
+        """Start the replica of ``url`` again on its own port (its process is gone).
+
+        The one start that names its port: the test is about a replica that
+        comes back where its upstream knows it, and the port is the one its
+        killed process just freed.
+        """
+        layers, nxt = self.stages[url]
+        (again,) = self.start(1, layers, nxt, port=int(url.rsplit(":", 1)[1]))
+        assert again == url, (again, url)
 
     def kill(self, url: str, sig: int = signal.SIGKILL) -> None:
         self.procs[url].send_signal(sig)
@@ -111,13 +126,13 @@ class ReplicaChain:
 @contextlib.contextmanager
 def replica_chain(model_dir: Path) -> Iterator[ReplicaChain]:
     chain = ReplicaChain(model_dir)
-    urls = [f"http://127.0.0.1:{port}" for port in free_ports(5)]
-    chain.stage1, chain.stage2, chain.stage3 = urls[:2], urls[2:4], urls[4:]
     try:
-        chain.start(chain.stage3 + chain.stage2 + chain.stage1)
+        chain.stage3 = chain.start(1, "3:4", [])
+        chain.stage2 = chain.start(2, "1:3", chain.stage3)
+        chain.stage1 = chain.start(2, "0:1", chain.stage2)
         yield chain
     finally:
-        for proc in chain.procs.values():  # SIGCONT first: a stopped process ignores SIGKILL's wait
+        for proc in chain.started:  # SIGCONT first: a stopped process ignores SIGKILL's wait
             if proc.poll() is None:
                 proc.send_signal(signal.SIGCONT)
                 proc.kill()

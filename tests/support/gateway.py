@@ -83,12 +83,20 @@ def chunks_counted(app: Any, outcome: str) -> float | None:
     return app.metrics.registry.get_sample_value("meshnet_chunks_total", {"outcome": outcome})
 
 
+_HELD: list[socket.socket] = []
+
+
 def closed_port_url() -> str:
-    """A loopback URL nobody listens on (bound, then released)."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    return f"http://127.0.0.1:{port}"
+    """A loopback URL nobody listens on: its port stays bound here, never listening.
+
+    A connection to it is refused, and, bound for as long as the tests run,
+    the port cannot be handed to another server meanwhile (one released at
+    once could be).
+    """
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    _HELD.append(sock)
+    return f"http://127.0.0.1:{sock.getsockname()[1]}"
 
 
 # ------------------------------------------------------------------ processes

@@ -175,7 +175,8 @@ def test_sigstop_of_the_holder_recovers_within_the_deadline(model_dir: Path) -> 
                 chain.procs[seen["b"]].send_signal(signal.SIGCONT)
         assert text == want
         assert stage1_hop["failovers"] == 1  # the stopped replica did hold the session
-        assert gaps[1] < 30
+        # No bound on gaps[1]: the stream finished within its --timeout 30, and
+        # the time itself is the machine's, printed below, not asserted.
         # Stage 2 has one replica of two answering: degraded, not down.
         assert health["status"] == "degraded"
         print(f"longest wait for a token after the SIGSTOP: {gaps[1] * 1000:.0f} ms")
@@ -203,7 +204,7 @@ def test_a_replica_restarted_on_its_port_loses_its_state_and_is_replayed(
                     assert entry is not None
                     victim = await in_thread(chain.holder, entry)
                     await in_thread(chain.kill, victim)
-                    await in_thread(chain.start, [victim])  # same port, no state
+                    await in_thread(chain.restart, victim)  # same port, no state
                     while not all(  # probes saw it go; wait until they see it back
                         r["up"]
                         for r in (await in_thread(chain.info, entry))["replicas"]["replicas"]
