@@ -291,12 +291,11 @@ async def test_entry_that_accepts_but_never_answers_is_504_within_the_budget() -
         tg.start_soon(listener.serve, hold)
         flags = ["--port", "0", "--entry", hung, "--timeout", "0.8", "--log-level", "error"]
         async with open_gateway(GatewayConfig.load(flags)) as gateway:
-            started = anyio.current_time()
             with anyio.fail_after(LIMIT), pytest.raises(RemoteError) as caught:
                 await forward_via_gateway(gateway.url, activation(10, 4))
             assert (caught.value.status, caught.value.code) == (504, "downstream_timeout")
             assert caught.value.hop == hung
-            assert anyio.current_time() - started < LIMIT
+            assert len(held) == 1  # the hop was reached and held: the deadline ended it
         tg.cancel_scope.cancel()
     await listener.aclose()
 

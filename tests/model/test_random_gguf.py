@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-import time
 
 import numpy as np
 import pytest
@@ -75,9 +74,7 @@ def test_same_seed_same_file(tmp_path):
 
 
 def test_llama_1b_shape_header_and_bytes(tmp_path):
-    started = time.perf_counter()
     path = write_random_gguf(tmp_path / "llama-1b-q4_0.gguf", LLAMA_3_2_1B, "Q4_0")
-    written = time.perf_counter() - started
     file = GGUFFile(path)
     config = LLAMA_3_2_1B
     # embedding + 9 per layer + output norm + rope_freqs (tied: no output.weight)
@@ -95,7 +92,6 @@ def test_llama_1b_shape_header_and_bytes(tmp_path):
     assert c.rope_scaling.factor == 32.0
     assert c.rope_scaling.original_max_position_embeddings == 8192
     assert c.tie_word_embeddings
-    assert written < 60, f"writing the 1B shape took {written:.0f} s"
 
 
 def test_llama_3b_shape_plan():

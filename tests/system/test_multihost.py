@@ -24,6 +24,7 @@ REASON = unavailable()
 pytestmark = pytest.mark.skipif(REASON is not None, reason=f"multi-host chain: {REASON}")
 
 TIMEOUT = 4  # the gateway's --timeout
+LIMIT = 120  # every wait's bound: it ends a hang, it is not a timing claim
 # 2 MiB requests in 4 chunks of 512 KiB: each chunk outlasts the token
 # bucket's 256 KiB burst, so its answer arrives at the shaped rate.
 TOKENS, HIDDEN = 1024, 1024
@@ -42,7 +43,7 @@ def test_chain_across_three_hosts_rate_limited_then_cut_then_restored() -> None:
 
         async def drive() -> None:
             async with Client(gateway) as client:
-                with anyio.fail_after(30):
+                with anyio.fail_after(LIMIT):
                     array = activation(TOKENS, HIDDEN, seed=1)
                     first = await client.forward(array, encoding="identity")
                     assert same_bits(first.output, array)
@@ -66,7 +67,9 @@ def test_chain_across_three_hosts_rate_limited_then_cut_then_restored() -> None:
 
                 # Cut the last node's link mid-session: its packets vanish.
                 net.cut("n2")
-                with anyio.fail_after(TIMEOUT + 10), pytest.raises(RemoteError) as caught:
+                # The gateway's --timeout ends this wait; the bound only stops a
+                # hang (a loaded machine is slow, not wrong): no time is asserted.
+                with anyio.fail_after(LIMIT), pytest.raises(RemoteError) as caught:
                     await client.forward(
                         activation(TOKENS, HIDDEN, seed=3),
                         session=first.session,
@@ -75,9 +78,9 @@ def test_chain_across_three_hosts_rate_limited_then_cut_then_restored() -> None:
                 assert caught.value.status in (502, 504) and caught.value.hop == n2, caught.value
 
                 net.restore("n2")
-                with anyio.fail_after(30):
+                with anyio.fail_after(LIMIT):
                     array = activation(TOKENS, HIDDEN, seed=4)
-                    for _ in range(5):  # bounded: the bridge port may take a moment
+                    while True:  # bounded by LIMIT: the bridge port may take a moment
                         try:
                             again = await client.forward(array, encoding="identity")
                             break
