@@ -14,7 +14,9 @@ from __future__ import annotations
 import itertools
 import json
 import threading
+from collections.abc import Callable
 from pathlib import Path
+from types import SimpleNamespace
 
 import anyio
 import numpy as np
@@ -86,9 +88,10 @@ def test_a_chunk_queued_when_its_session_ended_creates_no_cache(checkpoint: Path
 
 
 def test_a_session_ended_mid_compute_stops_between_layers_and_frees_all(
-    checkpoint: Path,
+    checkpoint: Path, load_runner: Callable[[Path], StageRunner]
 ) -> None:
-    runner = StageRunner.load(checkpoint)
+    # On either engine (the ``engine`` fixture): the runner owns the session's life.
+    runner = load_runner(checkpoint)
     life = runner.admit("s")
     calls = []
     original = runner_module._stopper
@@ -115,19 +118,26 @@ def test_a_session_ended_mid_compute_stops_between_layers_and_frees_all(
 
 
 def test_the_deadline_stops_the_compute_between_layers(
-    checkpoint: Path, monkeypatch: pytest.MonkeyPatch
+    checkpoint: Path, load_runner: Callable[[Path], StageRunner], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    runner = StageRunner.load(checkpoint)
+    # On either engine (the ``engine`` fixture): the runner owns the deadline.
+    runner = load_runner(checkpoint)
+    looks = []
     clock = itertools.count(100.0, 1.0)  # every look at the clock: one second later
-    monkeypatch.setattr(runner_module.time, "monotonic", lambda: next(clock))
+
+    def monotonic() -> float:
+        looks.append(1)
+        return next(clock)
+
+    # The runner's clock only (torch, and the rest of the process, read the real one).
+    monkeypatch.setattr(runner_module, "time", SimpleNamespace(monotonic=monotonic))
     with pytest.raises(ComputeDeadlineExceeded):
-        runner.run("s", 0, ids(8), deadline=101.5)  # before layer 0: ok; layer 1: late
+        runner.run("s", 0, ids(8), deadline=100.5)  # layer 0 at 100: ok; layer 1 at 101: late
+    assert len(looks) == 2  # stopped before layer 1 of 4, not after the whole chunk
     # Nothing was added to the cache: the chunk may be sent again.
     assert runner._lives["s"].cache is not None and runner._lives["s"].cache.length == 0
     monkeypatch.undo()
-    assert np.array_equal(
-        runner.run("s", 0, ids(8)), StageRunner.load(checkpoint).run("x", 0, ids(8))
-    )
+    assert np.array_equal(runner.run("s", 0, ids(8)), load_runner(checkpoint).run("x", 0, ids(8)))
 
 
 @pytest.mark.anyio

@@ -10,17 +10,14 @@ at once, above the numpy engine's 128-row blocks.
 
 from __future__ import annotations
 
-import itertools
 from pathlib import Path
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
 
-import meshnet_model.stage.runner as runner_module
-from meshnet_model import SessionEnded, StageRunner
+from meshnet_model import StageRunner
 from meshnet_model.engines.torch import load_torch_runner
-from meshnet_model.errors import ChunkTooLarge, ComputeDeadlineExceeded
+from meshnet_model.errors import ChunkTooLarge
 from meshnet_model.stage.costs import QUERY_BLOCK, chunk_cost
 from meshnet_model.testing import small_config, write_checkpoint
 from support.gguf import build_model, write_model_gguf
@@ -41,56 +38,8 @@ def ids(count: int) -> np.ndarray:
     return (np.arange(count, dtype=np.int32).reshape(1, count) * 7) % 256
 
 
-def test_the_deadline_stops_the_torch_compute_between_layers(
-    checkpoint: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    runner = load_torch_runner(checkpoint, dtype="float32")
-    looks = []
-    clock = itertools.count(100.0, 1.0)  # every look at the clock: one second later
-
-    def monotonic() -> float:
-        looks.append(1)
-        return next(clock)
-
-    # The runner's clock only (torch looks at the real one too).
-    monkeypatch.setattr(runner_module, "time", SimpleNamespace(monotonic=monotonic))
-    with pytest.raises(ComputeDeadlineExceeded):
-        runner.run("s", 0, ids(8), deadline=100.5)  # layer 0 at 100: ok; layer 1 at 101: late
-    assert len(looks) == 2  # stopped before layer 1 of 4, not after the whole chunk
-    # Nothing was added to the cache: the chunk may be sent again.
-    cache = runner._lives["s"].cache
-    assert cache is not None and cache.length == 0
-    monkeypatch.undo()
-    again = runner.run("s", 0, ids(8))
-    fresh = load_torch_runner(checkpoint, dtype="float32").run("x", 0, ids(8))
-    assert np.array_equal(again, fresh)
-
-
-def test_a_session_ended_mid_torch_compute_stops_and_frees_all(checkpoint: Path) -> None:
-    runner = load_torch_runner(checkpoint, dtype="float32")
-    life = runner.admit("s")
-    calls = []
-    original = runner_module._stopper
-
-    def ending_after_one_layer(life_, deadline):  # type: ignore[no-untyped-def]
-        check = original(life_, deadline)
-
-        def hook() -> None:
-            calls.append(1)
-            if len(calls) == 2:  # the DELETE lands while layer 0 computes
-                runner.end_session("s")
-            check()
-
-        return hook
-
-    runner_module._stopper = ending_after_one_layer
-    try:
-        with pytest.raises(SessionEnded):
-            runner.run("s", 0, ids(8), life=life)
-    finally:
-        runner_module._stopper = original
-    assert len(calls) == 2
-    assert (runner.kv_bytes_in_use, runner.sessions) == (0, 0)
+# The deadline and a session ended mid-compute, on the torch engine as on the
+# numpy one: test_surface_units.py runs them on both (the ``engine`` fixture).
 
 
 def test_both_engines_are_costed_for_their_aligned_query_blocks(checkpoint: Path) -> None:
