@@ -40,7 +40,7 @@ def server_port() -> Iterator[int]:
         text=True,
     )
     try:
-        ready, _, _ = select.select([proc.stdout], [], [], 30.0)
+        ready, _, _ = select.select([proc.stdout], [], [], 120.0)  # ends a hang only
         assert ready, "the example server did not start"
         line = proc.stdout.readline()
         assert line.startswith("listening on 127.0.0.1:"), line

@@ -30,7 +30,7 @@ from support.gateway import clean_env
 HEALTH = ["--health-interval", "0.3", "--probe-timeout", "1.5"]
 
 
-def get_json(url: str, timeout: float = 10.0) -> Any:
+def get_json(url: str, timeout: float = 60.0) -> Any:
     # No proxy between the test and loopback, whatever the environment says.
     opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
     try:

@@ -107,11 +107,13 @@ def clean_env() -> dict[str, str]:
 
 
 def spawn(
-    module: str, *args: str, timeout: float = 30.0, env: dict[str, str] | None = None
+    module: str, *args: str, timeout: float = 120.0, env: dict[str, str] | None = None
 ) -> tuple[subprocess.Popen[str], str]:
     """Start ``python -m module`` as a user would; return it and its URL from the ready line.
 
     ``env``: ``MESHNET_*`` variables to set (the test's own are never inherited).
+    ``timeout`` only ends a start that never comes: the ready line is the event
+    waited for, and a loaded machine may take a while to import numpy and torch.
     """
     proc = subprocess.Popen(
         [sys.executable, "-m", module, "--port", "0", "--log-level", "warning", *args],
@@ -133,7 +135,7 @@ def spawn(
     return proc, url
 
 
-def stop(proc: subprocess.Popen[str], timeout: float = 20.0) -> int:
+def stop(proc: subprocess.Popen[str], timeout: float = 60.0) -> int:
     """SIGTERM, then the exit status (killing it if it does not exit in time)."""
     if proc.poll() is None:
         proc.send_signal(signal.SIGTERM)

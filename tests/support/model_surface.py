@@ -50,7 +50,7 @@ def write_model(root: Path) -> Path:
 
 
 def spawn_logged(
-    module: str, args: Sequence[str], log: Path, *, timeout: float = 60.0
+    module: str, args: Sequence[str], log: Path, *, timeout: float = 180.0
 ) -> tuple[subprocess.Popen[str], str]:
     """``python -m module`` with its stderr in ``log`` (never a pipe nobody reads)."""
     err = log.open("w")

@@ -129,7 +129,7 @@ def parse_answer(raw: bytes) -> Answer:
     return Answer(raw, status, headers, rest[:length])
 
 
-def connect(url: str, *, timeout: float = 20.0, ssl_context: ssl.SSLContext | None = None):
+def connect(url: str, *, timeout: float = 60.0, ssl_context: ssl.SSLContext | None = None):
     host, port = host_port(url)
     sock = socket.create_connection((host, port), timeout=timeout)
     if ssl_context is not None:
@@ -142,7 +142,7 @@ def exchange(
     data: bytes,
     *,
     half_close: bool = True,
-    timeout: float = 20.0,
+    timeout: float = 60.0,
     ssl_context: ssl.SSLContext | None = None,
     limit: int = 64 << 20,
 ) -> bytes:

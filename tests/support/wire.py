@@ -59,7 +59,7 @@ class Answer:
         return (self.status, self.headers, self.body)[item]
 
 
-async def read_answer(stream: ByteStream, *, limit: float = 20.0) -> Answer:
+async def read_answer(stream: ByteStream, *, limit: float = 60.0) -> Answer:
     """The next final answer on ``stream`` (1xx skipped and counted), bounded
     in time so that a server that never answers fails the test."""
     buf = b""
