@@ -1076,7 +1076,7 @@ def connections(url: str) -> float:
     return metric(url, "meshnet_connections") - 1
 
 
-def wait_for(predicate: Callable[[], bool], seconds: float = 15.0) -> bool:
+def wait_for(predicate: Callable[[], bool], seconds: float = 60.0) -> bool:
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:
         if predicate():
