@@ -25,7 +25,7 @@ import pytest
 
 from meshnet_bench import runner
 from meshnet_cli.__main__ import build_parser
-from support.gateway import clean_env, closed_port_url, spawn, stop
+from support.gateway import clean_env, closed_port_url, release_port, spawn, stop
 
 pytestmark = pytest.mark.slow
 
@@ -147,10 +147,10 @@ def test_a_gateway_started_before_its_entry_learns_the_window_quietly() -> None:
     gateway, url = spawn("meshnet_gateway", "--entry", entry, "--inflight", "4")
     node = None
     try:
-        node, _ = spawn("meshnet_node", "--port", entry.rsplit(":", 1)[1])
+        node, _ = spawn("meshnet_node", "--port", release_port(entry))
         # No request is sent: the gateway must ask again by itself.
         effective = None
-        for _ in range(100):
+        for _ in range(600):  # bounded (~60 s): until the gateway has asked again
             info = info_of(url)
             effective = info["inflight"]["effective"]
             if effective == 4:
@@ -170,7 +170,7 @@ def info_of(url: str) -> dict:
     import json
     import urllib.request
 
-    with urllib.request.urlopen(f"{url}/info", timeout=10) as response:
+    with urllib.request.urlopen(f"{url}/info", timeout=60) as response:
         return json.loads(response.read())
 
 

@@ -99,6 +99,22 @@ def closed_port_url() -> str:
     return f"http://127.0.0.1:{sock.getsockname()[1]}"
 
 
+def release_port(url: str) -> str:
+    """Let go of ``closed_port_url``'s port, for a server about to bind it; its port.
+
+    Only for a test about a server that comes up where a peer already
+    expects it (a gateway started before its entry): the port must be named
+    before that server starts, and is released just before it binds.
+    """
+    port = int(url.rsplit(":", 1)[1])
+    for sock in _HELD:
+        if sock.getsockname()[1] == port:
+            _HELD.remove(sock)
+            sock.close()
+            return str(port)
+    raise AssertionError(f"{url} is not a held closed port")
+
+
 # ------------------------------------------------------------------ processes
 
 
