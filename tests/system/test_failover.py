@@ -258,7 +258,7 @@ def test_sixteen_generations_survive_a_kill_and_the_replica_comes_back(
                     for i in range(16):
                         tg.start_soon(one, i)
                 spread = [(await in_thread(chain.info, u))["replicas"] for u in chain.stage1]
-                await in_thread(chain.start, [victim])
+                await in_thread(chain.restart, victim)  # on its port
                 with anyio.fail_after(LIMIT):  # every stage-1 replica sees it up again
                     while not await in_thread(all_up, chain):
                         await anyio.sleep(0.1)
