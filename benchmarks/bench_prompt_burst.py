@@ -9,7 +9,7 @@ answers counted by status and error code. A well-behaved burst is answered,
 or refused with 429/503 and ``Retry-After`` before any work (the gateway's
 admission) — never 409 ``chunk_wait_timeout`` or 504. The unit-scale test of
 the same, with the ``Retry-After`` headers checked, is
-``tests/test_gateway_admission.py``.
+``tests/gateway/test_admission.py``.
 """
 
 from __future__ import annotations

@@ -20,7 +20,7 @@ Two ways to run it (see fuzz/README.md):
 An input is the request bytes followed by a 4-byte trailer the fuzzer
 mutates like the rest: flags (token on, gateway mode), a 16-bit seed for the
 split points, and how many splits. `exercise()` is the core; the test suite
-runs it too (tests/test_fuzz_smoke.py).
+runs it too (tests/proto/test_fuzz_server_connection.py).
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ name, float32) and writes it with the ``gguf`` package's ``GGUFWriter``:
 * metadata under llama.cpp's keys, and a tokenizer (``GGUFVocab``) when given.
 
 Base dependencies only (numpy, gguf). The tests' tiny trained vocabularies
-(sentencepiece, a test-only package) live in ``tests/vocab_support.py``.
+(sentencepiece, a test-only package) live in ``tests/support/vocab.py``.
 """
 
 from __future__ import annotations

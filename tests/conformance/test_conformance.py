@@ -1,0 +1,180 @@
+"""``meshnet conformance``: it passes against our node and gateway, and fails a broken server.
+
+The checker runs as a user runs it (``python -m meshnet_cli conformance URL``)
+against real processes on loopback. To show that it checks, it is also
+pointed at two broken servers: our node behind a proxy that makes it accept
+one bad header value (exactly that case must fail, by name), and a server
+that answers everything 200 (it must fail, not crash).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import socket
+import subprocess
+import sys
+import threading
+from collections.abc import Callable, Iterator
+
+import pytest
+
+from meshnet_conformance import ALL_CASES, check_server
+from support.gateway import clean_env, spawn, stop
+
+pytestmark = pytest.mark.slow
+
+TOKEN = "conformance-token-1"
+
+
+def conformance(url: str, *args: str) -> tuple[int, dict, str]:
+    """Run the CLI with --json; return its exit status, its document and stderr."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "meshnet_cli", "conformance", url, "--json", *args],
+        capture_output=True,
+        text=True,
+        env=clean_env(),
+        timeout=300,
+    )
+    return proc.returncode, json.loads(proc.stdout), proc.stderr
+
+
+def results(document: dict) -> dict[str, str]:
+    return {case["id"]: case["result"] for case in document["cases"]}
+
+
+@contextlib.contextmanager
+def node(*args: str) -> Iterator[str]:
+    proc, url = spawn("meshnet_node", *args)
+    try:
+        yield url
+    finally:
+        assert stop(proc) == 0
+
+
+def test_the_node_passes_every_node_case() -> None:
+    with node() as url:
+        status, document, stderr = conformance(url)
+    outcomes = results(document)
+    failed = {case["id"]: case["detail"] for case in document["cases"] if case["result"] == "fail"}
+    assert status == 0, (failed, stderr)
+    assert document["role"] == "node"
+    node_cases = {case.id for case in ALL_CASES if "node" in case.roles and not case.needs_token}
+    assert {key for key, value in outcomes.items() if value == "pass"} == node_cases
+    # The cases the brief names are among them.
+    for case in ("2.dtype-case", "2.zstd-bomb", "2.order.sequencing-before-body", "3.replay",
+                 "3.conflict", "3.runs", "3.wait-deadline", "4.deadline-spent"):  # fmt: skip
+        assert outcomes[case] == "pass"
+
+
+def test_the_gateway_passes_every_gateway_case_with_access_control() -> None:
+    with node() as entry:
+        proc, url = spawn("meshnet_gateway", "--entry", entry, "--token", TOKEN)
+        try:
+            status, document, stderr = conformance(url, "--token", TOKEN)
+        finally:
+            assert stop(proc) == 0
+    assert status == 0, ([c for c in document["cases"] if c["result"] == "fail"], stderr)
+    assert document["role"] == "gateway"
+    outcomes = results(document)
+    gateway_cases = {case.id for case in ALL_CASES if "gateway" in case.roles}
+    assert {key for key, value in outcomes.items() if value == "pass"} == gateway_cases
+    assert all(outcomes[case.id] == "pass" for case in ALL_CASES if case.section == "7")
+
+
+def test_the_table_is_grouped_by_section_and_exit_0() -> None:
+    with node() as url:
+        proc = subprocess.run(
+            [sys.executable, "-m", "meshnet_cli", "conformance", url, "--only", "6."],
+            capture_output=True, text=True, env=clean_env(), timeout=120,
+        )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout
+    lines = proc.stdout.splitlines()
+    assert any(line.startswith("§6 ") for line in lines)
+    assert sum(line.strip().startswith("PASS  6.") for line in lines) == 7
+    assert "7 passed, 0 failed" in proc.stdout
+
+
+# ------------------------------------------------------------ broken servers
+
+
+@contextlib.contextmanager
+def tcp_server(handle: Callable[[socket.socket], None]) -> Iterator[str]:
+    """A loopback listener handing each connection to ``handle`` in a thread."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    stopping = threading.Event()
+
+    def accept() -> None:
+        while not stopping.is_set():
+            try:
+                conn, _ = listener.accept()
+            except OSError:
+                return
+            threading.Thread(target=handle, args=(conn,), daemon=True).start()
+
+    thread = threading.Thread(target=accept, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{listener.getsockname()[1]}"
+    finally:
+        stopping.set()
+        listener.close()
+        thread.join(5)
+
+
+def lenient_proxy(upstream: str) -> Callable[[socket.socket], None]:
+    """Our node, made to accept a dtype in the wrong case (``Float32``): one bug."""
+    host, port = upstream.removeprefix("http://").rsplit(":", 1)
+
+    def pump(src: socket.socket, dst: socket.socket, fix: bool) -> None:
+        with contextlib.suppress(OSError):
+            while data := src.recv(65536):
+                dst.sendall(data.replace(b"Float32", b"float32") if fix else data)
+        with contextlib.suppress(OSError):
+            dst.shutdown(socket.SHUT_WR)
+
+    def handle(client: socket.socket) -> None:
+        with client, socket.create_connection((host, int(port))) as server:
+            back = threading.Thread(target=pump, args=(server, client, False), daemon=True)
+            back.start()
+            pump(client, server, True)
+            back.join(30)
+
+    return handle
+
+
+def test_a_server_that_accepts_a_bad_header_fails_that_case_by_name() -> None:
+    with node() as url, tcp_server(lenient_proxy(url)) as broken:
+        status, document, _ = conformance(broken)
+        table = subprocess.run(
+            [sys.executable, "-m", "meshnet_cli", "conformance", broken, "--only", "2.dtype"],
+            capture_output=True, text=True, env=clean_env(), timeout=120,
+        )  # fmt: skip
+    assert status == 1
+    failed = [case for case in document["cases"] if case["result"] == "fail"]
+    # Both cases that send "Float32" fail; nothing else does.
+    assert [case["id"] for case in failed] == ["2.dtype-case", "2.early-error-closes"]
+    assert "expected 400 bad_dtype, got 200" in failed[0]["detail"]
+    assert table.returncode == 1
+    assert "FAILED 2.dtype-case: expected 400 bad_dtype, got 200" in table.stdout
+
+
+def always_200(conn: socket.socket) -> None:
+    """A server that answers every request 200 with an empty JSON object."""
+    with conn, contextlib.suppress(OSError):
+        conn.settimeout(1)
+        conn.recv(1 << 20)
+        conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: 2\r\nConnection: close\r\n\r\n{}")  # fmt: skip
+
+
+def test_a_server_that_accepts_everything_fails_and_the_checker_survives_it() -> None:
+    with tcp_server(always_200) as broken:
+        ctx, outcomes = check_server(broken, timeout=10)
+    by_id = {outcome.id: outcome for outcome in outcomes}
+    assert ctx.role == "node"  # /info said nothing useful: the checker assumes a node
+    assert by_id["2.zstd-bomb"].result == "fail"
+    assert by_id["2.zstd-bomb"].detail == "expected 400 body_size_mismatch, got 200"
+    assert by_id["2.valid"].result == "fail"  # no wire-2 headers on the 200
+    assert by_id["6.health"].result == "pass"
+    assert sum(outcome.result == "fail" for outcome in outcomes) > 60

@@ -1,0 +1,577 @@
+"""The gateway's admission control (issue 19 item 4: admission, not timeouts).
+
+``meshnet_gateway.admission.Admission`` as plain logic (budgets, strict
+FIFO, the oversize-alone rule, refusals, a hypothesis state machine that
+finds no leak), its waiting on trio and asyncio (timeouts, cancellation at
+every point), the flags, and the /v1 surface over loopback sockets with a
+slow fake chain: beyond capacity a request is answered 429/503 with
+``Retry-After`` and OpenAI's error body before any chunk reaches a node.
+"""
+
+from __future__ import annotations
+
+import functools
+import http.client
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, TypeVar
+
+import anyio
+import pytest
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from meshnet_gateway.admission import Admission, AdmissionRefused, Ticket
+from meshnet_gateway.config import GatewayConfig
+from support.openai import Served, fake_stages, serve_openai, write_model_dir
+
+LIMIT = 30  # every wait is bounded: a hang fails the test, not the run
+T = TypeVar("T")
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def admission(
+    running: int = 4, prefill: int = 100, queued: int = 8, timeout: float = 30.0, **kw: Any
+) -> Admission:
+    return Admission(max_running=running, max_prefill_tokens=prefill, max_queued=queued,
+                     queue_timeout=timeout, clock=kw.pop("clock", Clock()), **kw)  # fmt: skip
+
+
+def granted(result: object) -> Ticket:
+    assert isinstance(result, Ticket), result
+    return result
+
+
+# ---------------------------------------------------------------- plain logic
+
+
+def test_running_budget_queues_then_admits_on_release() -> None:
+    adm = admission(running=2)
+    first, second = granted(adm.request(1)), granted(adm.request(1))
+    waiter = adm.request(1)
+    assert not isinstance(waiter, Ticket) and adm.queued == 1 and adm.running == 2
+    first.prefilled()  # the prefill budget is not what holds it back
+    assert waiter.ticket is None
+    first.release()
+    assert waiter.ticket is not None and adm.queued == 0 and adm.running == 2
+    second.release()
+    waiter.ticket.release()
+    assert (adm.running, adm.prefill_tokens, adm.prefilling) == (0, 0, 0)
+
+
+def test_prefill_budget_is_strict_fifo() -> None:
+    adm = admission(prefill=100)
+    big = granted(adm.request(60))
+    middle = adm.request(50)  # 60 + 50 > 100
+    small = adm.request(10)  # would fit, but must not pass the head
+    assert not isinstance(middle, Ticket) and not isinstance(small, Ticket)
+    assert small.ticket is None
+    big.prefilled()  # its first token is known: 60 tokens back
+    assert middle.ticket is not None and small.ticket is not None
+    assert adm.prefill_tokens == 60 and adm.running == 3
+
+
+def test_a_prompt_over_the_whole_budget_goes_alone() -> None:
+    adm = admission(prefill=100)
+    huge = granted(adm.request(500))  # nothing else prefills: admitted, not refused
+    after = adm.request(1)
+    assert not isinstance(after, Ticket)
+    huge.prefilled()
+    assert after.ticket is not None
+    # And it waits its turn behind others, then goes alone.
+    adm2 = admission(prefill=100)
+    small = granted(adm2.request(10))
+    waiting = adm2.request(500)
+    assert not isinstance(waiting, Ticket)
+    small.prefilled()
+    assert waiting.ticket is not None and adm2.prefill_tokens == 500
+
+
+def test_queue_full_is_refused_at_once_with_retry_after() -> None:
+    reasons: list[str] = []
+    adm = admission(running=1, queued=1, on_refused=reasons.append)
+    granted(adm.request(1))
+    adm.request(1)
+    with pytest.raises(AdmissionRefused) as caught:
+        adm.request(1)
+    assert caught.value.reason == "queue_full" and caught.value.retry_after >= 1
+    assert reasons == ["queue_full"] and adm.queued == 1 and adm.running == 1
+
+
+def test_no_queue_at_all() -> None:
+    adm = admission(running=1, queued=0)
+    granted(adm.request(1))
+    with pytest.raises(AdmissionRefused):
+        adm.request(1)
+
+
+def test_cancelling_the_head_lets_the_next_in() -> None:
+    adm = admission(prefill=100)
+    granted(adm.request(90))
+    head = adm.request(50)
+    behind = adm.request(5)
+    assert not isinstance(head, Ticket) and not isinstance(behind, Ticket)
+    adm.cancel(head)
+    assert behind.ticket is not None and adm.queued == 0
+    adm.cancel(head)  # twice: nothing
+    assert adm.running == 2
+
+
+def test_release_is_idempotent_and_prefilled_after_release_is_a_no_op() -> None:
+    adm = admission()
+    ticket = granted(adm.request(7))
+    ticket.release()
+    ticket.release()
+    ticket.prefilled()
+    assert (adm.running, adm.prefill_tokens, adm.prefilling) == (0, 0, 0)
+
+
+def test_retry_after_follows_the_queue_wait() -> None:
+    clock = Clock()
+    waits: list[float] = []
+    adm = admission(running=1, clock=clock, on_waited=waits.append)
+    assert adm.retry_after() == 1
+    for _ in range(20):
+        ticket = granted(adm.request(1))
+        waiter = adm.request(1)
+        clock.now += 10.0
+        ticket.release()
+        assert waiter.ticket is not None  # type: ignore[union-attr]
+        waiter.ticket.release()  # type: ignore[union-attr]
+    assert waits == [10.0] * 20
+    assert 8 <= adm.retry_after() <= 10
+
+
+def test_bad_budgets_are_refused() -> None:
+    with pytest.raises(ValueError):
+        admission(running=0)
+    with pytest.raises(ValueError):
+        admission(timeout=0)
+
+
+class AdmissionMachine(RuleBasedStateMachine):
+    """Random requests, prefills, releases and cancellations: the counts always
+    equal what the live tickets hold, the budgets hold, FIFO holds, and when
+    everything has ended nothing is left."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.adm = admission(running=3, prefill=50, queued=4)
+        self.tickets: list[Ticket] = []
+        self.waiters: list[Any] = []
+        self.order: list[int] = []  # request numbers of queued ones, in queue order
+        self.granted_order: list[int] = []
+        self.count = 0
+        self.numbers: dict[int, int] = {}  # id(waiter): its request number
+
+    def _collect(self) -> None:
+        for waiter in list(self.waiters):
+            if waiter.ticket is not None:
+                self.waiters.remove(waiter)
+                self.tickets.append(waiter.ticket)
+                self.granted_order.append(self.numbers[id(waiter)])
+
+    @rule(tokens=st.integers(0, 80))
+    def request(self, tokens: int) -> None:
+        self.count += 1
+        try:
+            result = self.adm.request(tokens)
+        except AdmissionRefused:
+            assert self.adm.queued == self.adm.max_queued
+            return
+        if isinstance(result, Ticket):
+            self.tickets.append(result)
+        else:
+            self.numbers[id(result)] = self.count
+            self.waiters.append(result)
+            self.order.append(self.count)
+
+    @precondition(lambda self: self.tickets)
+    @rule(pick=st.integers(0, 100))
+    def prefilled(self, pick: int) -> None:
+        self.tickets[pick % len(self.tickets)].prefilled()
+        self._collect()
+
+    @precondition(lambda self: self.tickets)
+    @rule(pick=st.integers(0, 100))
+    def release(self, pick: int) -> None:
+        self.tickets.pop(pick % len(self.tickets)).release()
+        self._collect()
+
+    @precondition(lambda self: self.waiters)
+    @rule(pick=st.integers(0, 100))
+    def cancel(self, pick: int) -> None:
+        waiter = self.waiters.pop(pick % len(self.waiters))
+        self.order.remove(self.numbers[id(waiter)])
+        self.adm.cancel(waiter)
+        self._collect()
+
+    @invariant()
+    def counts_match_the_live_tickets(self) -> None:
+        adm = self.adm
+        live = [t for t in self.tickets if not t.released]
+        assert adm.running == len(live) <= adm.max_running
+        prefilling = [t for t in live if t.prefilling]
+        assert adm.prefilling == len(prefilling)
+        assert adm.prefill_tokens == sum(t.tokens for t in prefilling)
+        assert adm.prefilling <= 1 or adm.prefill_tokens <= adm.max_prefill_tokens
+        assert adm.queued == len(self.waiters) <= adm.max_queued
+        # Nobody waits while the head could go; grants follow the queue's order.
+        assert not self.waiters or not adm.fits(adm._queue[0].tokens)
+        granted_from_queue = [n for n in self.order if n in self.granted_order]
+        assert granted_from_queue == self.granted_order
+
+    def teardown(self) -> None:
+        for waiter in self.waiters:
+            self.adm.cancel(waiter)
+        for ticket in self.tickets:
+            ticket.release()
+        self._collect()
+        for ticket in self.tickets:
+            ticket.release()
+        assert (self.adm.running, self.adm.prefill_tokens, self.adm.queued) == (0, 0, 0)
+
+
+AdmissionMachine.TestCase.settings = settings(max_examples=150, stateful_step_count=40,
+                                              deadline=None)  # fmt: skip
+test_admission_never_leaks = AdmissionMachine.TestCase
+
+
+# ---------------------------------------------------------------- waiting
+
+
+@pytest.mark.anyio
+async def test_waiters_are_admitted_in_fifo_order() -> None:
+    adm = Admission(max_running=1, max_prefill_tokens=100, max_queued=8, queue_timeout=LIMIT)
+    first = await adm.admit(1)
+    admitted: list[int] = []
+
+    async def wait(number: int, tokens: int) -> None:
+        ticket = await adm.admit(tokens)
+        admitted.append(number)
+        await anyio.sleep(0.01)
+        ticket.release()
+
+    with anyio.fail_after(LIMIT):
+        async with anyio.create_task_group() as tg:
+            for number, tokens in enumerate([90, 1, 50, 1]):
+                tg.start_soon(wait, number, tokens)
+                await anyio.wait_all_tasks_blocked()
+            assert adm.queued == 4
+            first.release()
+    assert admitted == [0, 1, 2, 3]
+    assert (adm.running, adm.prefill_tokens, adm.queued) == (0, 0, 0)
+
+
+@pytest.mark.anyio
+async def test_queue_timeout_refuses_and_leaves_nothing() -> None:
+    reasons: list[str] = []
+    adm = Admission(max_running=1, max_prefill_tokens=100, max_queued=8, queue_timeout=0.05,
+                    on_refused=reasons.append)  # fmt: skip
+    held = await adm.admit(5)
+    with anyio.fail_after(LIMIT), pytest.raises(AdmissionRefused) as caught:
+        await adm.admit(5)
+    assert caught.value.reason == "queue_timeout" and caught.value.retry_after >= 1
+    assert reasons == ["queue_timeout"]
+    with anyio.fail_after(LIMIT), pytest.raises(AdmissionRefused):
+        await adm.admit(5, timeout=0.01)  # the caller's own, shorter bound
+    assert (adm.running, adm.prefill_tokens, adm.queued) == (1, 5, 0)
+    held.release()
+    assert (adm.running, adm.prefill_tokens) == (0, 0)
+
+
+@pytest.mark.anyio
+async def test_cancelled_while_queued_leaves_the_queue() -> None:
+    adm = Admission(max_running=1, max_prefill_tokens=100, max_queued=8, queue_timeout=LIMIT)
+    held = await adm.admit(5)
+    with anyio.fail_after(LIMIT):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(adm.admit, 5)
+            await anyio.wait_all_tasks_blocked()
+            assert adm.queued == 1
+            tg.cancel_scope.cancel()  # the client left
+    assert (adm.queued, adm.running, adm.prefill_tokens) == (0, 1, 5)
+    held.release()
+    assert (adm.running, adm.prefill_tokens) == (0, 0)
+
+
+@pytest.mark.anyio
+async def test_cancelled_in_the_tick_it_was_admitted_gives_the_ticket_back() -> None:
+    adm = Admission(max_running=1, max_prefill_tokens=100, max_queued=8, queue_timeout=LIMIT)
+    held = await adm.admit(5)
+
+    async def caller() -> None:
+        # As the API does: the ticket, once returned, is released in a finally
+        # (on trio a wake-up beats the cancel, on asyncio the cancel wins:
+        # either way the budget comes back).
+        ticket = await adm.admit(7)
+        try:
+            await anyio.sleep_forever()
+        finally:
+            ticket.release()
+
+    with anyio.fail_after(LIMIT):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(caller)
+            await anyio.wait_all_tasks_blocked()
+            held.release()  # grants the waiter's ticket and wakes it ...
+            assert adm.running == 1 and adm.prefill_tokens == 7
+            tg.cancel_scope.cancel()  # ... but it is cancelled before it runs
+    assert (adm.queued, adm.running, adm.prefill_tokens) == (0, 0, 0)
+
+
+@pytest.mark.anyio
+async def test_a_stream_whose_producer_never_starts_gives_its_ticket_back(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from meshnet_gateway.openai import api
+
+    monkeypatch.setattr(api, "STREAM_START_GRACE", 0.01)
+    adm = Admission(max_running=2, max_prefill_tokens=100, max_queued=8, queue_timeout=LIMIT)
+    lost, started = await adm.admit(5), await adm.admit(6)
+    began = anyio.Event()
+    began.set()  # this one's producer ran: its own finally releases it
+    with anyio.fail_after(LIMIT):
+        await api._reclaim_unstarted(lost, anyio.Event())
+        await api._reclaim_unstarted(started, began)
+    assert lost.released and not started.released
+    assert (adm.running, adm.prefill_tokens) == (1, 6)
+
+
+# ---------------------------------------------------------------- flags
+
+
+def test_flags_and_defaults() -> None:
+    config = GatewayConfig.load(["--entry", "http://x:1"], {})
+    assert (config.max_running, config.max_prefill_tokens, config.max_queued,
+            config.queue_timeout) == (128, 4096, 128, 120.0)  # fmt: skip
+    argv = ["--entry", "http://x:1", "--max-running", "2", "--max-prefill-tokens", "64",
+            "--max-queued", "0", "--queue-timeout", "0.5"]  # fmt: skip
+    config = GatewayConfig.load(argv, {"MESHNET_MAX_RUNNING": "9"})
+    assert (config.max_running, config.max_prefill_tokens, config.max_queued,
+            config.queue_timeout) == (2, 64, 0, 0.5)  # fmt: skip
+    assert (
+        GatewayConfig.load(["--entry", "http://x:1"], {"MESHNET_MAX_QUEUED": "3"}).max_queued == 3
+    )
+
+
+@pytest.mark.parametrize(
+    ("argv", "env"),
+    [
+        (["--max-running", "0"], {}),
+        (["--max-prefill-tokens", "-5"], {}),
+        (["--max-queued", "many"], {}),
+        (["--queue-timeout", "0"], {}),
+        (["--queue-timeout", "inf"], {}),
+        ([], {"MESHNET_MAX_RUNNING": "x"}),
+    ],
+)
+def test_bad_admission_flags_exit_2(
+    argv: list[str], env: dict[str, str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as caught:
+        GatewayConfig.load(["--entry", "http://x:1", *argv], env)
+    assert caught.value.code == 2
+    assert "error:" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------- over loopback
+
+
+@pytest.fixture
+def model_dir(tmp_path: Path) -> Path:
+    return write_model_dir(tmp_path / "tiny-model", context=256)
+
+
+async def in_thread(fn: Callable[..., T], *args: Any) -> T:
+    with anyio.fail_after(LIMIT):
+        return await anyio.to_thread.run_sync(functools.partial(fn, *args))
+
+
+def post(served: Served, body: dict[str, Any]) -> tuple[int, dict[str, str], bytes]:
+    host, port = served.url.removeprefix("http://").rsplit(":", 1)
+    conn = http.client.HTTPConnection(host, int(port), timeout=LIMIT)
+    try:
+        conn.request("POST", "/v1/completions", body=json.dumps(body),
+                     headers={"Content-Type": "application/json"})  # fmt: skip
+        response = conn.getresponse()
+        headers = {k.lower(): v for k, v in response.getheaders()}
+        return response.status, headers, response.read()
+    finally:
+        conn.close()
+
+
+def sample(served: Served, name: str, **labels: str) -> float | None:
+    return served.gateway.metrics.registry.get_sample_value(name, labels)
+
+
+def slow_chain(delay_ms: float = 20.0) -> list[Any]:
+    stages = fake_stages(2)
+    stages[-1].delay_ms = delay_ms  # each decode step takes this long at the last stage
+    return stages
+
+
+async def settled(served: Served) -> None:
+    admission = served.gateway.admission
+    with anyio.fail_after(LIMIT):
+        while (
+            admission.running or admission.queued or any(n.info()["sessions"] for n in served.nodes)
+        ):
+            await anyio.sleep(0.005)
+
+
+@pytest.mark.anyio
+async def test_beyond_capacity_is_429_with_retry_after_before_any_work(model_dir: Path) -> None:
+    stages = slow_chain()
+    flags = ["--max-running", "2", "--max-queued", "1"]
+    async with serve_openai(model_dir, stages=stages, gateway_flags=flags) as served:
+        results: list[tuple[int, dict[str, str], bytes]] = []
+
+        async def one(stream: bool) -> None:
+            body = {"model": "tiny-model", "prompt": "hello there", "max_tokens": 20,
+                    "stream": stream}  # fmt: skip
+            results.append(await in_thread(post, served, body))
+
+        async with anyio.create_task_group() as tg:
+            for index in range(5):
+                tg.start_soon(one, index % 2 == 1)  # streamed ones are refused by status too
+        statuses = sorted(status for status, _, _ in results)
+        ok = statuses.count(200)
+        assert 2 <= ok <= 3 and statuses.count(429) == 5 - ok, statuses
+        for status, headers, body in results:
+            if status == 429:
+                assert int(headers["retry-after"]) >= 1
+                error = json.loads(body)["error"]
+                assert set(error) == {"message", "type", "param", "code"}
+                assert (error["code"], error["type"]) == ("queue_full", "rate_limit_error")
+            else:
+                assert b"[DONE]" in body or json.loads(body)["usage"]["completion_tokens"] == 20
+        refused = sample(served, "meshnet_openai_admission_refused_total", reason="queue_full")
+        assert refused == 5 - ok
+        # Refused before any work: only the admitted generations reached the chain.
+        assert stages[0].calls == ok * 20  # one prefill and 19 decode steps each
+        await settled(served)
+        assert sample(served, "meshnet_openai_admission_running") == 0
+        assert sample(served, "meshnet_openai_admission_prefill_tokens") == 0
+
+
+@pytest.mark.anyio
+async def test_a_request_waiting_too_long_is_503_with_retry_after(model_dir: Path) -> None:
+    stages = slow_chain()
+    flags = ["--max-running", "1", "--queue-timeout", "0.2"]
+    async with serve_openai(model_dir, stages=stages, gateway_flags=flags) as served:
+        long = {"model": "tiny-model", "prompt": "hello", "max_tokens": 40}
+        short = {"model": "tiny-model", "prompt": "hi", "max_tokens": 2}
+        async with anyio.create_task_group() as tg:
+            first: list[int] = []
+
+            async def hold() -> None:
+                first.append((await in_thread(post, served, long))[0])
+
+            tg.start_soon(hold)
+            with anyio.fail_after(LIMIT):
+                while served.gateway.admission.running == 0:
+                    await anyio.sleep(0.005)
+            calls = stages[0].calls
+            status, headers, body = await in_thread(post, served, short)
+            assert status == 503, body
+            assert int(headers["retry-after"]) >= 1
+            error = json.loads(body)["error"]
+            assert (error["code"], error["type"]) == ("queue_timeout", "server_error")
+            assert stages[0].calls - calls < 40  # the refused one added no chunk
+        assert first == [200]
+        assert sample(served, "meshnet_openai_admission_refused_total", reason="queue_timeout") == 1
+        await settled(served)
+
+
+@pytest.mark.anyio
+async def test_a_client_leaving_the_queue_frees_its_place(model_dir: Path) -> None:
+    stages = slow_chain()
+    flags = ["--max-running", "1", "--max-queued", "1"]
+    async with serve_openai(model_dir, stages=stages, gateway_flags=flags) as served:
+        admission = served.gateway.admission
+        host, port = served.url.removeprefix("http://").rsplit(":", 1)
+        body = json.dumps({"model": "tiny-model", "prompt": "hi", "max_tokens": 40}).encode()
+        request = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json"
+                   b"\r\nContent-Length: %d\r\n\r\n%s") % (len(body), body)  # fmt: skip
+        with anyio.fail_after(LIMIT):
+            running = await anyio.connect_tcp(host, int(port))
+            await running.send(request)
+            while admission.running == 0:
+                await anyio.sleep(0.005)
+            queued = await anyio.connect_tcp(host, int(port))
+            await queued.send(request)
+            while admission.queued == 0:
+                await anyio.sleep(0.005)
+            await queued.aclose()  # leaves while queued
+            while admission.queued:
+                await anyio.sleep(0.005)
+            assert admission.running == 1
+            # Its place is free: another request queues instead of a 429.
+            status, _, _ = await in_thread(post, served, json.loads(body))
+            assert status == 200
+            await running.aclose()
+        await settled(served)
+        assert (admission.running, admission.prefill_tokens, admission.queued) == (0, 0, 0)
+
+
+def post_ids(url: str, ids: list[int]) -> tuple[int, dict[str, str], bytes]:
+    host, port = url.removeprefix("http://").rsplit(":", 1)
+    conn = http.client.HTTPConnection(host, int(port), timeout=LIMIT * 4)
+    try:
+        body = {"model": "tiny-model", "prompt": ids, "max_tokens": 4}
+        conn.request("POST", "/v1/completions", body=json.dumps(body),
+                     headers={"Content-Type": "application/json"})  # fmt: skip
+        response = conn.getresponse()
+        return response.status, {k.lower(): v for k, v in response.getheaders()}, response.read()
+    finally:
+        conn.close()
+
+
+@pytest.mark.slow
+@pytest.mark.anyio
+async def test_the_issues_burst_through_meshnet_run_with_its_defaults(tmp_path: Path) -> None:
+    """Issue 19's acceptance, on the tiny model: ``meshnet run --stages 2``'s
+    own code path and defaults; 16 concurrent 1,200-token prompts all
+    answered, 64 each answered or refused with Retry-After, never 409/504."""
+    from meshnet_cli.run import serve_local
+
+    model = write_model_dir(tmp_path / "tiny-model", context=2048)
+    prompts = [[2 + (7 * i + j) % 300 for j in range(1200)] for i in range(64)]
+    threads = anyio.CapacityLimiter(64)
+    async with serve_local(str(model), 2, gateway_flags=["--port", "0"]) as run:
+
+        async def burst(count: int) -> list[tuple[int, dict[str, str], bytes]]:
+            results: list[tuple[int, dict[str, str], bytes]] = []
+
+            async def one(ids: list[int]) -> None:
+                call = functools.partial(post_ids, run.url, ids)
+                results.append(await anyio.to_thread.run_sync(call, limiter=threads))
+
+            with anyio.fail_after(LIMIT * 8):
+                async with anyio.create_task_group() as tg:
+                    for ids in prompts[:count]:
+                        tg.start_soon(one, ids)
+            return results
+
+        sixteen = await burst(16)
+        assert [status for status, _, _ in sixteen] == [200] * 16
+        # 16 x 1,200 tokens over a 4,096-token prefill budget: most waited their turn.
+        registry = run.gateway.metrics.registry
+        waited = registry.get_sample_value("meshnet_openai_admission_wait_seconds_count")
+        assert waited is not None and waited >= 10
+        for status, headers, body in await burst(64):
+            assert status in (200, 429, 503), body
+            if status != 200:
+                assert int(headers["retry-after"]) >= 1
+        admission = run.gateway.admission
+        assert (admission.running, admission.prefill_tokens, admission.queued) == (0, 0, 0)

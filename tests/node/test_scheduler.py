@@ -1,0 +1,257 @@
+"""The stage scheduler (issue 19): what a step takes, and the node-side queue.
+
+``plan_step`` is pure and tested as such; ``ModelStage`` is driven by
+concurrent tasks on trio and asyncio, as a node's requests drive it.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import anyio
+import numpy as np
+import pytest
+
+from meshnet_model import StageRunner
+from meshnet_model.engines.torch.engine import load_torch_runner
+from meshnet_model.stage.runner import SessionLife
+from meshnet_model.testing import small_config, write_checkpoint
+from meshnet_node.backends import StageContext
+from meshnet_node.model_stage import ModelStage
+from meshnet_node.scheduler import MIN_PREFILL_ROWS, Work, micro_batches_for, plan_step
+from meshnet_proto import CapacityError
+from support.gguf import build_model, write_model_gguf
+
+
+def work(tokens: int, *, batch: int = 1, done: int = 0, name: str = "s") -> Work:
+    w = Work(SessionLife(name), 0, np.zeros((batch, tokens), np.int32))
+    w.done = done
+    return w
+
+
+# ------------------------------------------------------------ plan_step
+
+
+def test_decode_steps_go_first_and_prefill_gets_as_many_rows_as_they_have() -> None:
+    prefill = work(128, name="p")
+    decodes = [work(1, name=f"d{i}") for i in range(20)]
+    plan = plan_step([prefill, *decodes], budget=256)
+    assert [w for w, _ in plan[:20]] == decodes
+    # As many prefill rows as decode rows, cut back to an aligned end.
+    assert plan[20] == (prefill, 16)
+
+
+def test_prefill_alone_gets_the_whole_budget_and_a_chunk_is_split() -> None:
+    a, b = work(200, name="a"), work(200, name="b")
+    assert plan_step([a, b], budget=256) == [(a, 200), (b, 56)]  # 56: an aligned end
+
+
+def test_sessions_decoding_elsewhere_keep_prefill_to_their_share() -> None:
+    """Between micro-batches the queue may hold only a prompt: it still gets
+    the decoding group's share, not the budget, or the group about to land
+    waits behind a whole chunk."""
+    prefill = work(128, name="p")
+    assert plan_step([prefill], budget=256, decoding=8) == [(prefill, 8)]
+    assert plan_step([prefill], budget=256, decoding=0) == [(prefill, 128)]
+
+
+def test_a_few_decode_steps_still_leave_the_minimum_to_prefill() -> None:
+    prefill, decode = work(128, name="p"), work(1, name="d")
+    assert plan_step([decode, prefill], budget=256) == [(decode, 1), (prefill, MIN_PREFILL_ROWS)]
+
+
+def test_prefill_progresses_when_decode_steps_fill_the_budget() -> None:
+    decodes = [work(1, name=f"d{i}") for i in range(300)]
+    prefill = work(64, name="p")
+    plan = plan_step([*decodes, prefill], budget=256)
+    assert len(plan) == 257 and plan[-1] == (prefill, MIN_PREFILL_ROWS)
+
+
+def test_a_chunk_wider_than_the_budget_still_makes_progress() -> None:
+    # 300 rows a token: past the budget, alone in the step, one aligned block.
+    wide = work(40, batch=300)
+    assert plan_step([wide], budget=256) == [(wide, 8)]
+
+
+def test_pieces_end_on_aligned_positions() -> None:
+    w = Work(SessionLife("s"), 37, np.zeros((1, 100), np.int32))  # positions 37..136
+    assert plan_step([w], budget=20) == [(w, 19)]  # to 56, not 57
+    w.done = 19
+    assert plan_step([w], budget=44) == [(w, 40)]  # 56..96, not 100
+    w.done = 95
+    assert plan_step([w], budget=40) == [(w, 5)]  # the chunk's end, 137
+
+
+def test_the_rest_of_a_split_chunk_is_taken_next() -> None:
+    w = work(300, done=256)
+    assert plan_step([w], budget=256) == [(w, 44)]
+
+
+def test_the_micro_batch_cap_bounds_decode_steps_only() -> None:
+    decodes = [work(1, name=f"d{i}") for i in range(8)]
+    prefill = work(10, name="p")
+    plan = plan_step([*decodes, prefill], budget=256, decode_cap=3)
+    assert [w for w, _ in plan] == [*decodes[:3], prefill]
+
+
+def test_micro_batches_follow_the_layer_share() -> None:
+    assert micro_batches_for(range(0, 15), 30) == 2
+    assert micro_batches_for(range(0, 30), 30) == 1
+    assert micro_batches_for(range(20, 30), 30) == 3
+
+
+# ------------------------------------------------------------ ModelStage
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_checkpoint(tmp_path_factory.mktemp("ckpt"), small_config(), seed=21)
+
+
+def ctx(session: str, position: int, tokens: int) -> StageContext:
+    return StageContext(session=session, position=position, tokens=tokens, index=0, total=1)
+
+
+def ids(count: int, seed: int) -> np.ndarray:
+    return ((np.arange(count, dtype=np.int32) * 7 + seed) % 256).reshape(1, count)
+
+
+@pytest.mark.anyio
+async def test_concurrent_chunks_are_batched_and_equal_their_runs_alone(
+    checkpoint: Path,
+) -> None:
+    reference = StageRunner.load(checkpoint)
+    want = [reference.run(f"r{i}", 0, ids(6 + i, i)) for i in range(8)]
+    stage = ModelStage(StageRunner.load(checkpoint))
+    got: dict[int, np.ndarray] = {}
+
+    async def one(i: int) -> None:
+        got[i] = await stage(ids(6 + i, i), ctx(f"s{i}", 0, 6 + i))
+
+    async with anyio.create_task_group() as tg:
+        for i in range(8):
+            tg.start_soon(one, i)
+    assert stage.scheduler.steps < 8  # some shared a step
+    for i in range(8):
+        assert np.array_equal(got[i], want[i])
+    assert stage.scheduler.queued_rows == 0 and not stage.scheduler.queue
+
+
+@pytest.fixture(scope="module")
+def q4_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_model_gguf(tmp_path_factory.mktemp("q4"), build_model("llama", layers=4), "Q4_0")
+
+
+@pytest.mark.anyio
+async def test_a_chunk_split_across_steps_equals_the_chunk_whole(q4_gguf: Path) -> None:
+    """Chunked prefill on a row-invariant (int4pack) stage: 40 rows through
+    steps of 16, every position's hidden state the very bits of the chunk
+    whole (test_batching has the last stage's logits on the real model)."""
+    layers = range(0, 2)
+    whole = load_torch_runner(q4_gguf, layers, threads=1).run("w", 0, ids(40, 3))
+    stage = ModelStage(load_torch_runner(q4_gguf, layers, threads=1), max_batch_tokens=16)
+    got = await stage(ids(40, 3), ctx("s", 0, 40))
+    assert stage.scheduler.steps == 3
+    assert np.array_equal(got, whole)
+    # The session continues where the pieces left it.
+    assert stage.runner._lives["s"].cache.length == 40
+
+
+@pytest.mark.anyio
+async def test_a_stage_that_is_not_row_invariant_takes_its_chunks_whole(
+    checkpoint: Path,
+) -> None:
+    whole = StageRunner.load(checkpoint).run("w", 0, ids(40, 3))
+    stage = ModelStage(StageRunner.load(checkpoint), max_batch_tokens=16)
+    got = await stage(ids(40, 3), ctx("s", 0, 40))
+    assert stage.scheduler.steps == 1
+    assert np.array_equal(got, whole)
+
+
+@pytest.mark.anyio
+async def test_a_chunk_with_a_bad_id_in_a_later_piece_fails_before_any_piece(
+    q4_gguf: Path,
+) -> None:
+    from meshnet_proto import ProtocolError
+
+    stage = ModelStage(load_torch_runner(q4_gguf, range(0, 2), threads=1), max_batch_tokens=16)
+    bad = ids(40, 3)
+    bad[0, 30] = 10**6
+    with pytest.raises(ProtocolError) as refused:
+        await stage(bad, ctx("s", 0, 40))
+    assert refused.value.code == "bad_stage_input"
+    life = stage.runner._lives["s"]
+    assert life.cache is None or life.cache.length == 0  # no piece ran
+    assert stage.scheduler.queued_rows == 0
+
+
+@pytest.mark.anyio
+async def test_a_full_queue_is_503_stage_busy_with_retry_after_before_any_work(
+    checkpoint: Path,
+) -> None:
+    runner = StageRunner.load(checkpoint)
+    stage = ModelStage(runner, max_queued_tokens=20)
+    outcomes: dict[int, object] = {}
+
+    async def one(i: int) -> None:
+        try:
+            outcomes[i] = await stage(ids(8, i), ctx(f"s{i}", 0, 8))
+        except CapacityError as exc:
+            outcomes[i] = exc
+
+    async with anyio.create_task_group() as tg:
+        for i in range(4):
+            tg.start_soon(one, i)
+    refused = [o for o in outcomes.values() if isinstance(o, CapacityError)]
+    assert refused and all(e.code == "stage_busy" and e.retry_after >= 1 for e in refused)
+    assert len(refused) < 4
+    for i, outcome in outcomes.items():
+        if isinstance(outcome, CapacityError):  # refused before any work: no cache
+            assert runner._lives[f"s{i}"].cache is None
+    assert stage.scheduler.queued_rows == 0
+
+
+@pytest.mark.anyio
+async def test_a_request_cancelled_while_queued_leaves_the_queue(q4_gguf: Path) -> None:
+    """Its rows leave the count at once; the others finish; the cancelled
+    session's next chunk starts clean (whatever pieces ran are dropped)."""
+    stage = ModelStage(load_torch_runner(q4_gguf, range(0, 2), threads=1), max_batch_tokens=16)
+    results: dict[str, np.ndarray] = {}
+    victim = anyio.CancelScope()
+
+    async def one(name: str) -> None:
+        results[name] = await stage(ids(200, 1), ctx(name, 0, 200))
+
+    async def cancelled() -> None:
+        with victim:
+            await stage(ids(200, 9), ctx("gone", 0, 200))
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(one, "a")
+        tg.start_soon(cancelled)
+        tg.start_soon(one, "b")
+        with anyio.fail_after(30):
+            while stage.scheduler.steps < 3:
+                await anyio.sleep(0.001)
+        victim.cancel()
+    assert set(results) == {"a", "b"}
+    assert stage.scheduler.queued_rows == 0 and not stage.scheduler.queue
+    again = await stage(ids(200, 9), ctx("gone", 0, 200))
+    want = load_torch_runner(q4_gguf, range(0, 2), threads=1).run("w", 0, ids(200, 9))
+    assert np.array_equal(again, want)
+
+
+@pytest.mark.anyio
+async def test_decode_steps_are_stepped_in_micro_batches(checkpoint: Path) -> None:
+    runner = StageRunner.load(checkpoint, range(0, 2))  # half the layers: two stages
+    stage = ModelStage(runner)
+    assert stage.scheduler.micro_batches == 2
+    sizes: list[int] = []
+    stage.scheduler.on_step = lambda chunks, rows, seconds: sizes.append(chunks)
+    for i in range(8):
+        await stage(ids(4, i), ctx(f"s{i}", 0, 4))
+    for step in range(3):
+        async with anyio.create_task_group() as tg:
+            for i in range(8):
+                tg.start_soon(stage, ids(1, step), ctx(f"s{i}", 4 + step, 1))
+    assert max(sizes[8:]) <= 4  # ceil(8 sessions / 2 stages)

@@ -1,0 +1,334 @@
+"""The serving loop (meshnet_runtime.http_server) over real sockets and memory.
+
+A tiny application stands in for the node: it echoes activations, can be
+held to keep a request in flight, and has a deliberate bug to show that one
+broken request never takes the server down.
+"""
+
+from __future__ import annotations
+
+import json
+import ssl
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+import anyio
+import numpy as np
+import pytest
+import trustme
+from anyio.abc import ByteStream
+
+from meshnet_proto import (
+    ActivationHead,
+    ActivationReceived,
+    ActivationResponse,
+    DownstreamError,
+    EndpointRequest,
+    SequencingError,
+    ServerConnection,
+    WireHeaders,
+)
+from meshnet_runtime.deadlines import Deadline
+from meshnet_runtime.downstream import DownstreamPool
+from meshnet_runtime.endpoints import parse_endpoint
+from meshnet_runtime.http_server import (
+    ActivationReply,
+    HttpServer,
+    Reply,
+    RequestContext,
+    ServerSettings,
+)
+from meshnet_runtime.metrics import ServerMetrics
+from meshnet_runtime.transports import (
+    client_ssl_context,
+    connect,
+    listen,
+    memory_stream_pair,
+    server_ssl_context,
+)
+from support.wire import read_answer
+
+SID = "5b1e0c4e-8d8a-4c55-9d6e-1f2a3b4c5d6e"
+REJECTED = "00000000-0000-4000-8000-000000000000"
+BUGGY_SHAPE = (1, 13)
+
+
+class EchoApp:
+    def __init__(self) -> None:
+        self.hold = False
+        self.entered = anyio.Event()
+        self.release = anyio.Event()
+
+    async def handle_activation_head(self, event: ActivationHead, ctx: RequestContext) -> None:
+        if event.headers.session == REJECTED:
+            raise SequencingError("rejected before the body", code="session_unknown")
+
+    async def handle_activation(
+        self, event: ActivationReceived, ctx: RequestContext
+    ) -> ActivationReply:
+        if event.headers.shape == BUGGY_SHAPE:
+            raise RuntimeError("a deliberate bug")
+        if self.hold:
+            self.entered.set()
+            await self.release.wait()
+        return ActivationReply(event.headers, event.tensor.tobytes())
+
+    async def handle_endpoint(self, event: EndpointRequest, ctx: RequestContext) -> Reply:
+        if event.path == "/info":
+            raise KeyError("another deliberate bug")
+        return Reply.json(200, {"status": "ok", "path": event.path})
+
+    def cancel_on_disconnect(self, event: EndpointRequest | ActivationReceived) -> bool:
+        return False
+
+
+def activation(shape: tuple[int, ...] = (1, 4), session: str = SID, body: bytes | None = None,
+               length: int | None = None, extra: bytes = b"") -> bytes:  # fmt: skip
+    n = int(np.prod(shape)) * 4
+    body = bytes(range(256)) * (n // 256) + bytes(n % 256) if body is None else body
+    head = (
+        f"POST /forward HTTP/1.1\r\nHost: t\r\nContent-Type: application/octet-stream\r\n"
+        f"X-Meshnet-Shape: {','.join(map(str, shape))}\r\nX-Meshnet-Dtype: float32\r\n"
+        f"X-Meshnet-Session: {session}\r\nX-Meshnet-Chunk-Index: 0\r\n"
+        f"X-Meshnet-Chunk-Total: 1\r\nContent-Length: {len(body) if length is None else length}"
+        f"\r\n"
+    ).encode()
+    return head + extra + b"\r\n" + body
+
+
+async def at_eof(stream: ByteStream) -> bool:
+    """True when the peer closed (bounded: a live connection fails the test)."""
+    with anyio.fail_after(60):
+        try:
+            while await stream.receive():
+                pass
+        except (anyio.EndOfStream, anyio.BrokenResourceError, OSError):
+            return True
+    return True
+
+
+@asynccontextmanager
+async def running(
+    app: EchoApp | None = None,
+    *,
+    uds: str | None = None,
+    tls: ssl.SSLContext | None = None,
+    **settings: float,
+) -> AsyncIterator[tuple[HttpServer, str]]:
+    app = app or EchoApp()
+    server = HttpServer(
+        app,
+        lambda: ServerConnection(),
+        settings=ServerSettings(**{"head_timeout": 5.0, "shutdown_timeout": 5.0, **settings}),
+        metrics=ServerMetrics("test"),
+        ssl_context=tls,
+    )
+    bound = await listen(host="127.0.0.1", port=0, uds=uds, tls=tls is not None)
+    async with anyio.create_task_group() as tg:
+        url = await tg.start(server.serve, bound)
+        try:
+            yield server, url
+        finally:
+            server.request_shutdown()
+
+
+@pytest.mark.anyio
+async def test_keep_alive_round_trips_over_tcp() -> None:
+    async with running() as (_, url):
+        stream = await connect(parse_endpoint(url))
+        for _ in range(3):  # one connection, three requests
+            await stream.send(activation())
+            status, headers, body = await read_answer(stream)
+            assert status == 200
+            assert headers["x-meshnet-session"] == SID
+            assert body == activation()[-16:]
+        await stream.send(b"GET /health HTTP/1.1\r\nHost: t\r\n\r\n")
+        status, _, body = await read_answer(stream)
+        assert (status, json.loads(body)["status"]) == (200, "ok")
+        await stream.aclose()
+
+
+@pytest.mark.anyio
+async def test_unix_socket_and_memory_streams(tmp_path: Path) -> None:
+    path = str(tmp_path / "node.sock")
+    async with running(uds=path) as (_, url):
+        assert url == f"unix:{path}"
+        stream = await connect(parse_endpoint(url))
+        await stream.send(activation())
+        assert (await read_answer(stream))[0] == 200
+        await stream.aclose()
+    assert not Path(path).exists()
+
+    server = HttpServer(EchoApp(), lambda: ServerConnection())
+    client, served = memory_stream_pair()
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(server.serve_stream, served)
+        await client.send(activation())
+        assert (await read_answer(client))[0] == 200
+        await client.aclose()
+
+
+@pytest.mark.anyio
+async def test_slow_head_gets_408_and_idle_connection_just_closes() -> None:
+    async with running(head_timeout=0.3) as (_, url):
+        slow = await connect(parse_endpoint(url))
+        await slow.send(b"POST /forward HTTP/1.1\r\nHost: t\r\n")  # never finished
+        status, headers, body = await read_answer(slow)
+        assert status == 408
+        assert json.loads(body)["error"]["code"] == "request_timeout"
+        assert headers["connection"] == "close"
+        assert await at_eof(slow)
+
+        idle = await connect(parse_endpoint(url))
+        assert await at_eof(idle)  # no bytes sent: no 408, just a close
+
+
+@pytest.mark.anyio
+async def test_connection_cap_answers_503_with_retry_after() -> None:
+    async with running(max_connections=1) as (_, url):
+        first = await connect(parse_endpoint(url))
+        await first.send(activation())
+        assert (await read_answer(first))[0] == 200  # holds the only slot
+        second = await connect(parse_endpoint(url))
+        await second.send(activation())
+        status, headers, body = await read_answer(second)
+        assert status == 503
+        assert json.loads(body)["error"]["code"] == "too_many_connections"
+        assert int(headers["retry-after"]) >= 1
+        await first.send(activation())
+        assert (await read_answer(first))[0] == 200
+        await first.aclose()
+        await second.aclose()
+
+
+@pytest.mark.anyio
+async def test_a_bug_is_a_500_and_the_server_keeps_serving() -> None:
+    async with running() as (server, url):
+        for request in (activation(shape=BUGGY_SHAPE), b"GET /info HTTP/1.1\r\nHost: t\r\n\r\n"):
+            stream = await connect(parse_endpoint(url))
+            await stream.send(request)
+            status, _, body = await read_answer(stream)
+            assert (status, json.loads(body)["error"]["code"]) == (500, "internal_error")
+            await stream.aclose()
+        stream = await connect(parse_endpoint(url))
+        await stream.send(activation())
+        assert (await read_answer(stream))[0] == 200
+        await stream.aclose()
+        assert server.metrics is not None
+        assert b'status="500"' in server.metrics.render()
+
+
+@pytest.mark.anyio
+async def test_early_reject_is_readable_while_the_body_still_streams() -> None:
+    async with running() as (_, url):
+        stream = await connect(parse_endpoint(url))
+        shape = (1, 256 * 1024)  # 1 MiB promised; only part of it is ever sent
+        await stream.send(activation(shape=shape, session=REJECTED, body=b"\0" * 65536))
+        status, headers, body = await read_answer(stream)
+        assert (status, json.loads(body)["error"]["code"]) == (409, "session_unknown")
+        assert headers["connection"] == "close"
+        assert await at_eof(stream)
+
+
+@pytest.mark.anyio
+async def test_bad_input_is_4xx_json_never_500() -> None:
+    cases = [
+        (b"BREW /pot HTTP/1.1\r\nHost: t\r\n\r\n", 404),
+        (b"GET /forward HTTP/1.1\r\nHost: t\r\n\r\n", 405),
+        (activation(length=3), 400),
+        (activation(extra=b"Transfer-Encoding: chunked\r\n"), 400),
+        (b"\x16\x03\x01garbage\r\n\r\n", 400),
+        (b"GET / HTTP/1.1\r\nHost: t\r\nX: " + b"a" * 20000 + b"\r\n\r\n", 431),
+    ]
+    async with running() as (_, url):
+        for request, expected in cases:
+            stream = await connect(parse_endpoint(url))
+            await stream.send(request)
+            status, headers, body = await read_answer(stream)
+            assert status == expected, (request[:40], body)
+            assert headers["content-type"] == "application/json"
+            assert json.loads(body)["error"]["status"] == expected
+            await stream.aclose()
+
+
+@pytest.mark.anyio
+async def test_graceful_shutdown_finishes_in_flight_and_refuses_new() -> None:
+    app = EchoApp()
+    app.hold = True
+    async with running(app) as (server, url):
+        busy = await connect(parse_endpoint(url))
+        idle = await connect(parse_endpoint(url))
+        await busy.send(activation())
+        await app.entered.wait()
+        server.request_shutdown()
+        assert await at_eof(idle)  # idle keep-alive connections close at once
+        # While the request in flight drains, a new connection is answered
+        # 503 shutting_down with Retry-After (not refused: a sender can tell
+        # "back off" from "crashed").
+        late = await connect(parse_endpoint(url))
+        await late.send(activation())
+        status, headers, body = await read_answer(late)
+        assert status == 503 and json.loads(body)["error"]["code"] == "shutting_down"
+        assert headers["retry-after"] == "1"
+        await late.aclose()
+        app.release.set()
+        status, _, body = await read_answer(busy)  # the request in flight completes
+        assert status == 200 and len(body) == 16
+        assert await at_eof(busy)
+        with pytest.raises(OSError):
+            for _ in range(1200):  # bounded (~60 s): the listener closes once the drain is done
+                await (await connect(parse_endpoint(url))).aclose()
+                await anyio.sleep(0.05)
+
+
+@pytest.mark.anyio
+async def test_tls_server_and_pool(tmp_path: Path) -> None:
+    ca = trustme.CA()
+    cert = ca.issue_cert("127.0.0.1", "localhost")
+    cert_pem, key_pem, ca_pem = tmp_path / "c.pem", tmp_path / "k.pem", tmp_path / "ca.pem"
+    cert.cert_chain_pems[0].write_to_path(cert_pem)
+    cert.private_key_pem.write_to_path(key_pem)
+    ca.cert_pem.write_to_path(ca_pem)
+    async with running(tls=server_ssl_context(str(cert_pem), str(key_pem))) as (_, url):
+        assert url.startswith("https://127.0.0.1:")
+        pool = DownstreamPool(url, ssl_context=client_ssl_context(str(ca_pem)))
+        headers = WireHeaders(shape=(1, 4), dtype="float32", session=SID, chunk_index=0,
+                              chunk_total=1, position=0)  # fmt: skip
+        body = np.arange(4, dtype="<f4").tobytes()
+        for _ in range(2):
+            response = await pool.forward(headers, body, Deadline.after(10))
+            assert isinstance(response, ActivationResponse)
+            assert bytes(response.body) == body
+        health = await pool.request("GET", "/health", Deadline.after(10))
+        assert health.status == 200
+        await pool.aclose()
+
+        untrusting = DownstreamPool(url, ssl_context=client_ssl_context(None))
+        with pytest.raises(DownstreamError) as exc:
+            await untrusting.request("GET", "/health", Deadline.after(10))
+        assert (exc.value.code, exc.value.hop) == ("downstream_unreachable", url)
+
+
+class _RecordingStream:
+    """Just enough of a ByteStream to see how an answer is cut into sends."""
+
+    def __init__(self) -> None:
+        self.sends: list[bytes] = []
+
+    async def send(self, data: bytes) -> None:
+        self.sends.append(bytes(data))
+
+
+@pytest.mark.anyio
+async def test_a_small_answer_goes_out_in_one_send_a_large_one_uncopied() -> None:
+    from meshnet_runtime.http_server import _write
+    from meshnet_runtime.transports import COALESCE_BYTES
+
+    small = _RecordingStream()
+    await _write(small, anyio.Lock(), [b"HTTP/1.1 200 OK\r\n\r\n", memoryview(b"x" * 100)], 5.0)
+    assert small.sends == [b"HTTP/1.1 200 OK\r\n\r\n" + b"x" * 100]
+    large = _RecordingStream()
+    body = memoryview(bytes(COALESCE_BYTES))
+    await _write(large, anyio.Lock(), [b"head", body], 5.0)
+    assert large.sends == [b"head", bytes(body)]
