@@ -26,7 +26,7 @@ IMPLEMENTATIONS = frozenset({"ReplicaSet", "DownstreamPool"})
 GETATTR_ALLOWED = {
     # gguf's tensor_type is an enum member or a bare int in older gguf
     # releases: its name when it has one.
-    ("meshnet_model/engines/footprint.py", "name"),
+    ("meshnet_model/engines/held_bytes.py", "name"),
     ("meshnet_model/identity.py", "name"),
     # An engine's KV element size (engines predating it store float32);
     # meshnet_model's engine protocol is outside issue 21 part 3.
