@@ -263,8 +263,12 @@ def collect(pairs: Iterable[tuple[bytes | str, bytes | str]]) -> dict[bytes, byt
     content_types: list[bytes] = []
     found: dict[bytes, list[bytes]] = {}
     for raw_name, raw_value in pairs:
-        name = as_bytes(raw_name).lower()
-        value = as_bytes(raw_value)
+        # h11 hands bytes over: skip the conversion calls then (a decode
+        # step parses a dozen headers; section decode).
+        if type(raw_name) is bytes and type(raw_value) is bytes:
+            name, value = raw_name.lower(), raw_value
+        else:
+            name, value = as_bytes(raw_name).lower(), as_bytes(raw_value)
         if name == CONTENT_TYPE:
             content_types.append(value)
         elif name in KNOWN_MESHNET_HEADERS:
