@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import functools
+import sys
+
 import numpy as np
 import xxhash
 
@@ -23,16 +26,25 @@ def tensor_fingerprint(array: np.ndarray) -> bytes:
     before, in a session it already writes to — nothing another peer relies on.
     """
     arr = np.asarray(array)
-    little = arr.dtype.newbyteorder("<")
-    if arr.dtype != little:  # the wire is little-endian; the same values hash the same
-        arr = arr.astype(little)
-    arr = np.ascontiguousarray(arr)
+    if not (arr.dtype.byteorder in _LITTLE and arr.flags.c_contiguous):
+        # The wire is little-endian C order; the same values hash the same.
+        arr = np.ascontiguousarray(arr.astype(arr.dtype.newbyteorder("<"), copy=False))
     # "|" appears in neither a shape nor a dtype name, so the framing is
     # unambiguous. One update for the framing (a decode step hashes 16 KiB:
     # per-call overhead is most of its cost).
-    digest = xxhash.xxh3_128(
-        b"meshnet-tensor|%b|%b|"
-        % (",".join(map(str, arr.shape)).encode("ascii"), arr.dtype.name.encode("ascii"))
-    )
+    digest = xxhash.xxh3_128(_framing(arr.shape, arr.dtype.name))
     digest.update(arr.reshape(-1).view(np.uint8).data)
     return digest.digest()
+
+
+# Byte orders that are little-endian here: "|" (one byte), "<", and "=" on a
+# little-endian machine.
+_LITTLE = ("|", "<", "=") if sys.byteorder == "little" else ("|", "<")
+
+
+@functools.lru_cache(maxsize=256)  # a session's chunks share a few shapes
+def _framing(shape: tuple[int, ...], dtype_name: str) -> bytes:
+    return b"meshnet-tensor|%b|%b|" % (
+        ",".join(map(str, shape)).encode("ascii"),
+        dtype_name.encode("ascii"),
+    )

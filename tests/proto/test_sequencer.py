@@ -10,6 +10,7 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 import pytest
+import xxhash
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
@@ -126,6 +127,18 @@ def test_fingerprint_is_the_decoded_tensor() -> None:
     bf = a.astype(ml_dtypes.bfloat16)
     assert tensor_fingerprint(bf) == tensor_fingerprint(bf.copy())
     assert tensor_fingerprint(bf) != tensor_fingerprint(bf.view(np.float16))
+
+
+def test_fingerprint_framing_is_fixed() -> None:
+    # The digest is XXH3-128 over "meshnet-tensor|<shape>|<dtype name>|" and
+    # the little-endian element bytes: a change of it (or of its cache of the
+    # framing) would make a retransmission look like another chunk.
+    a = np.arange(24, dtype=np.float32).reshape(2, 3, 4)
+    expected = xxhash.xxh3_128(b"meshnet-tensor|2,3,4|float32|" + a.tobytes()).digest()
+    assert tensor_fingerprint(a) == expected
+    assert tensor_fingerprint(a.astype(">f4")) == expected  # the same framing from the cache
+    other = xxhash.xxh3_128(b"meshnet-tensor|4,3,2|float32|" + a.tobytes()).digest()
+    assert tensor_fingerprint(a.reshape(4, 3, 2)) == other
 
 
 # -- the ordinary paths ---------------------------------------------------------------------
