@@ -261,19 +261,27 @@ class NodeApp:
         # goes down keeps the session key (the session's, not the hop's:
         # wire-2 §3.9); what is answered never carries it.
         stage_key = self.stage_key
-        out = headers.replace(
-            shape=tuple(output.shape),
-            dtype=dtype,
-            encoding=encoding,
-            position=ticket.position,
-            deadline_ms=None,
-            stage=None,
-        )
+        changes: dict[str, Any] = {
+            "shape": tuple(output.shape),
+            "dtype": dtype,
+            "encoding": encoding,
+            "position": ticket.position,
+            "deadline_ms": None,
+            "stage": None,
+        }
+        if self.downstream is None:
+            # The last stage: what is answered is all there is (one copy of
+            # the headers, not two: section decode).
+            reply = ActivationReply(headers.replace(**changes, session_key=None), body)
+            self.table.response_ready(
+                ticket, reply, anyio.current_time(), nbytes=memoryview(reply.body).nbytes
+            )
+            return reply
+        out = headers.replace(**changes)
         down = out if stage_key is None else out.replace(stage=f"{stage_key[0]}/{stage_key[2]}")
-        if replay and self.downstream is not None:
+        if replay:
             # Kept as if sent: a failover of the hop below replays it.
             self.downstream.record_replayed(ticket.session, down, body)
-        if self.downstream is None or replay:
             reply = ActivationReply(out.replace(session_key=None), body)
             self.table.response_ready(
                 ticket, reply, anyio.current_time(), nbytes=memoryview(reply.body).nbytes

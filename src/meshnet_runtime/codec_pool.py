@@ -113,6 +113,18 @@ class CodecPool:
         needs (``meshnet_runtime.link``).
         """
 
+        # Trivial: the body is a view of the array, no encoding at all (a
+        # decode step's usual answer): done here, untimed, without the
+        # worker-thread machinery (section decode). Not for a strided array
+        # (a chunk of a batch > 1): making it contiguous is a full copy.
+        if (
+            array.flags.c_contiguous
+            and dtype_policy == WireDtypePolicy.KEEP
+            and (encoding_policy == EncodingPolicy.IDENTITY
+                 or (encoding_policy == EncodingPolicy.MIRROR and request_encoding == "identity"))
+        ):  # fmt: skip
+            return encode_for_wire(array, encoding_policy=EncodingPolicy.IDENTITY)
+
         def work() -> tuple[str, str, bytes | memoryview]:
             start = time.perf_counter()
             cpu_start = time.thread_time()
@@ -130,16 +142,7 @@ class CodecPool:
                 if timed is not None:
                     timed(time.thread_time() - cpu_start)
 
-        # Trivial: the body is a view of the array. Not for a strided array
-        # (a chunk of a batch > 1): making it contiguous is a full copy.
-        trivial = (
-            array.flags.c_contiguous
-            and WireDtypePolicy(dtype_policy) is WireDtypePolicy.KEEP
-            and EncodingPolicy(encoding_policy) in (EncodingPolicy.MIRROR, EncodingPolicy.IDENTITY)
-            and (EncodingPolicy(encoding_policy) is EncodingPolicy.IDENTITY
-                 or request_encoding == "identity")
-        )  # fmt: skip
-        return await self.run(0 if trivial else array.nbytes, work)
+        return await self.run(array.nbytes, work)
 
     def _observe(self, op: str, start: float) -> None:
         if self.metrics:
