@@ -49,6 +49,7 @@ from ._retry import RetryPolicy
 from .access import CLIENT_CLOSED, AccessLog, AccessRecord
 from .admission import Admission
 from .chain import RECHECK_CODES, ChainCheck, ChainMismatch, gateway_facts
+from .chain_view import ChainView
 from .config import GatewayConfig
 from .entry import EntryWindow, entry_downstream
 from .info import gateway_info
@@ -147,6 +148,8 @@ class GatewayApp:
         # (``ChainMismatch``) instead (meshnet-gateway).
         self.chain = ChainCheck(self.control, self.pool.url, config.health_interval)
         self.pool.on_change = self.chain.changed  # a replica set's changes (a node has none)
+        # /info's "stages": the chain walked by each hop's /info (bounded).
+        self.chain_view = ChainView(self.pool, token=config.token, tls_ca=config.tls_ca)
 
     # ------------------------------------------------------------ lifecycle
 
@@ -401,6 +404,8 @@ class GatewayApp:
                 return from_meshnet(exc).reply()
             record.timing = RequestTiming(arrived=ctx.started)
             return await self.openai.handle(event, record.timing)
+        if event.route == "/info":
+            return Reply.json(200, await self.describe())
         return await self.control.handle(event, ctx)
 
     def _owner(self, session: str, key: str | None) -> str | None:
@@ -417,7 +422,12 @@ class GatewayApp:
         return self.sessions.end(session)
 
     def info(self) -> dict[str, Any]:
+        """The gateway's own part of ``/info`` (what it knows without asking)."""
         return gateway_info(self)
+
+    async def describe(self) -> dict[str, Any]:
+        """``GET /info``: ``info()`` and the chain in one view (``stages``, ``walk``)."""
+        return {**self.info(), **await self.chain_view.describe()}
 
 
 def _record(method: str, path: str, query: str, ctx: RequestContext) -> AccessRecord:
