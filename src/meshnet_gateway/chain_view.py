@@ -50,14 +50,15 @@ class ChainView:
         *,
         token: str | None = None,
         tls_ca: str | None = None,
-        hop_timeout: float = HOP_TIMEOUT,
-        walk_timeout: float = WALK_TIMEOUT,
+        hop_timeout: float | None = None,
+        walk_timeout: float | None = None,
     ) -> None:
         self.pool = pool
         self.token = token
         self.tls_ca = tls_ca
-        self.hop_timeout = hop_timeout
-        self.walk_timeout = walk_timeout
+        # None: the module's bounds, read now (not frozen when the module loaded).
+        self.hop_timeout = HOP_TIMEOUT if hop_timeout is None else hop_timeout
+        self.walk_timeout = WALK_TIMEOUT if walk_timeout is None else walk_timeout
         self._lock: anyio.Lock | None = None  # made on the loop
         self._cached: tuple[float, dict[str, Any]] | None = None
 
@@ -135,7 +136,8 @@ class ChainView:
         except TimeoutError:
             return f"no answer within {timeout:g} s"
         except (MeshnetError, OSError, ValueError) as exc:
-            return str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__
+            text = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+            return text.removeprefix(f"{url}: ")[:200]  # the row names the URL already
         finally:
             with anyio.CancelScope(shield=True):
                 await client.aclose()
