@@ -272,3 +272,60 @@ async def test_refusals_and_forward_have_their_line(
         "/v1/completions", 404, {"duration"},
     )  # fmt: skip
     assert forward.target == "/forward" and 400 <= forward.status < 500
+
+
+async def _leave(url: str, body: dict[str, Any], *, until: Any) -> None:
+    """POST ``body`` over a raw socket, wait until ``until(received)``, hang up
+    (a whole answer sends nothing before its end: ``until`` is polled then)."""
+    host, port = url.removeprefix("http://").rsplit(":", 1)
+    data = json.dumps(body).encode()
+    head = (f"POST /v1/completions HTTP/1.1\r\nHost: gw\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(data)}\r\n\r\n").encode()  # fmt: skip
+    stream = await anyio.connect_tcp(host, int(port))
+    await stream.send(head + data)
+    seen = b""
+    while not until(seen):
+        if body["stream"]:
+            seen += await stream.receive()
+        else:
+            await anyio.sleep(0.005)
+    await stream.aclose()
+
+
+async def _line_of(caplog: pytest.LogCaptureFixture) -> Line:
+    """The one access line, once written (bounded: ``LIMIT`` ends a hang)."""
+    while True:
+        logged = [r.getMessage() for r in caplog.records if r.name == "meshnet.access"]
+        if logged:
+            (line,) = access_lines("\n".join(f"meshnet.access: {m}" for m in logged))
+            return line
+        await anyio.sleep(0.01)
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("stream", [True, False], ids=["stream", "whole"])
+async def test_a_client_that_leaves_is_logged_as_such(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, stream: bool
+) -> None:
+    """Mid-stream: the 200 is out, the line says ``client_left`` with the tokens
+    generated so far; before a whole answer: status 499, nginx's."""
+    from support.openai import fake_stages
+
+    stages = fake_stages(2)
+    stages[-1].delay_ms = 20.0  # 200 steps: seconds, the client leaves long before
+    caplog.set_level(logging.INFO, logger="meshnet.access")
+    body = {"model": "tiny", "prompt": "hello", "max_tokens": 200, "stream": stream}
+    async with serve_openai(write_model_dir(tmp_path / "tiny"), stages=stages) as served:
+        with anyio.fail_after(LIMIT):
+            if stream:
+                await _leave(served.url, body, until=lambda seen: seen.count(b"data: ") >= 3)
+            else:
+                calls = stages[-1].calls
+                await _leave(served.url, body, until=lambda seen: stages[-1].calls >= calls + 5)
+            line = await _line_of(caplog)
+    if stream:
+        assert (line.status, line.flags) == (200, ["client_left"])
+        assert 2 <= int(line.fields["completion_tokens"]) < 200
+    else:
+        assert (line.status, line.flags) == (499, [])
+    assert line.target == "/v1/completions"
