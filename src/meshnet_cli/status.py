@@ -5,9 +5,9 @@ entry, docs/gateway.md "The chain in one view") and prints one row per
 replica of each stage, in order::
 
     gateway  model SmolLM2-135M-Instruct  entry http://127.0.0.1:40411  running 0  queued 0
-    STAGE  URL                     LAYERS  ENGINE  DTYPE     HEALTH       SESSIONS  INFLIGHT
-    0      http://127.0.0.1:40411  0:15    torch   bfloat16  ok           1         -
-    1      http://127.0.0.1:40123  15:30   torch   bfloat16  ok           1         -
+    STAGE  URL                     LAYERS  ENGINE  DTYPE    WEIGHTS   HEALTH  SESSIONS  INFLIGHT
+    0      http://127.0.0.1:40411  0:15    torch   float32  int4pack  ok      1         -
+    1      http://127.0.0.1:40123  15:30   torch   float32  int4pack  ok      1         -
 
 Plain aligned text (greppable, the same on a terminal and in a pipe);
 ``--json`` prints the ``/info`` document itself. Exit 0 when every stage
@@ -33,7 +33,9 @@ if TYPE_CHECKING:
 
 __all__ = ["add_parser", "main", "render"]
 
-COLUMNS = ("STAGE", "URL", "LAYERS", "ENGINE", "DTYPE", "HEALTH", "SESSIONS", "INFLIGHT")
+COLUMNS = (
+    "STAGE", "URL", "LAYERS", "ENGINE", "DTYPE", "WEIGHTS", "HEALTH", "SESSIONS", "INFLIGHT",
+)  # fmt: skip
 
 
 def add_parser(commands: _Commands) -> None:
@@ -134,6 +136,7 @@ def _row(stage: Any, replica: dict[str, Any]) -> Sequence[str]:
             span or replica.get("backend"),  # a stub: its backend (echo, …)
             replica.get("engine"),
             replica.get("dtype"),
+            replica.get("weights"),
             replica.get("health"),
             replica.get("sessions"),
             replica.get("inflight"),

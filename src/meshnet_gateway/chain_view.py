@@ -192,6 +192,9 @@ def _replica(url: str, view: dict[str, Any] | None, answer: dict[str, Any] | str
             layers=layers if isinstance(layers, list) else None,
             engine=stage.get("engine", identity.get("engine")),
             dtype=stage.get("compute_dtype", identity.get("dtype")),
+            # How the matrices are held (int4pack for a quantized GGUF stage on
+            # torch, whose compute dtype is float32), else the weights' dtype.
+            weights=_dict(stage.get("footprint")).get("form", stage.get("weights_dtype")),
             device=stage.get("device"),
             sessions=answer.get("sessions"),
             kv_sessions=stage.get("kv_sessions"),

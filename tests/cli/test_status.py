@@ -46,7 +46,9 @@ def test_status_prints_the_chain_and_refuses_what_is_not_a_gateway() -> None:
         assert shown.stdout.splitlines()[0] == f"gateway  entry {nodes[0]}"
         rows = table(shown.stdout)
         assert [(r["STAGE"], r["URL"]) for r in rows] == [("0", nodes[0]), ("1", nodes[1])]
-        assert {(r["LAYERS"], r["HEALTH"], r["SESSIONS"]) for r in rows} == {("echo", "ok", "0")}
+        assert {(r["LAYERS"], r["WEIGHTS"], r["HEALTH"], r["SESSIONS"]) for r in rows} == {
+            ("echo", "-", "ok", "0")
+        }
         as_json = status(gateway, "--json")
         assert as_json.returncode == 0
         document = json.loads(as_json.stdout)

@@ -62,6 +62,7 @@ async def test_every_stage_in_order_with_layers_engine_dtype_health_and_load(
     for row in rows:
         assert (row["health"], row["role"], row["backend"]) == ("ok", "node", "model")
         assert (row["engine"], row["dtype"], row["model"]) == ("numpy", "float32", "tiny")
+        assert row["weights"] == "float32"  # numpy holds the matrices as float32
         assert row["sessions"] == 0 and row["kv_sessions"] == 0
     assert document["walk"]["complete"] is True and document["walk"]["stopped"] is None
 
