@@ -290,7 +290,20 @@ HOSTILE: list[Any] = [
 ]  # fmt: skip
 FIELDS = ["model", "prompt", "messages", "max_tokens", "max_completion_tokens", "temperature",
           "top_p", "top_k", "seed", "stop", "stream", "stream_options", "n", "logprobs",
-          "echo", "logit_bias", "presence_penalty", "frequency_penalty", "user"]  # fmt: skip
+          "echo", "logit_bias", "presence_penalty", "frequency_penalty", "user",
+          # docs/openai-api.md's table since issue 22: implemented, then refused by name
+          "top_logprobs", "min_p", "repetition_penalty", "min_tokens", "ignore_eos",
+          "stop_token_ids", "response_format", "best_of", "metadata", "prompt_cache_key",
+          "safety_identifier", "tools", "tool_choice", "parallel_tool_calls", "functions",
+          "function_call", "suffix", "audio", "prediction", "reasoning_effort",
+          "web_search_options", "modalities", "store", "service_tier", "prompt_logprobs",
+          "use_beam_search", "include_stop_str_in_output", "skip_special_tokens",
+          "allowed_token_ids", "bad_words", "guided_json", "structured_outputs", "typical_p",
+          "chat_template", "add_generation_prompt", "repeat_penalty", "n_probs",
+          "grammar", "json_schema", "chat_template_kwargs", "continue_final_message",
+          "documents", "guided_choice", "guided_grammar", "guided_regex", "length_penalty",
+          "return_tokens_as_token_ids", "spaces_between_special_tokens",
+          "truncate_prompt_tokens"]  # fmt: skip
 RAW = [b"NaN", b"Infinity", b"-Infinity", b"1e400", b"9" * 5000, b'"\\ud800"', b"[" * 3000,
        b"{" * 3000, b'"\\u0000"', b"\xff\xfe", b'"\xed\xa0\x80"']  # fmt: skip
 

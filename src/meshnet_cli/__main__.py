@@ -22,6 +22,8 @@ from meshnet_runtime.config import (
 )
 from meshnet_runtime.memory import parse_bytes_or_auto
 
+from . import status
+
 if TYPE_CHECKING:  # what build_parser hands each subcommand's _add_* to add its parser to
     _Commands = argparse._SubParsersAction[argparse.ArgumentParser]
 
@@ -33,6 +35,7 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for add in (_add_demo, _add_send, _add_bench, _add_generate, _add_conformance, _add_run):
         add(commands)
+    status.add_parser(commands)  # meshnet status URL: a gateway's chain
     return parser
 
 
@@ -238,6 +241,8 @@ def _add_run(commands: _Commands) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.command == "status":
+        return status.main(args)
     if args.command == "demo":
         from .demo import run_demo
 

@@ -46,8 +46,10 @@ from meshnet_runtime.wire_encoder import WireEncoder
 
 from ._pipeline import run_chunks
 from ._retry import RetryPolicy
+from .access import CLIENT_CLOSED, AccessLog, AccessRecord
 from .admission import Admission
 from .chain import RECHECK_CODES, ChainCheck, ChainMismatch, gateway_facts
+from .chain_view import ChainView
 from .config import GatewayConfig
 from .entry import EntryWindow, entry_downstream
 from .info import gateway_info
@@ -55,7 +57,8 @@ from .openai import OpenAIService, ServedModel
 from .openai.api import OPENAI_ROUTES
 from .openai.errors import from_meshnet
 from .openai.generation import ChainSettings
-from .openai.metrics import GenerationMetrics
+from .openai.metrics import GenerationMetrics, ServingMetrics
+from .openai.timing import RequestTiming
 
 __all__ = ["ChainMismatch", "GatewayApp"]
 
@@ -124,6 +127,8 @@ class GatewayApp:
             max_queued=config.max_queued,
             queue_timeout=config.queue_timeout,
         )
+        # One line per request at info (meshnet.access; --no-access-log).
+        self.access = AccessLog(enabled=not config.no_access_log)
         self.openai: OpenAIService | None = None
         if config.model is not None:
             self.openai = _openai_service(self)
@@ -143,6 +148,8 @@ class GatewayApp:
         # (``ChainMismatch``) instead (meshnet-gateway).
         self.chain = ChainCheck(self.control, self.pool.url, config.health_interval)
         self.pool.on_change = self.chain.changed  # a replica set's changes (a node has none)
+        # /info's "stages": the chain walked by each hop's /info (bounded).
+        self.chain_view = ChainView(self.pool, token=config.token, tls_ca=config.tls_ca)
 
     # ------------------------------------------------------------ lifecycle
 
@@ -219,6 +226,13 @@ class GatewayApp:
     # ------------------------------------------------------------ /forward
 
     async def handle_activation_head(self, event: ActivationHead, ctx: RequestContext) -> None:
+        try:
+            await self._check_activation_head(event)
+        except MeshnetError as exc:  # answered now, before the body: its line too
+            self.access.write(_record("POST", "/forward", event.query, ctx), exc.status)
+            raise
+
+    async def _check_activation_head(self, event: ActivationHead) -> None:
         # Reject before reading what may be hundreds of MiB of body.
         self.chain.refuse_if_mismatched()
         session = event.headers.session
@@ -240,6 +254,16 @@ class GatewayApp:
     async def handle_activation(
         self, event: ActivationReceived, ctx: RequestContext
     ) -> ActivationReply:
+        record = _record("POST", "/forward", event.query, ctx)
+        try:
+            reply = await self._forward(event, ctx)
+        except BaseException as exc:
+            self.access.write(record, _status_of(exc))
+            raise
+        self.access.write(record, 200)
+        return reply
+
+    async def _forward(self, event: ActivationReceived, ctx: RequestContext) -> ActivationReply:
         request = event.headers
         deadline = Deadline.start(ctx.started, self.config.timeout, request.deadline_ms)
         deadline.check()
@@ -359,12 +383,29 @@ class GatewayApp:
     async def handle_endpoint(
         self, event: EndpointRequest, ctx: RequestContext
     ) -> Reply | StreamReply:
+        record = _record(event.method, event.path, event.query, ctx)
+        try:
+            reply = await self._endpoint(event, ctx, record)
+        except BaseException as exc:
+            self.access.write(record, _status_of(exc))
+            raise
+        if isinstance(reply, StreamReply):
+            return _logged_stream(reply, self.access, record)  # its line when it ends
+        self.access.write(record, reply.status)
+        return reply
+
+    async def _endpoint(
+        self, event: EndpointRequest, ctx: RequestContext, record: AccessRecord
+    ) -> Reply | StreamReply:
         if self.openai is not None and event.route in OPENAI_ROUTES:
             try:
                 self.chain.refuse_if_mismatched()
             except MeshnetError as exc:
                 return from_meshnet(exc).reply()
-            return await self.openai.handle(event)
+            record.timing = RequestTiming(arrived=ctx.started)
+            return await self.openai.handle(event, record.timing)
+        if event.route == "/info":
+            return Reply.json(200, await self.describe())
         return await self.control.handle(event, ctx)
 
     def _owner(self, session: str, key: str | None) -> str | None:
@@ -381,7 +422,45 @@ class GatewayApp:
         return self.sessions.end(session)
 
     def info(self) -> dict[str, Any]:
+        """The gateway's own part of ``/info`` (what it knows without asking)."""
         return gateway_info(self)
+
+    async def describe(self) -> dict[str, Any]:
+        """``GET /info``: ``info()`` and the chain in one view (``stages``, ``walk``)."""
+        return {**self.info(), **await self.chain_view.describe()}
+
+
+def _record(method: str, path: str, query: str, ctx: RequestContext) -> AccessRecord:
+    # A target is bounded by the core's head limit; a log line by less.
+    target = f"{path}?{query}" if query else path
+    return AccessRecord(method, target[:200], ctx.peer, ctx.started)
+
+
+def _status_of(exc: BaseException) -> int:
+    """The status a failed handler's request is answered (or logged) with."""
+    if isinstance(exc, MeshnetError):
+        return exc.status
+    if isinstance(exc, anyio.get_cancelled_exc_class()):
+        return CLIENT_CLOSED  # the client left (or the server stops): no answer
+    return 500  # the serving loop answers internal_error
+
+
+def _logged_stream(reply: StreamReply, access: AccessLog, record: AccessRecord) -> StreamReply:
+    """``reply`` whose line is written when its stream ends (the tokens are
+    known then), whether it ended whole, failed, or its client left."""
+
+    async def produce(send: Any) -> None:
+        client_left = True  # unless produce returns or raises: cancelled
+        try:
+            await reply.produce(send)
+            client_left = False
+        except Exception:
+            client_left = False
+            raise
+        finally:
+            access.write(record, reply.status, client_left=client_left)
+
+    return StreamReply(reply.status, reply.headers, produce, heartbeat=reply.heartbeat)
 
 
 def _response_headers(output: np.ndarray, dtype: str, encoding: str, lease: Lease) -> WireHeaders:
@@ -440,4 +519,5 @@ def _openai_service(app: GatewayApp) -> OpenAIService:
         metrics=GenerationMetrics(app.metrics.registry),
         admission=app.admission,
         spawn=app._spawn,
+        serving=ServingMetrics(app.metrics.registry, model.name, model.context_length),
     )

@@ -9,6 +9,7 @@ API's model and prompt limits, and admission to ``/v1`` generations.
 
 from __future__ import annotations
 
+import argparse
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar, NoReturn
@@ -76,7 +77,26 @@ _ADMISSION = (
     Flag("--queue-timeout", positive_seconds,
          "seconds a /v1 request may wait in the queue (then 503)"),
 )  # fmt: skip
-GATEWAY_FLAGS: tuple[Flag, ...] = _CHAIN + _MODEL + _RETRIES + _PROMPTS + _ADMISSION
+
+
+def switch(text: str) -> bool:
+    """An on/off flag's value: given bare (``--no-access-log``) it is on; a
+    value (the flag's ``=VALUE`` or its ``MESHNET_*`` variable) says which."""
+    value = text.strip().lower()
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("0", "false", "no", "off", ""):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true/false (1/0, yes/no, on/off), got {text!r}")
+
+
+switch.switch = True  # type: ignore[attr-defined]  # build_parser: the value is optional
+
+_LOGGING = (
+    Flag("--no-access-log", switch,
+         "do not log one line per request (meshnet.access, at info)"),
+)  # fmt: skip
+GATEWAY_FLAGS: tuple[Flag, ...] = _CHAIN + _MODEL + _RETRIES + _PROMPTS + _ADMISSION + _LOGGING
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -112,6 +132,21 @@ class GatewayConfig(ServerConfig):
     max_prefill_tokens: int = 4096
     max_queued: int = 128
     queue_timeout: float = 120.0
+    # The access log (meshnet_gateway.access): one line per request, on by
+    # default as uvicorn's and vLLM's are; an operator behind a proxy that
+    # logs already turns it off.
+    no_access_log: bool = False
+
+    @classmethod
+    def build_parser(cls, prog: str | None = None) -> argparse.ArgumentParser:
+        """As every server's, and an on/off flag needs no value (``--no-access-log``)."""
+        # (not bare super(): slots=True makes a new class, the closure keeps the old)
+        parser = super(GatewayConfig, cls).build_parser(prog)
+        for flag in cls.flags():
+            if getattr(flag.kind, "switch", False):
+                action = parser._option_string_actions[flag.name]
+                action.nargs, action.const, action.metavar = "?", "true", "BOOL"
+        return parser
 
     @classmethod
     def check_role(cls, values: dict[str, Any], error: Callable[[str], NoReturn]) -> None:

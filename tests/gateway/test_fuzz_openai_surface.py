@@ -17,6 +17,7 @@ from types import ModuleType
 
 import pytest
 
+from meshnet_gateway.openai.requests import REFUSED
 from meshnet_gateway.openai.tokenizer import ModelTokenizer
 
 FUZZ = Path(__file__).resolve().parents[2] / "fuzz"
@@ -90,3 +91,14 @@ def test_the_answer_checker_refuses_what_a_gateway_must_not_send() -> None:
     ):
         with pytest.raises(harness.InvariantBroken):
             harness.check_answer(bad)
+
+
+def test_the_fuzzer_mutates_every_field_the_api_implements_or_refuses() -> None:
+    """Issue 22's fields (docs/openai-api.md): each implemented one and each one
+    refused by name is a field the harness mutates, so a hostile value of any
+    of them is tried against the no-500 invariants."""
+    implemented = {"top_logprobs", "min_p", "repetition_penalty", "min_tokens", "ignore_eos",
+                   "stop_token_ids", "response_format", "best_of", "metadata",
+                   "prompt_cache_key", "safety_identifier"}  # fmt: skip
+    missing = (implemented | set(REFUSED)) - set(harness.FIELDS)
+    assert not missing, sorted(missing)

@@ -48,7 +48,7 @@ from .formats import Format as _Format
 from .generation import ChainSession, ChainSettings, GenerationResult, OnText, generate
 from .limits import PromptLimits, checked_text, shown
 from .logprobs import TokenLogprob
-from .metrics import GenerationMetrics
+from .metrics import GenerationMetrics, ServingMetrics
 from .requests import (
     ChatRequest,
     CompletionRequest,
@@ -59,6 +59,7 @@ from .requests import (
 )
 from .sampling import Sampler
 from .special_tokens import ChatEncoder
+from .timing import RequestTiming
 from .tokenizer import ChatTemplateError, ModelTokenizer
 
 __all__ = ["OPENAI_ROUTES", "OpenAIService", "ServedModel"]
@@ -142,6 +143,7 @@ class OpenAIService:
         metrics: GenerationMetrics | None = None,
         admission: Admission | None = None,
         spawn: Spawn | None = None,
+        serving: ServingMetrics | None = None,
     ) -> None:
         self.model = model
         self.prompt_limits = PromptLimits.for_context(model.context_length, max_prompt_chars)
@@ -165,8 +167,23 @@ class OpenAIService:
                 metrics.prefill_tokens_admitted.set_function(lambda: admission.prefill_tokens)
                 admission.on_refused = lambda reason: metrics.refused.labels(reason).inc()
                 admission.on_waited = metrics.queue_wait_seconds.observe
+        # vLLM's names (docs/gateway.md, "Serving metrics"): running is what
+        # admission let in (without admission: what is in progress).
+        self.serving = serving
+        if serving is not None:
+            if admission is not None:
+                serving.running.set_function(lambda: admission.running)
+                serving.waiting.set_function(lambda: admission.queued)
+            else:
+                serving.running.set_function(lambda: len(self.active))
 
-    async def handle(self, event: EndpointRequest) -> Reply | StreamReply:
+    async def handle(
+        self, event: EndpointRequest, timing: RequestTiming | None = None
+    ) -> Reply | StreamReply:
+        """``timing``: the request's record, filled in as the generation goes
+        (the gateway's access log reads it); one is made here when not given."""
+        if timing is None:
+            timing = RequestTiming(arrived=anyio.current_time())
         try:
             if event.path == "/v1/models":
                 return Reply.json(200, {"object": "list", "data": [self._model_card()]})
@@ -178,7 +195,7 @@ class OpenAIService:
             ids, options, fmt = await anyio.to_thread.run_sync(
                 self._prepare, event.path, event.body, limiter=self._preparing
             )
-            return await self._serve(ids, options, fmt)
+            return await self._serve(ids, options, fmt, timing)
         except OpenAIError as exc:
             # One line, no traceback, no client text: a refused request must
             # not become a log flood.
@@ -280,19 +297,26 @@ class OpenAIService:
         return options.max_tokens
 
     async def _serve(
-        self, ids: list[int], options: GenerationOptions, fmt: _Format
+        self, ids: list[int], options: GenerationOptions, fmt: _Format, timing: RequestTiming
     ) -> Reply | StreamReply:
         max_tokens = self._budget(ids, options)  # checked in _prepare: cheap now
         sampling = self.model.defaults.sampling(options.sampling, options.explicit)
         sampler = Sampler(sampling, options.seed)
         chain = ChainSession(self.pool, self.codecs, self.chain_settings(), metrics=self.metrics)
+        timing.prompt_tokens = len(ids)
+        timing.queued = anyio.current_time()
         # Last before the work: nothing between here and run()'s (or
         # produce()'s) ``finally`` can fail or be cancelled without the
         # ticket going back.
         ticket = await self._admit(len(ids))
+        timing.admitted = anyio.current_time()
+        if self.serving is not None:
+            self.serving.queue_time.observe(timing.admitted - timing.queued)
 
         async def run(on_text: OnText | None) -> GenerationResult:
-            return await self._run(chain, ids, ticket, fmt, max_tokens, sampler, options, on_text)
+            return await self._run(
+                chain, ids, ticket, fmt, max_tokens, sampler, options, on_text, timing
+            )
 
         if not options.stream:
             try:
@@ -344,12 +368,34 @@ class OpenAIService:
         sampler: Sampler,
         options: GenerationOptions,
         on_text: OnText | None,
+        timing: RequestTiming,
     ) -> GenerationResult:
         """One generation on ``chain``; every exit (done, failed, or cancelled
         by a client that left) gives the ticket back, closes the chain session
         and counts the outcome."""
         self.active.add(chain.session)
         outcome = "cancelled"  # unless it ends any other way: the client left
+        serving = self.serving
+
+        def prefilled() -> None:
+            if ticket is not None:
+                ticket.prefilled()
+            if serving is not None:
+                serving.prompt_tokens.inc(len(ids))
+
+        def on_token() -> None:
+            gap = timing.token(anyio.current_time())
+            if serving is None:
+                return
+            serving.generation_tokens.inc()
+            if gap is None:  # the first token: its latency, and the prefill's
+                now = timing.last_token or timing.arrived
+                serving.ttft.observe(now - timing.arrived)
+                serving.prefill_time.observe(now - (timing.admitted or timing.arrived))
+            else:
+                serving.tpot.observe(gap)
+                serving.itl.observe(gap)
+
         try:
             result = await generate(
                 chain,
@@ -359,11 +405,14 @@ class OpenAIService:
                 sampler=sampler,
                 stop=options.stop,
                 on_text=on_text,
-                on_prefilled=None if ticket is None else ticket.prefilled,
+                on_prefilled=prefilled,
+                on_token=on_token,
             )
-            outcome = result.finish_reason
+            outcome = timing.finish_reason = result.finish_reason
             if self.metrics is not None:
                 self.metrics.completion_tokens.inc(result.completion_tokens)
+            if serving is not None:
+                self._observe_finished(serving, timing, result)
             return result
         except Exception:
             outcome = "error"
@@ -376,6 +425,19 @@ class OpenAIService:
             if self.metrics is not None:
                 self.metrics.prompt_tokens.inc(len(ids))
                 self.metrics.generations.labels(fmt.endpoint, outcome).inc()
+
+    @staticmethod
+    def _observe_finished(
+        serving: ServingMetrics, timing: RequestTiming, result: GenerationResult
+    ) -> None:
+        """A generation that finished (stop or length): its whole-request figures."""
+        now = anyio.current_time()
+        serving.success(result.finish_reason)
+        serving.e2e.observe(now - timing.arrived)
+        serving.request_prompt_tokens.observe(result.prompt_tokens)
+        serving.request_generation_tokens.observe(result.completion_tokens)
+        if timing.first_token is not None and timing.last_token is not None:
+            serving.decode_time.observe(timing.last_token - timing.first_token)
 
     async def _admit(self, tokens: int) -> Ticket | None:
         """Wait for admission; a refusal as the OpenAI error it is answered with."""

@@ -277,6 +277,7 @@ async def generate(
     stop: Sequence[str] = (),
     on_text: OnText | None = None,
     on_prefilled: Callable[[], None] | None = None,
+    on_token: Callable[[], None] | None = None,
 ) -> GenerationResult:
     """Generate up to ``max_tokens`` after ``prompt_ids``; ``on_text`` gets each new piece.
 
@@ -285,6 +286,8 @@ async def generate(
     ``min_tokens`` tokens exist.
     ``on_prefilled``: called once the prompt's last chunk is answered (the
     admission control's prefill budget gets the prompt's tokens back then).
+    ``on_token``: called as each token is sampled (a stop id too: it counts
+    in ``completion_tokens``), for the request's timing (TTFT, inter-token).
     Does not close ``chain``: the caller does, in a ``finally``.
     """
     result = GenerationResult(prompt_tokens=len(prompt_ids))
@@ -312,6 +315,8 @@ async def generate(
                 hop=chain.pool.url,
             ) from None
         result.completion_tokens = produced
+        if on_token is not None:
+            on_token()
         if token in stop_ids:
             stopped = True
             break

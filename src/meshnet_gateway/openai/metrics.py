@@ -6,13 +6,18 @@ prefill (prompt in, first token's logits back) and one decode step; and the
 admission control's state (``meshnet_gateway.admission``): generations
 admitted, requests queued, prompt tokens admitted and still prefilling,
 refusals by reason, and how long admitted requests waited.
+
+``ServingMetrics``: the same story under the names a vLLM user's
+dashboards and alerts query (``vllm:time_to_first_token_seconds`` →
+``meshnet_time_to_first_token_seconds``, …; the table is in
+docs/gateway.md, "Serving metrics"), labelled ``model_name`` as vLLM's are.
 """
 
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-__all__ = ["GenerationMetrics"]
+__all__ = ["GenerationMetrics", "ServingMetrics"]
 
 _LATENCY_BUCKETS = (
     0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
@@ -67,3 +72,118 @@ class GenerationMetrics:
             "Time queued requests waited, admitted or timed out",
             buckets=_LATENCY_BUCKETS, registry=registry,
         )  # fmt: skip
+
+
+# vLLM's bucket edges (seconds), so that its dashboards' quantiles read the same.
+_TTFT_BUCKETS = (
+    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
+    10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0,
+)  # fmt: skip
+_TPOT_BUCKETS = (
+    0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
+    10.0, 20.0, 40.0, 80.0,
+)  # fmt: skip
+_REQUEST_BUCKETS = (
+    0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
+    120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0,
+)  # fmt: skip
+
+
+def _token_buckets(context: int) -> tuple[float, ...]:
+    """1, 2, 5, 10, 20, 50, … up to the context (vLLM's 1-2-5 series)."""
+    edges: list[float] = []
+    scale = 1
+    while True:
+        for step in (1, 2, 5):
+            if step * scale > context:
+                return tuple(edges)
+            edges.append(float(step * scale))
+        scale *= 10
+
+
+class ServingMetrics:
+    """vLLM's serving metrics with the ``meshnet_`` prefix, for one model.
+
+    Every series carries ``model_name``. The histograms of one request
+    (``observe_*``) are fed by ``OpenAIService`` from the request's
+    ``RequestTiming``; the two gauges read the admission control live.
+    """
+
+    def __init__(self, registry: CollectorRegistry, model_name: str, context: int = 2048) -> None:
+        self.model_name = model_name
+        labels = ["model_name"]
+
+        def histogram(name: str, text: str, buckets: tuple[float, ...]) -> Histogram:
+            return Histogram(name, text, labels, buckets=buckets, registry=registry)
+
+        self.running = Gauge(
+            "meshnet_num_requests_running",
+            "Generations admitted and not yet ended (vllm:num_requests_running)",
+            labels, registry=registry,
+        ).labels(model_name)  # fmt: skip
+        self.waiting = Gauge(
+            "meshnet_num_requests_waiting",
+            "Requests queued for admission (vllm:num_requests_waiting)",
+            labels, registry=registry,
+        ).labels(model_name)  # fmt: skip
+        self.prompt_tokens = Counter(
+            "meshnet_prompt_tokens", "Prompt tokens prefilled (vllm:prompt_tokens_total)",
+            labels, registry=registry,
+        ).labels(model_name)  # fmt: skip
+        self.generation_tokens = Counter(
+            "meshnet_generation_tokens",
+            "Tokens generated, an eos included (vllm:generation_tokens_total)",
+            labels, registry=registry,
+        ).labels(model_name)  # fmt: skip
+        self._success = Counter(
+            "meshnet_request_success",
+            "Generations finished, by finished_reason (vllm:request_success_total)",
+            [*labels, "finished_reason"], registry=registry,
+        )  # fmt: skip
+        self.ttft = histogram(
+            "meshnet_time_to_first_token_seconds",
+            "Arrival to the first token sampled, queue and prefill included",
+            _TTFT_BUCKETS,
+        ).labels(model_name)
+        self.tpot = histogram(
+            "meshnet_time_per_output_token_seconds",
+            "Between two tokens of one generation (vllm:time_per_output_token_seconds)",
+            _TPOT_BUCKETS,
+        ).labels(model_name)
+        self.itl = histogram(
+            "meshnet_inter_token_latency_seconds",
+            "Between two tokens of one generation (vLLM V1's name of the same)",
+            _TPOT_BUCKETS,
+        ).labels(model_name)
+        self.e2e = histogram(
+            "meshnet_e2e_request_latency_seconds",
+            "Arrival to the last token of a finished generation",
+            _REQUEST_BUCKETS,
+        ).labels(model_name)
+        self.queue_time = histogram(
+            "meshnet_request_queue_time_seconds",
+            "Time a generation waited for admission (0 when admitted at once)",
+            _REQUEST_BUCKETS,
+        ).labels(model_name)
+        self.prefill_time = histogram(
+            "meshnet_request_prefill_time_seconds",
+            "Admission to the first token: the prompt through the chain",
+            _REQUEST_BUCKETS,
+        ).labels(model_name)
+        self.decode_time = histogram(
+            "meshnet_request_decode_time_seconds",
+            "First token to last token of a finished generation",
+            _REQUEST_BUCKETS,
+        ).labels(model_name)
+        tokens = _token_buckets(max(context, 1))
+        self.request_prompt_tokens = histogram(
+            "meshnet_request_prompt_tokens", "Prompt tokens of each finished generation", tokens
+        ).labels(model_name)
+        self.request_generation_tokens = histogram(
+            "meshnet_request_generation_tokens",
+            "Tokens generated by each finished generation",
+            tokens,
+        ).labels(model_name)
+
+    def success(self, finished_reason: str) -> None:
+        self._success.labels(self.model_name, finished_reason).inc()

@@ -1,0 +1,77 @@
+"""The gateway's access log: one line per request, at info, on ``meshnet.access``.
+
+What an operator of uvicorn, vLLM or llama.cpp's server reads first: who
+asked what, how it ended, how long it took — and for a generation its
+tokens and speed::
+
+    127.0.0.1 "POST /v1/completions" 200 prompt_tokens=5 completion_tokens=8 \\
+        ttft=0.041s tok/s=52.3 duration=0.186s        (one line)
+    127.0.0.1 "GET /health" 200 duration=0.000s
+
+``ttft``: arrival to the first token sampled (queue and prefill included);
+``tok/s``: the decode rate, tokens after the first per second after the
+first (``-`` under two tokens); ``duration``: arrival to the last byte
+handed to the connection (a stream: its end). A request whose client left
+before its answer is logged with status 499 (nginx's "client closed
+request"), a stream whose client left with ``client_left``. Written where
+the gateway answers (``GatewayApp``): what the wire-2 core refuses before
+routing (a bad head, an unknown path, a missing token) is counted in
+``meshnet_requests_total`` but has no line — its method and path are not
+known there. ``--no-access-log`` turns it off.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import anyio
+
+from .openai.timing import RequestTiming
+
+__all__ = ["CLIENT_CLOSED", "AccessLog", "AccessRecord"]
+
+log = logging.getLogger("meshnet.access")
+
+# nginx's status for a request whose client closed the connection first.
+CLIENT_CLOSED = 499
+
+
+@dataclass(slots=True)
+class AccessRecord:
+    method: str
+    path: str
+    peer: str | None
+    started: float  # RequestContext.started: the anyio clock
+    timing: RequestTiming | None = None  # a /v1 generation's, filled in as it goes
+
+
+class AccessLog:
+    """Writes the lines; disabled, it writes none (and costs one test)."""
+
+    def __init__(self, enabled: bool = True) -> None:
+        self.enabled = enabled
+
+    def write(self, record: AccessRecord, status: int, *, client_left: bool = False) -> None:
+        if not self.enabled or not log.isEnabledFor(logging.INFO):
+            return
+        log.info("%s", line(record, status, anyio.current_time(), client_left=client_left))
+
+
+def line(record: AccessRecord, status: int, now: float, *, client_left: bool = False) -> str:
+    """The access line of ``record`` answered ``status``, ending at ``now``."""
+    parts = [record.peer or "-", f'"{record.method} {record.path}"', str(status)]
+    timing = record.timing
+    if timing is not None and timing.prompt_tokens is not None:
+        ttft = timing.ttft
+        rate = timing.decode_rate
+        parts += [
+            f"prompt_tokens={timing.prompt_tokens}",
+            f"completion_tokens={timing.completion_tokens}",
+            f"ttft={'-' if ttft is None else f'{ttft:.3f}s'}",
+            f"tok/s={'-' if rate is None else f'{rate:.1f}'}",
+        ]
+    parts.append(f"duration={max(now - record.started, 0.0):.3f}s")
+    if client_left:
+        parts.append("client_left")
+    return " ".join(parts)
