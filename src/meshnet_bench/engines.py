@@ -296,7 +296,9 @@ def run(options: BenchOptions) -> SectionResult:
         })  # fmt: skip
     keys = _keys(rate, bandwidth, limits, load, reference)
     if ("torch float32", 1) not in rate:
-        result.notes.append("torch is not installed: pip install 'meshnet[torch]' for its rows.")
+        result.notes.append(
+            "torch is not installed: pip install -e '.[torch]' in the checkout for its rows."
+        )
     result.keys = keys
     result.notes.append(
         f"Load average {load:.1f} on {_cpus()} CPUs while measuring: the machine was shared; "

@@ -24,8 +24,8 @@ The modules, each layer importing only those before it:
 
 It imports numpy, ml_dtypes, safetensors, xxhash, gguf, tokenizers and threadpoolctl
 (all base dependencies of meshnet), and torch only in the torch engine (the
-``meshnet[torch]`` extra); nothing of the wire or the runtime. docs/models.md
-has the details.
+``torch`` extra: ``pip install -e '.[torch]'`` in the checkout); nothing of the
+wire or the runtime. docs/models.md has the details.
 """
 
 from .engines.numpy.model import StageModel
