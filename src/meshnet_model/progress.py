@@ -8,10 +8,11 @@ they ask.
 
 ``reporting(plan)`` is what the node uses (``meshnet_node.model_stage``; so
 ``meshnet-node`` and ``meshnet run`` alike): at log level info or below, one
-line when the load starts (``loading N tensors, X MiB for layers a:b from
-FILE``) and one when it ends (the time and the bytes); in between a tqdm bar
-when stderr is a terminal (at warning too), else a line at each ~25 % step
-once the load has taken a few seconds (a 0.5 s load needs no progress lines). tqdm rather than
+line when the load starts reading (``loading N tensors, X MiB for layers a:b
+from FILE``, written with the first tensor read) and one when it ends (the
+time and the bytes); in between a tqdm bar when stderr is a terminal (at
+warning too), else a line at each ~25 % step once the load has taken a few
+seconds (a 0.5 s load needs no progress lines). tqdm rather than
 rich: it is already in every install (``gguf``, a base dependency, requires
 it), imports in ~70 ms against rich's ~170 ms, and draws one line on stderr
 that leaves the log lines around it readable.
@@ -102,14 +103,14 @@ class LoadReporter:
         self.done = 0
         self.started: float | None = None
         self._steps_passed = 0
+        self._announced = False
         self._bar_stream = bar
         self._bar: Any = None
 
     def start(self) -> None:
+        """The load begins; its line waits for the first tensor read (``announce``)."""
         p = self.plan
         self.started = self.clock()
-        self.emit(f"loading {p.tensors} tensors, {_mib(p.total)} for layers {p.span} "
-                  f"from {p.source}")  # fmt: skip
         if self._bar_stream is not None:
             from tqdm import tqdm  # only on a terminal
 
@@ -117,7 +118,20 @@ class LoadReporter:
                              desc=f"layers {p.span}", file=self._bar_stream, leave=False,
                              dynamic_ncols=True)  # fmt: skip
 
+    def announce(self) -> None:
+        """The start line, once. Written when the first tensor has been read,
+        not before: a load refused before it reads anything (torch missing, no
+        such CUDA device, a tensor type it cannot decode) stays the one line
+        of its refusal."""
+        if self._announced:
+            return
+        self._announced = True
+        p = self.plan
+        self.emit(f"loading {p.tensors} tensors, {_mib(p.total)} for layers {p.span} "
+                  f"from {p.source}")  # fmt: skip
+
     def on_bytes(self, n: int) -> None:
+        self.announce()
         self.done += n
         if self._bar is not None:
             self._bar.update(n)
@@ -138,6 +152,7 @@ class LoadReporter:
 
     def finish(self) -> None:
         self.close()
+        self.announce()  # a stage of no tensors still says it loaded
         elapsed = self.clock() - (self.started or 0.0)
         rate = f", {self.done / MIB / elapsed:.0f} MiB/s" if elapsed > 0 else ""
         self.emit(f"loaded layers {self.plan.span}: {self.plan.tensors} tensors, "

@@ -116,11 +116,22 @@ def test_reporting_is_silent_above_info_and_after_a_failed_load_has_no_end_line(
     with unconfigured_logging(), reporting(PLAN, level="warning", stream=stream) as progress:
         assert progress is NO_PROGRESS
     assert stream.getvalue() == ""
+    # Refused before the first tensor was read (torch missing, a type it
+    # cannot decode): no line of the load's beside the refusal's one line.
     with (
         unconfigured_logging(),
         pytest.raises(RuntimeError),
         reporting(PLAN, level="info", stream=stream),
     ):
+        raise RuntimeError("no torch")
+    assert stream.getvalue() == ""
+    # Failed after a tensor: the start line, and no end line.
+    with (
+        unconfigured_logging(),
+        pytest.raises(RuntimeError),
+        reporting(PLAN, level="info", stream=stream) as progress,
+    ):
+        progress.on_bytes(MIB)
         raise RuntimeError("bad tensor")
     assert [line.split(": ", 1)[1] for line in stream.getvalue().splitlines()] == [
         "loading 8 tensors, 8.0 MiB for layers 2:6 from model.gguf"
