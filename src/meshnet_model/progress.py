@@ -109,14 +109,7 @@ class LoadReporter:
 
     def start(self) -> None:
         """The load begins; its line waits for the first tensor read (``announce``)."""
-        p = self.plan
         self.started = self.clock()
-        if self._bar_stream is not None:
-            from tqdm import tqdm  # only on a terminal
-
-            self._bar = tqdm(total=p.total, unit="B", unit_scale=True, unit_divisor=1024,
-                             desc=f"layers {p.span}", file=self._bar_stream, leave=False,
-                             dynamic_ncols=True)  # fmt: skip
 
     def announce(self) -> None:
         """The start line, once. Written when the first tensor has been read,
@@ -129,6 +122,14 @@ class LoadReporter:
         p = self.plan
         self.emit(f"loading {p.tensors} tensors, {_mib(p.total)} for layers {p.span} "
                   f"from {p.source}")  # fmt: skip
+        if self._bar_stream is not None:
+            # After the line, not before it: a log line written while the bar
+            # is drawn would land on the bar's own line.
+            from tqdm import tqdm  # only on a terminal
+
+            self._bar = tqdm(total=p.total, unit="B", unit_scale=True, unit_divisor=1024,
+                             desc=f"layers {p.span}", file=self._bar_stream, leave=False,
+                             dynamic_ncols=True)  # fmt: skip
 
     def on_bytes(self, n: int) -> None:
         self.announce()
@@ -151,8 +152,8 @@ class LoadReporter:
                       f"{_mib(total)} in {elapsed:.1f} s")  # fmt: skip
 
     def finish(self) -> None:
-        self.close()
         self.announce()  # a stage of no tensors still says it loaded
+        self.close()  # the bar cleared before the end line
         elapsed = self.clock() - (self.started or 0.0)
         rate = f", {self.done / MIB / elapsed:.0f} MiB/s" if elapsed > 0 else ""
         self.emit(f"loaded layers {self.plan.span}: {self.plan.tensors} tensors, "

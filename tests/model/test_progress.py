@@ -258,3 +258,50 @@ def test_meshnet_run_reports_each_stages_load() -> None:
     # 30 layers in two: the embedding on the first, the tied head and the norm on the last.
     _check_load(stderr, "0:15", tensors=15 * 9 + 1)
     _check_load(stderr, "15:30", tensors=15 * 9 + 2)
+
+
+@pytest.mark.slow
+def test_a_node_on_a_terminal_draws_a_bar_between_its_lines() -> None:
+    """meshnet-node with its stderr a terminal (a pseudo-terminal of 100 columns)."""
+    import fcntl
+    import os
+    import pty
+    import struct
+    import termios
+
+    gguf = smollm2_gguf()
+    master, slave = pty.openpty()
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 100, 0, 0))
+    argv = [sys.executable, "-m", "meshnet_node", "--port", "0", "--model", str(gguf),
+            "--layers", "0:15", "--log-level", "info"]  # fmt: skip
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=slave, text=True,
+                            env=clean_env())  # fmt: skip
+    os.close(slave)
+    out = b""
+    try:
+        assert proc.stdout is not None
+        while True:  # bounded: the ready line, or the 240 s without any output
+            ready, _, _ = select.select([master, proc.stdout], [], [], 240)
+            assert ready, "no ready line within 240 s"
+            if master in ready:
+                out += os.read(master, 65536)
+            if proc.stdout in ready:
+                assert " listening on " in proc.stdout.readline()
+                break
+        assert stop(proc) == 0
+        with contextlib.suppress(OSError):  # EIO once the terminal's last writer is gone
+            while select.select([master], [], [], 1)[0]:
+                chunk = os.read(master, 65536)
+                if not chunk:
+                    break
+                out += chunk
+    finally:
+        os.close(master)
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    text = out.decode(errors="replace")
+    start = text.index("loading 136 tensors, 60.4 MiB for layers 0:15")
+    bar = text.index("\rlayers 0:15:", start)  # tqdm's bar, after the start line
+    end = text.index("loaded layers 0:15: 136 tensors, 60.4 MiB in ", bar)
+    assert "%|" in text[bar:end] and "loaded 25%" not in text, text
