@@ -11,8 +11,9 @@ on each), so a change in the machine's load hits them alike. torch nodes run
 Next to them, the outside references:
 
 * transformers' own ``generate`` on the same checkpoint (float32, in this
-  process, 2 torch threads): prefill = a 1-token generate, decode = the
-  extra time of ``decode`` more tokens;
+  process, 2 torch threads), timed token by token within one call: prefill
+  = start to the first token, decode = the tokens after the first over the
+  time from the first to the last (``None``, "n/a", when not measurable);
 * the physical limit of CPU decode: a decode step reads every weight once, so
   it cannot beat memory bandwidth / weight bytes. The bandwidth is measured
   here with a numpy copy of 256 MiB (read + write bytes / time);
@@ -123,8 +124,57 @@ def weight_bytes_per_step(config: object, itemsize: int) -> int:
     return itemsize * (per_layer * c.num_hidden_layers + c.vocab_size * h)  # type: ignore[attr-defined]
 
 
-def _transformers_reference(directory: str, plan: _Plan, ids: np.ndarray) -> tuple[float, float]:
-    """transformers' ``generate`` (float32, 2 threads): prefill and decode tokens/s."""
+class _TokenClock:
+    """A ``generate`` streamer that notes when each new token comes out.
+
+    transformers hands a streamer the prompt first, then every generated token
+    as it is produced: the stamps of one call time its prefill (start to the
+    first token) and its decode (first token to the last) on one clock.
+    """
+
+    def __init__(self) -> None:
+        self.started = time.perf_counter()
+        self.stamps: list[float] = []
+        self._prompt_seen = False
+
+    def put(self, value: object) -> None:
+        if not self._prompt_seen:  # the prompt's ids, not a token
+            self._prompt_seen = True
+            return
+        self.stamps.append(time.perf_counter())
+
+    def end(self) -> None:
+        pass
+
+
+def decode_tokens_per_s(stamps: list[float]) -> float | None:
+    """Tokens after the first over the time from the first to the last; None if no rate.
+
+    A decode rate needs at least two tokens timed within one run: the first
+    token carries the prefill, so only the ones after it are decode steps.
+    The stamps come from one monotonic clock, so a non-positive interval means
+    the clock did not advance (or the stamps are not one run's) — a figure
+    computed from it would be meaningless, and ``None`` says so.
+    """
+    if len(stamps) < 2:
+        return None
+    interval = stamps[-1] - stamps[0]
+    if not interval > 0:
+        return None
+    return (len(stamps) - 1) / interval
+
+
+def _transformers_reference(
+    directory: str, plan: _Plan, ids: np.ndarray
+) -> tuple[float, float | None]:
+    """transformers' ``generate`` (float32, 2 threads): prefill and decode tokens/s.
+
+    Both from the same call's token stamps (best of ``plan.repeats``). The
+    decode figure used to be the difference of two separately timed calls
+    (1 + decode tokens minus 1 token), which load noise on a shared machine
+    can make zero or negative; one call's own first-to-last interval cannot.
+    ``None`` for decode when no run timed two tokens.
+    """
     import torch
     import transformers
 
@@ -132,16 +182,17 @@ def _transformers_reference(directory: str, plan: _Plan, ids: np.ndarray) -> tup
     model = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32)
     prompt = torch.from_numpy(ids.astype(np.int64))
 
-    def generate(new: int) -> float:
-        started = time.perf_counter()
+    def generate(new: int) -> _TokenClock:
+        clock = _TokenClock()
         model.generate(prompt, max_new_tokens=new, min_new_tokens=new, do_sample=False,
-                       pad_token_id=0)  # fmt: skip
-        return time.perf_counter() - started
+                       pad_token_id=0, streamer=clock)  # fmt: skip
+        return clock
 
     generate(2)  # warm-up
-    first = min(generate(1) for _ in range(plan.repeats))
-    total = min(generate(1 + plan.decode) for _ in range(plan.repeats))
-    return plan.prompt / first, plan.decode / max(total - first, 1e-9)
+    clocks = [generate(1 + plan.decode) for _ in range(plan.repeats)]
+    prefill = max(plan.prompt / (c.stamps[0] - c.started) for c in clocks if c.stamps)
+    rates = [r for r in (decode_tokens_per_s(c.stamps) for c in clocks) if r is not None]
+    return prefill, (max(rates) if rates else None)
 
 
 async def _measure(chains: list[_Chain], plan: _Plan, vocab: int, progress) -> None:  # type: ignore[no-untyped-def]
@@ -200,7 +251,7 @@ def run(options: BenchOptions) -> SectionResult:
                     chains.append(_start_chain(stack, directory, plan, label, flags, n))
             anyio.run(_measure, chains, plan, config.vocab_size, options.progress,
                       backend=options.async_backend)  # fmt: skip
-        reference: tuple[float, float] | None = None
+        reference: tuple[float, float | None] | None = None
         if _torch_available():
             options.progress("engines: transformers' generate on the same checkpoint")
             ids = np.random.default_rng(0).integers(0, config.vocab_size, (1, plan.prompt))
@@ -221,12 +272,20 @@ def run(options: BenchOptions) -> SectionResult:
             "RSS per stage MiB": " + ".join(f"{r / 2**20:.0f}" for r in rss),
         })  # fmt: skip
     if reference is not None:
+        ref_decode = reference[1]
         result.rows.append({
             "engine": "transformers generate float32", "nodes": "-",
-            "prefill tok/s": f"{reference[0]:.1f}", "decode tok/s": f"{reference[1]:.1f}",
-            "decode vs numpy 1 node": f"{reference[1] / numpy_single[1]:.2f}",
+            "prefill tok/s": f"{reference[0]:.1f}",
+            "decode tok/s": "n/a" if ref_decode is None else f"{ref_decode:.1f}",
+            "decode vs numpy 1 node": "n/a" if ref_decode is None
+            else f"{ref_decode / numpy_single[1]:.2f}",
             "RSS per stage MiB": "-",
         })  # fmt: skip
+        if ref_decode is None:
+            result.notes.append(
+                "transformers decode tok/s: n/a — no run timed two generated tokens "
+                "apart (a rate needs a positive interval between the first and the last)."
+            )
     limits = {}
     for dtype, size in (("float32", 4), ("bfloat16", 2)):
         limits[dtype] = bandwidth * 1e9 / weight_bytes_per_step(config, size)
@@ -237,7 +296,9 @@ def run(options: BenchOptions) -> SectionResult:
         })  # fmt: skip
     keys = _keys(rate, bandwidth, limits, load, reference)
     if ("torch float32", 1) not in rate:
-        result.notes.append("torch is not installed: pip install 'meshnet[torch]' for its rows.")
+        result.notes.append(
+            "torch is not installed: pip install -e '.[torch]' in the checkout for its rows."
+        )
     result.keys = keys
     result.notes.append(
         f"Load average {load:.1f} on {_cpus()} CPUs while measuring: the machine was shared; "
@@ -277,7 +338,7 @@ def _keys(
     bandwidth: float,
     limits: dict[str, float],
     load: float,
-    reference: tuple[float, float] | None,
+    reference: tuple[float, float | None] | None,
 ) -> dict[str, float | int | str | None]:
     """The section's keys: the figures and the torch engines against numpy's."""
     numpy_single = rate[("numpy float32", 1)]
@@ -285,7 +346,7 @@ def _keys(
     keys["engines_memory_bandwidth_gb_s"] = round(bandwidth, 2)
     keys["engines_f32_decode_limit_tokens_per_s"] = round(limits["float32"], 2)
     keys["engines_load_average"] = round(load, 2)
-    if reference is not None:
+    if reference is not None and reference[1] is not None:
         keys["engines_transformers_decode_tokens_per_s"] = round(reference[1], 2)
     if ("torch float32", 1) in rate:
         f32, bf16 = rate[("torch float32", 1)], rate[("torch bfloat16", 1)]

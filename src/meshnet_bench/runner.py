@@ -226,7 +226,7 @@ def main(
     if plot is not None and not plot_available():
         print(
             "meshnet bench --plot needs matplotlib, which is not installed: "
-            "pip install 'meshnet[bench]' (or pip install matplotlib)",
+            "pip install -e '.[bench]' in the meshnet checkout (or pip install matplotlib)",
             file=sys.stderr,
         )
         return 2

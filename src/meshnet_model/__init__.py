@@ -11,7 +11,8 @@
 
 The modules, each layer importing only those before it:
 
-* ``errors`` — every exception class (imports nothing of ours);
+* ``errors`` — every exception class (imports nothing of ours); ``progress`` — a
+  load's progress (``on_bytes``, the lines and the bar; nothing of ours either);
 * ``formats`` — reading from disk: ``config``, ``safetensors``, ``gguf.*``;
   ``rope`` — the RoPE math the engines and the GGUF config reader share;
 * ``source`` — what ``--model PATH`` names (``load_config``, ``open_checkpoint``);
@@ -22,10 +23,10 @@ The modules, each layer importing only those before it:
 * ``identity`` — a stage's digests (which checkpoint, which tensors, which tokenizer);
 * ``plan`` — ``python -m meshnet_model plan``; ``testing`` — helpers for tests and benches.
 
-It imports numpy, ml_dtypes, safetensors, xxhash, gguf, tokenizers and threadpoolctl
-(all base dependencies of meshnet), and torch only in the torch engine (the
-``meshnet[torch]`` extra); nothing of the wire or the runtime. docs/models.md
-has the details.
+It imports numpy, ml_dtypes, safetensors, xxhash, gguf, tokenizers, threadpoolctl
+and tqdm (all base dependencies of meshnet), and torch only in the torch engine (the
+``torch`` extra: ``pip install -e '.[torch]'`` in the checkout); nothing of the
+wire or the runtime. docs/models.md has the details.
 """
 
 from .engines.numpy.model import StageModel

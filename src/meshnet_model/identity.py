@@ -47,6 +47,7 @@ from .formats.config import ModelConfig
 from .formats.gguf.checkpoint import hf_name, is_gguf
 from .formats.gguf.file import GGUFFile
 from .formats.safetensors import Checkpoint
+from .progress import LoadPlan
 from .source import load_config
 from .stage.weights import held_tensors
 
@@ -121,6 +122,15 @@ def stored_tensors(path: str | Path) -> dict[str, StoredTensor]:
     if is_gguf(path):
         return _gguf_tensors(GGUFFile(path))
     return _safetensors_tensors(Checkpoint(path))
+
+
+def load_plan(path: str | Path, layers: range, config: ModelConfig) -> LoadPlan:
+    """What loading ``layers`` of ``path`` reads, from the headers only: the
+    stage's tensors and their stored bytes (``progress``'s total)."""
+    stored = stored_tensors(path)
+    names = [n for n in held_tensors(config, layers, stored) if n in stored]
+    source = Path(path).name if is_gguf(path) else str(path)
+    return LoadPlan(len(names), sum(stored[n].nbytes for n in names), layers, source)
 
 
 def _gguf_tensors(file: GGUFFile) -> dict[str, StoredTensor]:

@@ -14,6 +14,7 @@ from .formats.gguf.checkpoint import GGUFCheckpoint, is_gguf
 from .formats.gguf.config import gguf_config
 from .formats.gguf.file import GGUFFile
 from .formats.safetensors import Checkpoint
+from .progress import NO_PROGRESS, LoadProgress
 
 __all__ = ["is_gguf", "load_config", "model_name", "open_checkpoint"]
 
@@ -33,6 +34,11 @@ def model_name(path: str | Path) -> str:
     return resolved.stem if is_gguf(path) else resolved.name
 
 
-def open_checkpoint(path: str | Path) -> Checkpoint | GGUFCheckpoint:
-    """``--model PATH``'s tensors: a checkpoint directory, or a ``.gguf`` file."""
-    return GGUFCheckpoint(path) if is_gguf(path) else Checkpoint(path)
+def open_checkpoint(
+    path: str | Path, *, progress: LoadProgress = NO_PROGRESS
+) -> Checkpoint | GGUFCheckpoint:
+    """``--model PATH``'s tensors: a checkpoint directory, or a ``.gguf`` file
+    (``progress``: told each tensor's stored bytes as it is read)."""
+    if is_gguf(path):
+        return GGUFCheckpoint(path, progress=progress)
+    return Checkpoint(path, progress=progress)

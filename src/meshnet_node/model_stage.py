@@ -37,6 +37,7 @@ a session ended while its chunk computed is 409 ``session_unknown``.
 
 from __future__ import annotations
 
+import contextlib
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -57,7 +58,8 @@ from meshnet_model.engines.choice import choose_engine, set_blas_threads
 from meshnet_model.engines.footprint import StageFootprint, fit_process
 from meshnet_model.errors import ChunkTooLarge, ComputeDeadlineExceeded, ContextExceeded
 from meshnet_model.formats.config import ModelConfig
-from meshnet_model.identity import ModelIdentity, model_identity
+from meshnet_model.identity import ModelIdentity, load_plan, model_identity
+from meshnet_model.progress import NO_PROGRESS, LoadProgress, reporting
 from meshnet_model.source import load_config, model_name
 from meshnet_model.stage.runner import (
     DEFAULT_MAX_CHUNK_TOKENS,
@@ -251,6 +253,7 @@ def load_model_stage(
     max_batch_tokens: int = DEFAULT_MAX_BATCH_TOKENS,
     max_queued_tokens: int = DEFAULT_MAX_QUEUED_TOKENS,
     micro_batches: int = 0,
+    log_level: str | None = None,
 ) -> ModelStage:
     """Load the stage's tensors from a checkpoint directory (the node's flags).
 
@@ -258,6 +261,8 @@ def load_model_stage(
     is installed, else numpy float32 (``engines.choice``). ``threads``: the
     stage's compute threads (None: the library's default). ``max_batch_tokens``,
     ``max_queued_tokens``, ``micro_batches``: the scheduler's (``scheduler``).
+    ``log_level``: the load's progress is reported at info and below
+    (``meshnet_model.progress``; None, the default: nothing is said).
 
     Raises ``ValueError`` (``ConfigError``, ``CheckpointError`` among them)
     with a message fit for the command line.
@@ -273,15 +278,20 @@ def load_model_stage(
                                limit=limit.bytes if limit else None,
                                limit_source=limit.source if limit else "")  # fmt: skip
     kv_budget_bytes = footprint.kv
+    # Reported from here on, not before: a stage refused above is one line only.
+    report = (contextlib.nullcontext(NO_PROGRESS) if log_level is None else
+              reporting(load_plan(model, span or range(config.num_hidden_layers), config),
+                        level=log_level))  # fmt: skip
     # Once, at load: the identity reads the stage's share of the file and hashes
     # it (docs/models.md "Identity") in a thread beside the load — hashlib and
     # pread release the GIL — and a stage is returned only with it.
-    with ThreadPoolExecutor(1, thread_name_prefix="identity") as pool:
+    with report as progress, ThreadPoolExecutor(1, thread_name_prefix="identity") as pool:
         pending = pool.submit(model_identity, model, span, config=config)
         runner = _runner(model, span, config, engine=engine, dtype=dtype, device=device,
                          threads=threads, kv_budget_bytes=kv_budget_bytes,
                          max_chunk_tokens=max_chunk_tokens,
-                         max_compute_bytes=max_compute_bytes)  # fmt: skip
+                         max_compute_bytes=max_compute_bytes,
+                         progress=progress)  # fmt: skip
         identity = pending.result()
     scheduling = {"max_batch_tokens": max_batch_tokens, "max_queued_tokens": max_queued_tokens,
                   "micro_batches": micro_batches}  # fmt: skip
@@ -300,16 +310,18 @@ def _runner(
     kv_budget_bytes: int,
     max_chunk_tokens: int,
     max_compute_bytes: int,
+    progress: LoadProgress,
 ) -> StageRunner:
     """The stage's runner on ``engine``, its tensors read."""
     if engine == "torch":
         return _torch_runner(model, span, config, dtype=dtype, device=device,
                              threads=threads, kv_budget_bytes=kv_budget_bytes,
                              max_chunk_tokens=max_chunk_tokens,
-                             max_compute_bytes=max_compute_bytes)  # fmt: skip
+                             max_compute_bytes=max_compute_bytes,
+                             progress=progress)  # fmt: skip
     if threads is not None:
         set_blas_threads(threads)  # process-wide: every numpy stage of it shares the pool
-    weights = StageWeights.load(model, span, dtype=dtype, config=config)
+    weights = StageWeights.load(model, span, dtype=dtype, config=config, progress=progress)
     return StageRunner(weights, kv_budget_bytes=kv_budget_bytes,
                        max_chunk_tokens=max_chunk_tokens, max_compute_bytes=max_compute_bytes,
                        name=model_name(model), path=str(model))  # fmt: skip
@@ -326,6 +338,7 @@ def _torch_runner(
     kv_budget_bytes: int,
     max_chunk_tokens: int,
     max_compute_bytes: int,
+    progress: LoadProgress,
 ) -> StageRunner:
     """The torch engine's runner; torch is imported only here (an optional extra)."""
     from meshnet_model.engines.torch import load_torch_runner
@@ -333,11 +346,14 @@ def _torch_runner(
     return load_torch_runner(model, span, dtype=dtype, device=device, threads=threads,
                              kv_budget_bytes=kv_budget_bytes, config=config,
                              max_chunk_tokens=max_chunk_tokens,
-                             max_compute_bytes=max_compute_bytes)  # fmt: skip
+                             max_compute_bytes=max_compute_bytes,
+                             progress=progress)  # fmt: skip
 
 
 def stage_from_config(config: NodeConfig) -> ModelStage:
-    """The stage of ``--model/--layers/--dtype/--kv-budget-bytes``."""
+    """The stage of ``--model/--layers/--dtype/--kv-budget-bytes``, its load
+    reported at ``--log-level`` info (``meshnet_model.progress``: a line at the
+    start and the end, a bar on a terminal, steps for a slow load)."""
     if config.model is None:
         raise ValueError("no --model given")
     return load_model_stage(config.model, config.layers, dtype=config.dtype,
@@ -348,4 +364,5 @@ def stage_from_config(config: NodeConfig) -> ModelStage:
                             limit=limit_from_flag(config.memory_limit),
                             max_batch_tokens=config.max_batch_tokens,
                             max_queued_tokens=config.max_queued_tokens,
-                            micro_batches=config.micro_batches)  # fmt: skip
+                            micro_batches=config.micro_batches,
+                            log_level=config.log_level)  # fmt: skip

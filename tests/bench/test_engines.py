@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 
 from meshnet_bench import BenchOptions
-from meshnet_bench.engines import KEYS, run, weight_bytes_per_step
+from meshnet_bench.engines import KEYS, decode_tokens_per_s, run, weight_bytes_per_step
 from meshnet_model.testing import smollm_135m_config
 
 
@@ -41,3 +41,21 @@ def test_the_decode_limit_counts_every_matrix_once() -> None:
     # SmolLM-135M: 30 layers of q,k,v,o and the MLP, plus the tied head: 134.5M numbers.
     config = smollm_135m_config()
     assert weight_bytes_per_step(config, 4) == 4 * (30 * 3_538_944 + 49152 * 576)
+
+
+def test_a_decode_rate_is_the_tokens_after_the_first_over_their_interval() -> None:
+    # Four tokens stamped in one run: three decode steps in 1.5 s.
+    assert decode_tokens_per_s([10.0, 10.5, 11.0, 11.5]) == 2.0
+    assert decode_tokens_per_s([3.0, 3.25]) == 4.0
+
+
+def test_a_decode_rate_that_cannot_be_measured_is_none_not_a_huge_number() -> None:
+    """Issue 22: ``bench --quick`` printed ``engines_transformers_decode_tokens_per_s
+    6000000000.0`` — 6 tokens over ``max(total - first, 1e-9)``, the interval of
+    two separately timed runs, which load noise made zero or negative. With
+    fewer than two tokens timed, or no time between the first and the last,
+    there is no rate: ``None`` (printed "n/a"), never 6 / 1e-9."""
+    assert decode_tokens_per_s([]) is None
+    assert decode_tokens_per_s([7.0]) is None  # one token is the prefill's, no decode step
+    assert decode_tokens_per_s([7.0, 7.0, 7.0]) is None  # the clock did not advance
+    assert decode_tokens_per_s([7.0, 6.5]) is None  # not one run's monotonic stamps

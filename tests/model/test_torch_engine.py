@@ -58,11 +58,11 @@ def test_missing_torch_is_one_line_naming_the_extra(
     checkpoint: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     monkeypatch.setitem(sys.modules, "torch", None)  # "import torch" now raises ImportError
-    with pytest.raises(TorchUnavailable, match=r"pip install 'meshnet\[torch\]'"):
+    with pytest.raises(TorchUnavailable, match=r"pip install -e '\.\[torch\]' in the meshnet"):
         import_torch()
     assert node_main(["--model", str(checkpoint), "--engine", "torch"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "pip install 'meshnet[torch]'" in err[0], err
+    assert len(err) == 1 and "pip install -e '.[torch]'" in err[0], err
 
 
 # -- devices -------------------------------------------------------------------------------

@@ -28,6 +28,7 @@ import ml_dtypes
 import numpy as np
 
 from ..errors import CheckpointError
+from ..progress import NO_PROGRESS, LoadProgress
 from .reading import read_rows
 
 __all__ = ["Checkpoint", "CheckpointError", "SafetensorsFile"]
@@ -160,8 +161,11 @@ class SafetensorsFile:
 class Checkpoint:
     """A Hugging Face checkpoint directory's safetensors, by tensor name."""
 
-    def __init__(self, directory: str | Path) -> None:
+    def __init__(self, directory: str | Path, *, progress: LoadProgress = NO_PROGRESS) -> None:
+        """``progress``: told the stored bytes of each tensor when it is first read."""
         self.directory = Path(directory)
+        self.progress = progress
+        self._counted: set[str] = set()
         index = self.directory / INDEX_FILE
         single = self.directory / SINGLE_FILE
         self.weight_map: dict[str, str]
@@ -206,11 +210,21 @@ class Checkpoint:
         return opened
 
     def tensor(self, name: str, *, mmap: bool = True) -> np.ndarray:
-        return self.file_for(name).tensor(name, mmap=mmap)
+        array = self.file_for(name).tensor(name, mmap=mmap)
+        self._count(name)
+        return array
 
     def read(self, name: str) -> np.ndarray:
         """The tensor read, not mapped (``SafetensorsFile.read``)."""
-        return self.file_for(name).read(name)
+        array = self.file_for(name).read(name)
+        self._count(name)
+        return array
+
+    def _count(self, name: str) -> None:
+        # Once per tensor: a tied head reads the embedding a second time.
+        if name not in self._counted:
+            self._counted.add(name)
+            self.progress.on_bytes(self.file_for(name).span(name)[1])
 
     def files_opened(self) -> list[str]:
         """Shard files this checkpoint has opened so far (a stage opens only its own)."""

@@ -29,6 +29,7 @@ import numpy as np
 
 from ..errors import CheckpointError
 from ..formats.config import ModelConfig
+from ..progress import NO_PROGRESS, LoadProgress
 from ..source import load_config, open_checkpoint
 
 __all__ = ["WEIGHT_DTYPES", "LayerWeights", "StageWeights", "held_tensors", "parse_layers"]
@@ -120,7 +121,9 @@ class StageWeights:
         dtype: str = "float32",
         config: ModelConfig | None = None,
         mmap: bool = True,
+        progress: LoadProgress = NO_PROGRESS,
     ) -> StageWeights:
+        """``progress``: told the stored bytes of each tensor as it is read."""
         config = config or load_config(directory)  # a directory or a .gguf file
         layers = range(config.num_hidden_layers) if layers is None else layers
         if not (0 <= layers.start < layers.stop <= config.num_hidden_layers and layers.step == 1):
@@ -131,7 +134,7 @@ class StageWeights:
         if dtype not in WEIGHT_DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(WEIGHT_DTYPES)}, got {dtype!r}")
         target = WEIGHT_DTYPES[dtype]
-        ckpt = open_checkpoint(directory)
+        ckpt = open_checkpoint(directory, progress=progress)
         c = config
         hidden = c.hidden_size
 

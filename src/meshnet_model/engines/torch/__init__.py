@@ -6,7 +6,7 @@ weights in bfloat16/float16 and compute on a GPU. Both sit behind the same
 ``StageRunner``: the runner owns sessions, the KV budget and the locking, an
 engine owns the weights, the cache's arrays and the per-layer forward.
 
-PyTorch is optional (``pip install 'meshnet[torch]'``): importing
+PyTorch is optional (``pip install -e '.[torch]'`` in the checkout): importing
 ``meshnet_model`` never imports it, and this package imports it only when an
 engine is built (``load_torch_runner``), failing with one line that names the
 extra when it is missing.

@@ -18,7 +18,10 @@ __all__ = ["COMPUTE_DTYPES", "TorchUnavailable", "check_device", "import_torch",
 # --dtype values the torch engine computes in ("keep": the checkpoint's own).
 COMPUTE_DTYPES = ("keep", "float32", "bfloat16", "float16")
 _DEVICE = re.compile(r"cpu|cuda(:(0|[1-9][0-9]{0,2}))?")
-INSTALL_HINT = "pip install 'meshnet[torch]'"
+# Works on a fresh machine as written: the extra from the checkout, or torch
+# itself (the extra only pins torch>=2.4); "meshnet" on the index is another
+# project, so the hint never names a distribution to fetch from there.
+INSTALL_HINT = "pip install -e '.[torch]' in the meshnet checkout (or: pip install 'torch>=2.4')"
 
 
 def import_torch() -> ModuleType:

@@ -24,6 +24,7 @@ from ...errors import StageInvariantError
 from ...formats.config import ModelConfig
 from ...formats.gguf.checkpoint import GGUFCheckpoint
 from ...formats.safetensors import Checkpoint
+from ...progress import NO_PROGRESS, LoadProgress
 from ...source import is_gguf, load_config, model_name
 from ...stage.batch import ATTENTION_BLOCK, BatchEntry, PackedBatch
 from ...stage.kv_cache import KVBudget
@@ -275,8 +276,11 @@ def load_torch_runner(
     max_compute_bytes: int = DEFAULT_MAX_COMPUTE_BYTES,
     config: ModelConfig | None = None,
     transfer: Transfer | None = None,
+    progress: LoadProgress = NO_PROGRESS,
 ) -> StageRunner:
     """A ``StageRunner`` computing with torch (``meshnet-node --engine torch``).
+
+    ``progress``: told the stored bytes of each tensor as it is read.
 
     Raises ``ValueError`` with one line for the command line: torch missing
     (naming the extra), a CUDA device this machine lacks, a bad checkpoint.
@@ -288,9 +292,13 @@ def load_torch_runner(
     path = Path(directory)
     if is_gguf(path):
         model, mapped = _gguf_model(torch, path, layers, config, dtype=dtype, device=device,
-                                    transfer=transfer)  # fmt: skip
+                                    transfer=transfer, progress=progress)  # fmt: skip
     else:
-        mapped = StageWeights.load(path, layers, dtype="keep", config=config)
+        # Mapping reads nothing yet: its bytes count as read only if the stage
+        # keeps the map; a converted stage counts them as it reads them below.
+        mapped_bytes = _Tally()
+        mapped = StageWeights.load(path, layers, dtype="keep", config=config,
+                                   progress=mapped_bytes)  # fmt: skip
         held = mapped.blocks[0].q.dtype.name
         if dtype not in ("keep", held):
             # Converted: read tensor by tensor instead of from the mapping (whose
@@ -298,11 +306,13 @@ def load_torch_runner(
             span = mapped.layers
             mapped = dataclasses.replace(mapped, blocks=[], embed=None, norm=None, lm_head=None)
             dev = torch.device(device)
-            weights = converted_weights(torch, Checkpoint(path), mapped.config, span,
-                                        dtype=getattr(torch, dtype), device=dev)  # fmt: skip
+            weights = converted_weights(torch, Checkpoint(path, progress=progress),
+                                        mapped.config, span, dtype=getattr(torch, dtype),
+                                        device=dev)  # fmt: skip
             model = TorchStageModel(torch, mapped, dtype=dtype, device=device,
                                     transfer=transfer, held=weights)  # fmt: skip
         else:
+            progress.on_bytes(mapped_bytes.bytes)
             model = TorchStageModel(torch, mapped, dtype=dtype, device=device, transfer=transfer)
     model.threads = threads
     # The runner needs the stage's shape, not the numpy arrays: dropping them
@@ -322,6 +332,7 @@ def _gguf_model(
     dtype: str,
     device: str,
     transfer: Transfer | None,
+    progress: LoadProgress = NO_PROGRESS,
 ) -> tuple[TorchStageModel, StageWeights]:
     """A GGUF stage read tensor by tensor from its blocks (``gguf_weights``).
 
@@ -332,13 +343,13 @@ def _gguf_model(
     every matrix to that dtype. A float file with ``keep`` stays mapped, as a
     safetensors checkpoint does.
     """
-    ckpt = GGUFCheckpoint(path)
+    ckpt = GGUFCheckpoint(path, progress=progress)
     config = config or load_config(path)
     span = range(config.num_hidden_layers) if layers is None else layers
     probe = f"model.layers.{span.start}.self_attn.q_proj.weight"
     quantized_file = ckpt.kind(probe).view is None
     if dtype == "keep" and not quantized_file:
-        mapped = StageWeights.load(path, span, dtype="keep", config=config)
+        mapped = StageWeights.load(path, span, dtype="keep", config=config, progress=progress)
         return TorchStageModel(torch, mapped, dtype=dtype, device=device,
                                transfer=transfer), mapped  # fmt: skip
     # Quantized: the kernels take bfloat16 inputs; the residual stream, norms,
@@ -356,6 +367,16 @@ def _gguf_model(
     model = TorchStageModel(torch, shape, dtype=compute, device=device, transfer=transfer,
                             held=held)  # fmt: skip
     return model, shape
+
+
+class _Tally:
+    """A ``LoadProgress`` that only adds up the bytes it is told of."""
+
+    def __init__(self) -> None:
+        self.bytes = 0
+
+    def on_bytes(self, n: int) -> None:
+        self.bytes += n
 
 
 def _pack(torch: Any, parts: list[Any]) -> Any:

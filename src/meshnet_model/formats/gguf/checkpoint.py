@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 
 from ...errors import CheckpointError
+from ...progress import NO_PROGRESS, LoadProgress
 from .config import gguf_config
 from .file import GGUFFile
 from .quants import GGMLType
@@ -87,8 +88,10 @@ def unpermute(rows: np.ndarray, heads: int) -> np.ndarray:
 class GGUFCheckpoint:
     """A GGUF file with ``Checkpoint``'s interface (HF tensor names and layouts)."""
 
-    def __init__(self, path: str | Path) -> None:
+    def __init__(self, path: str | Path, *, progress: LoadProgress = NO_PROGRESS) -> None:
+        """``progress``: told the stored bytes of each tensor when it is first read."""
         self.file = GGUFFile(path)
+        self.progress = progress
         self.path = self.file.path
         self.config = gguf_config(self.file)
         self.permuted = self.file.architecture in _PERMUTED
@@ -106,7 +109,7 @@ class GGUFCheckpoint:
         """The tensor under its HF name; ``mmap=False`` returns a copy."""
         gguf_name = self._gguf_name(name)
         array = self.file.array(gguf_name)
-        self._read.add(gguf_name)
+        self._mark(gguf_name)
         heads = self._permuted_heads(gguf_name)
         if heads is not None:
             array = unpermute(array, heads)
@@ -124,7 +127,7 @@ class GGUFCheckpoint:
         rows, which are independent of each other in every GGML type)."""
         gguf_name = self._gguf_name(name)
         kind, shape, rows = self.file.raw(gguf_name)
-        self._read.add(gguf_name)
+        self._mark(gguf_name)
         heads = self._permuted_heads(gguf_name)
         if heads is not None:
             rows = np.ascontiguousarray(unpermute(rows, heads))
@@ -137,7 +140,7 @@ class GGUFCheckpoint:
         gguf_name = self._gguf_name(name)
         if self._permuted_heads(gguf_name) is not None:
             return self.raw(name)
-        self._read.add(gguf_name)
+        self._mark(gguf_name)
         return self.file.rows(gguf_name)
 
     def mapped_rows(self, name: str) -> np.ndarray:
@@ -148,8 +151,14 @@ class GGUFCheckpoint:
         gguf_name = self._gguf_name(name)
         if self._permuted_heads(gguf_name) is not None:
             raise ValueError(f"{name}: permuted rows cannot be used mapped")
-        self._read.add(gguf_name)
+        self._mark(gguf_name)
         return self.file.mapped_rows(gguf_name)
+
+    def _mark(self, gguf_name: str) -> None:
+        """The tensor was read: noted, and its stored bytes counted once."""
+        if gguf_name not in self._read:
+            self._read.add(gguf_name)
+            self.progress.on_bytes(int(self.file.tensors[gguf_name].n_bytes))
 
     def _gguf_name(self, name: str) -> str:
         try:
