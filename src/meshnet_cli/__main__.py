@@ -199,6 +199,14 @@ def _add_run(commands: _Commands) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    try:
+        return _dispatch(args)
+    except KeyboardInterrupt:  # Ctrl-C before a command's own handling (its imports, say)
+        print(f"meshnet {args.command}: interrupted", file=sys.stderr)
+        return 130
+
+
+def _dispatch(args: argparse.Namespace) -> int:
     if args.command == "demo":
         from .demo import run_demo
 
