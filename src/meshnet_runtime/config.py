@@ -387,15 +387,15 @@ def model_path_problem(path: str) -> str | None:
     says that, not that ``README.md/config.json`` is no JSON."""
     want = "give a .gguf file or a checkpoint directory with config.json, HF layout"
     if not os.path.exists(path):
-        return f"--model {path}: no such file or directory ({want})"
+        return f"cannot load --model {path}: no such file or directory ({want})"
     if os.path.isdir(path):
         if not path.lower().endswith(".gguf") and not os.path.isfile(
             os.path.join(path, "config.json")
         ):
-            return f"--model {path} is a directory without config.json ({want})"
+            return f"cannot load --model {path}: a directory without config.json ({want})"
         return None
     if not path.lower().endswith(".gguf"):
-        return f"--model {path} is a file but not a .gguf file ({want})"
+        return f"cannot load --model {path}: a file but not a .gguf file ({want})"
     return None
 
 

@@ -66,8 +66,8 @@ def test_a_file_that_is_no_model_says_what_a_model_is(tmp_path: Path) -> None:
     readme.write_text("# not a model\n")
     line = refused("--model", str(readme))
     assert line == (
-        f"meshnet run: --model {readme} is a file but not a .gguf file (give a .gguf file "
-        "or a checkpoint directory with config.json, HF layout)"
+        f"meshnet run: cannot load --model {readme}: a file but not a .gguf file "
+        "(give a .gguf file or a checkpoint directory with config.json, HF layout)"
     )
     assert "config.json is not valid JSON" not in line
     assert "no such file or directory" in refused("--model", str(tmp_path / "missing"))

@@ -89,7 +89,7 @@ def test_a_file_that_is_no_model_is_named_so(
     readme = tmp_path / "README.md"
     readme.write_text("text\n")
     assert refused(module, *args, "--model", str(readme)) == (
-        f"{program}: --model {readme} is a file but not a .gguf file (give a .gguf file "
+        f"{program}: cannot load --model {readme}: a file but not a .gguf file (give a .gguf file "
         "or a checkpoint directory with config.json, HF layout)"
     )
 
