@@ -140,13 +140,14 @@ class HttpServer:
         streams = self.on_drain(deadline - min(1.0, timeout / 4)) if self.on_drain else 0
         busy = sum(1 for connection in self._connections if not connection.closed_idle)
         if busy == 0:
-            log.info("shutting down: nothing in flight")
+            log.info("%s shutting down: nothing in flight", self.url)
             return
         ended = f", {streams} of them streams ended before then" if streams else ""
+        # The URL: a process may hold several servers (meshnet run: a gateway, its nodes).
         log.warning(
-            "shutting down: draining %d request%s in flight for up to %g s "
+            "%s shutting down: draining %d request%s in flight for up to %g s "
             "(--shutdown-timeout)%s%s",
-            busy, "" if busy == 1 else "s", timeout, ended, self.drain_note,
+            self.url, busy, "" if busy == 1 else "s", timeout, ended, self.drain_note,
         )  # fmt: skip
 
     async def serve(

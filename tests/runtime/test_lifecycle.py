@@ -209,7 +209,8 @@ def test_first_signal_says_what_it_drains_and_a_second_quits_at_once(backend: st
         proc.send_signal(signal.SIGTERM)
         seen = _stderr_until(proc, b"shutting down: draining").decode()
         drain = next(line for line in seen.splitlines() if "shutting down: draining" in line)
-        assert "draining 1 request in flight for up to 60 s (--shutdown-timeout)" in drain
+        assert f"{url} shutting down: draining 1 request in flight for up to 60 s " \
+               "(--shutdown-timeout)" in drain  # fmt: skip
         assert drain.endswith("; a second SIGINT/SIGTERM (Ctrl-C) quits at once"), drain
         proc.send_signal(signal.SIGINT)
         assert proc.wait(timeout=30) == 130  # not the 60 s drain, nor the 120 s stage
