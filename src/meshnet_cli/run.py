@@ -254,19 +254,22 @@ def _preflight(args: argparse.Namespace) -> list[tuple[int, int]]:
 
 
 def _check_device(device: str) -> None:
+    """A CUDA device this machine lacks, refused before anything loads (the
+    stages would refuse it too, after the gateway's port was taken)."""
     if device == "cpu":
         return
+    fix = "run on the CPU with --device cpu (the default)"
     try:
         import torch
     except ImportError:
-        raise Refusal(f"--device {device} needs torch: pip install -e '.[torch]' "
-                      "(or run on the CPU: --device cpu)") from None  # fmt: skip
-    from meshnet_model.engines.torch._torch import check_device
-
-    try:
-        check_device(torch, device)
-    except ValueError as exc:
-        raise Refusal(f"{exc}; run on the CPU with --device cpu (the default)") from None
+        raise Refusal(f"--device {device} needs torch: pip install -e '.[torch]'; {fix}") from None
+    if not torch.cuda.is_available():
+        build = torch.version.cuda or "none"
+        raise Refusal(f"--device {device}: no CUDA device is available here (torch "
+                      f"{torch.__version__}, cuda build {build}); {fix}")  # fmt: skip
+    index, count = int(device.partition(":")[2] or 0), torch.cuda.device_count()
+    if index >= count:
+        raise Refusal(f"--device {device}: this machine has {count} CUDA device(s); {fix}")
 
 
 def _fit(args: argparse.Namespace, splits: list[tuple[int, int]]) -> None:
