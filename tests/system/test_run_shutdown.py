@@ -40,11 +40,12 @@ def _real_model() -> Path:
 
 @pytest.fixture
 def running(request: pytest.FixtureRequest) -> Iterator[tuple[subprocess.Popen[bytes], str]]:
-    """``meshnet run`` on the real GGUF; its URL, from the ready line."""
-    timeout = str(request.param)
+    """``meshnet run`` on the real GGUF (``request.param``: shutdown timeout and
+    event loop); its URL, from the ready line."""
+    timeout, backend = request.param
     proc = subprocess.Popen(
         [sys.executable, "-m", "meshnet_cli", "run", "--model", str(_real_model()),
-         "--port", "0", "--shutdown-timeout", timeout],
+         "--port", "0", "--shutdown-timeout", str(timeout), "--async-backend", backend],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=clean_env(),
     )  # fmt: skip
     try:
@@ -77,7 +78,7 @@ def _events(body: bytes) -> list[str]:
     return [part.removeprefix("data: ") for part in body.decode().split("\n\n") if part]
 
 
-@pytest.mark.parametrize("running", [3], indirect=True)
+@pytest.mark.parametrize("running", [(3, "trio"), (3, "asyncio")], indirect=True)
 def test_ctrl_c_ends_the_open_stream_with_a_final_event_and_exits_0(
     running: tuple[subprocess.Popen[bytes], str],
 ) -> None:
@@ -98,7 +99,7 @@ def test_ctrl_c_ends_the_open_stream_with_a_final_event_and_exits_0(
     assert "Traceback" not in stderr, stderr
 
 
-@pytest.mark.parametrize("running", [120], indirect=True)
+@pytest.mark.parametrize("running", [(120, "trio")], indirect=True)
 def test_a_second_ctrl_c_quits_at_once_with_130(
     running: tuple[subprocess.Popen[bytes], str],
 ) -> None:
