@@ -11,7 +11,7 @@ import sys
 from collections.abc import Sequence
 
 from meshnet_runtime.config import model_path_problem
-from meshnet_runtime.lifecycle import run_process, serve_until_signalled
+from meshnet_runtime.lifecycle import FORCED_EXIT, run_process, serve_until_signalled
 from meshnet_runtime.transports import listen
 
 from .app import ChainMismatch, GatewayApp
@@ -49,6 +49,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         except (OSError, ValueError) as exc:
             print(f"meshnet-gateway: cannot load --model {config.model}: {exc}", file=sys.stderr)
             return 2
+        except KeyboardInterrupt:  # Ctrl-C while the tokenizer loads: nothing to drain
+            print("meshnet-gateway: interrupted while loading --model", file=sys.stderr)
+            return FORCED_EXIT
     mismatch: list[ChainMismatch] = []
 
     async def serve_checked(config: GatewayConfig) -> None:
