@@ -5,11 +5,11 @@ share over ``--stages``, or ``--split A:B,B:C``) and pointing at the next;
 the gateway listens on ``--host/--port`` with ``--model`` and serves the
 OpenAI API. Its flags beside those are its servers' own (``run_flags``).
 
-Nothing starts when any part would fail: the model path, the split, the
-device and the memory are checked first, then the gateway's port is bound —
-before any tensor is read — and only then do the stages load (in a worker
-thread, so a Ctrl-C during a load of minutes is answered at once). Every
-refusal is one line on stderr, exit 2.
+Nothing starts when any part would fail: the model path, the gateway's
+tokenizer, the split, the device and the memory are checked first, then the
+gateway's port is bound — before any tensor is read — and only then do the
+stages load (in a worker thread, so a Ctrl-C during a load of minutes is
+answered at once). Every refusal is one line on stderr, exit 2.
 
 Ready: one line on stdout naming the URL (its first words are stable:
 ``meshnet run listening on URL``), then a line per node with its URL and
@@ -34,6 +34,7 @@ import anyio
 from meshnet_gateway import open_gateway
 from meshnet_gateway.app import GatewayApp
 from meshnet_gateway.config import GatewayConfig
+from meshnet_gateway.openai import ServedModel
 from meshnet_model.engines.choice import share_cores
 from meshnet_model.engines.footprint import MemoryShortfall, fit_process
 from meshnet_model.errors import CheckpointError, ConfigError
@@ -243,6 +244,13 @@ def _preflight(args: argparse.Namespace) -> list[tuple[int, int]]:
     try:
         layers = _num_layers(args.model)  # a directory or a .gguf file
     except (ConfigError, CheckpointError) as exc:  # a GGUF's header or metadata too
+        raise Refusal(f"cannot load --model {args.model}: {exc}") from None
+    try:
+        # The gateway's side (tokenizer, chat template, context), which it would
+        # otherwise find wrong only after every stage had loaded.
+        ServedModel.load(args.model, name=typed(args, "--model-name"),
+                         context=typed(args, "--max-context"))  # fmt: skip
+    except (OSError, ValueError) as exc:
         raise Refusal(f"cannot load --model {args.model}: {exc}") from None
     splits = check_split(layers, args.stages, args.split)
     _check_device(typed(args, "--device"))

@@ -132,3 +132,15 @@ def test_a_bad_environment_value_names_the_variable(gguf: Path) -> None:
     )  # fmt: skip
     assert result.returncode == 2
     assert result.stderr == "meshnet run: MESHNET_SHUTDOWN_TIMEOUT: expected seconds, got 'soon'\n"
+
+
+def test_a_checkpoint_without_a_tokenizer_is_refused_before_any_stage_loads(
+    tmp_path: Path,
+) -> None:
+    """The gateway's side is checked first too: before, every stage loaded and
+    only then did the gateway fail on the missing tokenizer."""
+    from meshnet_model.testing import small_config, write_checkpoint
+
+    directory = write_checkpoint(tmp_path / "no-tokenizer", small_config(vocab_size=320))
+    line = refused("--model", str(directory))
+    assert line.startswith(f"meshnet run: cannot load --model {directory}: "), line
