@@ -164,7 +164,9 @@ class HttpServer:
         open one — is answered 503 ``shutting_down`` with ``Retry-After``, so
         a sender learns to back off instead of meeting a refused connection
         it cannot tell from a crash. Then the listener closes; whatever is
-        left is cancelled.
+        left is cancelled. ``on_drain`` is told, at the start, when open
+        streams must end (the gateway then ends its OpenAI streams with a
+        final event), and one log line says how much is being drained.
         """
         self.url = bound.url
         async with anyio.create_task_group() as connections:
