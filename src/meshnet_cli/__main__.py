@@ -1,7 +1,7 @@
 """``meshnet``: ``demo`` (a chain in one process), ``send`` (one .npy through a gateway),
 ``generate`` (text from a gateway's OpenAI API), ``run`` (a model's nodes and gateway in
-one process), ``bench`` (wire 2 measured against its baselines), ``conformance`` (a
-wire-2 server checked against the spec)."""
+one process), ``status`` (a gateway's chain as a table), ``bench`` (wire 2 measured
+against its baselines), ``conformance`` (a wire-2 server checked against the spec)."""
 
 from __future__ import annotations
 
@@ -11,25 +11,24 @@ import sys
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from meshnet_node.config import ENGINES, MODEL_DTYPES, threads_count
 from meshnet_runtime.config import (
     ENCODINGS,
-    LOG_LEVELS,
     WIRE_DTYPES,
+    OneLineParser,
     nonnegative_int,
     positive_int,
     positive_seconds,
 )
-from meshnet_runtime.memory import parse_bytes_or_auto
 
 from . import status
 
 if TYPE_CHECKING:  # what build_parser hands each subcommand's _add_* to add its parser to
-    _Commands = argparse._SubParsersAction[argparse.ArgumentParser]
+    _Commands = argparse._SubParsersAction[OneLineParser]
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    # One-line refusals for every subcommand: subparsers take their parent's class.
+    parser = OneLineParser(
         prog="meshnet", description="meshnet wire 2: pipeline-parallel activation transport."
     )
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -195,52 +194,22 @@ def _add_conformance(commands: _Commands) -> None:
 
 
 def _add_run(commands: _Commands) -> None:
-    """``meshnet run``: a checkpoint's nodes and gateway in this process."""
-    run = commands.add_parser(
-        "run",
-        help="serve a checkpoint split over N model nodes with a gateway, in this process",
-        description="Start N model nodes (an even split of the layers) and a gateway with "
-        "the OpenAI API on one machine, in one process; prints a ready line with the URL.",
-    )
-    run.add_argument("--model", required=True, help="checkpoint directory (HF layout)")
-    run.add_argument("--stages", type=positive_int, default=2, help="nodes [2]")
-    run.add_argument("--host", default="127.0.0.1", help="gateway address [127.0.0.1]")
-    run.add_argument(
-        "--port", type=nonnegative_int, default=8000, help="gateway port, 0 = any [8000]"
-    )
-    run.add_argument("--chunk-tokens", type=positive_int, default=128, help="[128]")
-    run.add_argument("--inflight", type=positive_int, default=4, help="[4]")
-    run.add_argument("--max-tokens-default", type=positive_int, default=None, help="[256]")
-    run.add_argument("--model-name", default=None, help="model id (default: directory name)")
-    run.add_argument(
-        "--dtype", choices=MODEL_DTYPES, default=None, help="weights dtype in memory [the node's]"
-    )
-    run.add_argument(
-        "--engine", choices=ENGINES, default=None, help="nodes' engine [auto: torch for GGUF]"
-    )
-    run.add_argument("--device", default=None, help="nodes' torch device: cpu, cuda, cuda:N [cpu]")
-    run.add_argument(
-        "--threads", type=threads_count, default=None,
-        help="compute threads per node [the cores split between the stages]",
-    )  # fmt: skip
-    run.add_argument(
-        "--kv-budget-bytes",
-        type=parse_bytes_or_auto,
-        default="auto",
-        help="KV cache per node, e.g. 256MiB [auto: up to 1GiB of what is left]",
-    )
-    run.add_argument(
-        "--memory-limit",
-        type=parse_bytes_or_auto,
-        default="auto",
-        help="memory all the nodes may use, e.g. 8GiB [auto: cgroup, MemAvailable]",
-    )
-    run.add_argument("--log-level", choices=LOG_LEVELS, default="warning", help="[warning]")
-    run.add_argument("--async-backend", choices=("trio", "asyncio"), default="trio", help="[trio]")
+    """``meshnet run``: a model's nodes and gateway in this process (run_flags)."""
+    from .run_flags import add_parser
+
+    add_parser(commands)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    try:
+        return _dispatch(args)
+    except KeyboardInterrupt:  # Ctrl-C before a command's own handling (its imports, say)
+        print(f"meshnet {args.command}: interrupted", file=sys.stderr)
+        return 130
+
+
+def _dispatch(args: argparse.Namespace) -> int:
     if args.command == "status":
         return status.main(args)
     if args.command == "demo":

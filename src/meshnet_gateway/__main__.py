@@ -10,7 +10,8 @@ from __future__ import annotations
 import sys
 from collections.abc import Sequence
 
-from meshnet_runtime.lifecycle import run_process, serve_until_signalled
+from meshnet_runtime.config import model_path_problem
+from meshnet_runtime.lifecycle import FORCED_EXIT, run_process, serve_until_signalled
 from meshnet_runtime.transports import listen
 
 from .app import ChainMismatch, GatewayApp
@@ -21,7 +22,8 @@ from .server import build_server, ready_line
 
 async def serve(config: GatewayConfig) -> None:
     # Listen before anything else starts: a taken port is a plain OSError
-    # (one line on stderr, exit 1), not a traceback out of a task group.
+    # (one line on stderr naming the fix, exit 2), not a traceback out of a
+    # task group.
     bound = await listen(host=config.host, port=config.port, uds=config.uds, tls=config.tls)
     app = GatewayApp(config)
     app.fail_fast = True  # a chain that fails its check at start: one line, exit 2
@@ -37,12 +39,19 @@ async def serve(config: GatewayConfig) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     config = GatewayConfig.load(argv)
     if config.model is not None:
+        path_problem = model_path_problem(config.model)
+        if path_problem is not None:
+            print(f"meshnet-gateway: {path_problem}", file=sys.stderr)
+            return 2
         # Checked before serving, so a bad model directory is one clear line and exit 2.
         try:
             ServedModel.load(config.model, name=config.model_name, context=config.max_context)
         except (OSError, ValueError) as exc:
             print(f"meshnet-gateway: cannot load --model {config.model}: {exc}", file=sys.stderr)
             return 2
+        except KeyboardInterrupt:  # Ctrl-C while the tokenizer loads: nothing to drain
+            print("meshnet-gateway: interrupted while loading --model", file=sys.stderr)
+            return FORCED_EXIT
     mismatch: list[ChainMismatch] = []
 
     async def serve_checked(config: GatewayConfig) -> None:

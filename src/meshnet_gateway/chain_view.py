@@ -210,7 +210,8 @@ def _replica(url: str, view: dict[str, Any] | None, answer: dict[str, Any] | str
         if view.get("mismatch"):
             row["mismatch"] = view.get("mismatch")
     else:
-        row["inflight"] = None  # a single node: nobody above counts per replica
+        # A single node: its own count of chunks admitted and not yet answered.
+        row["inflight"] = None if isinstance(answer, str) else answer.get("inflight")
     return row
 
 

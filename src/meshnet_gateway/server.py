@@ -22,7 +22,8 @@ from meshnet_proto.lowlevel import (
     request_cost,
 )
 from meshnet_runtime.http_server import HttpServer
-from meshnet_runtime.lifecycle import server_settings, server_tls
+from meshnet_runtime.lifecycle import rss_suffix, server_settings, server_tls
+from meshnet_runtime.transports import BoundListener
 
 from .app import GatewayApp
 from .config import GatewayConfig
@@ -63,6 +64,8 @@ def build_server(config: GatewayConfig, app: GatewayApp) -> HttpServer:
         codecs=app.codecs,
         budget=ByteBudget(limits.max_inflight_bytes, retry_after=settings.retry_after),
         cost=_gateway_cost,
+        # Shutdown ends open OpenAI streams with a final event (docs/gateway.md).
+        on_drain=app.openai.end_streams_by if app.openai is not None else None,
     )
 
 
@@ -74,7 +77,7 @@ def _gateway_cost(headers: WireHeaders) -> int:
 
 def ready_line(url: str, app: GatewayApp) -> str:
     """The one line a started gateway prints (wire-2 §9); the URL comes first
-    after ``listening on`` so scripts can cut it out."""
+    after ``listening on`` so scripts can cut it out, the resident memory last."""
     config = app.config
     window = app.entry_window if app.entry_info_read else "unknown"
     return (
@@ -82,6 +85,7 @@ def ready_line(url: str, app: GatewayApp) -> str:
         f"chunk-tokens {config.chunk_tokens}, inflight {app.inflight} "
         f"[asked {config.inflight}, entry window {window}])"
         + (f"; OpenAI API at {url}/v1 for {app.openai.model.name}" if app.openai else "")
+        + rss_suffix()
     )
 
 
@@ -93,13 +97,21 @@ class RunningGateway:
 
 
 @asynccontextmanager
-async def open_gateway(config: GatewayConfig) -> AsyncIterator[RunningGateway]:
-    """Serve a gateway for the duration of the block; graceful shutdown on exit."""
+async def open_gateway(
+    config: GatewayConfig, bound: BoundListener | None = None
+) -> AsyncIterator[RunningGateway]:
+    """Serve a gateway for the duration of the block; graceful shutdown on exit.
+
+    ``bound``: a listener bound beforehand (``meshnet run`` binds its port
+    before loading any model, so a taken port costs no load); else bound here.
+    """
     from meshnet_runtime.transports import listen
 
     app = GatewayApp(config)
     async with app.running():
-        bound = await listen(host=config.host, port=config.port, uds=config.uds, tls=config.tls)
+        if bound is None:
+            bound = await listen(host=config.host, port=config.port, uds=config.uds,
+                                 tls=config.tls)  # fmt: skip
         server = build_server(config, app)
         async with anyio.create_task_group() as tg:
             url = await tg.start(server.serve, bound)

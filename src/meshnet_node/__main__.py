@@ -10,7 +10,13 @@ import anyio
 
 from meshnet_model.engines.footprint import MemoryShortfall
 from meshnet_proto import WIRE_VERSION
-from meshnet_runtime.lifecycle import run_process, serve_until_signalled
+from meshnet_runtime.config import model_path_problem
+from meshnet_runtime.lifecycle import (
+    FORCED_EXIT,
+    rss_suffix,
+    run_process,
+    serve_until_signalled,
+)
 from meshnet_runtime.transports import listen
 
 from .app import build_node
@@ -25,6 +31,7 @@ def ready_line(config: NodeConfig, url: str, stage: StageBackend | None = None) 
     return (
         f"meshnet-node listening on {url} (wire {WIRE_VERSION}, stage {name}, next: {downstream})"
         + _model_summary(stage)
+        + rss_suffix()
     )
 
 
@@ -71,6 +78,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     config = NodeConfig.load(argv)
     stage = None
     if config.model is not None:
+        problem = model_path_problem(config.model)
+        if problem is not None:
+            print(f"meshnet-node: {problem}", file=sys.stderr)
+            return 2
         # Loaded before serving, so a bad checkpoint is one clear line and exit 2.
         try:
             stage = stage_from_config(config)
@@ -80,6 +91,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         except ValueError as exc:
             print(f"meshnet-node: cannot load --model {config.model}: {exc}", file=sys.stderr)
             return 2
+        except KeyboardInterrupt:  # Ctrl-C during the load: nothing to drain
+            print("meshnet-node: interrupted while loading --model", file=sys.stderr)
+            return FORCED_EXIT
     return run_process("meshnet-node", functools.partial(run, stage=stage), config)
 
 

@@ -338,6 +338,8 @@ class NodeApp:
             "encoding": self.config.encoding,
             "auto_encoding": self.encoder.describe(),
             "sessions": len(self.table),
+            # Chunks admitted and not yet answered (the chain view's load).
+            "inflight": self.in_flight.count,
             "identity": self.identity,
         }
 

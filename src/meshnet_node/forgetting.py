@@ -47,6 +47,11 @@ class InFlight:
         # passed down for an orphan must carry it (wire-2 §3.9).
         self._keys: dict[str, str | None] = {}
 
+    @property
+    def count(self) -> int:
+        """Chunks admitted and not yet answered, over every session."""
+        return sum(self._busy.values())
+
     def started(self, session: str, key: str | None) -> None:
         """A chunk of ``session`` was admitted (it carried ``key``)."""
         self._busy[session] += 1

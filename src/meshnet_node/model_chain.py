@@ -26,6 +26,7 @@ from meshnet_runtime.downstream import DownstreamPool, key_headers
 
 from .app import RunningNode, serve_node
 from .config import NodeConfig
+from .model_stage import stage_from_config
 
 __all__ = ["ChainError", "ModelSession", "even_splits", "start_model_chain"]
 
@@ -53,8 +54,13 @@ async def start_model_chain(
     *,
     extra: Sequence[str] = (),
     per_node: Sequence[Sequence[str]] | None = None,
+    load_in_thread: bool = False,
 ) -> AsyncIterator[list[RunningNode]]:
-    """Nodes for ``splits`` (entry first), started last-first over loopback TCP."""
+    """Nodes for ``splits`` (entry first), started last-first over loopback TCP.
+
+    ``load_in_thread``: each stage loads in a worker thread, so the event loop
+    stays free meanwhile — ``meshnet run`` answers a Ctrl-C during a load of
+    minutes at once (the cancelled load is abandoned with the process)."""
     async with AsyncExitStack() as stack:
         nodes: list[RunningNode] = []
         for i in reversed(range(len(splits))):
@@ -63,7 +69,13 @@ async def start_model_chain(
                     *extra, *(per_node[i] if per_node else ())]  # fmt: skip
             if nodes:
                 argv += ["--next", nodes[0].url]
-            node = await stack.enter_async_context(serve_node(NodeConfig.load(argv, {})))
+            config = NodeConfig.load(argv, {})
+            stage = None
+            if load_in_thread:
+                stage = await anyio.to_thread.run_sync(
+                    stage_from_config, config, abandon_on_cancel=True
+                )
+            node = await stack.enter_async_context(serve_node(config, stage=stage))
             nodes.insert(0, node)
         yield nodes
 

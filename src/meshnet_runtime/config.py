@@ -36,7 +36,10 @@ __all__ = [
     "LOG_LEVELS",
     "WIRE_DTYPES",
     "Flag",
+    "OneLineParser",
     "ServerConfig",
+    "add_flags",
+    "model_path_problem",
     "choice",
     "endpoint_list",
     "env_name",
@@ -75,6 +78,15 @@ class Flag(NamedTuple):
 def env_name(flag: str) -> str:
     """``--chunk-tokens`` → ``MESHNET_CHUNK_TOKENS``."""
     return "MESHNET_" + flag.lstrip("-").upper().replace("-", "_")
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """A parser whose refusal is one line on stderr, exit 2: the cause, then
+    where the fix is documented — not the 25-line usage block first, which
+    pushed the one line that mattered off a terminal's screen."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
 # -- the parsers of flag values --------------------------------------------------------
@@ -298,21 +310,11 @@ class ServerConfig:
     @classmethod
     def build_parser(cls, prog: str | None = None) -> argparse.ArgumentParser:
         """The parser of ``meshnet-<role>``; defaults are applied later, by :meth:`load`."""
-        parser = argparse.ArgumentParser(
+        parser = OneLineParser(
             prog=prog or f"meshnet-{cls.role}",
             description=f"meshnet wire-2 {cls.role}. Every flag can also be set as MESHNET_<FLAG>.",
         )
-        defaults = cls.defaults()
-        for flag in cls.flags():
-            choices = getattr(flag.kind, "choices", None)
-            # SUPPRESS: an absent flag stays absent, so the environment can fill it.
-            parser.add_argument(
-                flag.name,
-                type=flag.kind,
-                default=argparse.SUPPRESS,
-                metavar="{" + ",".join(choices) + "}" if choices else None,
-                help=f"{flag.help} [env {flag.env}, default {defaults[flag.dest]}]",
-            )
+        add_flags(parser, cls.flags(), cls.defaults())
         return parser
 
     @classmethod
@@ -353,6 +355,48 @@ class ServerConfig:
     @classmethod
     def check_role(cls, values: dict[str, Any], error: Callable[[str], NoReturn]) -> None:
         """The role's checks of flags that go together; may rewrite ``values`` in place."""
+
+
+def add_flags(
+    parser: argparse.ArgumentParser | argparse._ArgumentGroup,
+    flags: Sequence[Flag],
+    defaults: Mapping[str, Any],
+    *,
+    kind: Callable[[Flag], Callable[[str], Any]] = lambda flag: flag.kind,
+    helps: Mapping[str, str] | None = None,
+) -> None:
+    """Add ``flags`` to ``parser`` as a role's parser has them: absent stays
+    absent (``SUPPRESS``, so the environment can fill it), ``--help`` shows
+    the variable and the default. ``kind`` may wrap a flag's parser (``meshnet
+    run`` keeps the text it forwards), ``helps`` replace a flag's help text."""
+    for flag in flags:
+        choices = getattr(flag.kind, "choices", None)
+        text = (helps or {}).get(flag.name, flag.help)
+        parser.add_argument(
+            flag.name,
+            type=kind(flag),
+            default=argparse.SUPPRESS,
+            metavar="{" + ",".join(choices) + "}" if choices else None,
+            help=f"{text} [env {flag.env}, default {defaults[flag.dest]}]",
+        )
+
+
+def model_path_problem(path: str) -> str | None:
+    """Why ``--model PATH`` names no model, with what it takes; None when it
+    may (the loader then reads it). Checked first, so ``--model README.md``
+    says that, not that ``README.md/config.json`` is no JSON."""
+    want = "give a .gguf file or a checkpoint directory with config.json, HF layout"
+    if not os.path.exists(path):
+        return f"cannot load --model {path}: no such file or directory ({want})"
+    if os.path.isdir(path):
+        if not path.lower().endswith(".gguf") and not os.path.isfile(
+            os.path.join(path, "config.json")
+        ):
+            return f"cannot load --model {path}: a directory without config.json ({want})"
+        return None
+    if not path.lower().endswith(".gguf"):
+        return f"cannot load --model {path}: a file but not a .gguf file ({want})"
+    return None
 
 
 def split_replicas(values: dict[str, Any], hop: str) -> None:

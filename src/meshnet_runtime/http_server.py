@@ -93,6 +93,7 @@ class HttpServer:
         codecs: CodecPool | None = None,
         budget: ByteBudget | None = None,
         cost: Callable[[WireHeaders], int] = request_cost,
+        on_drain: Callable[[float], int] | None = None,
     ) -> None:
         self.app = app
         self.codecs = codecs
@@ -108,6 +109,11 @@ class HttpServer:
         self.ssl_context = ssl_context
         self.url: str | None = None
         self.draining = False
+        # Told the time by which open streams must have ended when a shutdown
+        # begins (the gateway ends its OpenAI streams with a final event
+        # then); answers how many it will end.
+        self.on_drain = on_drain
+        self.drain_note = ""  # appended to the drain's log line (how to force it)
         self._shutdown = anyio.Event()
         self._connections: set[ConnectionCycle] = set()
         self._rejecting = 0
@@ -118,6 +124,31 @@ class HttpServer:
     def request_shutdown(self) -> None:
         """Begin a graceful shutdown (safe to call more than once)."""
         self._shutdown.set()
+
+    @property
+    def shutdown_requested(self) -> bool:
+        return self._shutdown.is_set()
+
+    def _begin_drain(self, deadline: float) -> None:
+        """Close idle connections, tell the streams when to end, say what is left."""
+        self.draining = True
+        for connection in list(self._connections):
+            connection.close_if_idle()
+        timeout = self.settings.shutdown_timeout
+        # Streams end a little before the deadline, so their final event is
+        # written before what is still open then is cut.
+        streams = self.on_drain(deadline - min(1.0, timeout / 4)) if self.on_drain else 0
+        busy = sum(1 for connection in self._connections if not connection.closed_idle)
+        if busy == 0:
+            log.info("%s shutting down: nothing in flight", self.url)
+            return
+        ended = f", {streams} of them streams ended before then" if streams else ""
+        # The URL: a process may hold several servers (meshnet run: a gateway, its nodes).
+        log.warning(
+            "%s shutting down: draining %d request%s in flight for up to %g s "
+            "(--shutdown-timeout)%s%s",
+            self.url, busy, "" if busy == 1 else "s", timeout, ended, self.drain_note,
+        )  # fmt: skip
 
     async def serve(
         self,
@@ -133,7 +164,9 @@ class HttpServer:
         open one — is answered 503 ``shutting_down`` with ``Retry-After``, so
         a sender learns to back off instead of meeting a refused connection
         it cannot tell from a crash. Then the listener closes; whatever is
-        left is cancelled.
+        left is cancelled. ``on_drain`` is told, at the start, when open
+        streams must end (the gateway then ends its OpenAI streams with a
+        final event), and one log line says how much is being drained.
         """
         self.url = bound.url
         async with anyio.create_task_group() as connections:
@@ -142,10 +175,9 @@ class HttpServer:
             connections.start_soon(self._accept, bound, connections, accepting, accepted)
             task_status.started(bound.url)
             await self._shutdown.wait()
-            self.draining = True
-            for connection in list(self._connections):
-                connection.close_if_idle()
-            with anyio.move_on_after(self.settings.shutdown_timeout) as drain:
+            deadline = anyio.current_time() + self.settings.shutdown_timeout
+            self._begin_drain(deadline)
+            with anyio.CancelScope(deadline=deadline) as drain:
                 # Only requests in flight hold the drain open: a stream of new
                 # connections (each rejected at once) must not prolong it.
                 while self._connections:

@@ -1,17 +1,25 @@
 """Running a server as a process: signals, the ready line, exit status.
 
 wire-2 §9: a server prints one line saying where it listens once it is ready,
-and exits 0 after a graceful shutdown on SIGINT/SIGTERM.
+and exits 0 after a graceful shutdown on SIGINT/SIGTERM. Shutdown is
+uvicorn's: the first signal stops taking requests and drains those in flight
+for ``--shutdown-timeout`` seconds (one log line says how many, and for how
+long); a second signal quits at once, exit status 130. Nothing in it prints a
+traceback: a listener that cannot bind is one line naming the fix, exit 2.
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import logging
+import os
 import signal
 import ssl
 import sys
 from collections.abc import Awaitable, Callable
-from typing import TypeVar
+from socket import gaierror as socket_gaierror
+from typing import NoReturn, TypeVar
 
 import anyio
 
@@ -20,7 +28,12 @@ from .http_server import HttpServer, ServerSettings
 from .transports import BoundListener, server_ssl_context
 
 __all__ = [
+    "FORCED_EXIT",
     "configure_logging",
+    "listen_problem",
+    "quit_now",
+    "resident_memory",
+    "rss_suffix",
     "run_process",
     "serve_until_signalled",
     "server_settings",
@@ -28,6 +41,70 @@ __all__ = [
 ]
 
 Config = TypeVar("Config", bound=ServerConfig)  # a role's config: NodeConfig, GatewayConfig
+
+FORCED_EXIT = 130  # a second signal cut the drain short (the shell's "interrupted")
+
+
+def quit_now(status: int = FORCED_EXIT) -> NoReturn:
+    """Exit this moment, as a second Ctrl-C asks: output flushed, nothing else.
+
+    Not a cancellation: cleanups are shielded and bounded (a session's DELETE
+    waits up to its timeout for a chain that is itself going away), and a
+    stage computing in a worker thread cannot be cancelled at all — "at once"
+    would be seconds. Nothing a server holds outlives the process anyway.
+    """
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(OSError, ValueError):  # a closed pipe
+            stream.flush()
+    logging.shutdown()
+    os._exit(status)
+
+
+def resident_memory() -> str:
+    """``rss 312 MiB``: the process's resident memory now (VmRSS), for ready
+    lines; empty where /proc is not there to read it."""
+    try:
+        with open("/proc/self/status", encoding="ascii", errors="replace") as status:
+            for line in status:
+                if line.startswith("VmRSS:"):
+                    return f"rss {int(line.split()[1]) / 1024:,.0f} MiB"
+    except (OSError, ValueError, IndexError):
+        pass
+    return ""
+
+
+_NOT_HERE = (errno.EADDRNOTAVAIL, errno.EAFNOSUPPORT)  # --host names no address of ours
+
+
+def rss_suffix() -> str:
+    """``; rss 312 MiB``: what ends every ready line (node, gateway, ``meshnet
+    run``) — a loaded model's real cost, beside the footprint it was checked
+    against; empty where it cannot be read."""
+    rss = resident_memory()
+    return f"; {rss}" if rss else ""
+
+
+def listen_problem(exc: OSError, host: str, port: int, uds: str | None = None) -> str:
+    """A listener that could not bind, as one line: what, then the fix."""
+    where = uds if uds is not None else f"{host}:{port}"
+    reason = exc.strerror or str(exc)
+    if exc.errno == errno.EADDRINUSE:
+        fix = (
+            "another process listens there: stop it, or choose another --port, 0 for a free one"
+            if uds is None
+            else "remove the stale socket file, or choose another --uds"
+        )
+    elif exc.errno == errno.EACCES:
+        fix = (
+            "ports below 1024 need privileges: choose a --port from 1024 up"
+            if uds is None
+            else "choose a --uds path in a directory you may write"
+        )
+    elif isinstance(exc, socket_gaierror) or exc.errno in _NOT_HERE:
+        fix = "--host must be an address of this machine (127.0.0.1, 0.0.0.0, ::)"
+    else:
+        fix = "check --host and --port" if uds is None else "check --uds"
+    return f"cannot listen on {where}: {reason.lower()} ({fix})"
 
 
 def server_settings(config: ServerConfig) -> ServerSettings:
@@ -65,9 +142,10 @@ async def serve_until_signalled(
     """Serve ``bound`` until SIGINT/SIGTERM, then shut down gracefully.
 
     ``ready(url)`` runs once the listener accepts; a second signal during the
-    drain is ignored (the shutdown timeout bounds it anyway).
+    drain quits the process at once, exit status 130 (``quit_now``).
     """
     log = logging.getLogger("meshnet")
+    server.drain_note = "; a second SIGINT/SIGTERM (Ctrl-C) quits at once"
     # The receiver stays open for the whole drain, so a second Ctrl-C does
     # not turn into a KeyboardInterrupt traceback halfway through it.
     with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
@@ -79,8 +157,13 @@ async def serve_until_signalled(
 
             async def watch() -> None:
                 async for signum in signals:
-                    log.info("%s: shutting down gracefully", signal.Signals(signum).name)
-                    server.request_shutdown()
+                    name = signal.Signals(signum).name
+                    if not server.draining and not server.shutdown_requested:
+                        log.info("%s: shutting down gracefully", name)
+                        server.request_shutdown()
+                        continue
+                    log.warning("%s again: quitting at once, requests in flight are cut", name)
+                    quit_now()
 
             tg.start_soon(watch)
             ready(await tg.start(run))
@@ -89,16 +172,18 @@ async def serve_until_signalled(
 def run_process(program: str, serve: Callable[[Config], Awaitable[None]], config: Config) -> int:
     """Run ``serve(config)`` on the configured backend; the process's exit status.
 
-    0 after a graceful shutdown; 1 with one line on stderr when the server
-    cannot listen (port taken, socket path not writable): an OSError out of
-    ``serve`` before it is ready is that, not a crash to print a traceback of.
+    0 after a graceful shutdown (130 when a second signal forced it: quit_now); 2 with
+    one line on stderr when the server cannot listen (port taken, socket path
+    not writable): an OSError out of ``serve`` before it is ready is that, a
+    refused setting like any other, not a crash to print a traceback of.
     """
     configure_logging(config.log_level)
     try:
         anyio.run(serve, config, backend=config.async_backend)
     except OSError as exc:
-        print(f"{program}: cannot listen: {exc}", file=sys.stderr)
-        return 1
+        problem = listen_problem(exc, config.host, config.port, config.uds)
+        print(f"{program}: {problem}", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:  # before the signal handlers were installed
-        return 130
+        return FORCED_EXIT
     return 0

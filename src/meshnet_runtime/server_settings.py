@@ -14,5 +14,8 @@ class ServerSettings:
     body_timeout: float = 60.0  # the whole body; the server's --timeout
     write_timeout: float = 60.0  # one answer to a peer that stopped reading
     max_connections: int = 256
-    shutdown_timeout: float = 30.0  # in-flight requests get this long
+    # In-flight requests get this long after SIGINT/SIGTERM: long enough for a
+    # request under way, short enough that Ctrl-C feels like it (uvicorn-like;
+    # a stream still open then is ended with a final event, not cut).
+    shutdown_timeout: float = 5.0
     retry_after: int = 1  # seconds, on 503 too_many_connections / shutting_down

@@ -112,8 +112,11 @@ def test_meshnet_run_refuses_more_stages_than_layers(tmp_path: Path) -> None:
          "--port", "0"],
         capture_output=True, text=True, timeout=60, env=clean_env(),
     )  # fmt: skip
-    assert result.returncode == 1
-    assert result.stderr.strip() == "meshnet run: --stages must be 1..4 (the model has 4 layers)"
+    assert result.returncode == 2  # a refused setting, as the servers' (issue 22)
+    assert result.stderr.strip() == (
+        "meshnet run: --stages 9: the model has 4 layers, so at most 4 stages "
+        "(pass --stages 1..4, or --split)"
+    )
 
 
 def test_gateway_process_with_model_serves_v1_and_refuses_a_bad_directory(tmp_path: Path) -> None:

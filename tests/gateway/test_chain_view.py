@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import anyio
+import numpy as np
 import pytest
 
 import meshnet_gateway.chain_view as chain_view
@@ -24,6 +25,9 @@ from meshnet_gateway import Client, open_gateway
 from meshnet_gateway.config import GatewayConfig
 from meshnet_node import serve_node
 from meshnet_node.config import NodeConfig
+from meshnet_proto import ActivationResponse, WireHeaders
+from meshnet_runtime.deadlines import Deadline
+from meshnet_runtime.downstream import DownstreamPool
 from support.gateway import QUIET, chain, closed_port_url
 from support.openai import serve_openai, write_model_dir
 
@@ -81,7 +85,33 @@ async def test_a_replica_set_entry_shows_each_replica_and_the_hops_view() -> Non
     for row in first["replicas"]:
         assert (row["health"], row["inflight"], row["backend"]) == ("ok", 0, "echo")
     assert [r["url"] for r in second["replicas"]] == [last.url]
-    assert second["replicas"][0]["inflight"] is None  # a single node: no per-replica count
+    assert second["replicas"][0]["inflight"] == 0  # a single node: its own count
+
+
+async def test_a_single_nodes_load_is_its_own_count_of_chunks_in_flight() -> None:
+    """A node behind a plain ``--next`` (no replica set above it counts for
+    it) says in ``/info`` how many chunks it has admitted and not answered."""
+    async with serve_node(NodeConfig.load([*QUIET, "--delay-ms", "3000"])) as slow:
+        array = np.zeros((1, 1, 8), dtype=np.float32)
+        headers = WireHeaders.for_array(array, session="5b1e0c2a-1111-4abc-8def-000000000009",
+                                        chunk_index=0, chunk_total=1)  # fmt: skip
+        answers: list[object] = []
+        pool = DownstreamPool(slow.url)
+        try:
+            async with anyio.create_task_group() as tg:
+
+                async def send() -> None:
+                    deadline = Deadline.after(LIMIT)
+                    answers.append(await pool.forward(headers, array.tobytes(), deadline))
+
+                tg.start_soon(send)
+                with anyio.fail_after(LIMIT):
+                    while (await info(slow.url))["inflight"] != 1:
+                        await anyio.sleep(0.05)
+        finally:
+            await pool.aclose()
+        assert isinstance(answers[0], ActivationResponse)
+        assert (await info(slow.url))["inflight"] == 0
 
 
 async def test_a_hop_that_is_gone_is_shown_unreachable_and_info_stays_200() -> None:

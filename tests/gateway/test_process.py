@@ -112,12 +112,12 @@ def test_spawn_helper_reports_a_gateway_that_cannot_listen() -> None:
             env=clean_env(),
             timeout=30,
         )
-        assert done.returncode == 1 and "cannot listen" in done.stderr
+        assert done.returncode == 2 and "cannot listen" in done.stderr  # refused: exit 2
     finally:
         assert stop(proc) == 0
 
 
-def test_a_node_that_cannot_listen_says_so_in_one_line_and_exits_1() -> None:
+def test_a_node_that_cannot_listen_says_so_in_one_line_and_exits_2() -> None:
     proc, url = spawn("meshnet_node")
     try:
         port = url.rsplit(":", 1)[1]
@@ -128,8 +128,8 @@ def test_a_node_that_cannot_listen_says_so_in_one_line_and_exits_1() -> None:
             env=clean_env(),
             timeout=30,
         )
-        assert done.returncode == 1
-        assert done.stderr.startswith("meshnet-node: cannot listen:")
+        assert done.returncode == 2  # a refused setting, like every other (issue 22)
+        assert done.stderr.startswith(f"meshnet-node: cannot listen on 127.0.0.1:{port}: ")
         assert "Traceback" not in done.stderr and done.stdout == ""
     finally:
         assert stop(proc) == 0

@@ -279,6 +279,6 @@ def test_meshnet_run_hands_the_engine_flags_to_its_nodes(checkpoint: Path) -> No
          "--engine", "torch", "--dtype", "bfloat16", "--device", "cuda:999", "--threads", "1"],
         capture_output=True, text=True, timeout=120, env=clean_env(),
     )  # fmt: skip
-    assert result.returncode == 1
+    assert result.returncode == 2  # refused before anything starts (issue 22)
     assert result.stderr.startswith("meshnet run: --device cuda:999: "), result.stderr
     assert result.stderr.count("\n") == 1

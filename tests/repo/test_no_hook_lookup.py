@@ -32,8 +32,6 @@ GETATTR_ALLOWED = {
     # meshnet_model's engine protocol is outside issue 21 part 3.
     ("meshnet_model/stage/runner.py", "kv_itemsize"),
     # argparse namespaces shared by subcommands that do not all define the flag.
-    ("meshnet_cli/run.py", "memory_limit"),
-    ("meshnet_cli/run.py", "kv_budget_bytes"),
     ("meshnet_cli/send.py", "session_key"),
     # A benchmark section module's optional KEYS constant (what a failed
     # section still lists).

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -155,6 +156,10 @@ class OpenAIService:
         self.max_tokens_default = max_tokens_default
         self.max_prompt_tokens = max_prompt_tokens
         self.active: set[str] = set()  # chain sessions of requests in progress
+        # Shutdown: each open stream's generation scope, and when they must end
+        # (None until the server drains): see end_streams_by.
+        self._streams: set[anyio.CancelScope] = set()
+        self._streams_end: float | None = None
         self.metrics = metrics
         # None: every request starts at once (tests of the surface alone).
         self.admission = admission
@@ -341,7 +346,16 @@ class OpenAIService:
                 if first is not None:
                     await event(first)  # may be cancelled: the client left
                 try:
-                    result = await run(on_text)
+                    with anyio.CancelScope(deadline=self._streams_end or math.inf) as scope:
+                        self._streams.add(scope)
+                        try:
+                            result = await run(on_text)
+                        finally:
+                            self._streams.discard(scope)
+                    if scope.cancelled_caught:  # the server is shutting down
+                        await event(_SHUTTING_DOWN.body())
+                        await send(b"data: [DONE]\n\n")
+                        return
                 except MeshnetError as exc:
                     # The 200 head is out: the failure travels as an error event.
                     await event(from_meshnet(exc).body())
@@ -357,6 +371,16 @@ class OpenAIService:
         if ticket is not None and self.spawn is not None:
             self.spawn(_reclaim_unstarted, ticket, started)
         return StreamReply(200, SSE_HEADERS, produce, heartbeat=SSE_HEARTBEAT)
+
+    def end_streams_by(self, deadline: float) -> int:
+        """Shutdown: every open stream (and any started from now on) ends by
+        ``deadline`` (anyio's clock) with an error event and ``data: [DONE]``,
+        rather than running on until the drain cuts it mid-answer; how many
+        are open."""
+        self._streams_end = deadline
+        for scope in self._streams:
+            scope.deadline = min(scope.deadline, deadline)
+        return len(self._streams)
 
     async def _run(
         self,
@@ -454,6 +478,16 @@ class OpenAIService:
                 code=exc.reason,
                 retry_after=exc.retry_after,
             ) from None
+
+
+# The last event of a stream the server's shutdown ended (then data: [DONE]).
+_SHUTTING_DOWN = OpenAIError(
+    "the server is shutting down: this completion ended before it finished; "
+    "retry it when the server is back (or on another replica)",
+    status=503,
+    type="server_error",
+    code="shutting_down",
+)
 
 
 async def _reclaim_unstarted(ticket: Ticket, started: anyio.Event) -> None:
