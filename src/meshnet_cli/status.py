@@ -29,7 +29,9 @@ import anyio
 from meshnet_runtime.config import positive_seconds
 
 if TYPE_CHECKING:
-    _Commands = argparse._SubParsersAction[argparse.ArgumentParser]
+    from meshnet_runtime.config import OneLineParser
+
+    _Commands = argparse._SubParsersAction[OneLineParser]
 
 __all__ = ["add_parser", "main", "render"]
 
