@@ -90,8 +90,6 @@ def switch(text: str) -> bool:
     raise argparse.ArgumentTypeError(f"expected true/false (1/0, yes/no, on/off), got {text!r}")
 
 
-switch.switch = True  # type: ignore[attr-defined]  # build_parser: the value is optional
-
 _LOGGING = (
     Flag("--no-access-log", switch,
          "do not log one line per request (meshnet.access, at info)"),
@@ -143,7 +141,7 @@ class GatewayConfig(ServerConfig):
         # (not bare super(): slots=True makes a new class, the closure keeps the old)
         parser = super(GatewayConfig, cls).build_parser(prog)
         for flag in cls.flags():
-            if getattr(flag.kind, "switch", False):
+            if flag.kind is switch:
                 action = parser._option_string_actions[flag.name]
                 action.nargs, action.const, action.metavar = "?", "true", "BOOL"
         return parser

@@ -9,10 +9,8 @@ CUDA device exited 1, and a bad flag printed its 25 lines of usage first.
 
 from __future__ import annotations
 
-import socket
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -28,17 +26,6 @@ pytestmark = pytest.mark.slow
 def gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A 4-layer GGUF file: every check before the load passes on it."""
     return write_model_gguf(tmp_path_factory.mktemp("gguf"), build_model("llama", 4, seed=3))
-
-
-@pytest.fixture
-def taken_port() -> Iterator[int]:
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    sock.listen()
-    try:
-        yield sock.getsockname()[1]
-    finally:
-        sock.close()
 
 
 def refused(*args: str) -> str:

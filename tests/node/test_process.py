@@ -14,6 +14,8 @@ import uuid
 
 import pytest
 
+from support.wire import raw_forward
+
 pytestmark = pytest.mark.slow
 
 
@@ -64,15 +66,6 @@ def read(sock: socket.socket) -> tuple[int, bytes]:
     return int(head.split()[1]), body
 
 
-def forward(session: str) -> bytes:
-    return (
-        "POST /forward HTTP/1.1\r\nHost: t\r\nContent-Type: application/octet-stream\r\n"
-        "X-Meshnet-Shape: 1,4\r\nX-Meshnet-Dtype: float32\r\n"
-        f"X-Meshnet-Session: {session}\r\nX-Meshnet-Chunk-Index: 0\r\n"
-        "X-Meshnet-Chunk-Total: 1\r\nContent-Length: 16\r\n\r\n"
-    ).encode() + bytes(range(16))
-
-
 @pytest.mark.parametrize("backend", ["trio", "asyncio"])
 def test_sigterm_lets_the_request_in_flight_finish_then_exits_0(backend: str) -> None:
     proc, url = start("--delay-ms", "1500", "--async-backend", backend)
@@ -80,7 +73,7 @@ def test_sigterm_lets_the_request_in_flight_finish_then_exits_0(backend: str) ->
         assert http(url, b"GET /health HTTP/1.1\r\nHost: t\r\n\r\n")[0] == 200
         host, port = url.removeprefix("http://").rsplit(":", 1)
         busy = socket.create_connection((host, int(port)), timeout=30)
-        busy.sendall(forward(str(uuid.uuid4())))
+        busy.sendall(raw_forward(str(uuid.uuid4())))
         for _ in range(3000):  # bounded (~60 s): until the stage is running
             _, metrics = http(url, b"GET /metrics HTTP/1.1\r\nHost: t\r\n\r\n")
             if b'meshnet_chunks_total{outcome="processed"} 1.0' in metrics:

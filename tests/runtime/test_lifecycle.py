@@ -16,7 +16,6 @@ import socket
 import subprocess
 import sys
 import uuid
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -24,21 +23,11 @@ import pytest
 from meshnet_runtime.config import OneLineParser, model_path_problem
 from meshnet_runtime.lifecycle import listen_problem, resident_memory
 from support.gateway import clean_env, spawn
+from support.wire import raw_forward
 
 pytestmark = pytest.mark.slow
 
 RSS_END = re.compile(r"; rss [0-9][0-9,]* MiB$")
-
-
-@pytest.fixture
-def taken_port() -> Iterator[int]:
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    sock.listen()
-    try:
-        yield sock.getsockname()[1]
-    finally:
-        sock.close()
 
 
 def refused(module: str, *args: str) -> str:
@@ -157,15 +146,6 @@ def _first_line(module: str, *args: str) -> str:
         proc.wait(60)
 
 
-def _forward(session: str) -> bytes:
-    return (
-        "POST /forward HTTP/1.1\r\nHost: t\r\nContent-Type: application/octet-stream\r\n"
-        "X-Meshnet-Shape: 1,4\r\nX-Meshnet-Dtype: float32\r\n"
-        f"X-Meshnet-Session: {session}\r\nX-Meshnet-Chunk-Index: 0\r\n"
-        "X-Meshnet-Chunk-Total: 1\r\nContent-Length: 16\r\n\r\n"
-    ).encode() + bytes(range(16))
-
-
 def _stderr_until(proc: subprocess.Popen[bytes], text: bytes) -> bytes:
     """stderr read until a line holds ``text`` (bounded: 60 s per read, 1 MiB).
 
@@ -201,7 +181,7 @@ def test_first_signal_says_what_it_drains_and_a_second_quits_at_once(backend: st
         url = proc.stdout.readline().decode().split(" listening on ", 1)[1].split()[0]
         host, port = url.removeprefix("http://").rsplit(":", 1)
         busy = socket.create_connection((host, int(port)), timeout=30)
-        busy.sendall(_forward(str(uuid.uuid4())))
+        busy.sendall(raw_forward(str(uuid.uuid4())))
         # One more request answered: the node has read the busy one's bytes by then.
         with socket.create_connection((host, int(port)), timeout=30) as other:
             other.sendall(b"GET /health HTTP/1.1\r\nHost: t\r\nConnection: close\r\n\r\n")

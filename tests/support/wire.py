@@ -93,3 +93,14 @@ async def exchange(url: str, data: bytes, *, half_close: bool = False) -> Answer
         return await read_answer(stream)
     finally:
         await stream.aclose()
+
+
+def raw_forward(session: str) -> bytes:
+    """A whole ``POST /forward`` of a [1, 4] float32 chunk as raw bytes, for a
+    test that writes to a socket itself (no client in between)."""
+    return (
+        "POST /forward HTTP/1.1\r\nHost: t\r\nContent-Type: application/octet-stream\r\n"
+        "X-Meshnet-Shape: 1,4\r\nX-Meshnet-Dtype: float32\r\n"
+        f"X-Meshnet-Session: {session}\r\nX-Meshnet-Chunk-Index: 0\r\n"
+        "X-Meshnet-Chunk-Total: 1\r\nContent-Length: 16\r\n\r\n"
+    ).encode() + bytes(range(16))

@@ -34,7 +34,10 @@ def _node(*argv: str) -> subprocess.CompletedProcess[str]:
 def _refused(done: subprocess.CompletedProcess[str], *words: str) -> None:
     assert done.returncode == 2, (done.returncode, done.stdout, done.stderr)
     assert "Traceback" not in done.stderr and "listening" not in done.stdout, done.stderr
-    lines = [line for line in done.stderr.splitlines() if line.strip()]
+    # A refusal met while the tensors are read comes after the load's own
+    # progress line ("loading N tensors ..."): a log record, not part of it.
+    lines = [line for line in done.stderr.splitlines()
+             if line.strip() and " INFO meshnet.load: " not in line]  # fmt: skip
     last = lines[-1]  # argparse prints its usage first; our own refusals are one line
     assert len(lines) == 1 or last.startswith("meshnet-node: error:"), done.stderr
     for word in words:
