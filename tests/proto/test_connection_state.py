@@ -10,6 +10,7 @@ no exchange takes would be dead).
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping
+from typing import Any
 
 import numpy as np
 import pytest
@@ -173,21 +174,6 @@ SERVER_EXCHANGES = [
 ]
 
 
-def test_server_table_is_exactly_what_the_server_does(monkeypatch: pytest.MonkeyPatch) -> None:
-    recording = _Recording(state.SERVER_TRANSITIONS)
-    monkeypatch.setattr(state, "SERVER_TRANSITIONS", recording)
-    for exchange in SERVER_EXCHANGES:
-        exchange(ServerConnection())
-    assert recording.used == set(recording.table)
-
-
-def test_server_illegal_trigger_raises() -> None:
-    with pytest.raises(RuntimeError, match="'read body' in phase 'closed'"):
-        server_next(ServerPhase.CLOSED, ServerTrigger.READ_BODY)
-    with pytest.raises(RuntimeError, match="ServerConnection"):
-        server_next(ServerPhase.IDLE, ServerTrigger.REQUEST_COMPLETE)
-
-
 def test_can_send_error_follows_the_answer() -> None:
     conn = ServerConnection()
     assert conn.can_send_error
@@ -262,16 +248,40 @@ CLIENT_EXCHANGES = [
 ]
 
 
-def test_client_table_is_exactly_what_the_client_does(monkeypatch: pytest.MonkeyPatch) -> None:
-    recording = _Recording(state.CLIENT_TRANSITIONS)
-    monkeypatch.setattr(state, "CLIENT_TRANSITIONS", recording)
-    for exchange in CLIENT_EXCHANGES:
-        exchange(ClientConnection())
+# ------------------------------------------------------------------ both roles
+
+# (the table's name in _state, a new connection, the exchanges that drive it)
+ROLES = {
+    "server": ("SERVER_TRANSITIONS", ServerConnection, SERVER_EXCHANGES),
+    "client": ("CLIENT_TRANSITIONS", ClientConnection, CLIENT_EXCHANGES),
+}
+
+
+@pytest.mark.parametrize("role", ROLES)
+def test_the_table_is_exactly_what_the_connection_does(
+    role: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every transition the exchanges take is in the role's table, and every
+    entry of the table is taken by some exchange (none is dead)."""
+    table, connection, exchanges = ROLES[role]
+    recording = _Recording(getattr(state, table))
+    monkeypatch.setattr(state, table, recording)
+    for exchange in exchanges:
+        exchange(connection())
     assert recording.used == set(recording.table)
 
 
-def test_client_illegal_trigger_raises() -> None:
-    with pytest.raises(RuntimeError, match="'request sent' in phase 'error'"):
-        client_next(ClientPhase.ERROR, ClientTrigger.REQUEST_SENT)
-    with pytest.raises(RuntimeError, match="ClientConnection"):
-        client_next(ClientPhase.CLOSED, ClientTrigger.RESPONSE_HEAD)
+ILLEGAL: list[tuple[Callable[[Any, Any], Any], Any, Any, str]] = [
+    (server_next, ServerPhase.CLOSED, ServerTrigger.READ_BODY, "'read body' in phase 'closed'"),
+    (server_next, ServerPhase.IDLE, ServerTrigger.REQUEST_COMPLETE, "ServerConnection"),
+    (client_next, ClientPhase.ERROR, ClientTrigger.REQUEST_SENT, "'request sent' in phase 'error'"),
+    (client_next, ClientPhase.CLOSED, ClientTrigger.RESPONSE_HEAD, "ClientConnection"),
+]
+
+
+@pytest.mark.parametrize(("step", "phase", "trigger", "message"), ILLEGAL)
+def test_an_illegal_trigger_raises(
+    step: Callable[[Any, Any], Any], phase: Any, trigger: Any, message: str
+) -> None:
+    with pytest.raises(RuntimeError, match=message):
+        step(phase, trigger)
