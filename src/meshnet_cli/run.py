@@ -5,8 +5,8 @@ share over ``--stages``, or ``--split A:B,B:C``) and pointing at the next;
 the gateway listens on ``--host/--port`` with ``--model`` and serves the
 OpenAI API. Its flags beside those are its servers' own (``run_flags``).
 
-Nothing starts when any part would fail: the model path, the gateway's
-tokenizer, the split, the device and the memory are checked first, then the
+Nothing starts when any part would fail: the model path, the split, the
+device, the memory and the gateway's tokenizer are checked first, then the
 gateway's port is bound — before any tensor is read — and only then do the
 stages load (in a worker thread, so a Ctrl-C during a load of minutes is
 answered at once). Every refusal is one line on stderr, exit 2.
@@ -237,7 +237,7 @@ def main(args: argparse.Namespace) -> int:
 
 def _preflight(args: argparse.Namespace) -> list[tuple[int, int]]:
     """Everything that can be refused before anything listens: the path, the
-    split, the device, the memory. The layer ranges to run."""
+    split, the device, the memory, the gateway's tokenizer. The layer ranges to run."""
     problem = model_path_problem(args.model)
     if problem is not None:
         raise Refusal(problem)
@@ -245,19 +245,20 @@ def _preflight(args: argparse.Namespace) -> list[tuple[int, int]]:
         layers = _num_layers(args.model)  # a directory or a .gguf file
     except (ConfigError, CheckpointError) as exc:  # a GGUF's header or metadata too
         raise Refusal(f"cannot load --model {args.model}: {exc}") from None
-    try:
-        # The gateway's side (tokenizer, chat template, context), which it would
-        # otherwise find wrong only after every stage had loaded.
-        ServedModel.load(args.model, name=typed(args, "--model-name"),
-                         context=typed(args, "--max-context"))  # fmt: skip
-    except (OSError, ValueError) as exc:
-        raise Refusal(f"cannot load --model {args.model}: {exc}") from None
     splits = check_split(layers, args.stages, args.split)
     _check_device(typed(args, "--device"))
     try:
         _fit(args, splits)  # every stage in this one process, before any tensor is read
     except MemoryShortfall as exc:
         raise Refusal(str(exc)) from None
+    try:
+        # The gateway's side (tokenizer, chat template, context), which it would
+        # otherwise find wrong only after every stage had loaded; last, as the
+        # slowest of the checks (it reads the tokenizer).
+        ServedModel.load(args.model, name=typed(args, "--model-name"),
+                         context=typed(args, "--max-context"))  # fmt: skip
+    except (OSError, ValueError) as exc:
+        raise Refusal(f"cannot load --model {args.model}: {exc}") from None
     return splits
 
 
