@@ -23,13 +23,20 @@ known there. ``--no-access-log`` turns it off.
 from __future__ import annotations
 
 import logging
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from typing import Any, TypeVar, cast
 
 import anyio
 
+from meshnet_proto import MeshnetError
+from meshnet_runtime.application import Reply, RequestContext, StreamReply
+
 from .openai.timing import RequestTiming
 
-__all__ = ["CLIENT_CLOSED", "AccessLog", "AccessRecord"]
+__all__ = ["CLIENT_CLOSED", "AccessLog", "AccessRecord", "access_record", "status_of"]
+
+R = TypeVar("R")
 
 log = logging.getLogger("meshnet.access")
 
@@ -57,6 +64,25 @@ class AccessLog:
             return
         log.info("%s", line(record, status, anyio.current_time(), client_left=client_left))
 
+    async def around(
+        self, record: AccessRecord, call: Callable[[], Awaitable[R]], *, answered: bool = True
+    ) -> R:
+        """``await call()``, its line written as it ends: a failure's status
+        at once; a success's when ``answered`` (a head check that passes is
+        not the answer yet) — a stream's once it has ended (its tokens are
+        known then), a ``Reply``'s status, otherwise (an activation) 200."""
+        try:
+            reply = await call()
+        except BaseException as exc:
+            self.write(record, status_of(exc))
+            raise
+        if not answered:
+            return reply
+        if isinstance(reply, StreamReply):
+            return cast(R, _logged_stream(reply, self, record))
+        self.write(record, reply.status if isinstance(reply, Reply) else 200)
+        return reply
+
 
 def line(record: AccessRecord, status: int, now: float, *, client_left: bool = False) -> str:
     """The access line of ``record`` answered ``status``, ending at ``now``."""
@@ -75,3 +101,36 @@ def line(record: AccessRecord, status: int, now: float, *, client_left: bool = F
     if client_left:
         parts.append("client_left")
     return " ".join(parts)
+
+
+def access_record(method: str, path: str, query: str, ctx: RequestContext) -> AccessRecord:
+    # A target is bounded by the core's head limit; a log line by less.
+    target = f"{path}?{query}" if query else path
+    return AccessRecord(method, target[:200], ctx.peer, ctx.started)
+
+
+def status_of(exc: BaseException) -> int:
+    """The status a failed handler's request is answered (or logged) with."""
+    if isinstance(exc, MeshnetError):
+        return exc.status
+    if isinstance(exc, anyio.get_cancelled_exc_class()):
+        return CLIENT_CLOSED  # the client left (or the server stops): no answer
+    return 500  # the serving loop answers internal_error
+
+
+def _logged_stream(reply: StreamReply, access: AccessLog, record: AccessRecord) -> StreamReply:
+    """``reply`` whose line is written when its stream ends, whether it ended
+    whole, failed, or its client left."""
+
+    async def produce(send: Any) -> None:
+        client_left = True  # unless produce returns or raises: cancelled
+        try:
+            await reply.produce(send)
+            client_left = False
+        except Exception:
+            client_left = False
+            raise
+        finally:
+            access.write(record, reply.status, client_left=client_left)
+
+    return StreamReply(reply.status, reply.headers, produce, heartbeat=reply.heartbeat)

@@ -46,7 +46,7 @@ from meshnet_runtime.wire_encoder import WireEncoder
 
 from ._pipeline import run_chunks
 from ._retry import RetryPolicy
-from .access import CLIENT_CLOSED, AccessLog, AccessRecord
+from .access import AccessLog, AccessRecord, access_record
 from .admission import Admission
 from .chain import RECHECK_CODES, ChainCheck, ChainMismatch, gateway_facts
 from .chain_view import ChainView
@@ -226,11 +226,10 @@ class GatewayApp:
     # ------------------------------------------------------------ /forward
 
     async def handle_activation_head(self, event: ActivationHead, ctx: RequestContext) -> None:
-        try:
-            await self._check_activation_head(event)
-        except MeshnetError as exc:  # answered now, before the body: its line too
-            self.access.write(_record("POST", "/forward", event.query, ctx), exc.status)
-            raise
+        # Refused now, before the body: its line too.
+        await self.access.around(access_record("POST", "/forward", event.query, ctx),
+                                 lambda: self._check_activation_head(event),
+                                 answered=False)  # fmt: skip
 
     async def _check_activation_head(self, event: ActivationHead) -> None:
         # Reject before reading what may be hundreds of MiB of body.
@@ -254,14 +253,8 @@ class GatewayApp:
     async def handle_activation(
         self, event: ActivationReceived, ctx: RequestContext
     ) -> ActivationReply:
-        record = _record("POST", "/forward", event.query, ctx)
-        try:
-            reply = await self._forward(event, ctx)
-        except BaseException as exc:
-            self.access.write(record, _status_of(exc))
-            raise
-        self.access.write(record, 200)
-        return reply
+        record = access_record("POST", "/forward", event.query, ctx)
+        return await self.access.around(record, lambda: self._forward(event, ctx))
 
     async def _forward(self, event: ActivationReceived, ctx: RequestContext) -> ActivationReply:
         request = event.headers
@@ -383,16 +376,8 @@ class GatewayApp:
     async def handle_endpoint(
         self, event: EndpointRequest, ctx: RequestContext
     ) -> Reply | StreamReply:
-        record = _record(event.method, event.path, event.query, ctx)
-        try:
-            reply = await self._endpoint(event, ctx, record)
-        except BaseException as exc:
-            self.access.write(record, _status_of(exc))
-            raise
-        if isinstance(reply, StreamReply):
-            return _logged_stream(reply, self.access, record)  # its line when it ends
-        self.access.write(record, reply.status)
-        return reply
+        record = access_record(event.method, event.path, event.query, ctx)
+        return await self.access.around(record, lambda: self._endpoint(event, ctx, record))
 
     async def _endpoint(
         self, event: EndpointRequest, ctx: RequestContext, record: AccessRecord
@@ -428,39 +413,6 @@ class GatewayApp:
     async def describe(self) -> dict[str, Any]:
         """``GET /info``: ``info()`` and the chain in one view (``stages``, ``walk``)."""
         return {**self.info(), **await self.chain_view.describe()}
-
-
-def _record(method: str, path: str, query: str, ctx: RequestContext) -> AccessRecord:
-    # A target is bounded by the core's head limit; a log line by less.
-    target = f"{path}?{query}" if query else path
-    return AccessRecord(method, target[:200], ctx.peer, ctx.started)
-
-
-def _status_of(exc: BaseException) -> int:
-    """The status a failed handler's request is answered (or logged) with."""
-    if isinstance(exc, MeshnetError):
-        return exc.status
-    if isinstance(exc, anyio.get_cancelled_exc_class()):
-        return CLIENT_CLOSED  # the client left (or the server stops): no answer
-    return 500  # the serving loop answers internal_error
-
-
-def _logged_stream(reply: StreamReply, access: AccessLog, record: AccessRecord) -> StreamReply:
-    """``reply`` whose line is written when its stream ends (the tokens are
-    known then), whether it ended whole, failed, or its client left."""
-
-    async def produce(send: Any) -> None:
-        client_left = True  # unless produce returns or raises: cancelled
-        try:
-            await reply.produce(send)
-            client_left = False
-        except Exception:
-            client_left = False
-            raise
-        finally:
-            access.write(record, reply.status, client_left=client_left)
-
-    return StreamReply(reply.status, reply.headers, produce, heartbeat=reply.heartbeat)
 
 
 def _response_headers(output: np.ndarray, dtype: str, encoding: str, lease: Lease) -> WireHeaders:

@@ -436,7 +436,7 @@ class OpenAIService:
             if self.metrics is not None:
                 self.metrics.completion_tokens.inc(result.completion_tokens)
             if serving is not None:
-                self._observe_finished(serving, timing, result)
+                _observe_finished(serving, timing, result)
             return result
         except Exception:
             outcome = "error"
@@ -449,19 +449,6 @@ class OpenAIService:
             if self.metrics is not None:
                 self.metrics.prompt_tokens.inc(len(ids))
                 self.metrics.generations.labels(fmt.endpoint, outcome).inc()
-
-    @staticmethod
-    def _observe_finished(
-        serving: ServingMetrics, timing: RequestTiming, result: GenerationResult
-    ) -> None:
-        """A generation that finished (stop or length): its whole-request figures."""
-        now = anyio.current_time()
-        serving.success(result.finish_reason)
-        serving.e2e.observe(now - timing.arrived)
-        serving.request_prompt_tokens.observe(result.prompt_tokens)
-        serving.request_generation_tokens.observe(result.completion_tokens)
-        if timing.first_token is not None and timing.last_token is not None:
-            serving.decode_time.observe(timing.last_token - timing.first_token)
 
     async def _admit(self, tokens: int) -> Ticket | None:
         """Wait for admission; a refusal as the OpenAI error it is answered with."""
@@ -478,6 +465,19 @@ class OpenAIService:
                 code=exc.reason,
                 retry_after=exc.retry_after,
             ) from None
+
+
+def _observe_finished(
+    serving: ServingMetrics, timing: RequestTiming, result: GenerationResult
+) -> None:
+    """A generation that finished (stop or length): its whole-request figures."""
+    now = anyio.current_time()
+    serving.success(result.finish_reason)
+    serving.e2e.observe(now - timing.arrived)
+    serving.request_prompt_tokens.observe(result.prompt_tokens)
+    serving.request_generation_tokens.observe(result.completion_tokens)
+    if timing.first_token is not None and timing.last_token is not None:
+        serving.decode_time.observe(timing.last_token - timing.first_token)
 
 
 # The last event of a stream the server's shutdown ended (then data: [DONE]).
