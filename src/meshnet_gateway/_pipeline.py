@@ -93,6 +93,7 @@ async def run_chunks(
     on_send: Callable[[WireHeaders], None] | None = None,
     last_only: bool = False,
     stage: str | None = None,
+    annotate: Callable[[WireHeaders], WireHeaders] | None = None,
 ) -> RunResult:
     """Send ``array`` (already in its wire dtype) as one run; return the answers.
 
@@ -117,7 +118,8 @@ async def run_chunks(
     ``retry``: a chunk whose failure ``retry.retryable`` accepts is sent
     again, identical, after ``retry.delay``, up to ``retry.retries`` times
     and never past the deadline; ``on_retry(index, error)`` is told of each.
-    ``on_send(headers)`` is told of each chunk just before it goes.
+    ``on_send(headers)`` is told of each chunk just before it goes;
+    ``annotate(headers)`` may add to each chunk's headers first.
     ``stage``: the ``X-Meshnet-Stage`` every chunk carries (``"<model>/0"``,
     the stage the entry must be), or none.
     ``session_key`` goes with every chunk (wire-2 §3.9: the nodes bind the
@@ -140,6 +142,8 @@ async def run_chunks(
                 dtype, encoding, body = await encoder.encode(chunk.view, request_encoding)
                 headers = _chunk_headers(chunk, dtype, encoding, session, base_position,
                                          stage=stage, session_key=session_key)  # fmt: skip
+                if annotate is not None:  # e.g. the prefix cache's keys (wire-2 §3.10)
+                    headers = annotate(headers)
                 encode_s = time.perf_counter() - started
                 await run.slots.acquire()
             except MeshnetError as exc:

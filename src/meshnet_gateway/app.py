@@ -57,6 +57,7 @@ from .openai import OpenAIService, ServedModel
 from .openai.api import OPENAI_ROUTES
 from .openai.errors import from_meshnet
 from .openai.generation import ChainSettings
+from .openai.prefix_index import PrefixIndex
 from .openai.metrics import GenerationMetrics, ServingMetrics
 from .openai.timing import RequestTiming
 
@@ -444,6 +445,8 @@ def _openai_service(app: GatewayApp) -> OpenAIService:
     assert config.model is not None
     model = ServedModel.load(config.model, name=config.model_name, context=config.max_context)
 
+    prefix = None if config.no_prefix_cache else PrefixIndex()
+
     def chain_settings() -> ChainSettings:
         # Read per request: the inflight cap follows the entry's reorder window.
         return ChainSettings(
@@ -455,6 +458,7 @@ def _openai_service(app: GatewayApp) -> OpenAIService:
             retry=app.retry,
             stage=app.expected_entry,
             on_stage_mismatch=lambda: app.on_chain_suspect(),
+            prefix=prefix,
         )
 
     # Prompts the chain can take as one run: no more chunks than a run may have.

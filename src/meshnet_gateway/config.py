@@ -94,7 +94,13 @@ _LOGGING = (
     Flag("--no-access-log", switch,
          "do not log one line per request (meshnet.access, at info)"),
 )  # fmt: skip
-GATEWAY_FLAGS: tuple[Flag, ...] = _CHAIN + _MODEL + _RETRIES + _PROMPTS + _ADMISSION + _LOGGING
+_CACHE = (
+    Flag("--no-prefix-cache", switch,
+         "send no block keys: every prompt is computed whole (wire-2 §3.10)"),
+)
+GATEWAY_FLAGS: tuple[Flag, ...] = (
+    _CHAIN + _MODEL + _RETRIES + _PROMPTS + _ADMISSION + _LOGGING + _CACHE
+)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -134,6 +140,9 @@ class GatewayConfig(ServerConfig):
     # default as uvicorn's and vLLM's are; an operator behind a proxy that
     # logs already turns it off.
     no_access_log: bool = False
+    # The chain's prefix cache (wire-2 §3.10): block keys on every chunk, and
+    # prompts started after the longest prefix the chain holds.
+    no_prefix_cache: bool = False
 
     @classmethod
     def build_parser(cls, prog: str | None = None) -> argparse.ArgumentParser:

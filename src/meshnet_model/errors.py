@@ -11,6 +11,8 @@ from __future__ import annotations
 
 __all__ = [
     "CacheMismatch",
+    "PrefixMismatch",
+    "PrefixUnknown",
     "CheckpointError",
     "ChunkTooLarge",
     "ComputeDeadlineExceeded",
@@ -42,6 +44,14 @@ class StageInputError(ValueError):
 
 class CacheMismatch(Exception):
     """The session's cache does not hold the context the chunk follows."""
+
+
+class PrefixUnknown(Exception):
+    """A new session names a cached prefix this stage does not hold (wire-2 §3.10)."""
+
+
+class PrefixMismatch(StageInputError):
+    """Block keys that do not name the session's token ids (wire-2 §3.10)."""
 
 
 class ChunkTooLarge(StageInputError):

@@ -78,6 +78,10 @@ log = logging.getLogger("meshnet.node")
 _EXPIRY_INTERVAL = 5.0
 
 
+# What a request carries and an answer never does: the session's key
+# (wire-2 §3.9) and the prefix cache's keys (§3.10).
+_REQUEST_ONLY: dict[str, Any] = {"session_key": None, "prefix": None, "prefix_blocks": ()}
+
 class NodeApp:
     """The ``Application`` (see ``meshnet_runtime.http_server``) of one node."""
 
@@ -225,6 +229,8 @@ class NodeApp:
             run=ticket.run,
             # The loop's clock is not the thread's: hand the stage a monotonic one.
             deadline=time.monotonic() + deadline.remaining(),
+            prefix=headers.prefix,
+            prefix_blocks=headers.prefix_blocks,
         )
         try:
             output = await self.stage(event.tensor, context)
@@ -272,7 +278,7 @@ class NodeApp:
         if self.downstream is None:
             # The last stage: what is answered is all there is (one copy of
             # the headers, not two: section decode).
-            reply = ActivationReply(headers.replace(**changes, session_key=None), body)
+            reply = ActivationReply(headers.replace(**changes, **_REQUEST_ONLY), body)
             self.table.response_ready(
                 ticket, reply, anyio.current_time(), nbytes=memoryview(reply.body).nbytes
             )
@@ -282,7 +288,7 @@ class NodeApp:
         if replay:
             # Kept as if sent: a failover of the hop below replays it.
             self.downstream.record_replayed(ticket.session, down, body)
-            reply = ActivationReply(out.replace(session_key=None), body)
+            reply = ActivationReply(out.replace(**_REQUEST_ONLY), body)
             self.table.response_ready(
                 ticket, reply, anyio.current_time(), nbytes=memoryview(reply.body).nbytes
             )

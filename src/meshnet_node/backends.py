@@ -72,6 +72,10 @@ class StageContext:
     total: int
     run: int = 0
     deadline: float | None = None
+    # wire-2 §3.10: the cached prefix a new session starts from, and the keys
+    # of the blocks ending in this chunk (the model stage files its KV under them).
+    prefix: str | None = None
+    prefix_blocks: tuple[str, ...] = ()
 
 
 class StageBackend(Protocol):

@@ -38,12 +38,15 @@ a session ended while its chunk computed is 409 ``session_unknown``.
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
 
 from meshnet_model import (
     CacheMismatch,
@@ -56,7 +59,13 @@ from meshnet_model import (
 )
 from meshnet_model.engines.choice import choose_engine, set_blas_threads
 from meshnet_model.engines.footprint import StageFootprint, fit_process
-from meshnet_model.errors import ChunkTooLarge, ComputeDeadlineExceeded, ContextExceeded
+from meshnet_model.errors import (
+    ChunkTooLarge,
+    ComputeDeadlineExceeded,
+    ContextExceeded,
+    PrefixMismatch,
+    PrefixUnknown,
+)
 from meshnet_model.formats.config import ModelConfig
 from meshnet_model.identity import ModelIdentity, load_plan, model_identity
 from meshnet_model.progress import NO_PROGRESS, LoadProgress, reporting
@@ -123,6 +132,8 @@ class ModelStage:
         # exactly this life (see StageRunner.admit).
         life = self.runner.admit(context.session)
         try:
+            self.runner.prepare_prefix(life, context.position, tensor, context.prefix,
+                                       context.prefix_blocks)  # fmt: skip
             # The value checks (ids in the vocabulary, finite hidden states)
             # are O(tensor): in the worker thread with the compute.
             output = await self.scheduler.run(life, context.position, tensor, context.deadline)
@@ -137,6 +148,8 @@ class ModelStage:
             raise CapacityError(
                 f"KV cache memory is full: {exc}", code="kv_memory_full", retry_after=KV_RETRY_AFTER
             ) from None
+        except PrefixUnknown as exc:
+            raise SequencingError(str(exc), code="prefix_unknown", header="x-meshnet-prefix") from None
         except CacheMismatch as exc:
             raise SequencingError(
                 str(exc), code="kv_cache_mismatch", header="x-meshnet-position"
@@ -190,6 +203,7 @@ class ModelStage:
             chunks.observe(step_chunks)
 
         self.scheduler.on_step = on_step
+        registry.register(_PrefixCollector(self.runner))
 
     @property
     def kv_bytes_in_use(self) -> int:
@@ -229,7 +243,33 @@ class ModelStage:
         return {"backend": "model", **self.runner.describe(), **footprint}
 
 
+class _PrefixCollector(Collector):
+    """The prefix cache's counts (wire-2 §3.10), read from the store at scrape time."""
+
+    def __init__(self, runner: StageRunner) -> None:
+        self.runner = runner
+
+    def collect(self) -> Iterator[Metric]:
+        store = self.runner.prefix
+        yield CounterMetricFamily("meshnet_prefix_cache_hits",
+                                  "New sessions that started from a cached prefix",
+                                  value=store.hits)  # fmt: skip
+        yield CounterMetricFamily("meshnet_prefix_cache_misses",
+                                  "New sessions that named a prefix this stage did not hold",
+                                  value=store.misses)  # fmt: skip
+        yield CounterMetricFamily("meshnet_prefix_cache_tokens_saved",
+                                  "Positions taken from the prefix cache instead of computed",
+                                  value=store.tokens_saved)  # fmt: skip
+        yield GaugeMetricFamily("meshnet_prefix_cache_bytes",
+                                "KV bytes held by ended sessions' retained prefixes",
+                                value=store.retained_bytes)  # fmt: skip
+        yield GaugeMetricFamily("meshnet_prefix_cache_entries", "Retained prefix caches",
+                                value=store.retained)  # fmt: skip
+
+
 def _input_error(exc: StageInputError) -> ProtocolError:
+    if isinstance(exc, PrefixMismatch):
+        return ProtocolError(str(exc), code="bad_prefix", header="x-meshnet-prefix-blocks")
     if isinstance(exc, ChunkTooLarge):
         return ProtocolError(str(exc), code="chunk_too_large", status=413,
                              header="x-meshnet-shape")  # fmt: skip

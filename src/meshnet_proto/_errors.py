@@ -56,6 +56,7 @@ class ErrorCode(enum.StrEnum):
     BAD_SESSION_KEY = "bad_session_key", 400
     BAD_CHUNK_INDEX = "bad_chunk_index", 400, 502
     BAD_STAGE = "bad_stage", 400
+    BAD_PREFIX = "bad_prefix", 400
     WIRE_VERSION_MISMATCH = "wire_version_mismatch", 400
     BODY_SIZE_MISMATCH = "body_size_mismatch", 400
     BAD_ZSTD_FRAME = "bad_zstd_frame", 400
@@ -86,6 +87,7 @@ class ErrorCode(enum.StrEnum):
     SESSION_BUSY = "session_busy", 409
     STAGE_MISMATCH = "stage_mismatch", 409
     KV_CACHE_MISMATCH = "kv_cache_mismatch", 409
+    PREFIX_UNKNOWN = "prefix_unknown", 409
     # 411
     LENGTH_REQUIRED = "length_required", 411
     # 413

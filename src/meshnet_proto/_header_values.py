@@ -19,6 +19,7 @@ from typing import Any, TypeAlias
 from ._dtypes import WELL_FORMED_TOKEN, WIRE_DTYPES, WIRE_ENCODINGS
 from ._errors import ProtocolError
 from ._integers import MAX_UINT_DIGITS, parse_canonical_uint
+from ._prefix import H_PREFIX, H_PREFIX_BLOCKS, parse_prefix
 from ._limits import Limits
 
 # Header names as h11 hands them to us (lowercase bytes). Comparisons are done
@@ -50,6 +51,8 @@ KNOWN_MESHNET_HEADERS: frozenset[bytes] = frozenset(
         H_DEADLINE,
         H_STAGE,
         H_SESSION_KEY,
+        H_PREFIX,
+        H_PREFIX_BLOCKS,
     }
 )
 
@@ -414,7 +417,7 @@ def _optional(
 
 # wire-2 §2's order of checks, after the content type and duplicates (collect)
 # and before the tensor's size (parse_wire_headers, once the headers are built).
-GROUPS: tuple[Group, ...] = (_wire_version, _tensor, _sequencing, _optional)
+GROUPS: tuple[Group, ...] = (_wire_version, _tensor, _sequencing, _optional, parse_prefix)
 
 
 def check_size(shape: tuple[int, ...], dtype: str, nbytes: int, limits: Limits) -> None:

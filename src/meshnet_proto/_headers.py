@@ -42,6 +42,7 @@ from ._header_values import (
     optional_session_key,
 )
 from ._limits import Limits
+from ._prefix import prefix_pairs, valid_prefix_fields
 
 __all__ = ["WireHeaders", "is_session_key", "parse_wire_headers", "parse_session_key"]
 
@@ -68,6 +69,10 @@ class WireHeaders:
     deadline_ms: int | None = None
     stage: str | None = None
     session_key: str | None = None
+    # wire-2 §3.10: the cached prefix a new session starts from, and the keys
+    # of the blocks that end in this chunk.
+    prefix: str | None = None
+    prefix_blocks: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         # Accept any sequence of integer-likes for convenience (numpy shapes
@@ -106,6 +111,8 @@ class WireHeaders:
             raise ValueError(f"stage must be '<model-id>/<first layer>', got {self.stage!r}")
         if self.session_key is not None and not is_session_key(self.session_key):
             raise ValueError("session_key must be 32 lowercase hex digits")
+        if not valid_prefix_fields(self.prefix, self.prefix_blocks):
+            raise ValueError("prefix must be a block key or None, prefix_blocks a tuple of keys")
         for field in ("chunk_index", "chunk_total", "position", "deadline_ms"):
             value = getattr(self, field)
             if value is not None and not is_uint(value):
@@ -158,8 +165,11 @@ class WireHeaders:
     @property
     def starts_session(self) -> bool:
         """The first chunk of a new session: nothing to replay before it
-        (chunk index and position each absent or 0)."""
-        return self.chunk_index in (None, 0) and self.position in (None, 0)
+        (chunk index absent or 0, and position absent or 0 — or any, after
+        the cached prefix the chunk names, wire-2 §3.10)."""
+        return self.chunk_index in (None, 0) and (
+            self.position in (None, 0) or self.prefix is not None
+        )
 
     def replace(self, **changes: Any) -> WireHeaders:
         """A copy with ``changes`` applied, validated like a hand-built instance."""
@@ -195,6 +205,8 @@ class WireHeaders:
             pairs.append((b"X-Meshnet-Stage", self.stage.encode("ascii")))
         if self.session_key is not None:
             pairs.append((b"X-Meshnet-Session-Key", self.session_key.encode("ascii")))
+        if self.prefix is not None or self.prefix_blocks:
+            pairs += prefix_pairs(self.prefix, self.prefix_blocks)
         return pairs
 
 

@@ -135,7 +135,7 @@ class SessionTable:
         s = self._sessions.get(sid)
         check_claims(s, sid, index, headers, replay)
         if s is None:
-            route = self._route_unknown(sid, index, headers.position, now, client)
+            route = self._route_unknown(sid, index, headers, now, client)
         else:
             route, _ = route_chunk(self._window, s, headers, None)
         if route is Route.AHEAD:
@@ -178,7 +178,7 @@ class SessionTable:
         check_claims(s, sid, index, headers, replay)
         record: ChunkRecord | None = None
         if s is None:
-            route = self._route_unknown(sid, index, headers.position, now, client)
+            route = self._route_unknown(sid, index, headers, now, client)
         else:
             s.touched = now
             route, record = route_chunk(self._window, s, headers, fingerprint)
@@ -189,6 +189,8 @@ class SessionTable:
             return again(record, self._store)
         if s is None:
             s = self._create(sid, now, headers.session_key, client)
+            if headers.prefix is not None:  # wire-2 §3.10: it starts after a cached prefix
+                s.position = headers.position or 0
         return self._process(s, headers, fingerprint)
 
     def give_up(self, waiter: Waiter, now: float) -> SequencingError:
@@ -307,10 +309,14 @@ class SessionTable:
     # -- routing -----------------------------------------------------------------------
 
     def _route_unknown(
-        self, sid: str, index: int, position: int | None, now: float, client: str | None
+        self, sid: str, index: int, headers: Headers, now: float, client: str | None
     ) -> Route:
         if index == 0:
-            if position:  # wire-2 §3: never silently start a context anywhere but at 0
+            position = headers.position
+            # wire-2 §3: never silently start a context anywhere but at 0 —
+            # or after the cached prefix the chunk names (§3.10), which the
+            # stage attaches or refuses (409 prefix_unknown).
+            if position and headers.prefix is None:
                 raise unknown(
                     f"session {sid} is unknown here, so chunk 0 cannot start at position "
                     f"{position} (expired, deleted, or this node restarted)"

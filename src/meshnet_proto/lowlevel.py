@@ -16,6 +16,7 @@ from ._codec import body_bound, decode_tensor
 from ._dtypes import WIRE_DTYPES
 from ._headers import parse_session_key
 from ._policy import apply_wire_dtype
+from ._prefix import PREFIX_BLOCK_TOKENS, blocks_ending_in, prefix_block_keys
 from ._sequencer import Ticket
 from ._server import DEFAULT_MAX_ENDPOINT_BODY, DEFAULT_ROUTES
 from ._topology import ChainProblem, StageIdentity, StageReport, is_deep_health
@@ -36,6 +37,10 @@ __all__ = [
     "parse_session_key",
     "Ticket",
     "Lease",
+    # the prefix cache's block keys (wire-2 §3.10)
+    "PREFIX_BLOCK_TOKENS",
+    "prefix_block_keys",
+    "blocks_ending_in",
     # the gateway's chunking
     "plan_chunks",
     "ChunkAssembler",

@@ -30,10 +30,13 @@ from meshnet_runtime.deadlines import Deadline
 from meshnet_runtime.downstream import Downstream, key_headers
 from meshnet_runtime.wire_encoder import WireEncoder
 
+from meshnet_proto.lowlevel import PREFIX_BLOCK_TOKENS, blocks_ending_in, prefix_block_keys
+
 from .._pipeline import run_chunks
 from .._retry import RetryPolicy
 from .logprobs import TokenLogprob, TokenTexts
 from .metrics import GenerationMetrics
+from .prefix_index import PrefixIndex
 from .sampling import Sampler
 from .tokenizer import ModelTokenizer, TextStream
 
@@ -67,6 +70,9 @@ class ChainSettings:
     # who to tell when a node answers that it is not the stage expected.
     stage: str | None = None
     on_stage_mismatch: Callable[[], None] | None = None
+    # The chain's prefix cache (wire-2 §3.10): what it is believed to hold;
+    # None sends no block keys at all (--no-prefix-cache).
+    prefix: PrefixIndex | None = None
 
 
 class ChainSession:
@@ -87,22 +93,65 @@ class ChainSession:
         # Fixed per request: --encoding as set (auto here is the core's
         # content-based choice; ids and single tokens are small anyway).
         self.encoder = WireEncoder(codecs, encoding=settings.encoding, level=settings.zstd_level)
+        self.runs = 0  # runs completed: prefill + decode steps
+        self.prefix = settings.prefix
+        self._new_session()
+
+    def _new_session(self) -> None:
         self.session = str(uuid.uuid4())
         # Internal sessions are keyed too (wire-2 §3.9): only this gateway
         # can go on with, or end, one of its generations on the nodes.
         self.key = secrets.token_hex(16)
         self.position = 0
-        self.runs = 0  # runs completed: prefill + decode steps
         # Chunks handed to the wire, all runs together: counted before they
         # go, so that a prefill cancelled halfway is still deleted.
         self.chunks = 0
+        # Every id the session holds, and the keys of its whole blocks (§3.10).
+        self.history: list[int] = []
+        self.block_keys: list[str] = []
+        self.tokens_saved = 0
 
     async def prefill(self, ids: Sequence[int]) -> np.ndarray:
-        """Send the prompt; the logits after its last token (``[vocab]``)."""
+        """Send the prompt; the logits after its last token (``[vocab]``).
+
+        With a prefix index, the prompt starts after the longest prefix of it
+        the chain is believed to hold; a node that no longer holds it answers
+        409 ``prefix_unknown``, and the prompt runs again cold in a new session.
+        """
         started = time.perf_counter()
-        logits = await self._run(np.asarray([ids], dtype=np.int32))
+        ids = [int(i) for i in ids]
+        logits = None
+        if self.prefix is not None and self.position == 0:
+            keys = prefix_block_keys(ids)
+            held = self.prefix.longest(keys, len(ids))
+            if held:
+                logits = await self._attached(ids, keys, held)
+            elif keys:
+                self.prefix.misses += 1
+        if logits is None:
+            logits = await self._run(np.asarray([ids], dtype=np.int32))
         if self.metrics is not None:
             self.metrics.prefill_seconds.observe(time.perf_counter() - started)
+        return logits
+
+    async def _attached(self, ids: list[int], keys: list[str], held: int) -> np.ndarray | None:
+        """Run the prompt after its first ``held`` cached blocks; None if a node refused."""
+        assert self.prefix is not None
+        start = held * PREFIX_BLOCK_TOKENS
+        self.history, self.block_keys, self.position = ids[:start], keys[:held], start
+        try:
+            logits = await self._run(np.asarray([ids[start:]], dtype=np.int32), attach=keys[held - 1])
+        except MeshnetError as exc:
+            if exc.code != "prefix_unknown":
+                raise
+            self.prefix.refused += 1
+            self.prefix.discard_from(keys[held - 1 :])
+            await self.close()
+            self._new_session()
+            return None
+        self.prefix.hits += 1
+        self.prefix.tokens_saved += start
+        self.tokens_saved = start
         return logits
 
     async def step(self, token_id: int) -> np.ndarray:
@@ -113,12 +162,17 @@ class ChainSession:
             self.metrics.step_seconds.observe(time.perf_counter() - started)
         return logits
 
-    async def _run(self, ids: np.ndarray) -> np.ndarray:
-        """One run of chunks; the last stage's answer to the last chunk."""
+    async def _run(self, ids: np.ndarray, *, attach: str | None = None) -> np.ndarray:
+        """One run of chunks; the last stage's answer to the last chunk.
+        ``attach``: the cached prefix the session's first chunk starts from."""
         settings = self.settings
 
         def count(headers: WireHeaders) -> None:
             self.chunks += 1
+
+        annotate = None
+        if self.prefix is not None:
+            annotate = self._block_keys_for(ids, attach)
 
         try:
             result = await run_chunks(
@@ -135,6 +189,7 @@ class ChainSession:
                 on_send=count,
                 last_only=True,
                 stage=settings.stage,
+                annotate=annotate,
             )
         except MeshnetError as exc:
             if exc.code == "stage_mismatch" and settings.on_stage_mismatch is not None:
@@ -145,6 +200,8 @@ class ChainSession:
             # moves even on failure, though a failed session is only deleted.
             self.position += ids.shape[1]
             self.runs += 1
+        if self.prefix is not None:  # every chunk answered: the chain holds these
+            self.prefix.add(self.block_keys)
         logits = result.output
         if logits.ndim != 2 or logits.shape[0] != 1:
             raise MeshnetError(
@@ -155,6 +212,28 @@ class ChainSession:
                 hop=self.pool.url,
             )
         return np.asarray(logits[0], dtype=np.float32)
+
+    def _block_keys_for(
+        self, ids: np.ndarray, attach: str | None
+    ) -> Callable[[WireHeaders], WireHeaders]:
+        """Extend the session's block keys by ``ids``; what adds each chunk's
+        ``X-Meshnet-Prefix-Blocks`` (and the first's ``X-Meshnet-Prefix``)."""
+        done = len(self.block_keys) * PREFIX_BLOCK_TOKENS
+        self.history.extend(int(i) for i in ids.reshape(-1))
+        previous = self.block_keys[-1] if self.block_keys else None
+        self.block_keys += prefix_block_keys(self.history[done:], previous)
+        keys = self.block_keys
+
+        def annotate(headers: WireHeaders) -> WireHeaders:
+            position = headers.position or 0
+            first = position // PREFIX_BLOCK_TOKENS
+            blocks = tuple(keys[first : first + blocks_ending_in(position, headers.tokens)])
+            prefix = attach if headers.chunk_index == 0 else None
+            if prefix is None and not blocks:
+                return headers
+            return headers.replace(prefix=prefix, prefix_blocks=blocks)
+
+        return annotate
 
     async def close(self) -> None:
         """Free the session on every node (the entry passes the DELETE down).

@@ -20,6 +20,7 @@ gives its bytes back at once and refuses to grow afterwards.
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 
 import numpy as np
 
@@ -41,6 +42,9 @@ class KVBudget:
         self.lock = threading.Lock()
         self._in_use = 0
         self.peak = 0
+        # Called with the lock held when a reservation does not fit: frees what
+        # can go (the prefix cache's retained caches) before the chunk is refused.
+        self.reclaim: Callable[[int], None] | None = None
 
     @property
     def in_use(self) -> int:
@@ -102,14 +106,20 @@ class KVCache:
                 if self.budget._take((capacity - self.capacity) * per):
                     break
             else:
-                extra = (needed - self.capacity) * per
-                raise KVBudgetExceeded(
-                    f"the KV cache needs {extra} more bytes; {self.budget.in_use} of "
-                    f"{self.budget.limit} are in use",
-                    needed=extra,
-                    in_use=self.budget.in_use,
-                    limit=self.budget.limit,
-                )
+                capacity = needed
+                if self.budget.reclaim is not None:
+                    self.budget.reclaim((needed - self.capacity) * per)
+                if self.budget.reclaim is None or not self.budget._take(
+                    (needed - self.capacity) * per
+                ):
+                    extra = (needed - self.capacity) * per
+                    raise KVBudgetExceeded(
+                        f"the KV cache needs {extra} more bytes; {self.budget.in_use} of "
+                        f"{self.budget.limit} are in use",
+                        needed=extra,
+                        in_use=self.budget.in_use,
+                        limit=self.budget.limit,
+                    )
             # Counted under the lock, so a close() racing with us gives back
             # exactly what was taken.
             self.capacity = capacity
@@ -138,9 +148,24 @@ class KVCache:
         cache: a chunk still computing on it finishes on memory it holds.
         """
         with self.budget.lock:
-            if self.closed:
-                return 0
-            self.closed = True
-            released = self.nbytes
-            self.budget._give(released)
+            return self.close_locked()
+
+    def close_locked(self) -> int:
+        """``close`` for a caller that holds the budget's lock."""
+        if self.closed:
+            return 0
+        self.closed = True
+        released = self.nbytes
+        self.budget._give(released)
         return released
+
+    def copy_prefix(self, source: KVCache, length: int) -> None:
+        """Start this (empty) cache with ``source``'s first ``length`` positions
+        (a prefix-cache hit: the numbers a cold run computed, bit for bit)."""
+        if self.length or source.length < length or source.batch != self.batch:
+            raise ValueError("copy_prefix: an empty cache, and a source holding the prefix")
+        self.reserve(length)
+        for layer in range(self.layers):
+            self.keys[layer][:, :, :length] = source.keys[layer][:, :, :length]
+            self.values[layer][:, :, :length] = source.values[layer][:, :, :length]
+        self.length = length

@@ -37,7 +37,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -45,6 +45,8 @@ import numpy as np
 
 from ..errors import (
     CacheMismatch,
+    PrefixMismatch,
+    PrefixUnknown,
     ChunkTooLarge,
     ComputeDeadlineExceeded,
     ContextExceeded,
@@ -53,9 +55,12 @@ from ..errors import (
 )
 from ..formats.config import ModelConfig
 from ..source import model_name
+from meshnet_proto.lowlevel import PREFIX_BLOCK_TOKENS
+
 from .batch import BatchEntry
 from .costs import chunk_cost, reachable_context
 from .kv_cache import KVBudget, KVCache
+from .prefix_store import PrefixStore, TokenChain
 from .weights import StageWeights
 
 if TYPE_CHECKING:  # typing only: the engines import this module
@@ -114,6 +119,12 @@ class SessionLife:
     session: str
     cache: KVCache | None = None
     ended: bool = False
+    # The prefix cache (wire-2 §3.10): the prefix a new session starts from,
+    # the block keys of the chunk in hand with their ends (filed once it has
+    # run), and the first stage's own count of the keys.
+    attach: str | None = None
+    pending: list[tuple[str, int]] = field(default_factory=list)
+    chain: TokenChain | None = None
 
 
 class StageRunner:
@@ -127,7 +138,10 @@ class StageRunner:
         name: str | None = None,
         path: str | None = None,
         model: Engine[Any] | None = None,
+        prefix_cache_bytes: int | None = None,
     ) -> None:
+        """``prefix_cache_bytes``: what ended sessions' caches may keep held for
+        the prefix cache (None: half the KV budget; 0: keep none)."""
         self.weights = weights
         # The engine: numpy's StageModel unless another is given (the torch one).
         # Imported here: the engines build on this package, not it on them.
@@ -138,6 +152,8 @@ class StageRunner:
         self.model: Engine[Any] = model
         self.config: ModelConfig = weights.config
         self.budget = KVBudget(kv_budget_bytes)
+        retain = kv_budget_bytes // 2 if prefix_cache_bytes is None else prefix_cache_bytes
+        self.prefix = PrefixStore(self.budget, retain)
         self.max_chunk_tokens = max_chunk_tokens
         self.max_compute_bytes = max_compute_bytes
         self.name = name
@@ -270,6 +286,30 @@ class StageRunner:
                 life = self._lives[session] = SessionLife(session)
             return life
 
+    def prepare_prefix(self, life: SessionLife, position: int, inputs: np.ndarray,
+                       prefix: str | None, blocks: Sequence[str]) -> None:  # fmt: skip
+        """Before a chunk runs (wire-2 §3.10): note the prefix a new session
+        starts from, and the block keys to file once the chunk has run. The
+        first stage checks the keys against the token ids (``PrefixMismatch``)."""
+        if prefix is not None and life.cache is None:
+            life.attach = prefix
+        start = position // PREFIX_BLOCK_TOKENS
+        life.pending = [(key, (start + i + 1) * PREFIX_BLOCK_TOKENS) for i, key in enumerate(blocks)]
+        if not (self.first and inputs.ndim == 2 and inputs.shape[0] == 1):
+            return  # only token ids can be checked; the stages below trust their sender
+        if life.chain is None:
+            if position and prefix is None:
+                if not blocks:
+                    return  # a session that never files: nothing to check
+                raise PrefixMismatch("block keys must be sent from the session's first chunk")
+            life.chain = TokenChain(position if prefix else 0, prefix)
+        keys = life.chain.keys_for(position, inputs)
+        if blocks and list(blocks) != keys:
+            raise PrefixMismatch(
+                "x-meshnet-prefix-blocks does not name this session's tokens "
+                f"(the first stage computes {len(keys)} other keys)"
+            )
+
     def run(
         self,
         session: str,
@@ -307,6 +347,7 @@ class StageRunner:
                 )
             else:
                 work.output = entry.output
+                self._file(work.life)
 
     def _entry(self, work: StageWork) -> tuple[StageWork, BatchEntry[Any]]:
         """Check one chunk and bring its session's cache to its position."""
@@ -319,7 +360,10 @@ class StageRunner:
                 f"session {life.session} started with batch {cache.batch}, this chunk has "
                 f"{inputs.shape[0]}"
             )
+        if life.attach is not None and cache.length == 0 and position > 0:
+            self._attach(life, cache, position)
         if cache.length > position:
+            self.prefix.unfile_after(cache, position)
             cache.truncate(position)
         elif cache.length < position:
             raise CacheMismatch(
@@ -327,6 +371,31 @@ class StageRunner:
                 f"positions, the chunk starts at {position}"
             )
         return work, BatchEntry(inputs, cache, position, _stopper(life, work.deadline))
+
+    def _attach(self, life: SessionLife, cache: KVCache, position: int) -> None:
+        """A prefix-cache hit: the session's first ``position`` positions are a
+        copy of the cached prefix's (the numbers a cold run computed)."""
+        assert life.attach is not None
+        found = self.prefix.find(life.attach)
+        if found is None or found[1] != position:
+            raise PrefixUnknown(
+                f"session {life.session}: this stage holds no cached prefix "
+                f"{life.attach} of {position} positions (evicted, or never computed here)"
+            )
+        cache.copy_prefix(found[0], position)
+        life.attach = None
+        with self.budget.lock:
+            self.prefix.tokens_saved += position
+
+    def _file(self, life: SessionLife) -> None:
+        """File the session's cache under the keys of the blocks it now holds."""
+        cache = life.cache
+        if not life.pending or cache is None:
+            return
+        ready = [(key, end) for key, end in life.pending if end <= cache.length]
+        if ready:
+            self.prefix.file(cache, ready)
+            life.pending = [item for item in life.pending if item[1] > cache.length]
 
     def _cache_for(self, life: SessionLife, *, batch: int) -> KVCache:
         with self._lock:
@@ -344,7 +413,10 @@ class StageRunner:
                 return 0
             life.ended = True
             cache, life.cache = life.cache, None
-        return 0 if cache is None else cache.close()
+        if cache is None or self.prefix.retain(cache):
+            return 0  # a retained cache keeps its bytes for the prefix cache
+        self.prefix.forget(cache)
+        return cache.close()
 
     # -- reporting -----------------------------------------------------------------
 
@@ -379,6 +451,11 @@ class StageRunner:
             "kv_bytes_in_use": self.budget.in_use,
             "kv_budget_bytes": self.budget.limit,
             "kv_sessions": self.sessions,
+            "prefix_cache": {"retained": self.prefix.retained,
+                             "retained_bytes": self.prefix.retained_bytes,
+                             "limit_bytes": self.prefix.limit, "hits": self.prefix.hits,
+                             "misses": self.prefix.misses,
+                             "tokens_saved": self.prefix.tokens_saved},
             **self.model.describe(),  # engine, device, compute and weights dtype
         }  # fmt: skip
 
