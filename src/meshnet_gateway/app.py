@@ -57,8 +57,8 @@ from .openai import OpenAIService, ServedModel
 from .openai.api import OPENAI_ROUTES
 from .openai.errors import from_meshnet
 from .openai.generation import ChainSettings
-from .openai.prefix_index import PrefixIndex
 from .openai.metrics import GenerationMetrics, ServingMetrics
+from .openai.prefix_index import PrefixIndex
 from .openai.timing import RequestTiming
 
 __all__ = ["ChainMismatch", "GatewayApp"]

@@ -95,8 +95,11 @@ _LOGGING = (
          "do not log one line per request (meshnet.access, at info)"),
 )  # fmt: skip
 _CACHE = (
-    Flag("--no-prefix-cache", switch,
-         "send no block keys: every prompt is computed whole (wire-2 §3.10)"),
+    Flag(
+        "--no-prefix-cache",
+        switch,
+        "send no block keys: every prompt is computed whole (wire-2 §3.10)",
+    ),
 )
 GATEWAY_FLAGS: tuple[Flag, ...] = (
     _CHAIN + _MODEL + _RETRIES + _PROMPTS + _ADMISSION + _LOGGING + _CACHE

@@ -82,6 +82,7 @@ _EXPIRY_INTERVAL = 5.0
 # (wire-2 §3.9) and the prefix cache's keys (§3.10).
 _REQUEST_ONLY: dict[str, Any] = {"session_key": None, "prefix": None, "prefix_blocks": ()}
 
+
 class NodeApp:
     """The ``Application`` (see ``meshnet_runtime.http_server``) of one node."""
 

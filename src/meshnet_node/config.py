@@ -102,6 +102,13 @@ _MODEL = (
     Flag("--threads", threads_count,
          "with --model: compute threads (BLAS or torch) of this stage"),
 )  # fmt: skip
+
+
+def _bytes_zero_or_auto(text: str) -> int | str:
+    """``--prefix-cache-bytes``: bytes as ``--kv-budget-bytes`` takes them, or 0 (none)."""
+    return 0 if text.strip() == "0" else parse_bytes_or_auto(text)
+
+
 _MEMORY = (
     Flag(
         "--kv-budget-bytes",
@@ -124,6 +131,12 @@ _MEMORY = (
         "--max-compute-bytes",
         positive_int,
         "with --model: scratch memory one chunk's compute may need (more get 413)",
+    ),
+    Flag(
+        "--prefix-cache-bytes",
+        _bytes_zero_or_auto,
+        "with --model: KV of ended sessions kept for the prefix cache, within the KV "
+        "budget and given up for live sessions (auto: half the budget; 0: none)",
     ),
 )
 _BATCHING = (
@@ -165,6 +178,7 @@ class NodeConfig(ServerConfig):
     engine: str = "auto"  # what computes the layers: numpy (the reference) or torch
     device: str = "cpu"  # torch engine: cpu, cuda or cuda:N
     threads: int | None = None  # compute threads of the stage (None: the library's default)
+    prefix_cache_bytes: int | str = "auto"  # auto: half of the KV budget
     kv_budget_bytes: int | str = "auto"  # bytes, or auto: up to 1 GiB of what the stage leaves
     memory_limit: int | str = "auto"  # bytes the node may use; auto: cgroup and MemAvailable
     max_chunk_tokens: int = 2048  # rows (batch x tokens) of one chunk a model stage takes

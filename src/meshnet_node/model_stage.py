@@ -149,7 +149,9 @@ class ModelStage:
                 f"KV cache memory is full: {exc}", code="kv_memory_full", retry_after=KV_RETRY_AFTER
             ) from None
         except PrefixUnknown as exc:
-            raise SequencingError(str(exc), code="prefix_unknown", header="x-meshnet-prefix") from None
+            raise SequencingError(
+                str(exc), code="prefix_unknown", header="x-meshnet-prefix"
+            ) from None
         except CacheMismatch as exc:
             raise SequencingError(
                 str(exc), code="kv_cache_mismatch", header="x-meshnet-position"
@@ -396,7 +398,7 @@ def stage_from_config(config: NodeConfig) -> ModelStage:
     start and the end, a bar on a terminal, steps for a slow load)."""
     if config.model is None:
         raise ValueError("no --model given")
-    return load_model_stage(config.model, config.layers, dtype=config.dtype,
+    stage = load_model_stage(config.model, config.layers, dtype=config.dtype,
                             kv_budget_bytes=config.kv_budget_bytes,
                             max_chunk_tokens=config.max_chunk_tokens,
                             max_compute_bytes=config.max_compute_bytes, engine=config.engine,
@@ -406,3 +408,6 @@ def stage_from_config(config: NodeConfig) -> ModelStage:
                             max_queued_tokens=config.max_queued_tokens,
                             micro_batches=config.micro_batches,
                             log_level=config.log_level)  # fmt: skip
+    if isinstance(config.prefix_cache_bytes, int):  # auto: the runner's half of the budget
+        stage.runner.prefix.limit = config.prefix_cache_bytes
+    return stage

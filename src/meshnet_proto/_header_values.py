@@ -19,8 +19,8 @@ from typing import Any, TypeAlias
 from ._dtypes import WELL_FORMED_TOKEN, WIRE_DTYPES, WIRE_ENCODINGS
 from ._errors import ProtocolError
 from ._integers import MAX_UINT_DIGITS, parse_canonical_uint
-from ._prefix import H_PREFIX, H_PREFIX_BLOCKS, parse_prefix
 from ._limits import Limits
+from ._prefix import H_PREFIX, H_PREFIX_BLOCKS, parse_prefix
 
 # Header names as h11 hands them to us (lowercase bytes). Comparisons are done
 # on ASCII-lowercased bytes only: ``str.lower()`` would turn the Kelvin sign

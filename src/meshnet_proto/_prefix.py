@@ -71,22 +71,28 @@ def parse_prefix(values: dict[bytes, bytes], fields: dict[str, Any], limits: Lim
         return
     shape = fields["shape"]
     if len(shape) >= 2 and shape[0] != 1:
-        raise _bad(raw_blocks is None and H_PREFIX or H_PREFIX_BLOCKS,
+        raise _bad((raw_blocks is None and H_PREFIX) or H_PREFIX_BLOCKS,
                    f"prefix caching is for batch 1; this chunk has batch {shape[0]}")  # fmt: skip
     position = fields["position"] or 0
     if raw_prefix is not None:
         if BLOCK_KEY.fullmatch(raw_prefix) is None:
             raise _bad(H_PREFIX, "x-meshnet-prefix: not a block key (32 lowercase hex digits)")
         if fields["chunk_index"] != 0 or not position or position % PREFIX_BLOCK_TOKENS:
-            raise _bad(H_PREFIX, "x-meshnet-prefix belongs on a new session's chunk 0, at a "
-                       f"position that is a positive multiple of {PREFIX_BLOCK_TOKENS}")  # fmt: skip
+            raise _bad(
+                H_PREFIX,
+                "x-meshnet-prefix belongs on a new session's chunk 0, at a position that is "
+                f"a positive multiple of {PREFIX_BLOCK_TOKENS}",
+            )
         fields["prefix"] = raw_prefix.decode("ascii")
     if raw_blocks is not None:
         tokens = shape[1] if len(shape) >= 2 else shape[0]
         expected = blocks_ending_in(position, tokens)
         if _BLOCK_LIST.fullmatch(raw_blocks) is None or (len(raw_blocks) + 1) // 33 != expected:
-            raise _bad(H_PREFIX_BLOCKS, f"x-meshnet-prefix-blocks: expected {expected} "
-                       "comma-separated block keys (the blocks that end in this chunk)")  # fmt: skip
+            raise _bad(
+                H_PREFIX_BLOCKS,
+                f"x-meshnet-prefix-blocks: expected {expected} comma-separated block keys "
+                "(the blocks that end in this chunk)",
+            )
         fields["prefix_blocks"] = tuple(raw_blocks.decode("ascii").split(","))
 
 
@@ -101,6 +107,7 @@ def prefix_pairs(prefix: str | None, blocks: tuple[str, ...]) -> list[tuple[byte
 
 def valid_prefix_fields(prefix: object, blocks: object) -> bool:
     """For hand-built headers: a key or None; a tuple of keys."""
+
     def key(value: object) -> bool:
         return isinstance(value, str) and value.isascii() and (
             BLOCK_KEY.fullmatch(value.encode("ascii")) is not None)  # fmt: skip

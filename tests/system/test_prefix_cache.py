@@ -4,7 +4,6 @@ at every stage, and answers exactly what a fresh chain answers."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
@@ -54,3 +53,18 @@ def post_metrics(url: str) -> str:
     answer = get(url, "/metrics")
     assert answer.status == 200
     return answer.body.decode()
+
+
+def test_a_prefix_the_nodes_no_longer_hold_reruns_cold_with_the_same_answer(
+    model_dir: Path, tmp_path: Path
+) -> None:
+    """The nodes keep no ended session's KV (--prefix-cache-bytes 0), so the
+    gateway's belief is stale: the node answers 409 prefix_unknown, and the
+    prompt runs again, whole, in a new session — the client sees the answer."""
+    with model_chain(model_dir, tmp_path, node_flags=["--prefix-cache-bytes", "0"]) as chain:
+        first = _complete(chain, FIRST)
+        again = _complete(chain, FIRST)
+        stages = [info(url)["stage"]["prefix_cache"] for url in chain.nodes]
+    assert again == first
+    assert stages[0]["misses"] == 1 and stages[0]["hits"] == 0
+    assert all(stage["retained"] == 0 and stage["tokens_saved"] == 0 for stage in stages)

@@ -25,12 +25,11 @@ import anyio
 import numpy as np
 
 from meshnet_proto import ErrorResponse, MeshnetError, WireHeaders
+from meshnet_proto.lowlevel import PREFIX_BLOCK_TOKENS, blocks_ending_in, prefix_block_keys
 from meshnet_runtime.codec_pool import CodecPool
 from meshnet_runtime.deadlines import Deadline
 from meshnet_runtime.downstream import Downstream, key_headers
 from meshnet_runtime.wire_encoder import WireEncoder
-
-from meshnet_proto.lowlevel import PREFIX_BLOCK_TOKENS, blocks_ending_in, prefix_block_keys
 
 from .._pipeline import run_chunks
 from .._retry import RetryPolicy
@@ -140,7 +139,9 @@ class ChainSession:
         start = held * PREFIX_BLOCK_TOKENS
         self.history, self.block_keys, self.position = ids[:start], keys[:held], start
         try:
-            logits = await self._run(np.asarray([ids[start:]], dtype=np.int32), attach=keys[held - 1])
+            logits = await self._run(
+                np.asarray([ids[start:]], dtype=np.int32), attach=keys[held - 1]
+            )
         except MeshnetError as exc:
             if exc.code != "prefix_unknown":
                 raise

@@ -43,20 +43,20 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from meshnet_proto.lowlevel import PREFIX_BLOCK_TOKENS
+
 from ..errors import (
     CacheMismatch,
-    PrefixMismatch,
-    PrefixUnknown,
     ChunkTooLarge,
     ComputeDeadlineExceeded,
     ContextExceeded,
+    PrefixMismatch,
+    PrefixUnknown,
     SessionEnded,
     StageInputError,
 )
 from ..formats.config import ModelConfig
 from ..source import model_name
-from meshnet_proto.lowlevel import PREFIX_BLOCK_TOKENS
-
 from .batch import BatchEntry
 from .costs import chunk_cost, reachable_context
 from .kv_cache import KVBudget, KVCache
@@ -294,7 +294,9 @@ class StageRunner:
         if prefix is not None and life.cache is None:
             life.attach = prefix
         start = position // PREFIX_BLOCK_TOKENS
-        life.pending = [(key, (start + i + 1) * PREFIX_BLOCK_TOKENS) for i, key in enumerate(blocks)]
+        life.pending = [
+            (key, (start + i + 1) * PREFIX_BLOCK_TOKENS) for i, key in enumerate(blocks)
+        ]
         if not (self.first and inputs.ndim == 2 and inputs.shape[0] == 1):
             return  # only token ids can be checked; the stages below trust their sender
         if life.chain is None:
