@@ -251,6 +251,32 @@ def test_the_placement_module_waits_on_nothing() -> None:
         elif isinstance(node, ast.ImportFrom):
             imported.add("." * node.level + (node.module or ""))
     assert imported <= {
-        "__future__", "ipaddress", "logging", "collections.abc", "dataclasses", "typing",
-        "meshnet_proto", "..endpoints",
+        "__future__", "ipaddress", "logging", "collections", "collections.abc", "dataclasses",
+        "typing", "meshnet_proto", "..endpoints",
     }  # fmt: skip
+
+
+def test_a_session_after_a_cached_prefix_goes_to_the_replica_that_filed_it() -> None:
+    """wire-2 §3.10: placement by prefix, falling back to load."""
+    placement, (a, b) = hop("http://a:1", "http://b:1")
+    stick(placement, a, 3)  # a is busier: by load alone, b would get a new session
+    key, other = "1" * 32, "2" * 32
+    placement.filed(a, [key])
+    route = placement.route("new-1", True, key)
+    assert route is not None and route.replica is a and placement.prefix_placed == 1
+    # An unknown prefix, or none: by load.
+    for prefix in (other, None):
+        route = placement.route(f"new-{prefix}", True, prefix)
+        assert route is not None and route.replica is b
+    # The holder down: by load among the healthy, as failover would.
+    a.up = False
+    route = placement.route("new-2", True, key)
+    assert route is not None and route.replica is b and placement.prefix_placed == 1
+
+
+def test_the_prefix_holders_are_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(placement_module, "MAX_PREFIX_KEYS", 2)
+    placement, (a, b) = hop("http://a:1", "http://b:1")
+    placement.filed(a, ["1" * 32, "2" * 32])
+    placement.filed(b, ["3" * 32, "1" * 32])  # refiled: the newest holder, moved to the end
+    assert list(placement.prefixes) == ["3" * 32, "1" * 32] and placement.prefixes["1" * 32] is b

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import ipaddress
 import logging
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Generic, TypeVar
@@ -34,6 +35,8 @@ log = logging.getLogger("meshnet.replicas")
 
 # A down replica is probed again after interval * 2^failures, at most this.
 MAX_BACKOFF = 30.0
+# Block keys a replica set remembers the holder of (a key and a reference each).
+MAX_PREFIX_KEYS = 65536
 
 
 def is_name(endpoint: Endpoint) -> bool:
@@ -124,6 +127,11 @@ class Placement(Generic[R]):
         self.replicas: list[R] = []
         self.sticky: dict[str, R] = {}
         self.pinned: str | None = None
+        # The prefix cache (wire-2 §3.10): which replica filed each block key
+        # it was sent (bounded, oldest first out), so a session that starts
+        # after a cached prefix goes where that prefix is.
+        self.prefixes: OrderedDict[str, R] = OrderedDict()
+        self.prefix_placed = 0  # new sessions sent to their prefix's holder
 
     def changed(self) -> None:
         self.version += 1
@@ -163,11 +171,22 @@ class Placement(Generic[R]):
         replica = self.sticky.get(session)
         return replica.url if replica is not None else None
 
-    def route(self, session: str, first: bool) -> Route[R] | None:
+    def filed(self, replica: R, keys: Sequence[str]) -> None:
+        """``replica`` answered a chunk that filed ``keys`` (or attached one)."""
+        for key in keys:
+            self.prefixes[key] = replica
+            self.prefixes.move_to_end(key)
+        while len(self.prefixes) > MAX_PREFIX_KEYS:
+            self.prefixes.popitem(last=False)
+
+    def route(self, session: str, first: bool, prefix: str | None = None) -> Route[R] | None:
         """Where a chunk of ``session`` goes (``first``: it starts the
         session); None when it starts one and no replica is left at all.
 
-        A new session sticks to the best ranked replica. One stuck to a
+        A new session sticks to the best ranked replica — the one holding
+        ``prefix`` (the cached prefix it starts after) when that one is
+        healthy; if it has evicted it since, it answers 409 ``prefix_unknown``
+        and the sender starts over cold, placed by load. One stuck to a
         replica of another stage, or to one only its probes call down while
         a healthy one is left, moves; with none healthy, it is sent where it
         is (a probe can time out on a slow but healthy replica)."""
@@ -177,6 +196,10 @@ class Placement(Generic[R]):
             ranked = self.ranked()
             if not ranked:
                 return None
+            holder = self.prefixes.get(prefix) if prefix is not None else None
+            if holder is not None and holder in ranked and holder.up:
+                self.prefix_placed += 1
+                ranked = [holder]
             replica = self.sticky[session] = ranked[0]
         if replica is None:
             return Route(None, recover=True)

@@ -172,7 +172,7 @@ class ReplicaSet:
         session = headers.session
         if session is None:  # nothing to stick to: any healthy replica
             return await self._any(lambda r: r.pool.forward(headers, body, deadline, path))
-        route = self.placement.route(session, headers.starts_session)
+        route = self.placement.route(session, headers.starts_session, headers.prefix)
         if route is None:
             raise self._none_left(session)
         failover = self.failover
@@ -188,6 +188,9 @@ class ReplicaSet:
         if lost_session(response):
             return await failover.recover(session, headers, body, deadline, replica, alive=True)
         failover.keep(session, headers, body, response)
+        if (headers.prefix_blocks or headers.prefix) and not isinstance(response, ErrorResponse):
+            attached = (headers.prefix,) if headers.prefix is not None else ()
+            self.placement.filed(replica, attached + headers.prefix_blocks)
         moved = self._sticky.get(session)
         if moved is not None and moved is not replica and not isinstance(response, ErrorResponse):
             # Answered by the replica the session just left (a draining one

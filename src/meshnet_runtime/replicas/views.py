@@ -37,6 +37,8 @@ def describe(
         ],
         "pinned": placement.pinned,
         "failovers": failover.failovers,
+        # wire-2 §3.10: new sessions sent to the replica holding their prefix
+        "prefix_placed": placement.prefix_placed,
         "replayed": {
             "chunks": failover.replayed_chunks,
             "tokens": failover.replayed_tokens,
@@ -72,4 +74,8 @@ class ReplicaCollector:
                                        labels=["stage", "unit"])  # fmt: skip
         for unit in ("chunks", "tokens", "bytes"):
             replayed.add_metric([stage, unit], float(view["replayed"][unit]))
-        yield from (up, sessions, failovers, replayed)
+        placed = CounterMetricFamily("meshnet_prefix_placed",
+                                     "New sessions sent to the replica holding their cached prefix",
+                                     labels=["stage"])  # fmt: skip
+        placed.add_metric([stage], float(view["prefix_placed"]))
+        yield from (up, sessions, failovers, replayed, placed)
