@@ -58,7 +58,7 @@ from .openai.api import OPENAI_ROUTES
 from .openai.errors import from_meshnet
 from .openai.generation import ChainSettings
 from .openai.metrics import GenerationMetrics, ServingMetrics
-from .openai.prefix_index import PrefixIndex
+from .openai.prefix_index import PrefixIndex, PrefixIndexCollector
 from .openai.timing import RequestTiming
 
 __all__ = ["ChainMismatch", "GatewayApp"]
@@ -446,6 +446,8 @@ def _openai_service(app: GatewayApp) -> OpenAIService:
     model = ServedModel.load(config.model, name=config.model_name, context=config.max_context)
 
     prefix = None if config.no_prefix_cache else PrefixIndex()
+    if prefix is not None:
+        app.metrics.registry.register(PrefixIndexCollector(prefix))
 
     def chain_settings() -> ChainSettings:
         # Read per request: the inflight cap follows the entry's reorder window.

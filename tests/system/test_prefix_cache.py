@@ -35,6 +35,7 @@ def test_the_second_turn_computes_only_its_suffix_and_equals_a_fresh_chain(
         warm = _complete(chain, second)
         saved = [info(url)["stage"]["prefix_cache"] for url in chain.nodes]
         metrics = post_metrics(chain.nodes[0])
+        gateway_metrics = post_metrics(chain.gateway)
     with model_chain(model_dir, tmp_path / "b") as fresh:
         cold = _complete(fresh, second)
         fresh_saved = info(fresh.nodes[0])["stage"]["prefix_cache"]["tokens_saved"]
@@ -45,6 +46,12 @@ def test_the_second_turn_computes_only_its_suffix_and_equals_a_fresh_chain(
         assert stage["hits"] == 1 and stage["tokens_saved"] >= 448, saved
     assert fresh_saved == 0
     assert "meshnet_prefix_cache_tokens_saved_total" in metrics
+    saved_line = [
+        line
+        for line in gateway_metrics.splitlines()
+        if line.startswith("meshnet_gateway_prefix_tokens_saved_total ")
+    ]
+    assert saved_line and float(saved_line[0].split()[1]) >= 448
 
 
 def post_metrics(url: str) -> str:

@@ -12,11 +12,14 @@ the prompt cold (``ChainSession.prefill``). Counting only, no I/O.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
 
 from meshnet_proto.lowlevel import PREFIX_BLOCK_TOKENS
 
-__all__ = ["PrefixIndex"]
+__all__ = ["PrefixIndex", "PrefixIndexCollector"]
 
 DEFAULT_MAX_KEYS = 65536  # 16 bytes of key and an entry each: a few MiB at most
 
@@ -56,3 +59,27 @@ class PrefixIndex:
 
     def __len__(self) -> int:
         return len(self._keys)
+
+
+class PrefixIndexCollector(Collector):
+    """The gateway's prefix-cache counts on ``/metrics``, read at scrape time."""
+
+    def __init__(self, index: PrefixIndex) -> None:
+        self.index = index
+
+    def collect(self) -> Iterator[Metric]:
+        index = self.index
+        yield CounterMetricFamily("meshnet_gateway_prefix_hits",
+                                  "Prompts started after a prefix the chain held",
+                                  value=index.hits)  # fmt: skip
+        yield CounterMetricFamily("meshnet_gateway_prefix_misses",
+                                  "Prompts with a whole block and none of it held",
+                                  value=index.misses)  # fmt: skip
+        yield CounterMetricFamily("meshnet_gateway_prefix_refused",
+                                  "Prompts rerun cold: a node no longer held the prefix",
+                                  value=index.refused)  # fmt: skip
+        yield CounterMetricFamily("meshnet_gateway_prefix_tokens_saved",
+                                  "Prompt tokens the chain did not compute",
+                                  value=index.tokens_saved)  # fmt: skip
+        yield GaugeMetricFamily("meshnet_gateway_prefix_keys", "Block keys the chain is "
+                                "believed to hold", value=len(index))  # fmt: skip
