@@ -4,6 +4,7 @@ at every stage, and answers exactly what a fresh chain answers."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -75,3 +76,46 @@ def test_a_prefix_the_nodes_no_longer_hold_reruns_cold_with_the_same_answer(
     assert again == first
     assert stages[0]["misses"] == 1 and stages[0]["hits"] == 0
     assert all(stage["retained"] == 0 and stage["tokens_saved"] == 0 for stage in stages)
+
+
+def _chunk(session: str, ids: list[int], position: int, **extra: bytes) -> bytes:
+    import numpy as np
+
+    from support.security import request, wire
+
+    pairs = wire(session, shape=f"1,{len(ids)}".encode(), dtype=b"int32", position=position)
+    pairs += [(f"X-Meshnet-{name}".encode(), value) for name, value in extra.items()]
+    return request(pairs, np.asarray(ids, dtype="<i4").tobytes())
+
+
+def test_hostile_prefix_headers_at_a_real_node(model_dir: Path, tmp_path: Path) -> None:
+    """Each is refused from the head or before any compute, with its code; the
+    node stays up and answers an honest session exactly as before."""
+    import uuid
+
+    from meshnet_proto.lowlevel import prefix_block_keys
+    from support.security import send
+
+    ids = list(range(1, 65))
+    keys = prefix_block_keys(ids)
+    with model_chain(model_dir, tmp_path) as chain:
+        entry = chain.nodes[0]
+        before = _complete(chain, FIRST)
+        cases = [
+            # keys that do not name the tokens: the first stage computes its own
+            (dict(**{"Prefix-Blocks": prefix_block_keys([7] * 64)[0].encode()}), 0, ids[:32],
+             400, "bad_prefix"),
+            # a count other than the blocks that end in the chunk
+            (dict(**{"Prefix-Blocks": ",".join(keys).encode()}), 0, ids[:32], 400, "bad_prefix"),
+            (dict(Prefix=b"not-a-key"), 32, ids[32:], 400, "bad_prefix"),
+            (dict(Prefix=keys[0].encode()), 33, ids[32:], 400, "bad_prefix"),  # not block-aligned
+            # a prefix nobody computed: refused, nothing run over a missing prefix
+            (dict(Prefix=keys[0].encode()), 32, ids[32:], 409, "prefix_unknown"),
+        ]  # fmt: skip
+        for extra, position, chunk, status, code in cases:
+            answer = send(entry, _chunk(str(uuid.uuid4()), chunk, position, **extra))
+            assert answer.status == status, (extra, answer.raw[:300])
+            assert json.loads(answer.body)["error"]["code"] == code, answer.body
+        stage = info(entry)["stage"]
+        assert stage["prefix_cache"]["tokens_saved"] == 0
+        assert _complete(chain, FIRST) == before
