@@ -117,7 +117,7 @@ class ReplicaChain:
         return int(self.info(url)["stage_tokens"])
 
     def kv(self, url: str) -> int:
-        return int(self.info(url)["stage"]["kv_bytes_in_use"])
+        return int(self.info(url)["stage"]["kv_live_bytes"])  # retained prefixes aside
 
     def alive(self) -> list[str]:
         return [url for url, proc in self.procs.items() if proc.poll() is None]

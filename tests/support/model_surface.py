@@ -149,12 +149,12 @@ def info(url: str) -> dict:
 
 
 def kv_state(chain: ModelChain) -> list[tuple[int, int, int]]:
-    """(KV bytes, KV sessions, sessions in the table) of each node."""
+    """(live sessions' KV bytes, KV sessions, sessions in the table) of each node."""
     states = []
     for url in chain.nodes:
         document = info(url)
         stage = document["stage"]
-        states.append((stage["kv_bytes_in_use"], stage["kv_sessions"], document["sessions"]))
+        states.append((stage["kv_live_bytes"], stage["kv_sessions"], document["sessions"]))
     return states
 
 

@@ -167,5 +167,5 @@ def stage_of(app: NodeApp) -> StageBackend:
 
 
 def kv_bytes(app: NodeApp) -> int:
-    """KV cache bytes a model node holds, as its /info reports them."""
-    return int(app.info()["stage"]["kv_bytes_in_use"])
+    """KV cache bytes a model node's live sessions hold, as its /info reports them."""
+    return int(app.info()["stage"]["kv_live_bytes"])  # the prefix cache's retained KV aside

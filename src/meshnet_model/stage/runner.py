@@ -451,6 +451,8 @@ class StageRunner:
             "output": f"float32 logits [batch, {self.config.vocab_size}] (last position)"
             if self.last else f"float32 hidden [batch, tokens, {self.config.hidden_size}]",
             "kv_bytes_in_use": self.budget.in_use,
+            # what live sessions hold: the rest is the prefix cache's (retained)
+            "kv_live_bytes": self.budget.in_use - self.prefix.retained_bytes,
             "kv_budget_bytes": self.budget.limit,
             "kv_sessions": self.sessions,
             "prefix_cache": {"retained": self.prefix.retained,
