@@ -41,7 +41,7 @@ from meshnet_runtime.deadlines import Deadline
 from meshnet_runtime.downstream import Downstream, key_headers
 from meshnet_runtime.http_server import ActivationReply, Reply, RequestContext, StreamReply
 from meshnet_runtime.link import LinkEstimate
-from meshnet_runtime.metrics import ServerMetrics
+from meshnet_runtime.metrics import ReadAtScrape, ServerMetrics
 from meshnet_runtime.wire_encoder import WireEncoder
 
 from ._pipeline import run_chunks
@@ -58,7 +58,7 @@ from .openai.api import OPENAI_ROUTES
 from .openai.errors import from_meshnet
 from .openai.generation import ChainSettings
 from .openai.metrics import GenerationMetrics, ServingMetrics
-from .openai.prefix_index import PrefixIndex, PrefixIndexCollector
+from .openai.prefix_index import PrefixIndex, prefix_index_samples
 from .openai.timing import RequestTiming
 
 __all__ = ["ChainMismatch", "GatewayApp"]
@@ -447,7 +447,7 @@ def _openai_service(app: GatewayApp) -> OpenAIService:
 
     prefix = None if config.no_prefix_cache else PrefixIndex()
     if prefix is not None:
-        app.metrics.registry.register(PrefixIndexCollector(prefix))
+        app.metrics.registry.register(ReadAtScrape(lambda: prefix_index_samples(prefix)))
 
     def chain_settings() -> ChainSettings:
         # Read per request: the inflight cap follows the entry's reorder window.

@@ -38,15 +38,12 @@ a session ended while its chunk computed is 409 ``session_unknown``.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
-from prometheus_client.registry import Collector
 
 from meshnet_model import (
     CacheMismatch,
@@ -76,6 +73,7 @@ from meshnet_model.stage.runner import (
 )
 from meshnet_proto import CapacityError, DownstreamError, ProtocolError, SequencingError
 from meshnet_runtime.memory import MemoryLimit, limit_from_flag
+from meshnet_runtime.metrics import ReadAtScrape, Sample
 
 from .backends import StageContext
 from .config import NodeConfig
@@ -205,7 +203,7 @@ class ModelStage:
             chunks.observe(step_chunks)
 
         self.scheduler.on_step = on_step
-        registry.register(_PrefixCollector(self.runner))
+        registry.register(ReadAtScrape(lambda: _prefix_samples(self.runner)))
 
     @property
     def kv_bytes_in_use(self) -> int:
@@ -245,28 +243,20 @@ class ModelStage:
         return {"backend": "model", **self.runner.describe(), **footprint}
 
 
-class _PrefixCollector(Collector):
-    """The prefix cache's counts (wire-2 §3.10), read from the store at scrape time."""
-
-    def __init__(self, runner: StageRunner) -> None:
-        self.runner = runner
-
-    def collect(self) -> Iterator[Metric]:
-        store = self.runner.prefix
-        yield CounterMetricFamily("meshnet_prefix_cache_hits",
-                                  "New sessions that started from a cached prefix",
-                                  value=store.hits)  # fmt: skip
-        yield CounterMetricFamily("meshnet_prefix_cache_misses",
-                                  "New sessions that named a prefix this stage did not hold",
-                                  value=store.misses)  # fmt: skip
-        yield CounterMetricFamily("meshnet_prefix_cache_tokens_saved",
-                                  "Positions taken from the prefix cache instead of computed",
-                                  value=store.tokens_saved)  # fmt: skip
-        yield GaugeMetricFamily("meshnet_prefix_cache_bytes",
-                                "KV bytes held by ended sessions' retained prefixes",
-                                value=store.retained_bytes)  # fmt: skip
-        yield GaugeMetricFamily("meshnet_prefix_cache_entries", "Retained prefix caches",
-                                value=store.retained)  # fmt: skip
+def _prefix_samples(runner: StageRunner) -> list[Sample]:
+    """The prefix cache's counts (wire-2 §3.10), for ``/metrics``."""
+    store = runner.prefix
+    return [
+        ("counter", "meshnet_prefix_cache_hits", "New sessions that started from a cached prefix",
+         store.hits),
+        ("counter", "meshnet_prefix_cache_misses",
+         "New sessions that named a prefix this stage did not hold", store.misses),
+        ("counter", "meshnet_prefix_cache_tokens_saved",
+         "Positions taken from the prefix cache instead of computed", store.tokens_saved),
+        ("gauge", "meshnet_prefix_cache_bytes",
+         "KV bytes held by ended sessions' retained prefixes", store.retained_bytes),
+        ("gauge", "meshnet_prefix_cache_entries", "Retained prefix caches", store.retained),
+    ]  # fmt: skip
 
 
 def _input_error(exc: StageInputError) -> ProtocolError:

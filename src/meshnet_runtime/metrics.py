@@ -6,12 +6,32 @@ one process, and each ``/metrics`` must describe only its own server.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client.registry import Collector
 
-__all__ = ["METRICS_CONTENT_TYPE", "ServerMetrics", "endpoint_label"]
+__all__ = ["METRICS_CONTENT_TYPE", "ReadAtScrape", "ServerMetrics", "endpoint_label"]
+
+# (kind "counter" or "gauge", name, help, value) of one unlabelled sample.
+Sample = tuple[str, str, str, float]
+
+
+class ReadAtScrape(Collector):
+    """Counts another object keeps (a cache's hits, bytes it holds), read
+    when ``/metrics`` is scraped: nothing to increment on the hot path."""
+
+    def __init__(self, samples: Callable[[], Iterable[Sample]]) -> None:
+        self.samples = samples
+
+    def collect(self) -> Iterator[Metric]:
+        for kind, name, text, value in self.samples():
+            family = CounterMetricFamily if kind == "counter" else GaugeMetricFamily
+            yield family(name, text, value=value)
+
 
 METRICS_CONTENT_TYPE = CONTENT_TYPE_LATEST
 

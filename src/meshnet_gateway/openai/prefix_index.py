@@ -12,14 +12,12 @@ the prompt cold (``ChainSession.prefill``). Counting only, no I/O.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterator, Sequence
-
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
-from prometheus_client.registry import Collector
+from collections.abc import Sequence
 
 from meshnet_proto.lowlevel import PREFIX_BLOCK_TOKENS
+from meshnet_runtime.metrics import Sample
 
-__all__ = ["PrefixIndex", "PrefixIndexCollector"]
+__all__ = ["PrefixIndex", "prefix_index_samples"]
 
 DEFAULT_MAX_KEYS = 65536  # 16 bytes of key and an entry each: a few MiB at most
 
@@ -61,25 +59,17 @@ class PrefixIndex:
         return len(self._keys)
 
 
-class PrefixIndexCollector(Collector):
-    """The gateway's prefix-cache counts on ``/metrics``, read at scrape time."""
-
-    def __init__(self, index: PrefixIndex) -> None:
-        self.index = index
-
-    def collect(self) -> Iterator[Metric]:
-        index = self.index
-        yield CounterMetricFamily("meshnet_gateway_prefix_hits",
-                                  "Prompts started after a prefix the chain held",
-                                  value=index.hits)  # fmt: skip
-        yield CounterMetricFamily("meshnet_gateway_prefix_misses",
-                                  "Prompts with a whole block and none of it held",
-                                  value=index.misses)  # fmt: skip
-        yield CounterMetricFamily("meshnet_gateway_prefix_refused",
-                                  "Prompts rerun cold: a node no longer held the prefix",
-                                  value=index.refused)  # fmt: skip
-        yield CounterMetricFamily("meshnet_gateway_prefix_tokens_saved",
-                                  "Prompt tokens the chain did not compute",
-                                  value=index.tokens_saved)  # fmt: skip
-        yield GaugeMetricFamily("meshnet_gateway_prefix_keys", "Block keys the chain is "
-                                "believed to hold", value=len(index))  # fmt: skip
+def prefix_index_samples(index: PrefixIndex) -> list[Sample]:
+    """The gateway's prefix-cache counts, for ``/metrics`` (``ReadAtScrape``)."""
+    return [
+        ("counter", "meshnet_gateway_prefix_hits", "Prompts started after a prefix the chain held",
+         index.hits),
+        ("counter", "meshnet_gateway_prefix_misses",
+         "Prompts with a whole block and none of it held", index.misses),
+        ("counter", "meshnet_gateway_prefix_refused",
+         "Prompts rerun cold: a node no longer held the prefix", index.refused),
+        ("counter", "meshnet_gateway_prefix_tokens_saved",
+         "Prompt tokens the chain did not compute", index.tokens_saved),
+        ("gauge", "meshnet_gateway_prefix_keys", "Block keys the chain is believed to hold",
+         len(index)),
+    ]  # fmt: skip
