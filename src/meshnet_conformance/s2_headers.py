@@ -155,6 +155,12 @@ CASES: list[Case] = [
     _refused("2.stage.bad-grammar", "an X-Meshnet-Stage that is not '<model-id>/<first "
              "layer>' (uppercase, a leading zero: 'Stub/01') is 400 bad_stage",
              "X-Meshnet-Stage", "Stub/01", 400, "bad_stage"),
+    _refused("2.prefix.bad-key", "an X-Meshnet-Prefix that is not a block key (32 lowercase "
+             "hex digits) is 400 bad_prefix (wire-2 §3.10)",
+             "X-Meshnet-Prefix", "XYZ", 400, "bad_prefix"),
+    _refused("2.prefix-blocks.count", "X-Meshnet-Prefix-Blocks naming a block on a 2-token "
+             "chunk at position 0 (no block ends in it) is 400 bad_prefix (wire-2 §3.10)",
+             "X-Meshnet-Prefix-Blocks", "0" * 32, 400, "bad_prefix"),
     Case("2.stage.duplicate", SECTION, "X-Meshnet-Stage given twice (equal values) is 400 "
          "duplicate_header", _stage_duplicate),
     Case("2.gateway-one-sequence", SECTION, "a gateway takes one whole sequence: total other "
