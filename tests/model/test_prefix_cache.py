@@ -42,8 +42,20 @@ def _run(runner: StageRunner, session: str, ids: list[int], *, start: int = 0,
     return out
 
 
-def test_a_hit_runs_only_the_suffix_and_equals_a_cold_run(checkpoint: str) -> None:
-    runner = StageRunner.load(checkpoint)
+def _numpy(checkpoint: str) -> StageRunner:
+    return StageRunner.load(checkpoint)
+
+
+def _torch(checkpoint: str) -> StageRunner:
+    from meshnet_model.engines.torch import load_torch_runner
+
+    return load_torch_runner(checkpoint, dtype="float32")  # type: ignore[no-any-return]
+
+
+@pytest.mark.parametrize("load", [_numpy, _torch], ids=["numpy", "torch"])
+def test_a_hit_runs_only_the_suffix_and_equals_a_cold_run(checkpoint: str, load) -> None:
+    """Both engines' caches (numpy arrays, torch tensors) copy a prefix alike."""
+    runner = load(checkpoint)
     rng = np.random.default_rng(0)
     ids = [int(t) for t in rng.integers(0, runner.config.vocab_size, 200)]
     _run(runner, "a", ids[:150])
@@ -51,7 +63,7 @@ def test_a_hit_runs_only_the_suffix_and_equals_a_cold_run(checkpoint: str) -> No
     assert runner.prefix.retained == 1 and runner.prefix.retained_bytes > 0
     keys = prefix_block_keys(ids)
     hit = _run(runner, "b", ids, start=128, prefix=keys[3])
-    cold = _run(StageRunner.load(checkpoint), "c", ids)
+    cold = _run(load(checkpoint), "c", ids)
     assert runner.prefix.hits == 1 and runner.prefix.tokens_saved == 128
     np.testing.assert_allclose(hit, cold, rtol=0, atol=1e-4)
     assert int(np.argmax(hit)) == int(np.argmax(cold))
