@@ -44,6 +44,7 @@ from .formats.safetensors import Checkpoint, SafetensorsFile
 from .rope import Rope
 from .source import open_checkpoint
 from .stage.kv_cache import KVBudget, KVCache
+from .stage.prefix_store import BlockNaming
 from .stage.runner import StageRunner
 from .stage.weights import WEIGHT_DTYPES, StageWeights, parse_layers
 
@@ -51,6 +52,7 @@ __all__ = [
     "FAMILIES",
     "SUPPORTED_MODEL_TYPES",
     "WEIGHT_DTYPES",
+    "BlockNaming",
     "CacheMismatch",
     "Checkpoint",
     "CheckpointError",

@@ -46,6 +46,7 @@ import numpy as np
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from meshnet_model import (
+    BlockNaming,
     CacheMismatch,
     KVBudgetExceeded,
     SessionEnded,
@@ -72,6 +73,7 @@ from meshnet_model.stage.runner import (
     DEFAULT_MAX_COMPUTE_BYTES,
 )
 from meshnet_proto import CapacityError, DownstreamError, ProtocolError, SequencingError
+from meshnet_proto.lowlevel import PREFIX_BLOCK_TOKENS, prefix_block_keys
 from meshnet_runtime.memory import MemoryLimit, limit_from_flag
 from meshnet_runtime.metrics import ReadAtScrape, Sample
 
@@ -89,6 +91,9 @@ __all__ = ["KV_RETRY_AFTER", "ModelStage", "load_model_stage", "stage_from_confi
 # Seconds a client is told to wait when the KV budget is full: sessions free
 # their caches when they end, typically within a generation's time.
 KV_RETRY_AFTER = 5
+# The prefix cache's block keys are the wire's (wire-2 §3.10): the model
+# package is given them, it does not import the wire.
+WIRE_BLOCK_NAMING = BlockNaming(PREFIX_BLOCK_TOKENS, prefix_block_keys)
 _ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048)
 _CHUNK_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
 
@@ -131,7 +136,7 @@ class ModelStage:
         life = self.runner.admit(context.session)
         try:
             self.runner.prepare_prefix(life, context.position, tensor, context.prefix,
-                                       context.prefix_blocks)  # fmt: skip
+                                       context.prefix_blocks, WIRE_BLOCK_NAMING)  # fmt: skip
             # The value checks (ids in the vocabulary, finite hidden states)
             # are O(tensor): in the worker thread with the compute.
             output = await self.scheduler.run(life, context.position, tensor, context.deadline)

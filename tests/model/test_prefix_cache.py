@@ -9,12 +9,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from meshnet_model import StageRunner
+from meshnet_model import BlockNaming, StageRunner
 from meshnet_model.errors import PrefixMismatch, PrefixUnknown
 from meshnet_model.testing import small_config, write_checkpoint
 from meshnet_proto.lowlevel import prefix_block_keys
 
 BLOCK = 32
+NAMING = BlockNaming(BLOCK, prefix_block_keys)
 
 
 @pytest.fixture(scope="module")
@@ -36,7 +37,7 @@ def _run(runner: StageRunner, session: str, ids: list[int], *, start: int = 0,
         ending = (position + piece.shape[1]) // BLOCK - first_block
         life = runner.admit(session)
         runner.prepare_prefix(life, position, piece, prefix if position == start else None,
-                              keys[first_block : first_block + ending])  # fmt: skip
+                              keys[first_block : first_block + ending], NAMING)  # fmt: skip
         out = runner.run(session, position, piece, life=life)
     assert out is not None
     return out
@@ -74,7 +75,7 @@ def test_an_unknown_prefix_is_refused_and_creates_nothing(checkpoint: str) -> No
     ids = [1] * 64
     piece = np.asarray([ids[32:]], dtype=np.int32)
     life = runner.admit("x")
-    runner.prepare_prefix(life, 32, piece, prefix_block_keys(ids)[0], ())
+    runner.prepare_prefix(life, 32, piece, prefix_block_keys(ids)[0], (), NAMING)
     with pytest.raises(PrefixUnknown):
         runner.run("x", 32, piece, life=life)
     assert runner.prefix.misses == 1
@@ -85,7 +86,8 @@ def test_the_first_stage_refuses_keys_that_do_not_name_its_tokens(checkpoint: st
     life = runner.admit("x")
     wrong = prefix_block_keys([2] * 32)
     with pytest.raises(PrefixMismatch):
-        runner.prepare_prefix(life, 0, np.asarray([[1] * 32], dtype=np.int32), None, wrong)
+        runner.prepare_prefix(life, 0, np.asarray([[1] * 32], dtype=np.int32), None, wrong,
+                              NAMING)  # fmt: skip
 
 
 def test_retained_caches_give_way_to_live_sessions(checkpoint: str) -> None:

@@ -24,15 +24,28 @@ store, the budget and a cache's ``closed`` flag change together.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import numpy as np
 
-from meshnet_proto.lowlevel import PREFIX_BLOCK_TOKENS, prefix_block_keys
-
 from .kv_cache import KVBudget, KVCache
 
-__all__ = ["PrefixStore", "TokenChain"]
+__all__ = ["BlockNaming", "PrefixStore", "TokenChain"]
+
+
+@dataclass(frozen=True, slots=True)
+class BlockNaming:
+    """How block keys name token prefixes: the block size and the hash chain
+    (``keys(tokens, previous)``: the keys of the whole blocks of ``tokens``
+    after the block whose key is ``previous``).
+
+    The caller gives it (the node gives wire-2 §3.10's): this package
+    computes and knows nothing of the wire, so the hash stays in one place.
+    """
+
+    block_tokens: int
+    keys: Callable[[Sequence[int], str | None], list[str]]
 
 
 class PrefixStore:
@@ -139,7 +152,8 @@ class TokenChain:
     ids it receives, to check the keys a sender files (wire-2 §3.10): a
     sender cannot file KV under a key that does not name its tokens."""
 
-    def __init__(self, start: int = 0, key: str | None = None) -> None:
+    def __init__(self, naming: BlockNaming, start: int = 0, key: str | None = None) -> None:
+        self.naming = naming
         self.start = start  # a block boundary: 0, or the prefix the session attached
         self.tokens: list[int] = []
         self.keys: dict[int, str] = {start: key} if key is not None else {}
@@ -155,11 +169,12 @@ class TokenChain:
             del self.keys[end]
         ids = [int(t) for t in np.asarray(chunk).reshape(-1)]
         self.tokens.extend(ids)
-        base = position // PREFIX_BLOCK_TOKENS * PREFIX_BLOCK_TOKENS
+        block = self.naming.block_tokens
+        base = position // block * block
         tail = self.tokens[base - self.start :]
-        keys = prefix_block_keys(tail, self.keys.get(base) if base else None)
+        keys = self.naming.keys(tail, self.keys.get(base) if base else None)
         for i, key in enumerate(keys):
-            self.keys[base + (i + 1) * PREFIX_BLOCK_TOKENS] = key
+            self.keys[base + (i + 1) * block] = key
         # Only this chunk's block start is ever needed again (a retransmission
         # comes at this chunk's position): the tokens before it go.
         del self.tokens[: base - self.start]

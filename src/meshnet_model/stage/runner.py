@@ -43,8 +43,6 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from meshnet_proto.lowlevel import PREFIX_BLOCK_TOKENS
-
 from ..errors import (
     CacheMismatch,
     ChunkTooLarge,
@@ -60,7 +58,7 @@ from ..source import model_name
 from .batch import BatchEntry
 from .costs import chunk_cost, reachable_context
 from .kv_cache import KVBudget, KVCache
-from .prefix_store import PrefixStore, TokenChain
+from .prefix_store import BlockNaming, PrefixStore, TokenChain
 from .weights import StageWeights
 
 if TYPE_CHECKING:  # typing only: the engines import this module
@@ -287,16 +285,17 @@ class StageRunner:
             return life
 
     def prepare_prefix(self, life: SessionLife, position: int, inputs: np.ndarray,
-                       prefix: str | None, blocks: Sequence[str]) -> None:  # fmt: skip
+                       prefix: str | None, blocks: Sequence[str],
+                       naming: BlockNaming) -> None:  # fmt: skip
         """Before a chunk runs (wire-2 §3.10): note the prefix a new session
         starts from, and the block keys to file once the chunk has run. The
-        first stage checks the keys against the token ids (``PrefixMismatch``)."""
+        first stage checks the keys against the token ids (``PrefixMismatch``),
+        named by ``naming`` (the caller's: the wire's hash chain)."""
         if prefix is not None and life.cache is None:
             life.attach = prefix
-        start = position // PREFIX_BLOCK_TOKENS
-        life.pending = [
-            (key, (start + i + 1) * PREFIX_BLOCK_TOKENS) for i, key in enumerate(blocks)
-        ]
+        block = naming.block_tokens
+        start = position // block
+        life.pending = [(key, (start + i + 1) * block) for i, key in enumerate(blocks)]
         if not (self.first and inputs.ndim == 2 and inputs.shape[0] == 1):
             return  # only token ids can be checked; the stages below trust their sender
         if life.chain is None:
@@ -304,7 +303,7 @@ class StageRunner:
                 if not blocks:
                     return  # a session that never files: nothing to check
                 raise PrefixMismatch("block keys must be sent from the session's first chunk")
-            life.chain = TokenChain(position if prefix else 0, prefix)
+            life.chain = TokenChain(naming, position if prefix else 0, prefix)
         keys = life.chain.keys_for(position, inputs)
         if blocks and list(blocks) != keys:
             raise PrefixMismatch(
