@@ -245,7 +245,7 @@ class Failover:
         while candidates := self.placement.ranked(exclude=excluded):
             candidate = candidates[0]
             try:
-                await self.replay(candidate, session, past, deadline)
+                await self._replay_up_to(candidate, session, past, headers.position, deadline)
             except Lost:
                 excluded.append(candidate)
                 continue
@@ -287,6 +287,29 @@ class Failover:
             self.keep(session, headers, body, response)
             return candidate, response
         return None
+
+    async def _replay_up_to(
+        self,
+        replica: Replica,
+        session: str,
+        past: Sequence[SentChunk],
+        before: int | None,
+        deadline: Deadline,
+    ) -> None:
+        """Replay ``past``, then the chunks answered meanwhile below ``before``.
+
+        With chunks in flight, the replica the session leaves may answer an
+        earlier one while this replay runs (a draining node finishes what it
+        has): its answer joins the history after ``past`` was read, and
+        before the move is made, so no catch-up sends it. Read the history
+        again until nothing new came: the move is made (with no await
+        between) only once the new replica has every chunk answered before
+        this one, or later chunks would wait there for it."""
+        sent: set[tuple[int, int]] = set()
+        while pending := [c for c in past if c.key not in sent]:
+            await self.replay(replica, session, pending, deadline)
+            sent.update(c.key for c in pending)
+            past = self.history.chunks(session, before=before)
 
     async def replay(
         self, replica: Replica, session: str, past: Sequence[SentChunk], deadline: Deadline
