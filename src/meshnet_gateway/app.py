@@ -392,7 +392,9 @@ class GatewayApp:
             return await self.openai.handle(event, record.timing)
         if event.route == "/info":
             return Reply.json(200, await self.describe())
-        return await self.control.handle(event, ctx)
+        reply = await self.control.handle(event, ctx)
+        assert isinstance(reply, Reply)  # a gateway exports no KV: /kv/* is its 404
+        return reply
 
     def _owner(self, session: str, key: str | None) -> str | None:
         """A client's DELETE must carry the session's key (403); what goes down

@@ -53,6 +53,7 @@ from meshnet_runtime.deadlines import Deadline
 from meshnet_runtime.downstream import Downstream, DownstreamPool
 from meshnet_runtime.http_server import (
     ActivationReply,
+    DrainHandoff,
     HttpServer,
     Reply,
     RequestContext,
@@ -67,6 +68,7 @@ from meshnet_runtime.wire_encoder import WireEncoder
 from .backends import StageBackend, StageContext, make_stage
 from .config import NodeConfig
 from .forgetting import InFlight
+from .handoff import KVHandoff, handoff_info
 from .identity import StageKey, check_stage, node_identity, stage_key
 from .model_stage import stage_from_config
 
@@ -130,6 +132,15 @@ class NodeApp:
             level=config.zstd_level,
             link=self.downstream.link if self.downstream is not None else None,
         )
+        # Sessions moved by their KV (wire-2 §3.11): GET /kv/{id}, POST /forward?kv=1.
+        self.handoff = KVHandoff(
+            self.table,
+            self.stage.kv_store(),
+            self.identity["fingerprint"],
+            end_session=self.stage.end_session,
+            codecs=self.codecs,
+            registry=self.metrics.registry,
+        )
         self.control = ControlEndpoints(
             role="node",
             metrics=self.metrics,
@@ -140,6 +151,7 @@ class NodeApp:
             identity=self.identity,
             reorder_window=self.limits.reorder_window,
             owner=self._owner,
+            export_kv=self.handoff.export,
         )
 
     def make_connection(self) -> ServerConnection:
@@ -148,6 +160,9 @@ class NodeApp:
     # ------------------------------------------------------------ activations
 
     async def handle_activation_head(self, event: ActivationHead, ctx: RequestContext) -> None:
+        if event.kv_import:  # neither a chunk nor a replay: its own checks (wire-2 §3.11)
+            self.handoff.check_head(event.headers, ctx)
+            return
         if event.headers.deadline_ms == 0:
             Deadline(ctx.started).check()
         if event.headers.stage is not None:
@@ -160,8 +175,10 @@ class NodeApp:
 
     async def handle_activation(
         self, event: ActivationReceived, ctx: RequestContext
-    ) -> ActivationReply:
+    ) -> ActivationReply | Reply:
         headers = event.headers
+        if event.kv_import:
+            return await self.handoff.import_(headers, event.tensor, ctx)
         # A replay (docs/failover.md): an upstream hop rebuilds this node's
         # state for a session that failed over to it; nothing goes further.
         # It never rewrites a live session (the table: 409 session_exists).
@@ -327,7 +344,9 @@ class NodeApp:
 
     # ------------------------------------------------------------ endpoints
 
-    async def handle_endpoint(self, event: EndpointRequest, ctx: RequestContext) -> Reply:
+    async def handle_endpoint(
+        self, event: EndpointRequest, ctx: RequestContext
+    ) -> Reply | ActivationReply:
         return await self.control.handle(event, ctx)
 
     def info(self) -> dict[str, Any]:
@@ -348,6 +367,8 @@ class NodeApp:
             # Chunks admitted and not yet answered (the chain view's load).
             "inflight": self.in_flight.count,
             "identity": self.identity,
+            # The registration a replica set reads (wire-2 §3.12); null: no KV.
+            "handoff": handoff_info(self.handoff.store, self.config.kv_role),
         }
 
     def _owner(self, session: str, key: str | None) -> str | None:
@@ -431,6 +452,9 @@ def build_node(
         codecs=app.codecs,
         budget=ByteBudget(app.limits.max_inflight_bytes, retry_after=settings.retry_after),
         cost=partial(request_cost, relaying=app.downstream is not None),
+        handoff=DrainHandoff(config.handoff_window, app.handoff.held)
+        if app.handoff.store is not None and config.handoff_window > 0
+        else None,
     )
     return app, server
 

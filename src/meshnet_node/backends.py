@@ -15,11 +15,14 @@ import inspect
 from collections import Counter
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import anyio
 import numpy as np
 from prometheus_client import CollectorRegistry
+
+if TYPE_CHECKING:  # typing only: the hand-off module builds on the core, not on stages
+    from .handoff import KVStore
 
 __all__ = [
     "BACKENDS",
@@ -114,6 +117,10 @@ class StageBackend(Protocol):
 
     def describe(self) -> dict[str, Any]: ...
 
+    def kv_store(self) -> KVStore | None:
+        """Its sessions' KV for a hand-off (wire-2 §3.11); None: it keeps none."""
+        ...
+
     def identity(self) -> dict[str, Any]:
         """What this stage serves (wire-2 §6.1): ``model``, ``weights``,
         ``tokenizer``, ``layers`` ([start, stop] or None), ``n_layers``,
@@ -177,6 +184,10 @@ class Stage:
 
     def describe(self) -> dict[str, Any]:
         return {"backend": self.name, "delay_ms": self.delay_ms}
+
+    def kv_store(self) -> KVStore | None:
+        """Stateless: no KV to hand off (409 kv_unsupported)."""
+        return None
 
     def identity(self) -> dict[str, Any]:
         return stub_identity(self.name)

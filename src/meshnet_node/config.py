@@ -10,6 +10,7 @@ defaults, ``NODE_FLAGS`` names them, and so ``meshnet-node --help``, the
 from __future__ import annotations
 
 import argparse
+import math
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -157,7 +158,35 @@ _BATCHING = (
         "chain computes at once (auto: the chain's stage count, from this node's layers)",
     ),
 )
-NODE_FLAGS: tuple[Flag, ...] = _CHAIN + _MODEL + _MEMORY + _BATCHING
+KV_ROLES = ("any", "prefill", "decode")
+
+
+def handoff_seconds(text: str) -> float:
+    """``--handoff-window``: seconds >= 0 (0: a drain keeps no session for export)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected seconds, got {text!r}") from None
+    if not math.isfinite(value) or value < 0:
+        raise argparse.ArgumentTypeError(f"expected seconds >= 0, got {text!r}")
+    return value
+
+
+_HANDOFF = (
+    Flag(
+        "--kv-role",
+        choice(KV_ROLES),
+        "with --model and replicas: the work this replica takes (wire-2 §3.12): prefill "
+        "(prompts), decode (one token at a time, sessions handed over by KV), or any",
+    ),
+    Flag(
+        "--handoff-window",
+        handoff_seconds,
+        "when shutting down: seconds the node keeps its sessions for a KV hand-off to "
+        "another replica, after its requests in flight (within --shutdown-timeout; 0: none)",
+    ),
+)
+NODE_FLAGS: tuple[Flag, ...] = _CHAIN + _MODEL + _MEMORY + _BATCHING + _HANDOFF
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -186,6 +215,8 @@ class NodeConfig(ServerConfig):
     max_batch_tokens: int = 256  # rows of one batched step, all sessions (meshnet_node.scheduler)
     max_queued_tokens: int = 32768  # rows waiting for compute before more get 503 stage_busy
     micro_batches: int = 0  # decode groups in flight along the chain; 0: auto (its stage count)
+    kv_role: str = "any"  # wire-2 §3.12: prefill, decode or any (in /info's handoff object)
+    handoff_window: float = 10.0  # a drain keeps sessions for export this long (wire-2 §3.11)
 
     @classmethod
     def check_role(cls, values: dict[str, Any], error: Callable[[str], NoReturn]) -> None:

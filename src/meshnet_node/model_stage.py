@@ -38,10 +38,12 @@ a session ended while its chunk computed is 409 ``session_unknown``.
 from __future__ import annotations
 
 import contextlib
+import functools
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+import anyio
 import numpy as np
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
@@ -68,6 +70,7 @@ from meshnet_model.formats.config import ModelConfig
 from meshnet_model.identity import ModelIdentity, load_plan, model_identity
 from meshnet_model.progress import NO_PROGRESS, LoadProgress, reporting
 from meshnet_model.source import load_config, model_name
+from meshnet_model.stage.handoff import export_kv, import_kv, kv_layout
 from meshnet_model.stage.runner import (
     DEFAULT_MAX_CHUNK_TOKENS,
     DEFAULT_MAX_COMPUTE_BYTES,
@@ -79,6 +82,7 @@ from meshnet_runtime.metrics import ReadAtScrape, Sample
 
 from .backends import StageContext
 from .config import NodeConfig
+from .handoff import KVLayout, KVStore
 from .scheduler import (
     DEFAULT_MAX_BATCH_TOKENS,
     DEFAULT_MAX_QUEUED_TOKENS,
@@ -178,6 +182,47 @@ class ModelStage:
 
     def end_session(self, session: str) -> None:
         self.runner.end_session(session)
+
+    # -- the KV hand-off (wire-2 §3.11): ``KVStore`` ------------------------------
+
+    def kv_store(self) -> KVStore:
+        return self
+
+    @property
+    def kv_layout(self) -> KVLayout:
+        layers, heads, head_dim, dtype, per_position = kv_layout(self.runner)
+        return KVLayout(layers, heads, head_dim, dtype, per_position,
+                        max_context=self.runner.config.max_position_embeddings,
+                        max_batch=self.runner.max_chunk_tokens)  # fmt: skip
+
+    def kv_free_bytes(self) -> int:
+        budget = self.runner.budget
+        return budget.limit - budget.in_use + self.runner.prefix.retained_bytes
+
+    def hold_kv(self, nbytes: int) -> None:
+        try:
+            self.runner.budget.hold(nbytes)
+        except KVBudgetExceeded as exc:
+            raise CapacityError(
+                f"KV cache memory is full: {exc}", code="kv_memory_full", retry_after=KV_RETRY_AFTER
+            ) from None
+
+    def release_kv(self, nbytes: int) -> None:
+        self.runner.budget.release(nbytes)
+
+    async def export_kv(self, session: str) -> np.ndarray | None:
+        # A copy of up to the whole budget: off the event loop.
+        return await anyio.to_thread.run_sync(export_kv, self.runner, session)
+
+    async def import_kv(self, session: str, state: np.ndarray, held: int) -> None:
+        try:
+            await anyio.to_thread.run_sync(
+                functools.partial(import_kv, self.runner, session, state, held=held)
+            )
+        except KVBudgetExceeded as exc:
+            raise CapacityError(
+                f"KV cache memory is full: {exc}", code="kv_memory_full", retry_after=KV_RETRY_AFTER
+            ) from None
 
     def bind_metrics(self, registry: CollectorRegistry) -> None:
         """The KV cache's gauges and the scheduler's on ``/metrics``: busy

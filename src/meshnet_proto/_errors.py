@@ -57,6 +57,7 @@ class ErrorCode(enum.StrEnum):
     BAD_CHUNK_INDEX = "bad_chunk_index", 400, 502
     BAD_STAGE = "bad_stage", 400
     BAD_PREFIX = "bad_prefix", 400
+    BAD_KV = "bad_kv", 400
     WIRE_VERSION_MISMATCH = "wire_version_mismatch", 400
     BODY_SIZE_MISMATCH = "body_size_mismatch", 400
     BAD_ZSTD_FRAME = "bad_zstd_frame", 400
@@ -88,6 +89,7 @@ class ErrorCode(enum.StrEnum):
     STAGE_MISMATCH = "stage_mismatch", 409
     KV_CACHE_MISMATCH = "kv_cache_mismatch", 409
     PREFIX_UNKNOWN = "prefix_unknown", 409
+    KV_UNSUPPORTED = "kv_unsupported", 409
     # 411
     LENGTH_REQUIRED = "length_required", 411
     # 413

@@ -23,6 +23,7 @@ import numpy as np
 
 from ._errors import DownstreamError, MeshnetError
 from ._headers import WireHeaders
+from ._kv import is_kv_import
 
 __all__ = [
     "NEED_DATA",
@@ -113,6 +114,8 @@ class ActivationHead:
     query: str = ""
     # ``replay=1`` among the query's parameters (wire-2 §3.8): read once, here.
     replay: bool = field(init=False)
+    # ``kv=1``: a KV import (wire-2 §3.11), neither a chunk nor a replay.
+    kv_import: bool = field(init=False)
 
     def __post_init__(self) -> None:
         if not isinstance(self.headers, WireHeaders):
@@ -121,6 +124,7 @@ class ActivationHead:
             raise TypeError("expects_continue must be a bool")
         _check_query(self.query)
         object.__setattr__(self, "replay", _is_replay(self.query))
+        object.__setattr__(self, "kv_import", is_kv_import(self.query))
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -133,6 +137,7 @@ class ActivationReceived:
     body_nbytes: int
     query: str = ""  # as on ActivationHead
     replay: bool = field(init=False)  # as on ActivationHead
+    kv_import: bool = field(init=False)  # as on ActivationHead
 
     def __post_init__(self) -> None:
         if not isinstance(self.headers, WireHeaders):
@@ -143,6 +148,7 @@ class ActivationReceived:
             raise ValueError("body_nbytes must be a non-negative int")
         _check_query(self.query)
         object.__setattr__(self, "replay", _is_replay(self.query))
+        object.__setattr__(self, "kv_import", is_kv_import(self.query))
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -19,6 +19,7 @@ from typing import Any, TypeAlias
 from ._dtypes import WELL_FORMED_TOKEN, WIRE_DTYPES, WIRE_ENCODINGS
 from ._errors import ProtocolError
 from ._integers import MAX_UINT_DIGITS, parse_canonical_uint
+from ._kv import H_KV_CHECKSUM, H_KV_FINGERPRINT, parse_kv
 from ._limits import Limits
 from ._prefix import H_PREFIX, H_PREFIX_BLOCKS, parse_prefix
 
@@ -53,6 +54,8 @@ KNOWN_MESHNET_HEADERS: frozenset[bytes] = frozenset(
         H_SESSION_KEY,
         H_PREFIX,
         H_PREFIX_BLOCKS,
+        H_KV_CHECKSUM,
+        H_KV_FINGERPRINT,
     }
 )
 
@@ -417,7 +420,7 @@ def _optional(
 
 # wire-2 §2's order of checks, after the content type and duplicates (collect)
 # and before the tensor's size (parse_wire_headers, once the headers are built).
-GROUPS: tuple[Group, ...] = (_wire_version, _tensor, _sequencing, _optional, parse_prefix)
+GROUPS: tuple[Group, ...] = (_wire_version, _tensor, _sequencing, _optional, parse_prefix, parse_kv)
 
 
 def check_size(shape: tuple[int, ...], dtype: str, nbytes: int, limits: Limits) -> None:

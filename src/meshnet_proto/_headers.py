@@ -41,6 +41,7 @@ from ._header_values import (
     is_uint,
     optional_session_key,
 )
+from ._kv import kv_pairs, valid_kv_fields
 from ._limits import Limits
 from ._prefix import prefix_pairs, valid_prefix_fields
 
@@ -73,6 +74,10 @@ class WireHeaders:
     # of the blocks that end in this chunk.
     prefix: str | None = None
     prefix_blocks: tuple[str, ...] = ()
+    # wire-2 §3.11: a KV hand-off message's checksum and its exporter's
+    # identity fingerprint (on a KV export's answer and a KV import only).
+    kv_checksum: str | None = None
+    kv_fingerprint: str | None = None
 
     def __post_init__(self) -> None:
         # Accept any sequence of integer-likes for convenience (numpy shapes
@@ -113,6 +118,8 @@ class WireHeaders:
             raise ValueError("session_key must be 32 lowercase hex digits")
         if not valid_prefix_fields(self.prefix, self.prefix_blocks):
             raise ValueError("prefix must be a block key or None, prefix_blocks a tuple of keys")
+        if not valid_kv_fields(self.kv_checksum, self.kv_fingerprint):
+            raise ValueError("kv_checksum must be 16 and kv_fingerprint 32 lowercase hex digits")
         for field in ("chunk_index", "chunk_total", "position", "deadline_ms"):
             value = getattr(self, field)
             if value is not None and not is_uint(value):
@@ -207,6 +214,8 @@ class WireHeaders:
             pairs.append((b"X-Meshnet-Session-Key", self.session_key.encode("ascii")))
         if self.prefix is not None or self.prefix_blocks:
             pairs += prefix_pairs(self.prefix, self.prefix_blocks)
+        if self.kv_checksum is not None or self.kv_fingerprint is not None:
+            pairs += kv_pairs(self.kv_checksum, self.kv_fingerprint)
         return pairs
 
 

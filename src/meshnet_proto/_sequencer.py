@@ -278,6 +278,43 @@ class SessionTable:
         s.touched = now
         trim(s, self._window, self._store)
 
+    # -- a KV hand-off (wire-2 §3.11) ---------------------------------------------------
+
+    def check_adopt(self, session: str, now: float, *, client: str | None = None) -> None:
+        """What a KV import's head needs of the table (wire-2 §3.11 step 4):
+        the session is not held here (409 ``session_exists``: an import never
+        rewrites a live session) and there is room for one more (§3.6, §3.9)."""
+        if session in self._sessions:
+            raise SequencingError(
+                f"session {session} is live here: a KV import cannot replace it (DELETE it first)",
+                code="session_exists",
+                header="x-meshnet-session",
+            )
+        self._capacity.check_client_room(client, now)
+        self._capacity.make_room(now)
+
+    def between_runs(self, session: str, now: float) -> bool:
+        """The session is held here with no run open and no chunk in flight
+        or waiting: its state is final, so it may be exported (wire-2 §3.11)."""
+        s = self._sessions.get(session)
+        return s is not None and s.shape is None and not self._capacity.busy(s, now)
+
+    def adopt(
+        self,
+        session: str,
+        position: int,
+        now: float,
+        *,
+        key: str | None = None,
+        client: str | None = None,
+    ) -> None:
+        """Hold ``session`` from here on, between runs at ``position``: its
+        state came in a KV import (wire-2 §3.11). Bound to ``key`` as a first
+        chunk binds it (§3.9). The checks of ``check_adopt`` run again: the
+        table may have changed while the body arrived."""
+        self.check_adopt(session, now, client=client)
+        self._create(session, now, key, client).position = position
+
     # -- ending ----------------------------------------------------------------------
 
     def check_owner(self, session: str, key: str | None) -> None:

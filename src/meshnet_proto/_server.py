@@ -51,6 +51,7 @@ from ._head_checks import (
     needs_credentials,
 )
 from ._headers import WireHeaders, parse_wire_headers
+from ._kv import check_kv_message, is_kv_import
 from ._limits import KiB, Limits
 from ._reading import H11Reader
 from ._state import ServerPhase, ServerTrigger
@@ -58,12 +59,13 @@ from ._state import ServerPhase, ServerTrigger
 __all__ = ["DEFAULT_MAX_ENDPOINT_BODY", "DEFAULT_ROUTES", "ServerConnection"]
 
 # wire-2 §6. A key ending in "/*" matches exactly one non-empty path segment in
-# its place, which is all `DELETE /sessions/{id}` needs.
+# its place, which is all `DELETE /sessions/{id}` and `GET /kv/{id}` need.
 DEFAULT_ROUTES: Mapping[str, Collection[str]] = {
     "/health": ("GET",),
     "/info": ("GET",),
     "/metrics": ("GET",),
     "/sessions/*": ("DELETE",),
+    "/kv/*": ("GET",),
 }
 
 # The control endpoints take at most a few hundred bytes of JSON; 64 KiB
@@ -233,6 +235,7 @@ class ServerConnection(H11Reader[_Handled], ServerAnswers):
             headers, limits=self._limits, require_sequencing=self._require_sequencing
         )
         check_activation_length(wire, content_length)
+        check_kv_message(wire, is_kv_import(query))  # wire-2 §3.11: KV headers on KV only
         self._wire = wire
         self._query = query
         self._content_length = content_length

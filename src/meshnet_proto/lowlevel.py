@@ -15,6 +15,7 @@ from ._client_sessions import Lease
 from ._codec import body_bound, decode_tensor
 from ._dtypes import WIRE_DTYPES
 from ._headers import parse_session_key
+from ._kv import KV_RANK, kv_checksum
 from ._policy import apply_wire_dtype
 from ._prefix import PREFIX_BLOCK_TOKENS, blocks_ending_in, prefix_block_keys
 from ._sequencer import Ticket
@@ -41,6 +42,9 @@ __all__ = [
     "PREFIX_BLOCK_TOKENS",
     "prefix_block_keys",
     "blocks_ending_in",
+    # the KV hand-off message (wire-2 §3.11)
+    "KV_RANK",
+    "kv_checksum",
     # the gateway's chunking
     "plan_chunks",
     "ChunkAssembler",

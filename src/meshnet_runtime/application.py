@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from meshnet_proto import ActivationHead, ActivationReceived, EndpointRequest, WireHeaders
@@ -83,6 +83,10 @@ class RequestContext:
     # Unix-socket peer; None for a stream without one): the client of the
     # per-client session quota (wire-2 §3.9).
     peer: str | None = None
+    # Run when the request's cycle ends, however it ends (a body that never
+    # came included): what an application set aside at the head and did not
+    # hand on (the bytes a KV import's head holds, wire-2 §3.11).
+    cleanups: list[Callable[[], None]] = field(default_factory=list)
 
 
 class Application(Protocol):

@@ -40,7 +40,7 @@ from meshnet_proto.lowlevel import (
 
 from .deadlines import Deadline
 from .downstream import Downstream, key_headers
-from .http_server import Reply, RequestContext
+from .http_server import ActivationReply, Reply, RequestContext
 from .metrics import METRICS_CONTENT_TYPE, ServerMetrics
 
 __all__ = ["HEALTH_CACHE", "HEALTH_TIMEOUT", "ControlEndpoints"]
@@ -59,7 +59,7 @@ HEALTH_CACHE = 2.0
 # however quickly it came back on its port (wire-2 §6.2).
 INSTANCE = secrets.token_hex(8)
 
-Handler = Callable[[EndpointRequest, RequestContext], Awaitable[Reply]]
+Handler = Callable[[EndpointRequest, RequestContext], Awaitable[Reply | ActivationReply]]
 
 
 class ControlEndpoints:
@@ -85,6 +85,8 @@ class ControlEndpoints:
         check_facts: Callable[[], dict[str, Any]] | None = None,
         health_cache: float = HEALTH_CACHE,
         owner: Callable[[str, str | None], str | None] | None = None,
+        export_kv: Callable[[EndpointRequest, RequestContext], Awaitable[ActivationReply]]
+        | None = None,
     ) -> None:
         self.role = role
         self.metrics = metrics
@@ -110,11 +112,20 @@ class ControlEndpoints:
             "/info": self.describe,
             "/metrics": self.render_metrics,
             "/sessions/*": self.delete_session,
+            "/kv/*": export_kv or self.no_kv,
         }
         assert self.handlers.keys() == DEFAULT_ROUTES.keys()
 
-    async def handle(self, event: EndpointRequest, ctx: RequestContext) -> Reply:
+    async def handle(self, event: EndpointRequest, ctx: RequestContext) -> Reply | ActivationReply:
         return await self.handlers[event.route](event, ctx)
+
+    async def no_kv(self, event: EndpointRequest, ctx: RequestContext) -> Reply:
+        """A server without sessions' KV (a gateway): wire-2 §6, 404."""
+        raise ProtocolError(
+            f"{event.path}: a {self.role} holds no session's KV (GET /kv/{{id}} is a node's)",
+            code="not_found",
+            status=404,
+        )
 
     async def health(self, event: EndpointRequest, ctx: RequestContext) -> Reply:
         if not is_deep_health(event.query):

@@ -22,12 +22,19 @@ from __future__ import annotations
 import logging
 import ssl
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import anyio
 from anyio.abc import ByteStream, TaskStatus
 from anyio.streams.tls import TLSStream
 
-from meshnet_proto import ConnectionClosed, MeshnetError, ServerConnection, WireHeaders
+from meshnet_proto import (
+    ConnectionClosed,
+    EndpointRequest,
+    MeshnetError,
+    ServerConnection,
+    WireHeaders,
+)
 from meshnet_proto.lowlevel import ByteBudget, request_cost
 
 from .application import (
@@ -66,6 +73,7 @@ __all__ = [
     "OFFLOAD_READ_SIZE",
     "ActivationReply",
     "Application",
+    "DrainHandoff",
     "HttpServer",
     "Reply",
     "RequestContext",
@@ -77,6 +85,21 @@ __all__ = [
 ]
 
 log = logging.getLogger("meshnet.server")
+
+
+# How often a drain looks whether its sessions have been handed off.
+HANDOFF_POLL = 0.05
+
+
+@dataclass(frozen=True, slots=True)
+class DrainHandoff:
+    """What a draining server keeps serving so its sessions can move by KV
+    hand-off (wire-2 §3.11): ``routes`` while ``held()`` sessions remain,
+    for up to ``window`` seconds after its requests in flight are done."""
+
+    window: float
+    held: Callable[[], int]
+    routes: frozenset[str] = frozenset({"/kv/*", "/sessions/*"})
 
 
 class HttpServer:
@@ -94,8 +117,11 @@ class HttpServer:
         budget: ByteBudget | None = None,
         cost: Callable[[WireHeaders], int] = request_cost,
         on_drain: Callable[[float], int] | None = None,
+        handoff: DrainHandoff | None = None,
     ) -> None:
         self.app = app
+        # A node's sessions, kept for a KV hand-off while it drains (wire-2 §3.11).
+        self.handoff = handoff
         self.codecs = codecs
         # Tensor bytes held for requests in flight (wire-2 §3: waiting chunks
         # count against the memory limits); None = unbounded (tests, embedding).
@@ -120,6 +146,19 @@ class HttpServer:
         self._all_closed = anyio.Event()
 
     # ------------------------------------------------------------- lifecycle
+
+    def _handing_off(self) -> bool:
+        return self.handoff is not None and self.handoff.held() > 0
+
+    def serves_while_draining(self, event: object) -> bool:
+        """While draining, only what moves the sessions away is served (the
+        export and the DELETE that follows it), and only while some are held."""
+        return (
+            self.handoff is not None
+            and isinstance(event, EndpointRequest)
+            and event.route in self.handoff.routes
+            and self._handing_off()
+        )
 
     def request_shutdown(self) -> None:
         """Begin a graceful shutdown (safe to call more than once)."""
@@ -183,6 +222,7 @@ class HttpServer:
                 while self._connections:
                     self._all_closed = anyio.Event()
                     await self._all_closed.wait()
+                await self._wait_for_handoffs()
             accepting.cancel()
             with anyio.CancelScope(shield=True):
                 await accepted.wait()  # closing a listener under accept() is an error
@@ -192,6 +232,18 @@ class HttpServer:
                     self._all_closed = anyio.Event()
                     await self._all_closed.wait()
             connections.cancel_scope.cancel()
+
+    async def _wait_for_handoffs(self) -> None:
+        """Keep the sessions for export up to the hand-off window (within the
+        drain's deadline), or until none is left (wire-2 §3.11, draining)."""
+        if not self._handing_off():
+            return
+        assert self.handoff is not None
+        log.info("%s keeping %d session(s) for a KV hand-off for up to %g s (--handoff-window)",
+                 self.url, self.handoff.held(), self.handoff.window)  # fmt: skip
+        with anyio.move_on_after(self.handoff.window):
+            while self._handing_off():
+                await anyio.sleep(HANDOFF_POLL)
 
     async def _accept(
         self,
@@ -219,7 +271,7 @@ class HttpServer:
                     )  # fmt: skip
                 if not isinstance(stream, TLSStream):
                     return
-            if self.draining:
+            if self.draining and not self._handing_off():
                 await self._reject(stream, shutting_down(self.settings.retry_after))
             elif len(self._connections) >= self.settings.max_connections:
                 await self._reject(stream, too_many(self.settings.retry_after))

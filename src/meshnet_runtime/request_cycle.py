@@ -64,6 +64,8 @@ class CycleHost(Protocol):
 
     def count_answer(self, path: str, status: int) -> None: ...
 
+    def serves_while_draining(self, event: object) -> bool: ...
+
 
 @dataclass(eq=False, slots=True)
 class ConnectionCycle:
@@ -132,28 +134,15 @@ class ConnectionCycle:
         if isinstance(event, ProtocolErrorReceived):
             await self._error(ctx.path, event.error)
             return False
-        if self.server.draining:
+        if self.server.draining and not self.server.serves_while_draining(event):
             await self._error(ctx.path, shutting_down(settings.retry_after))
             return False
         if isinstance(event, ActivationHead):
             try:
-                await self.server.app.handle_activation_head(event, ctx)
-            except MeshnetError as err:
-                await self._error(ctx.path, err)
-                return False
-            except Exception:
-                log.exception("handle_activation_head failed")
-                await self._error(ctx.path, internal_error())
-                return False
-            reservation = None
-            if self.server.budget is not None:
-                try:
-                    reservation = self.server.budget.reserve(self.server.cost(event.headers))
-                except MeshnetError as err:  # 503 memory_full, before any body byte
-                    await self._error(ctx.path, err)
-                    return False
-            with reservation or contextlib.nullcontext():
-                return await self._activation(event, ctx)
+                return await self._activation_head(event, ctx)
+            finally:
+                for cleanup in ctx.cleanups:
+                    cleanup()
         if isinstance(event, EndpointRequest):
             app = self.server.app
             watch = app.cancel_on_disconnect(event)
@@ -161,6 +150,27 @@ class ConnectionCycle:
         log.error("unexpected event from ServerConnection: %r", event)
         await self._error(ctx.path, internal_error())
         return False
+
+    async def _activation_head(self, event: ActivationHead, ctx: RequestContext) -> bool:
+        """The application's head checks, the bytes the request will hold, then the rest."""
+        try:
+            await self.server.app.handle_activation_head(event, ctx)
+        except MeshnetError as err:
+            await self._error(ctx.path, err)
+            return False
+        except Exception:
+            log.exception("handle_activation_head failed")
+            await self._error(ctx.path, internal_error())
+            return False
+        reservation = None
+        if self.server.budget is not None:
+            try:
+                reservation = self.server.budget.reserve(self.server.cost(event.headers))
+            except MeshnetError as err:  # 503 memory_full, before any body byte
+                await self._error(ctx.path, err)
+                return False
+        with reservation or contextlib.nullcontext():
+            return await self._activation(event, ctx)
 
     async def _activation(self, event: ActivationHead, ctx: RequestContext) -> bool:
         """An accepted head: its body, the application, the answer."""

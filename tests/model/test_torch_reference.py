@@ -92,8 +92,20 @@ def test_half_precision_equals_transformers_in_the_same_dtype(
     runners = torch_runners(directory, [(0, 1), (1, LAYERS)], dtype)
     ids, logits = greedy(runners, PROMPT, STEPS, chunk=len(PROMPT))
     diverged = next((i for i, (a, b) in enumerate(zip(ids, want_ids, strict=True)) if a != b), None)
-    assert diverged is None, f"greedy diverged from transformers at step {diverged}"
-    assert logit_error(logits, want_logits) <= HALF_TOLERANCE
+    steps = len(ids) if diverged is None else diverged + 1
+    if diverged is not None:
+        # In half precision a near-tie may break either way with the CPU's
+        # kernels (AVX2 against AVX-512 BF16: seen on mistral-window, margin
+        # 0.016 against a tie). Only a tie within the budget may: a clear
+        # choice of transformers' must be ours too.
+        top = np.sort(want_logits[diverged])[::-1]
+        scale = max(1.0, float(np.abs(want_logits[:steps]).max()))
+        assert top[0] - top[1] <= 2 * HALF_TOLERANCE * scale, (
+            f"greedy diverged from transformers at step {diverged}, where its choice "
+            f"led by {top[0] - top[1]:.4f}"
+        )
+    # Up to the divergence (after it the contexts differ), within the budget.
+    assert logit_error(logits[:steps], want_logits[:steps]) <= HALF_TOLERANCE
     # Held and computed in that dtype: half the bytes of float32, never widened.
     assert runners[0].describe()["compute_dtype"] == dtype
     assert runners[1].model.weights.blocks[0].q.dtype == getattr(torch, dtype)

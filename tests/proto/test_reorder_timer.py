@@ -464,6 +464,10 @@ class OneAtATime:
     def describe(self) -> dict[str, Any]:
         return {"backend": self.name}
 
+    def kv_store(self) -> None:
+        """Stateless: no KV to hand off."""
+        return None
+
     def identity(self) -> dict[str, Any]:
         return stub_identity(self.name)
 

@@ -50,6 +50,28 @@ class KVBudget:
     def in_use(self) -> int:
         return self._in_use
 
+    def hold(self, nbytes: int) -> None:
+        """Set ``nbytes`` aside for a cache about to arrive (a KV import's
+        head, wire-2 §3.11), reclaiming retained caches first; or
+        ``KVBudgetExceeded``. Given back with ``release``."""
+        with self.lock:
+            if self._take(nbytes):
+                return
+            if self.reclaim is not None:
+                self.reclaim(nbytes)
+                if self._take(nbytes):
+                    return
+            raise KVBudgetExceeded(
+                f"a KV import needs {nbytes} bytes; {self._in_use} of {self.limit} are in use",
+                needed=nbytes,
+                in_use=self._in_use,
+                limit=self.limit,
+            )
+
+    def release(self, nbytes: int) -> None:
+        with self.lock:
+            self._give(nbytes)
+
     def _take(self, nbytes: int) -> bool:  # caller holds the lock
         if self._in_use + nbytes > self.limit:
             return False
@@ -158,6 +180,40 @@ class KVCache:
         released = self.nbytes
         self.budget._give(released)
         return released
+
+    @property
+    def dtype_name(self) -> str:
+        """The dtype of the numbers kept (a KV message's, wire-2 §3.11)."""
+        return KV_DTYPE.name
+
+    def export_state(self) -> np.ndarray:
+        """A copy of the filled positions, ``[layers, 2, batch, kv_heads,
+        length, head_dim]`` (keys, then values): a KV message's tensor."""
+        n = self.length
+        out = np.empty((self.layers, 2, self.batch, self.kv_heads, n, self.head_dim), KV_DTYPE)
+        for layer in range(self.layers):
+            out[layer, 0] = self.keys[layer][:, :, :n]
+            out[layer, 1] = self.values[layer][:, :, :n]
+        return out
+
+    def import_state(self, state: np.ndarray) -> None:
+        """Start this (empty) cache with ``state`` (``export_state``'s layout
+        and dtype, from a replica of the same stage): bit for bit its numbers."""
+        n = self._check_import(state)
+        self.reserve(n)
+        for layer in range(self.layers):
+            self.keys[layer][:, :, :n] = state[layer, 0]
+            self.values[layer][:, :, :n] = state[layer, 1]
+        self.length = n
+
+    def _check_import(self, state: np.ndarray) -> int:
+        want = (self.layers, 2, self.batch, self.kv_heads, state.shape[4], self.head_dim)
+        if self.length or state.shape != want or state.dtype.name != self.dtype_name:
+            raise ValueError(
+                f"import_state: an empty cache, and a state of {want} {self.dtype_name}; "
+                f"got {state.shape} {state.dtype.name}"
+            )
+        return int(state.shape[4])
 
     def copy_prefix(self, source: KVCache, length: int) -> None:
         """Start this (empty) cache with ``source``'s first ``length`` positions

@@ -141,6 +141,12 @@ class PrefixStore:
         self._unfile_locked(cache)
         cache.close_locked()
 
+    def describe(self) -> dict[str, int]:
+        """The runner's ``describe()["prefix_cache"]``."""
+        return {"retained": self.retained, "retained_bytes": self.retained_bytes,
+                "limit_bytes": self.limit, "hits": self.hits, "misses": self.misses,
+                "tokens_saved": self.tokens_saved}  # fmt: skip
+
     def _reclaim_locked(self, nbytes: int) -> None:
         """Free retained caches (oldest first) until ``nbytes`` more fit."""
         while self._retained and self.budget.in_use + nbytes > self.budget.limit:

@@ -123,6 +123,9 @@ class SessionLife:
     attach: str | None = None
     pending: list[tuple[str, int]] = field(default_factory=list)
     chain: TokenChain | None = None
+    # Its cache came in a KV import (wire-2 §3.11): it files no prefix blocks
+    # (a first stage never saw its tokens, so it could not check their keys).
+    imported: bool = False
 
 
 class StageRunner:
@@ -291,6 +294,9 @@ class StageRunner:
         starts from, and the block keys to file once the chunk has run. The
         first stage checks the keys against the token ids (``PrefixMismatch``),
         named by ``naming`` (the caller's: the wire's hash chain)."""
+        if life.imported:
+            life.pending = []
+            return
         if prefix is not None and life.cache is None:
             life.attach = prefix
         block = naming.block_tokens
@@ -419,6 +425,19 @@ class StageRunner:
         self.prefix.forget(cache)
         return cache.close()
 
+    # -- the KV hand-off (wire-2 §3.11, stage/handoff.py) ---------------------------
+
+    def cache_of(self, session: str) -> KVCache | None:
+        with self._lock:
+            return getattr(self._lives.get(session), "cache", None)
+
+    def give_cache(self, session: str, cache: KVCache) -> None:
+        """``session`` (new here) goes on from ``cache`` (a KV import's)."""
+        with self._lock:
+            if (life := self._lives.get(session)) and (life.cache or life.ended):
+                raise ValueError(f"session {session} already holds a cache here")
+            self._lives[session] = SessionLife(session, cache=cache, imported=True)
+
     # -- reporting -----------------------------------------------------------------
 
     @property
@@ -454,11 +473,7 @@ class StageRunner:
             "kv_live_bytes": self.budget.in_use - self.prefix.retained_bytes,
             "kv_budget_bytes": self.budget.limit,
             "kv_sessions": self.sessions,
-            "prefix_cache": {"retained": self.prefix.retained,
-                             "retained_bytes": self.prefix.retained_bytes,
-                             "limit_bytes": self.prefix.limit, "hits": self.prefix.hits,
-                             "misses": self.prefix.misses,
-                             "tokens_saved": self.prefix.tokens_saved},
+            "prefix_cache": self.prefix.describe(),
             **self.model.describe(),  # engine, device, compute and weights dtype
         }  # fmt: skip
 

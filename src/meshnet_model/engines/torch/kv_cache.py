@@ -13,6 +13,9 @@ from __future__ import annotations
 
 from typing import Any
 
+import ml_dtypes
+import numpy as np
+
 from ...stage.kv_cache import KVBudget, KVCache
 from .transfer import Staging
 
@@ -49,3 +52,31 @@ class TorchKVCache(KVCache):
             keys.append(k)
             values.append(v)
         self.keys, self.values = keys, values
+
+    @property
+    def dtype_name(self) -> str:
+        return str(self.dtype).removeprefix("torch.")
+
+    def export_state(self) -> np.ndarray:
+        t, n = self.torch, self.length
+        stacked = t.stack([t.stack([k[:, :, :n], v[:, :, :n]])
+                           for k, v in zip(self.keys, self.values, strict=True)])  # fmt: skip
+        host = stacked.cpu().contiguous()
+        if self.dtype == t.bfloat16:  # numpy has no bfloat16: the bits, as ml_dtypes'
+            return host.view(t.int16).numpy().view(ml_dtypes.bfloat16)  # type: ignore[no-any-return]
+        return host.numpy()  # type: ignore[no-any-return]
+
+    def import_state(self, state: np.ndarray) -> None:
+        t = self.torch
+        n = self._check_import(state)
+        host = np.ascontiguousarray(state)
+        if self.dtype == t.bfloat16:
+            tensor = t.from_numpy(host.view(np.int16)).view(t.bfloat16)
+        else:
+            tensor = t.from_numpy(host)
+        tensor = tensor.to(self.device)
+        self.reserve(n)
+        for layer in range(self.layers):
+            self.keys[layer][:, :, :n] = tensor[layer, 0]
+            self.values[layer][:, :, :n] = tensor[layer, 1]
+        self.length = n
