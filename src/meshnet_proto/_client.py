@@ -179,11 +179,15 @@ class ClientConnection(H11Reader[_Answer]):
         target: str,
         headers: Iterable[tuple[bytes | str, bytes | str]] = (),
         body: Body = b"",
+        *,
+        expects_activation: bool = False,
     ) -> Output:
         """Any other request (``GET /health``, ``DELETE /sessions/{id}``, …).
 
         ``Host``, ``Content-Length`` (when there is a body, or for POST/PUT)
         and ``Authorization`` (when a token is set) are added unless given.
+        ``expects_activation``: its 200 is a wire-2 message (``GET /kv/{id}``,
+        wire-2 §3.11), read and bounded as an activation's answer is.
         """
         data = as_byte_buffer(body)
         pairs: list[tuple[bytes, bytes]] = [
@@ -197,8 +201,9 @@ class ClientConnection(H11Reader[_Answer]):
         if self._token is not None and b"authorization" not in given:
             pairs.append((b"Authorization", b"Bearer " + self._token))
         return self._send(
-            method.encode("ascii"), target.encode("ascii"), pairs, data, activation=False
-        )
+            method.encode("ascii"), target.encode("ascii"), pairs, data,
+            activation=expects_activation,
+        )  # fmt: skip
 
     def _send(
         self,

@@ -241,6 +241,21 @@ class DownstreamPool:
             raise self._error("answered a request with an activation", "downstream_bad_response")
         return event
 
+    async def fetch_kv(
+        self, session: str, deadline: Deadline, headers: Sequence[tuple[bytes, bytes]] = ()
+    ) -> ActivationResponse | ErrorResponse:
+        """``GET /kv/{session}`` (wire-2 §3.11): the session's KV message, its
+        body bounded as an activation's, left encoded (it is relayed as is)."""
+
+        def build(conn: ClientConnection) -> list[Any]:
+            return conn.send_request("GET", f"/kv/{session}", list(headers),
+                                     expects_activation=True)  # fmt: skip
+
+        event = await self._exchange(build, deadline, True, 0, self._control_slots)
+        if not isinstance(event, ActivationResponse | ErrorResponse):
+            raise self._error("answered GET /kv without a KV message", "downstream_bad_response")
+        return event
+
     @property
     def idle_connections(self) -> int:
         """Connections kept open for reuse (a fresh request takes one)."""

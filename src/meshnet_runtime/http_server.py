@@ -100,6 +100,9 @@ class DrainHandoff:
     window: float
     held: Callable[[], int]
     routes: frozenset[str] = frozenset({"/kv/*", "/sessions/*"})
+    # The wait also ends when no request came for this long: nobody is
+    # moving the sessions (a chain shut down whole, idle clients).
+    quiet: float = 2.0
 
 
 class HttpServer:
@@ -122,6 +125,7 @@ class HttpServer:
         self.app = app
         # A node's sessions, kept for a KV hand-off while it drains (wire-2 §3.11).
         self.handoff = handoff
+        self.drain_seen = 0.0  # when a request last came while draining
         self.codecs = codecs
         # Tensor bytes held for requests in flight (wire-2 §3: waiting chunks
         # count against the memory limits); None = unbounded (tests, embedding).
@@ -147,7 +151,7 @@ class HttpServer:
 
     # ------------------------------------------------------------- lifecycle
 
-    def _handing_off(self) -> bool:
+    def handing_off(self) -> bool:
         return self.handoff is not None and self.handoff.held() > 0
 
     def serves_while_draining(self, event: object) -> bool:
@@ -157,7 +161,7 @@ class HttpServer:
             self.handoff is not None
             and isinstance(event, EndpointRequest)
             and event.route in self.handoff.routes
-            and self._handing_off()
+            and self.handing_off()
         )
 
     def request_shutdown(self) -> None:
@@ -236,13 +240,16 @@ class HttpServer:
     async def _wait_for_handoffs(self) -> None:
         """Keep the sessions for export up to the hand-off window (within the
         drain's deadline), or until none is left (wire-2 §3.11, draining)."""
-        if not self._handing_off():
+        if not self.handing_off():
             return
         assert self.handoff is not None
         log.info("%s keeping %d session(s) for a KV hand-off for up to %g s (--handoff-window)",
                  self.url, self.handoff.held(), self.handoff.window)  # fmt: skip
+        self.drain_seen = anyio.current_time()
         with anyio.move_on_after(self.handoff.window):
-            while self._handing_off():
+            while self.handing_off() and (
+                anyio.current_time() - self.drain_seen < self.handoff.quiet
+            ):
                 await anyio.sleep(HANDOFF_POLL)
 
     async def _accept(
@@ -271,7 +278,7 @@ class HttpServer:
                     )  # fmt: skip
                 if not isinstance(stream, TLSStream):
                     return
-            if self.draining and not self._handing_off():
+            if self.draining and not self.handing_off():
                 await self._reject(stream, shutting_down(self.settings.retry_after))
             elif len(self._connections) >= self.settings.max_connections:
                 await self._reject(stream, too_many(self.settings.retry_after))

@@ -60,11 +60,14 @@ class CycleHost(Protocol):
     cost: Callable[[WireHeaders], int]
     metrics: ServerMetrics | None
     draining: bool
+    drain_seen: float
     make_connection: Callable[[], ServerConnection]
 
     def count_answer(self, path: str, status: int) -> None: ...
 
     def serves_while_draining(self, event: object) -> bool: ...
+
+    def handing_off(self) -> bool: ...
 
 
 @dataclass(eq=False, slots=True)
@@ -80,6 +83,7 @@ class ConnectionCycle:
     idle_scope: anyio.CancelScope | None = None
     closed_idle: bool = False  # the idle scope was cancelled by a shutdown
     cycle_bytes: list[int] = field(default_factory=lambda: [0])
+    cycles: int = 0  # requests begun on this connection
 
     peer: str | None = field(init=False, default=None)
 
@@ -118,8 +122,12 @@ class ConnectionCycle:
                 # from the end of its head, as a /forward body does.
                 head_scope.deadline = anyio.current_time() + settings.body_timeout
 
-            if self.server.draining:
-                self.close_if_idle()  # checked here too: shutdown may precede this cycle
+            # Checked here too: shutdown may precede this cycle. A connection's
+            # first request while sessions are kept for a hand-off is read
+            # (the export may come on it); after its answer it closes.
+            if self.server.draining and (self.cycles or not self.server.handing_off()):
+                self.close_if_idle()
+            self.cycles += 1
             event = await read_event(self.conn, self.stream, self.cycle_bytes, on_body=body_started)
         self.idle_scope = None
         if head_scope.cancelled_caught:
@@ -134,6 +142,8 @@ class ConnectionCycle:
         if isinstance(event, ProtocolErrorReceived):
             await self._error(ctx.path, event.error)
             return False
+        if self.server.draining:
+            self.server.drain_seen = anyio.current_time()
         if self.server.draining and not self.server.serves_while_draining(event):
             await self._error(ctx.path, shutting_down(settings.retry_after))
             return False

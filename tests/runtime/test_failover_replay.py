@@ -56,6 +56,11 @@ class FakePool:
                 return answered
         return _ok(headers, bytes(body))
 
+    async def fetch_kv(self, session: str, deadline: Deadline, headers: Any = ()) -> Any:
+        # A chunk of the session is still in flight here: its KV is not final.
+        return ErrorResponse(status=409, error={"code": "session_busy", "message": "busy"},
+                             raw=b"")  # fmt: skip
+
 
 def _replica(pool: FakePool) -> Replica:
     return Replica(url=pool.url, source=pool.url, pool=pool, probe=pool)  # type: ignore[arg-type]
@@ -97,3 +102,5 @@ async def test_a_chunk_answered_by_the_old_replica_during_the_replay_is_replayed
     # The new replica has every chunk before chunk 2, in order, before chunk 2.
     assert other_pool.seen == [(0, REPLAY_PATH), (1, REPLAY_PATH), (2, "/forward")]
     assert failover.replayed_chunks == 2 and failover.failovers == 1
+    # It drains (503): its KV was asked for first, and was not final (409 session_busy).
+    assert failover.handoffs.failed == 1 and failover.handoffs.moved == 0

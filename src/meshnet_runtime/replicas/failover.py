@@ -26,6 +26,7 @@ from meshnet_proto import (
 from ..deadlines import Deadline
 from ..downstream import key_headers
 from ..history import HistoryStore, SentChunk
+from .handoff import HandoffCounts, hand_off
 from .monitor import HealthMonitor
 from .placement import Placement
 from .replica import Replica
@@ -91,6 +92,7 @@ class Failover:
         self.replayed_chunks = 0
         self.replayed_tokens = 0
         self.replayed_bytes = 0
+        self.handoffs = HandoffCounts()
 
     # ------------------------------------------------------------ one forward
 
@@ -126,6 +128,7 @@ class Failover:
             if replica.mismatch:
                 raise Lost()
         if _own_error(result, "shutting_down") and result.status == 503:
+            replica.draining = True  # its sessions move by KV (wire-2 §3.11)
             self.placement.mark_down(replica, anyio.current_time())
             raise Lost()
         return result
@@ -197,7 +200,7 @@ class Failover:
         for _ in range(len(self.placement.replicas) + 1):
             async with self.lock(session):
                 target, answered = await self._relocate(
-                    session, headers, body, deadline, failed, excluded
+                    session, headers, body, deadline, failed, excluded, alive
                 )
             if answered is not None:  # discovery: the chunk already went there
                 return answered
@@ -226,8 +229,10 @@ class Failover:
         deadline: Deadline,
         failed: Replica | None,
         excluded: list[Replica],
+        alive: bool = False,
     ) -> tuple[Replica, Answer | None]:
-        """Under the session's lock: the replica to send to, its state rebuilt."""
+        """Under the session's lock: the replica to send to, its state moved
+        by its KV (a draining replica still answers) or rebuilt by a replay."""
         moved = self.placement.moved(session, failed)
         if moved is not None:
             return moved, None  # another chunk of the session moved it meanwhile
@@ -237,6 +242,13 @@ class Failover:
             found = await self._discover(session, headers, body, deadline, excluded)
             if found is not None:
                 return found
+        # A replica that failed a forward may still be there to export: it
+        # drains (503 shutting_down, or it closed our idle connection), or
+        # it restarts. One that only hangs is not asked (the ask would hang).
+        if failed is not None and headers.position and (failed.draining or not alive):
+            moved = await self._hand_off(session, headers, deadline, failed, excluded)
+            if moved is not None:
+                return moved, None
         past = self.history.chunks(session, before=headers.position)
         if not past and not headers.starts_session:
             raise self.unrecoverable(session, "no history of it is kept at this hop")
@@ -256,6 +268,28 @@ class Failover:
                         len(past))  # fmt: skip
             return candidate, None
         raise self.none_left(session)
+
+    async def _hand_off(
+        self,
+        session: str,
+        headers: WireHeaders,
+        deadline: Deadline,
+        failed: Replica,
+        excluded: list[Replica],
+    ) -> Replica | None:
+        """The session's KV from the draining ``failed`` to the best ranked
+        healthy replica, no replay (wire-2 §3.11); None when it did not move."""
+        candidates = self.placement.ranked(exclude=[*excluded, failed], fallback=False)
+        if not candidates:
+            return None
+        target = candidates[0]
+        # Asking one that is gone costs at most a probe's time, then it replays.
+        ask = Deadline(min(deadline.at, anyio.current_time() + self.probe_timeout))
+        if not await hand_off(failed, target, session, headers.session_key, deadline,
+                              self.handoffs, ask=ask):  # fmt: skip
+            return None
+        self.placement.sticky[session] = target
+        return target
 
     async def _discover(
         self,

@@ -118,6 +118,7 @@ class HealthMonitor:
             )
             return
         if isinstance(response, ErrorResponse):
+            replica.draining = response.error.get("code") == "shutting_down"
             self.placement.mark_down(replica, anyio.current_time())
             return
         if self.placement.probe_answered(replica, instance_of(response.body)):
@@ -134,11 +135,16 @@ class HealthMonitor:
             )
             if isinstance(response, ErrorResponse):
                 raise response.to_error(hop=replica.url)
-            identity = json.loads(response.body).get("identity")
+            info = json.loads(response.body)
+            identity = info.get("identity")
             fingerprint = identity.get("fingerprint") if isinstance(identity, dict) else None
+            handoff = info.get("handoff")
+            role = handoff.get("role") if isinstance(handoff, dict) else None
         except (MeshnetError, ValueError, AttributeError) as exc:
             # Asked again at the next probe; deep health shows why meanwhile.
             log.debug("cannot read the identity of %s: %s", replica.url, exc)
             return
+        # Registration (wire-2 §3.12): its role; anything else is "any".
+        replica.kv_role = role if role in ("prefill", "decode") else "any"
         # A node too old to say has nothing to pin.
         self.placement.pin(replica, fingerprint if isinstance(fingerprint, str) else None)

@@ -81,6 +81,12 @@ class ReplicaState:
     identity_read: bool = False
     instance: str | None = None  # the process its /health names: another one is a restart
     mismatch: bool = False  # not the stage the set pinned: never chosen
+    # What its /info handoff object says it takes (wire-2 §3.12): prefill,
+    # decode or any; read with the identity.
+    kv_role: str = "any"
+    # It answered 503 shutting_down (a forward or a probe): still there for
+    # a while, so its sessions move by their KV, not by replay (wire-2 §3.11).
+    draining: bool = False
 
     def mark_down(self, now: float, interval: float) -> None:
         """Down: probed again after ``interval * 2**(failures - 1)``, at most ``MAX_BACKOFF``."""
@@ -95,6 +101,7 @@ class ReplicaState:
             log.info("replica %s is up again", self.url)
         self.up = True
         self.failures = 0
+        self.draining = False
 
 
 R = TypeVar("R", bound=ReplicaState)
@@ -196,6 +203,10 @@ class Placement(Generic[R]):
             ranked = self.ranked()
             if not ranked:
                 return None
+            # wire-2 §3.12: prompts go to the prefill replicas (and "any"), when one is up.
+            prompts = [r for r in ranked if r.kv_role != "decode"]
+            if prompts and any(r.kv_role == "decode" for r in ranked):
+                ranked = prompts
             holder = self.prefixes.get(prefix) if prefix is not None else None
             if holder is not None and holder in ranked and holder.up:
                 self.prefix_placed += 1

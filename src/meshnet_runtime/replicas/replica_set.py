@@ -34,6 +34,7 @@ from ..link import LinkEstimate
 from ..metrics import ServerMetrics
 from .failover import Failover, Lost, lost_session
 from .fanout import deep_health, delete_everywhere
+from .handoff import disaggregated_target, hand_off
 from .monitor import HealthMonitor, Resolver, resolve_name
 from .placement import Placement, is_name
 from .replica import Replica, open_replica
@@ -180,6 +181,12 @@ class ReplicaSet:
         if route.recover or replica is None:
             return await failover.recover(session, headers, body, deadline, replica,
                                           alive=route.alive)  # fmt: skip
+        decoder = disaggregated_target(self.placement, replica, headers)
+        if decoder is not None:  # its prompt is done: to a decode replica (wire-2 §3.12)
+            async with failover.lock(session):
+                if await hand_off(replica, decoder, session, headers.session_key, deadline,
+                                  failover.handoffs):  # fmt: skip
+                    replica = self._sticky[session] = decoder
         try:
             response = await failover.attempt(replica, headers, body, deadline)
         except Lost as lost:

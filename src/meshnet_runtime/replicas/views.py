@@ -32,6 +32,7 @@ def describe(
                 "sessions": load.get(r.url, 0),
                 "fingerprint": r.fingerprint,
                 "mismatch": r.mismatch,
+                "kv_role": r.kv_role,
             }
             for r in placement.replicas
         ],
@@ -45,6 +46,12 @@ def describe(
             "bytes": failover.replayed_bytes,
         },
         "history": {"sessions": len(history), "bytes": history.nbytes},
+        # wire-2 §3.11: sessions moved by their KV (no replay), moves given up, bytes
+        "handoff": {
+            "moved": failover.handoffs.moved,
+            "failed": failover.handoffs.failed,
+            "bytes": failover.handoffs.bytes,
+        },
     }
 
 
@@ -78,4 +85,14 @@ class ReplicaCollector:
                                      "New sessions sent to the replica holding their cached prefix",
                                      labels=["stage"])  # fmt: skip
         placed.add_metric([stage], float(view["prefix_placed"]))
-        yield from (up, sessions, failovers, replayed, placed)
+        handoffs = CounterMetricFamily("meshnet_handoffs",
+                                       "Sessions moved to another replica by their KV "
+                                       "(moved), or moves given up (failed)",
+                                       labels=["stage", "outcome"])  # fmt: skip
+        for outcome in ("moved", "failed"):
+            handoffs.add_metric([stage, outcome], float(view["handoff"][outcome]))
+        handoff_bytes = CounterMetricFamily(
+            "meshnet_handoff_moved_bytes", "KV bytes carried by hand-offs", labels=["stage"]
+        )
+        handoff_bytes.add_metric([stage], float(view["handoff"]["bytes"]))
+        yield from (up, sessions, failovers, replayed, placed, handoffs, handoff_bytes)
