@@ -429,7 +429,8 @@ class StageRunner:
 
     def cache_of(self, session: str) -> KVCache | None:
         with self._lock:
-            return getattr(self._lives.get(session), "cache", None)
+            life = self._lives.get(session)
+            return None if life is None else life.cache
 
     def give_cache(self, session: str, cache: KVCache) -> None:
         """``session`` (new here) goes on from ``cache`` (a KV import's)."""
