@@ -235,8 +235,8 @@ class GatewayApp:
     async def _check_activation_head(self, event: ActivationHead) -> None:
         # Reject before reading what may be hundreds of MiB of body.
         if event.kv_import:  # wire-2 §3.11: a node's; a gateway holds no stage's KV
-            raise ProtocolError("a gateway imports no KV (POST /forward?kv=1 is a node's)",
-                                code="bad_kv", status=400, header="x-meshnet-kv-checksum")  # fmt: skip
+            raise ProtocolError("a gateway imports no KV (it is a node's route)", code="bad_kv",
+                                status=400, header="x-meshnet-kv-checksum")  # fmt: skip
         self.chain.refuse_if_mismatched()
         session = event.headers.session
         if session is not None:
