@@ -10,7 +10,6 @@ defaults, ``NODE_FLAGS`` names them, and so ``meshnet-node --help``, the
 from __future__ import annotations
 
 import argparse
-import math
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -24,6 +23,7 @@ from meshnet_runtime.config import (
     millis,
     nonempty,
     positive_int,
+    seconds_or_zero,
     split_replicas,
 )
 from meshnet_runtime.endpoints import Endpoint
@@ -161,17 +161,6 @@ _BATCHING = (
 KV_ROLES = ("any", "prefill", "decode")
 
 
-def handoff_seconds(text: str) -> float:
-    """``--handoff-window``: seconds >= 0 (0: a drain keeps no session for export)."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected seconds, got {text!r}") from None
-    if not math.isfinite(value) or value < 0:
-        raise argparse.ArgumentTypeError(f"expected seconds >= 0, got {text!r}")
-    return value
-
-
 _HANDOFF = (
     Flag(
         "--kv-role",
@@ -181,7 +170,7 @@ _HANDOFF = (
     ),
     Flag(
         "--handoff-window",
-        handoff_seconds,
+        seconds_or_zero,
         "when shutting down: seconds the node keeps its sessions for a KV hand-off to "
         "another replica, after its requests in flight (within --shutdown-timeout; 0: none)",
     ),

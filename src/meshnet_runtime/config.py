@@ -131,14 +131,22 @@ def positive_seconds(text: str) -> float:
     return value
 
 
-def millis(text: str) -> float:
+def _at_least_zero(text: str, unit: str) -> float:
     try:
         value = float(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected milliseconds, got {text!r}") from None
+        raise argparse.ArgumentTypeError(f"expected {unit}, got {text!r}") from None
     if not math.isfinite(value) or value < 0:
-        raise argparse.ArgumentTypeError(f"expected milliseconds >= 0, got {text!r}")
+        raise argparse.ArgumentTypeError(f"expected {unit} >= 0, got {text!r}")
     return value
+
+
+def millis(text: str) -> float:
+    return _at_least_zero(text, "milliseconds")
+
+
+def seconds_or_zero(text: str) -> float:
+    return _at_least_zero(text, "seconds")
 
 
 def _endpoint(text: str) -> Endpoint:
