@@ -49,7 +49,9 @@ def _greedy(logits: np.ndarray) -> np.ndarray:
 
 async def _measure(checkpoint: str, prompt: np.ndarray, steps: int, chunk: int) -> dict[str, float]:
     async with AsyncExitStack() as stack:
-        model = ["--model", checkpoint]
+        # What this section measures is a replay: the replica that goes keeps
+        # no session for a KV hand-off (that would move it without one).
+        model = ["--model", checkpoint, "--handoff-window", "0"]
         replicas = [
             await stack.enter_async_context(
                 serve_node(NodeConfig.load([*QUIET, *model, "--layers", "2:4"], {}))
