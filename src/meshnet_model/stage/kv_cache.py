@@ -55,18 +55,22 @@ class KVBudget:
         head, wire-2 §3.11), reclaiming retained caches first; or
         ``KVBudgetExceeded``. Given back with ``release``."""
         with self.lock:
+            self._take_or_reclaim(nbytes, "a KV import needs")
+
+    def _take_or_reclaim(self, nbytes: int, what: str) -> None:  # caller holds the lock
+        """Take ``nbytes``, freeing retained caches first when they do not fit."""
+        if self._take(nbytes):
+            return
+        if self.reclaim is not None:
+            self.reclaim(nbytes)
             if self._take(nbytes):
                 return
-            if self.reclaim is not None:
-                self.reclaim(nbytes)
-                if self._take(nbytes):
-                    return
-            raise KVBudgetExceeded(
-                f"a KV import needs {nbytes} bytes; {self._in_use} of {self.limit} are in use",
-                needed=nbytes,
-                in_use=self._in_use,
-                limit=self.limit,
-            )
+        raise KVBudgetExceeded(
+            f"{what} {nbytes} more bytes; {self._in_use} of {self.limit} are in use",
+            needed=nbytes,
+            in_use=self._in_use,
+            limit=self.limit,
+        )
 
     def release(self, nbytes: int) -> None:
         with self.lock:
@@ -129,19 +133,7 @@ class KVCache:
                     break
             else:
                 capacity = needed
-                if self.budget.reclaim is not None:
-                    self.budget.reclaim((needed - self.capacity) * per)
-                if self.budget.reclaim is None or not self.budget._take(
-                    (needed - self.capacity) * per
-                ):
-                    extra = (needed - self.capacity) * per
-                    raise KVBudgetExceeded(
-                        f"the KV cache needs {extra} more bytes; {self.budget.in_use} of "
-                        f"{self.budget.limit} are in use",
-                        needed=extra,
-                        in_use=self.budget.in_use,
-                        limit=self.budget.limit,
-                    )
+                self.budget._take_or_reclaim((needed - self.capacity) * per, "the KV cache needs")
             # Counted under the lock, so a close() racing with us gives back
             # exactly what was taken.
             self.capacity = capacity
