@@ -22,7 +22,12 @@ Which work a step takes (``plan_step``, pure):
    first one did. Beside decode steps — queued, or decoding at another stage
    — prefill gets at most as many rows as they have (at least
    ``MIN_PREFILL_ROWS``), so a long prompt arriving at most doubles the
-   running streams' step; alone, prefill gets the whole budget.
+   running streams' step; alone, prefill gets the whole budget. A chunk
+   that cannot be split (a float stage's) is taken whole: alone, or beside
+   decode steps once the steps that passed it over have credited it the
+   rows it would have had in pieces (``credit_passed_over``) — so it waits
+   a bounded number of steps, then stalls the streams for one step, the
+   price of a stage that cannot split it.
 3. At least one piece of work per step, so nothing starves.
 
 Micro-batches: with S stages in a chain, a stage that takes every ready
@@ -65,8 +70,10 @@ __all__ = [
     "MIN_PREFILL_ROWS",
     "StageScheduler",
     "Work",
+    "credit_passed_over",
     "micro_batches_for",
     "plan_step",
+    "prefill_share",
 ]
 
 # Rows of one step: a few chunks of prefill, or that many decode steps.
@@ -96,6 +103,10 @@ class Work:
     error: BaseException | None = None
     finished: bool = False
     queued: bool = True  # in the scheduler's queue, its rows counted there
+    # A chunk that cannot be split: the prefill rows the steps that passed it
+    # over would have given it (credit_passed_over); taken whole once they
+    # add up to it, so it waits a bounded number of steps beside decoders.
+    credit: int = 0
 
     @property
     def batch(self) -> int:
@@ -152,19 +163,44 @@ def plan_step(
     # have (never fewer than MIN_PREFILL_ROWS: a prompt always progresses).
     # Sessions decoding but not queued this instant (their group is at another
     # stage) count too: a step must not take a whole chunk just before they land.
-    beside = max(rows, decoding)
-    share = budget - rows if not beside else max(MIN_PREFILL_ROWS, min(budget - rows, beside))
+    share = prefill_share(budget, rows, decoding)
     for work in queue:
         if work.decode:
             continue
         tokens = min(work.remaining, share // work.batch) if share > 0 else 0
         if not split and tokens < work.remaining:
-            tokens = work.remaining if not taken else 0
+            owed = work.credit + share >= work.remaining * work.batch
+            tokens = work.remaining if not taken or owed else 0
         if tokens == 0 and taken:
             break
         taken.append((work, _aligned(work, tokens, align)))
         share -= taken[-1][1] * work.batch
     return taken
+
+
+def prefill_share(budget: int, decode_rows: int, decoding: int = 0) -> int:
+    """The prefill rows a step may take beside ``decode_rows`` of decode steps."""
+    beside = max(decode_rows, decoding)
+    if not beside:
+        return budget - decode_rows
+    return max(MIN_PREFILL_ROWS, min(budget - decode_rows, beside))
+
+
+def credit_passed_over(
+    queue: Sequence[Work], plan: Sequence[tuple[Work, int]], *, budget: int, decoding: int = 0
+) -> None:
+    """After planning a step that left the oldest prompt chunk waiting (one
+    that cannot be split, beside decode steps): credit it the prefill share
+    it would have had in pieces. Without this a prompt on such a stage runs
+    only in the gaps between decoders' steps, which steady streams close: its
+    wait was unbounded. With it, it waits at most
+    ``ceil(rows / MIN_PREFILL_ROWS)`` steps, and then stalls one step."""
+    taken = {id(work) for work, _ in plan}
+    waiting = next((w for w in queue if not w.decode and id(w) not in taken), None)
+    if waiting is None or any(not w.decode for w, _ in plan):
+        return
+    decode_rows = sum(work.batch for work, _ in plan)
+    waiting.credit += prefill_share(budget, decode_rows, decoding)
 
 
 def _aligned(work: Work, tokens: int, align: int) -> int:
@@ -272,6 +308,9 @@ class StageScheduler:
             plan = plan_step(self.queue, budget=self.max_batch_tokens, decode_cap=cap,
                              decoding=expected,
                              split=self.split)  # fmt: skip
+            if not self.split:
+                credit_passed_over(self.queue, plan, budget=self.max_batch_tokens,
+                                   decoding=expected)  # fmt: skip
             started = time.perf_counter()
             # A worker thread cannot be interrupted: the step is seen through to
             # its accounting even if this task's request is cancelled meanwhile.

@@ -18,7 +18,13 @@ from meshnet_model.stage.runner import SessionLife
 from meshnet_model.testing import small_config, write_checkpoint
 from meshnet_node.backends import StageContext
 from meshnet_node.model_stage import ModelStage
-from meshnet_node.scheduler import MIN_PREFILL_ROWS, Work, micro_batches_for, plan_step
+from meshnet_node.scheduler import (
+    MIN_PREFILL_ROWS,
+    Work,
+    credit_passed_over,
+    micro_batches_for,
+    plan_step,
+)
 from meshnet_proto import CapacityError
 from support.gguf import build_model, write_model_gguf
 
@@ -85,6 +91,35 @@ def test_pieces_end_on_aligned_positions() -> None:
 def test_the_rest_of_a_split_chunk_is_taken_next() -> None:
     w = work(300, done=256)
     assert plan_step([w], budget=256) == [(w, 44)]
+
+
+def test_an_unsplittable_chunk_beside_steady_decoders_waits_a_bounded_number_of_steps() -> None:
+    # A float stage: a chunk is taken whole or not at all. Two streams are
+    # queued at every step (they never leave a gap); the 128-token chunk is
+    # credited MIN_PREFILL_ROWS per step it is passed over and goes, whole,
+    # beside them once that adds up to its rows.
+    prefill = work(128, name="p")
+    taken_at = None
+    for step in range(1, 100):
+        decodes = [work(1, name=f"d{i}") for i in range(2)]
+        queue = [*decodes, prefill]
+        plan = plan_step(queue, budget=256, split=False)
+        if prefill in [w for w, _ in plan]:
+            taken_at = step
+            break
+        assert plan == [(d, 1) for d in decodes]  # passed over, the streams run
+        credit_passed_over(queue, plan, budget=256)
+    assert taken_at == 128 // MIN_PREFILL_ROWS  # in pieces, the 16th piece would end it too
+    assert plan[-1] == (prefill, 128)  # whole: its bits are those of a run alone
+
+
+def test_credit_goes_to_the_oldest_waiting_chunk_and_not_when_prefill_ran() -> None:
+    decode, older, newer = work(1, name="d"), work(64, name="a"), work(64, name="b")
+    credit_passed_over([decode, older, newer], [(decode, 1)], budget=256)
+    assert (older.credit, newer.credit) == (MIN_PREFILL_ROWS, 0)
+    credit_passed_over([decode, older, newer], [(decode, 1), (older, 64)], budget=256)
+    assert (older.credit, newer.credit) == (MIN_PREFILL_ROWS, 0)  # a prompt ran: no debt
+    credit_passed_over([decode], [(decode, 1)], budget=256)  # nothing waits: nothing owed
 
 
 def test_the_micro_batch_cap_bounds_decode_steps_only() -> None:
