@@ -15,11 +15,14 @@ import socket
 import subprocess
 import sys
 import threading
+import urllib.request
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import pytest
 
 from meshnet_conformance import ALL_CASES, check_server
+from meshnet_model.testing import small_config, write_checkpoint
 from support.gateway import clean_env, spawn, stop
 
 pytestmark = pytest.mark.slow
@@ -65,6 +68,24 @@ def test_the_node_passes_every_node_case() -> None:
     for case in ("2.dtype-case", "2.zstd-bomb", "2.order.sequencing-before-body", "3.replay",
                  "3.conflict", "3.runs", "3.wait-deadline", "4.deadline-spent"):  # fmt: skip
         assert outcomes[case] == "pass"
+
+
+def test_a_model_stage_passes_the_kv_cases_with_a_real_export(tmp_path: Path) -> None:
+    # A middle stage of a 3-layer model of hidden size 4 takes and gives
+    # [1, tokens, 4] float32, as the checker's stage must: its KV is real, so
+    # 3.kv.export checks a 200 KV message (rank 6, position, checksum) and
+    # 3.kv.registration the node's handoff object, not the stub's refusals.
+    config = small_config(hidden_size=4, intermediate_size=8, num_hidden_layers=3,
+                          num_attention_heads=1, num_key_value_heads=1, head_dim=4)  # fmt: skip
+    model = write_checkpoint(tmp_path / "m", config, seed=3)
+    with node("--model", str(model), "--layers", "1:2") as url:
+        info = json.loads(urllib.request.urlopen(f"{url}/info", timeout=30).read())
+        assert info["handoff"]["role"] == "any"  # a stage with KV: the real paths
+        status, document, stderr = conformance(url, "--only", "3.kv")
+    failed = {case["id"]: case["detail"] for case in document["cases"] if case["result"] == "fail"}
+    assert status == 0, (failed, stderr)
+    passed = {key for key, value in results(document).items() if value == "pass"}
+    assert {"3.kv.export", "3.kv.registration", "3.kv.checksum-on-a-chunk"} <= passed
 
 
 def test_the_gateway_passes_every_gateway_case_with_access_control() -> None:
