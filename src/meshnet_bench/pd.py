@@ -3,8 +3,9 @@
 A random checkpoint of SmolLM-135M's shape, served whole by two node
 processes, each pinned to its own core (``sched_setaffinity``, what
 ``taskset`` does; ``--threads 1``) to stand in for two machines. This
-process runs the gateway's replica set over the two and drives it with the
-gateway's own generation code (``ChainSession``).
+process holds a replica set over the two (the gateway's entry hop, as
+``--entry a,b`` builds it) and drives it with the gateway's own generation
+code (``ChainSession``).
 
 The workload, the same in both modes: a few streams decode greedily (a short
 prompt, then token after token; a stream that reaches its length starts
@@ -39,11 +40,10 @@ import numpy as np
 
 from meshnet_bench._result import BenchOptions, SectionResult
 from meshnet_bench._support import QUIET, percentile, server_process
-from meshnet_gateway import open_gateway
-from meshnet_gateway.config import GatewayConfig
 from meshnet_gateway.openai.generation import ChainSession, ChainSettings
 from meshnet_model.testing import small_config, smollm_135m_config, write_checkpoint
 from meshnet_runtime.codec_pool import CodecPool
+from meshnet_runtime.endpoints import parse_endpoint
 from meshnet_runtime.replicas import ReplicaSet
 
 __all__ = ["run"]
@@ -133,11 +133,14 @@ async def _generate(
 async def _drive(urls: list[str], plan: _Workload, vocab: int) -> _Mode:
     mode = _Mode()
     codecs = CodecPool()
-    config = GatewayConfig.load([*QUIET, "--entry", ",".join(urls), "--health-interval", "0.5"])
+    # The gateway's entry hop over two replicas, as `meshnet_gateway --entry a,b`
+    # builds it (its probes read each replica's role: wire-2 §3.12).
+    pool = ReplicaSet([parse_endpoint(url) for url in urls], health_interval=0.5)
     async with AsyncExitStack() as stack:
-        gateway = await stack.enter_async_context(open_gateway(config))
-        pool = gateway.app.pool
-        assert isinstance(pool, ReplicaSet)
+        stack.push_async_callback(pool.aclose)
+        monitor = await stack.enter_async_context(anyio.create_task_group())
+        stack.callback(monitor.cancel_scope.cancel)
+        monitor.start_soon(pool.maintain)
         with anyio.fail_after(120):  # registration: identities and roles read
             while not all(r.identity_read for r in pool.replicas):
                 await anyio.sleep(0.05)
