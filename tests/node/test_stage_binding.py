@@ -158,9 +158,11 @@ async def test_a_wrong_stage_is_409_before_anything_changes(value: str) -> None:
 @pytest.mark.anyio
 async def test_stage_mismatch_comes_before_the_sequencing_checks() -> None:
     async with chain(layered(0, 7)) as (node,):
-        # Without the header this chunk is 409 session_unknown (§3.2 step 1).
+        # Without the header this chunk is 409 session_unknown (§3.2 step 1),
+        # once its wait for the session to start ends (a short deadline: the
+        # default wait is 10 s of nothing).
         late = {"X-Meshnet-Chunk-Index": "1", "X-Meshnet-Chunk-Total": "2",
-                "X-Meshnet-Position": "5"}  # fmt: skip
+                "X-Meshnet-Position": "5", "X-Meshnet-Deadline-Ms": "300"}  # fmt: skip
         status, _, body = await exchange(node.url, chunk(str(uuid.uuid4()), **late))
         assert (status, error_of(body)["code"]) == (409, "session_unknown")
         wrong = {**late, "X-Meshnet-Stage": f"{MODEL}/7"}
