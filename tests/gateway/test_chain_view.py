@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 
 import meshnet_gateway.chain_view as chain_view
+import meshnet_runtime.control as control
 from meshnet_gateway import Client, open_gateway
 from meshnet_gateway.config import GatewayConfig
 from meshnet_node import serve_node
@@ -143,6 +144,9 @@ async def test_a_silent_hop_costs_the_hop_timeout_not_a_hang(
     silent_url: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(chain_view, "HOP_TIMEOUT", 0.5)
+    # The gateway's start-up chain check (deep health through the entry)
+    # would wait its 10 s for the silent hop first; this test is the view's.
+    monkeypatch.setattr(control, "HEALTH_TIMEOUT", 0.5)
     async with gateway_over_node_to(silent_url) as url:
         document = await info(url)
     row = document["stages"][1]["replicas"][0]
