@@ -53,3 +53,11 @@ def test_replay_is_computed_not_passed() -> None:
     assert head.replay is False
     with pytest.raises(dataclasses.FrozenInstanceError):
         head.replay = True  # type: ignore[misc]
+
+
+def test_a_query_that_is_not_text_is_refused_by_either_activation_event() -> None:
+    with pytest.raises(TypeError, match="query must be a str"):
+        ActivationHead(headers=HEADERS, expects_continue=False, query=b"replay=1")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="query must be a str"):
+        ActivationReceived(headers=HEADERS, tensor=np.zeros((1, 2), np.float32), body_nbytes=8,
+                           query=None)  # type: ignore[arg-type]  # fmt: skip
