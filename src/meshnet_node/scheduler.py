@@ -195,9 +195,10 @@ def credit_passed_over(
     only in the gaps between decoders' steps, which steady streams close: its
     wait was unbounded. With it, it waits at most
     ``ceil(rows / MIN_PREFILL_ROWS)`` steps, and then stalls one step."""
-    taken = {id(work) for work, _ in plan}
-    waiting = next((w for w in queue if not w.decode and id(w) not in taken), None)
-    if waiting is None or any(not w.decode for w, _ in plan):
+    if any(not work.decode for work, _ in plan):
+        return  # a prompt ran this step: nothing was passed over
+    waiting = next((work for work in queue if not work.decode), None)
+    if waiting is None:
         return
     decode_rows = sum(work.batch for work, _ in plan)
     waiting.credit += prefill_share(budget, decode_rows, decoding)
