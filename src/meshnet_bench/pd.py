@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import os
 import tempfile
-import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AsyncExitStack, ExitStack
 from dataclasses import dataclass, field
@@ -38,9 +37,10 @@ from dataclasses import dataclass, field
 import anyio
 import numpy as np
 
+from meshnet_bench._greedy import greedy
 from meshnet_bench._result import BenchOptions, SectionResult
 from meshnet_bench._support import QUIET, percentile, server_process
-from meshnet_gateway.openai.generation import ChainSession, ChainSettings
+from meshnet_gateway.openai.generation import ChainSettings
 from meshnet_model.testing import small_config, smollm_135m_config, write_checkpoint
 from meshnet_runtime.codec_pool import CodecPool
 from meshnet_runtime.endpoints import parse_endpoint
@@ -105,31 +105,6 @@ def _ids(vocab: int, seed: Sequence[int], count: int) -> list[int]:
     return [int(t) for t in np.random.default_rng(list(seed)).integers(0, vocab, count)]
 
 
-async def _generate(
-    pool: ReplicaSet,
-    codecs: CodecPool,
-    ids: list[int],
-    answer: int,
-    timed: Callable[[float], None] | None = None,
-) -> tuple[float, list[int]]:
-    """A greedy generation: its TTFT and tokens; ``timed`` gets each decode step's time."""
-    chain = ChainSession(pool, codecs, SETTINGS)
-    try:
-        started = time.perf_counter()
-        logits = await chain.prefill(ids)
-        ttft = time.perf_counter() - started
-        tokens = [int(np.argmax(logits))]
-        for _ in range(answer - 1):
-            started = time.perf_counter()
-            logits = await chain.step(tokens[-1])
-            if timed is not None:
-                timed(time.perf_counter() - started)
-            tokens.append(int(np.argmax(logits)))
-        return ttft, tokens
-    finally:
-        await chain.close()
-
-
 async def _drive(urls: list[str], plan: _Workload, vocab: int) -> _Mode:
     mode = _Mode()
     codecs = CodecPool()
@@ -144,7 +119,7 @@ async def _drive(urls: list[str], plan: _Workload, vocab: int) -> _Mode:
         with anyio.fail_after(120):  # registration: identities and roles read
             while not all(r.identity_read for r in pool.replicas):
                 await anyio.sleep(0.05)
-        await _generate(pool, codecs, _ids(vocab, [9], 16), 3)  # warm-up
+        await greedy(pool, codecs, SETTINGS, _ids(vocab, [9], 16), 3)  # warm-up
         recording, done = anyio.Event(), anyio.Event()
         started_streams = [0]
 
@@ -158,7 +133,7 @@ async def _drive(urls: list[str], plan: _Workload, vocab: int) -> _Mode:
                     return
                 started_streams[0] += restart == 0
                 ids = _ids(vocab, [1, index, restart], plan.stream_prompt)
-                await _generate(pool, codecs, ids, plan.stream_steps, record)
+                await greedy(pool, codecs, SETTINGS, ids, plan.stream_steps, record)
 
         async def long_prompts() -> None:
             with anyio.fail_after(120):  # every stream decoding before the first arrives
@@ -168,17 +143,17 @@ async def _drive(urls: list[str], plan: _Workload, vocab: int) -> _Mode:
             recording.set()
             for k in range(plan.long_prompts):
                 ids = _ids(vocab, [2, k], plan.long_tokens)
-                ttft, tokens = await _generate(pool, codecs, ids, plan.long_answer, record)
-                mode.long_ttft.append(ttft)
-                mode.answers.append(tokens)
+                answered = await greedy(pool, codecs, SETTINGS, ids, plan.long_answer, record)
+                mode.long_ttft.append(answered.ttft)
+                mode.answers.append(answered.tokens)
             done.set()
 
         async with anyio.create_task_group() as tasks:
             for index in range(plan.streams):
                 tasks.start_soon(stream, index)
             tasks.start_soon(long_prompts)
-        _, probe = await _generate(pool, codecs, _ids(vocab, [3], 48), plan.probe_answer)
-        mode.answers.append(probe)
+        probe = await greedy(pool, codecs, SETTINGS, _ids(vocab, [3], 48), plan.probe_answer)
+        mode.answers.append(probe.tokens)
         mode.handoffs = pool.failover.handoffs.moved
         mode.replayed = pool.failover.replayed_chunks
     return mode

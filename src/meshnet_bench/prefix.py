@@ -22,7 +22,6 @@ logit difference (the other chunking's float32 rounding) is printed.
 from __future__ import annotations
 
 import tempfile
-import time
 from collections.abc import Callable
 from contextlib import AsyncExitStack
 from dataclasses import dataclass
@@ -30,8 +29,9 @@ from dataclasses import dataclass
 import anyio
 import numpy as np
 
+from meshnet_bench._greedy import greedy
 from meshnet_bench._result import BenchOptions, SectionResult
-from meshnet_gateway.openai.generation import ChainSession, ChainSettings
+from meshnet_gateway.openai.generation import ChainSettings
 from meshnet_gateway.openai.prefix_index import PrefixIndex
 from meshnet_model.testing import small_config, smollm_135m_config, write_checkpoint
 from meshnet_node.model_chain import even_splits, start_model_chain
@@ -81,24 +81,6 @@ class _Figures:
     other_users: float = 0.0
 
 
-async def _turn(pool: DownstreamPool, codecs: CodecPool, settings: ChainSettings,
-                ids: list[int], answer: int) -> tuple[float, np.ndarray, list[int]]:  # fmt: skip
-    """One generation: its TTFT (the prefill), the prefill's logits, the greedy tokens."""
-    chain = ChainSession(pool, codecs, settings)
-    try:
-        started = time.perf_counter()
-        logits = await chain.prefill(ids)
-        ttft = time.perf_counter() - started
-        first = logits
-        tokens = [int(np.argmax(logits))]
-        for _ in range(answer - 1):
-            logits = await chain.step(tokens[-1])
-            tokens.append(int(np.argmax(logits)))
-        return ttft, first, tokens
-    finally:
-        await chain.close()
-
-
 async def _measure(directory: str, plan: _Plan, vocab: int,
                    progress: Callable[[str], None]) -> _Figures:  # fmt: skip
     rng = np.random.default_rng(0)
@@ -112,21 +94,19 @@ async def _measure(directory: str, plan: _Plan, vocab: int,
         codecs = CodecPool()
         base = dict(chunk_tokens=128, inflight=1, encoding="identity", zstd_level=3, timeout=600.0)
         cold = ChainSettings(**base)  # type: ignore[arg-type]
-        await _turn(pool, codecs, cold, [1] * 40, 2)  # warm-up: weights touched, threads up
+        await greedy(pool, codecs, cold, [1] * 40, 2)  # warm-up: weights touched, threads up
         for repeat in range(plan.repeats):
             progress(f"prefix: second turn, repeat {repeat + 1}/{plan.repeats}")
             warm = ChainSettings(**base, prefix=PrefixIndex())  # type: ignore[arg-type]
             first = [int(t) for t in rng.integers(0, vocab, plan.first_turn)]
-            _, _, answer = await _turn(pool, codecs, warm, first, plan.answer)
+            answer = (await greedy(pool, codecs, warm, first, plan.answer)).tokens
             second = first + answer + [int(t) for t in rng.integers(0, vocab, plan.question)]
-            cold_ttft, cold_logits, cold_answer = await _turn(pool, codecs, cold, second,
-                                                              plan.answer)  # fmt: skip
-            warm_ttft, warm_logits, warm_answer = await _turn(pool, codecs, warm, second,
-                                                              plan.answer)  # fmt: skip
-            figures.cold = min(figures.cold, cold_ttft)
-            figures.warm = min(figures.warm, warm_ttft)
-            figures.equal &= cold_answer == warm_answer
-            diff = float(np.max(np.abs(cold_logits - warm_logits)))
+            cold_run = await greedy(pool, codecs, cold, second, plan.answer)
+            warm_run = await greedy(pool, codecs, warm, second, plan.answer)
+            figures.cold = min(figures.cold, cold_run.ttft)
+            figures.warm = min(figures.warm, warm_run.ttft)
+            figures.equal &= cold_run.tokens == warm_run.tokens
+            diff = float(np.max(np.abs(cold_run.first_logits - warm_run.first_logits)))
             figures.max_diff = max(figures.max_diff, diff)
         progress(f"prefix: a {plan.system}-token system prompt shared by {plan.users} users")
         shared = ChainSettings(**base, prefix=PrefixIndex())  # type: ignore[arg-type]
@@ -134,8 +114,7 @@ async def _measure(directory: str, plan: _Plan, vocab: int,
         times = []
         for _ in range(plan.users):
             question = [int(t) for t in rng.integers(0, vocab, plan.question)]
-            ttft, _, _ = await _turn(pool, codecs, shared, system + question, 1)
-            times.append(ttft)
+            times.append((await greedy(pool, codecs, shared, system + question, 1)).ttft)
         figures.first_user = times[0]
         figures.other_users = sum(times[1:]) / len(times[1:])
     return figures
