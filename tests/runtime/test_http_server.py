@@ -7,7 +7,9 @@ broken request never takes the server down.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import socket
 import ssl
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -332,3 +334,47 @@ async def test_a_small_answer_goes_out_in_one_send_a_large_one_uncopied() -> Non
     body = memoryview(bytes(COALESCE_BYTES))
     await _write(large, anyio.Lock(), [b"head", body], 5.0)
     assert large.sends == [b"head", bytes(body)]
+
+
+def _stalled_reader(url: str, request: bytes) -> socket.socket:
+    """A blocking client socket with a tiny receive buffer that sends
+    ``request`` whole and then reads nothing."""
+    host, port = url.removeprefix("http://").rsplit(":", 1)
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.connect((host, int(port)))
+    sock.sendall(request)
+    return sock
+
+
+def _read_to_eof(sock: socket.socket) -> int:
+    """Bytes read until the server closes (bounded by the socket's timeout)."""
+    sock.settimeout(30)
+    seen = 0
+    with contextlib.suppress(ConnectionResetError):
+        while data := sock.recv(1 << 20):
+            seen += len(data)
+    return seen
+
+
+@pytest.mark.anyio
+async def test_a_peer_that_stops_reading_loses_its_connection_after_the_write_timeout() -> None:
+    shape = (1, 4 * 1024 * 1024)  # a 16 MiB answer: far more than the socket buffers hold
+    async with running(write_timeout=0.5) as (server, url):
+        sock = await anyio.to_thread.run_sync(_stalled_reader, url, activation(shape=shape))
+        try:
+            # The server answers into the full buffers, gives up after the
+            # write timeout and closes, while other peers are served.
+            with anyio.fail_after(30):
+                while not server._connections:
+                    await anyio.sleep(0.01)
+                other = await connect(parse_endpoint(url))
+                await other.send(activation())
+                assert (await read_answer(other))[0] == 200
+                await other.aclose()
+                while len(server._connections) > 0:
+                    await anyio.sleep(0.05)
+            seen = await anyio.to_thread.run_sync(_read_to_eof, sock)
+            assert 0 < seen < 16 * 1024 * 1024  # part of the answer, then the close
+        finally:
+            sock.close()
