@@ -539,6 +539,9 @@ def post_ids(url: str, ids: list[int]) -> tuple[int, dict[str, str], bytes]:
 
 @pytest.mark.slow
 @pytest.mark.anyio
+# One loop (22 s a run): the admission it drives is loop-agnostic anyio code
+# whose every rule runs on both loops in the tests above.
+@pytest.mark.parametrize("anyio_backend", ["trio"])
 async def test_the_issues_burst_through_meshnet_run_with_its_defaults(tmp_path: Path) -> None:
     """Issue 19's acceptance, on the tiny model: ``meshnet run --stages 2``'s
     own code path and defaults; 16 concurrent 1,200-token prompts all
