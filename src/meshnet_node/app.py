@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from functools import partial
@@ -121,6 +121,8 @@ class NodeApp:
             "meshnet_stage_tokens", "Tokens the stage computed", registry=self.metrics.registry
         )
         self.tokens_computed = 0
+        # The loop's clock, as the connections hand it over (RequestContext.clock).
+        self._clock: Callable[[], float] = anyio.current_time
         self.downstream: Downstream | None = _downstream(config, self.metrics)
         # Sessions forgotten while a chunk of theirs was on its way down.
         self.in_flight = InFlight(self.downstream, self.table.__contains__)
@@ -169,14 +171,13 @@ class NodeApp:
             check_stage(self.stage_key, event.headers.stage)
         # A stage may refuse by shape and dtype alone (a model's stage).
         self.stage.check_head(event.headers.shape, event.headers.dtype, event.headers.position)
-        self.table.check_head(
-            event.headers, anyio.current_time(), replay=event.replay, client=ctx.peer
-        )
+        self.table.check_head(event.headers, ctx.started, replay=event.replay, client=ctx.peer)
 
     async def handle_activation(
         self, event: ActivationReceived, ctx: RequestContext
     ) -> ActivationReply | Reply:
         headers = event.headers
+        self._clock = ctx.clock
         if event.kv_import:
             return await self.handoff.import_(headers, event.tensor, ctx)
         # A replay (docs/failover.md): an upstream hop rebuilds this node's
@@ -246,7 +247,7 @@ class NodeApp:
             total=headers.chunk_total or 1,
             run=ticket.run,
             # The loop's clock is not the thread's: hand the stage a monotonic one.
-            deadline=time.monotonic() + deadline.remaining(),
+            deadline=time.monotonic() + (deadline.at - self._clock()),
             prefix=headers.prefix,
             prefix_blocks=headers.prefix_blocks,
         )
@@ -298,7 +299,7 @@ class NodeApp:
             # the headers, not two: section decode).
             reply = ActivationReply(headers.replace(**changes, **_REQUEST_ONLY), body)
             self.table.response_ready(
-                ticket, reply, anyio.current_time(), nbytes=memoryview(reply.body).nbytes
+                ticket, reply, self._clock(), nbytes=memoryview(reply.body).nbytes
             )
             return reply
         out = headers.replace(**changes)
@@ -308,7 +309,7 @@ class NodeApp:
             self.downstream.record_replayed(ticket.session, down, body)
             reply = ActivationReply(out.replace(**_REQUEST_ONLY), body)
             self.table.response_ready(
-                ticket, reply, anyio.current_time(), nbytes=memoryview(reply.body).nbytes
+                ticket, reply, self._clock(), nbytes=memoryview(reply.body).nbytes
             )
             return reply
         # What a reforward would need is the stage output: count it against the
@@ -317,10 +318,10 @@ class NodeApp:
         try:
             response = await self.downstream.forward(down, body, deadline)
         except BaseException:
-            self.table.forward_failed(ticket, anyio.current_time(), nbytes=kept)
+            self.table.forward_failed(ticket, self._clock(), nbytes=kept)
             raise
         if isinstance(response, ErrorResponse):
-            self.table.forward_failed(ticket, anyio.current_time(), nbytes=kept)
+            self.table.forward_failed(ticket, self._clock(), nbytes=kept)
             raise response.to_error(hop=self.downstream.url)
         # Relayed unchanged: the last node's headers and body as received —
         # less a stage header or a session key a careless downstream might
@@ -330,7 +331,7 @@ class NodeApp:
             relayed = relayed.replace(stage=None, session_key=None)
         reply = ActivationReply(relayed, response.body)
         self.table.response_ready(
-            ticket, reply, anyio.current_time(), nbytes=memoryview(reply.body).nbytes
+            ticket, reply, self._clock(), nbytes=memoryview(reply.body).nbytes
         )
         return reply
 

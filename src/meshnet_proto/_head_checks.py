@@ -11,7 +11,7 @@ against what its wire headers promise.
 from __future__ import annotations
 
 import hmac
-from collections.abc import Collection, Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping, Sequence
 
 import h11
 
@@ -61,12 +61,15 @@ def _head_too_large(limits: Limits) -> ProtocolError:
     )
 
 
-def check_head(request: h11.Request, limits: Limits) -> None:
-    """The head as a whole: within the header limit, and HTTP/1.x."""
+def check_head(
+    request: h11.Request, headers: Sequence[tuple[bytes, bytes]], limits: Limits
+) -> None:
+    """The head as a whole (``headers``: its header pairs, as h11 gives them):
+    within the header limit, and HTTP/1.x."""
     # The head's size as sent, less optional whitespace h11 stripped:
     # "METHOD SP target SP HTTP/x.y CRLF", "name: value CRLF" each, CRLF.
     size = len(request.method) + len(request.target) + 12
-    for name, value in request.headers:
+    for name, value in headers:
         size += len(name) + len(value) + 4
     if size + 2 > limits.max_header_bytes:
         raise _head_too_large(limits)
@@ -143,8 +146,13 @@ def check_framing(method: str, headers: Iterable[tuple[bytes, bytes]]) -> int | 
     # h11 has already refused a transfer coding other than chunked, two
     # Transfer-Encoding headers and conflicting Content-Lengths; what it
     # allows but wire 2 forbids is both at once (TE would silently win).
-    lengths = [value for name, value in headers if name == b"content-length"]
-    chunked = any(name == b"transfer-encoding" for name, _ in headers)
+    lengths: list[bytes] = []
+    chunked = False
+    for name, value in headers:  # one pass, no generator: every request comes here
+        if name == b"content-length":
+            lengths.append(value)
+        elif name == b"transfer-encoding":
+            chunked = True
     if lengths and chunked:
         raise ProtocolError(
             "Content-Length together with Transfer-Encoding",

@@ -18,7 +18,7 @@ from typing import Any, TypeAlias
 
 from ._dtypes import WELL_FORMED_TOKEN, WIRE_DTYPES, WIRE_ENCODINGS
 from ._errors import ProtocolError
-from ._integers import MAX_UINT_DIGITS, parse_canonical_uint
+from ._integers import CANONICAL_UINT, MAX_UINT_DIGITS, parse_canonical_uint
 from ._kv import H_KV_CHECKSUM, H_KV_FINGERPRINT, parse_kv
 from ._limits import Limits
 from ._prefix import H_PREFIX, H_PREFIX_BLOCKS, parse_prefix
@@ -109,6 +109,8 @@ def is_uint(value: object) -> bool:
 
 
 def _check_content_type(values: list[bytes]) -> None:
+    if len(values) == 1 and values[0] == OCTET_STREAM:
+        return  # what every peer of ours sends: no stripping, no name
     header = _name(CONTENT_TYPE)
     if not values:
         raise ProtocolError(
@@ -148,11 +150,11 @@ def _check_content_type(values: list[bytes]) -> None:
 
 
 def _parse_shape(value: bytes, *, max_rank: int) -> tuple[int, ...]:
-    header = _name(H_SHAPE)
     # Count before splitting: a 16 KiB value of commas must not become a
     # list of thousands of empty strings.
     rank = value.count(b",") + 1
     if rank > max_rank:
+        header = _name(H_SHAPE)
         raise ProtocolError(
             f"{header}: {rank} dimensions, at most {max_rank} allowed",
             code="bad_shape",
@@ -162,8 +164,9 @@ def _parse_shape(value: bytes, *, max_rank: int) -> tuple[int, ...]:
     dims: list[int] = []
     for part in value.split(b","):
         try:
-            dim = parse_canonical_uint(part, header=header)
+            dim = _uint(part, H_SHAPE)
         except ProtocolError:
+            header = _name(H_SHAPE)
             raise ProtocolError(
                 f"{header}: {_quote(value)} is not a comma-separated list of canonical "
                 "unsigned integers (e.g. 1,128,16384)",
@@ -172,6 +175,7 @@ def _parse_shape(value: bytes, *, max_rank: int) -> tuple[int, ...]:
                 header=header,
             ) from None
         if dim == 0:
+            header = _name(H_SHAPE)
             raise ProtocolError(
                 f"{header}: dimension {len(dims)} is 0; every dimension must be >= 1",
                 code="bad_shape",
@@ -185,8 +189,8 @@ def _parse_shape(value: bytes, *, max_rank: int) -> tuple[int, ...]:
 def _parse_token(
     value: bytes, *, header: bytes, supported: Iterable[str], what: str, bad: str, unsupported: str
 ) -> str:
-    name = _name(header)
     if WELL_FORMED_TOKEN.fullmatch(value) is None:
+        name = _name(header)
         raise ProtocolError(
             f"{name}: {_quote(value)} is not a valid {what} token (lowercase, "
             f"e.g. {', '.join(sorted(supported))})",
@@ -196,6 +200,7 @@ def _parse_token(
         )
     token = value.decode("ascii")
     if token not in supported:
+        name = _name(header)
         raise ProtocolError(
             f"{name}: {what} {token!r} is not supported (supported: "
             f"{', '.join(sorted(supported))})",
@@ -247,6 +252,15 @@ def _optional_uint(values: dict[bytes, bytes], header: bytes, *, required: bool)
         if required:
             raise _missing(header)
         return None
+    return _uint(raw, header)
+
+
+def _uint(raw: bytes, header: bytes) -> int:
+    """``parse_canonical_uint``, its error naming ``header``; a well-formed
+    value (every one a peer of ours sends) takes the short way, without
+    decoding the header's name (section decode: six of them a message)."""
+    if len(raw) <= MAX_UINT_DIGITS and CANONICAL_UINT.fullmatch(raw) is not None:
+        return int(raw)
     return parse_canonical_uint(raw, header=_name(header))
 
 
@@ -267,7 +281,9 @@ def collect(pairs: Iterable[tuple[bytes | str, bytes | str]]) -> dict[bytes, byt
     """The known wire headers' values, after the content type (415) and
     duplicates (400) are checked; every other header is ignored."""
     content_types: list[bytes] = []
-    found: dict[bytes, list[bytes]] = {}
+    found: dict[bytes, bytes] = {}
+    # How often each header given more than once was given (rare: an error).
+    repeated: dict[bytes, int] = {}
     for raw_name, raw_value in pairs:
         # h11 hands bytes over: skip the conversion calls then (a decode
         # step parses a dozen headers; section decode).
@@ -278,18 +294,22 @@ def collect(pairs: Iterable[tuple[bytes | str, bytes | str]]) -> dict[bytes, byt
         if name == CONTENT_TYPE:
             content_types.append(value)
         elif name in KNOWN_MESHNET_HEADERS:
-            found.setdefault(name, []).append(value)
+            if name in found:
+                repeated[name] = repeated.get(name, 1) + 1
+            else:
+                found[name] = value
         # Anything else, including unknown X-Meshnet-* headers, is ignored:
         # forward compatibility (wire-2 §2).
 
     _check_content_type(content_types)
 
     # Duplicates are checked over the known headers in a fixed order so the
-    # answer does not depend on the order the peer happened to send them in.
-    for header in sorted(found):
-        if len(found[header]) > 1:
-            raise duplicate(header, len(found[header]))
-    return {header: given[0] for header, given in found.items()}
+    # answer does not depend on the order the peer happened to send them in:
+    # the first in sorted order is named.
+    if repeated:
+        header = min(repeated)
+        raise duplicate(header, repeated[header])
+    return found
 
 
 def _wire_version(

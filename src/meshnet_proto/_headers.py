@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import operator
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -80,50 +80,13 @@ class WireHeaders:
     kv_fingerprint: str | None = None
 
     def __post_init__(self) -> None:
-        # Accept any sequence of integer-likes for convenience (numpy shapes
-        # hold Python ints already, but a list or np.int64 dims are common in
-        # hand-built headers), and store the canonical tuple of Python ints.
-        try:
-            shape = tuple(operator.index(dim) for dim in self.shape)
-        except TypeError:
-            raise ValueError(f"shape must be a sequence of ints, got {self.shape!r}") from None
-        if any(isinstance(dim, bool) for dim in self.shape):
-            raise ValueError(f"shape must be a sequence of ints, got {self.shape!r}")
-        object.__setattr__(self, "shape", shape)
-        if not 1 <= len(shape) <= MAX_RANK:
-            raise ValueError(f"shape must have 1 to {MAX_RANK} dimensions, got {shape!r}")
-        if not all(1 <= dim < UINT_CEILING for dim in shape):
-            raise ValueError(f"every dimension must be >= 1 (and < 10**19), got {shape!r}")
-        if self.dtype not in WIRE_DTYPES:
-            raise ValueError(f"dtype must be one of {sorted(WIRE_DTYPES)}, got {self.dtype!r}")
-        if self.encoding not in WIRE_ENCODINGS:
-            raise ValueError(
-                f"encoding must be one of {sorted(WIRE_ENCODINGS)}, got {self.encoding!r}"
-            )
-        if self.session is not None and (
-            not isinstance(self.session, str)
-            or not self.session.isascii()
-            or SESSION_RE.fullmatch(self.session.encode("ascii")) is None
-        ):
-            raise ValueError(
-                f"session must be a canonical lowercase 8-4-4-4-12 UUID, got {self.session!r}"
-            )
-        if self.stage is not None and (
-            not isinstance(self.stage, str)
-            or not self.stage.isascii()
-            or STAGE_RE.fullmatch(self.stage.encode("ascii")) is None
-        ):
-            raise ValueError(f"stage must be '<model-id>/<first layer>', got {self.stage!r}")
-        if self.session_key is not None and not is_session_key(self.session_key):
-            raise ValueError("session_key must be 32 lowercase hex digits")
-        if not valid_prefix_fields(self.prefix, self.prefix_blocks):
-            raise ValueError("prefix must be a block key or None, prefix_blocks a tuple of keys")
-        if not valid_kv_fields(self.kv_checksum, self.kv_fingerprint):
-            raise ValueError("kv_checksum must be 16 and kv_fingerprint 32 lowercase hex digits")
-        for field in ("chunk_index", "chunk_total", "position", "deadline_ms"):
-            value = getattr(self, field)
-            if value is not None and not is_uint(value):
-                raise ValueError(f"{field} must be an int in 0..10**19-1 or None, got {value!r}")
+        self._validate(_EVERY_CHECK)
+
+    def _validate(self, names: Iterable[str]) -> None:
+        """Check the fields ``names`` (each on its own) and the relations
+        between fields; a ``ValueError`` names the first that is wrong."""
+        for name in names:
+            _CHECKS[name](self)
         if self.chunk_total is not None and self.chunk_total < 1:
             raise ValueError(f"chunk_total must be >= 1, got {self.chunk_total}")
         if (
@@ -179,8 +142,20 @@ class WireHeaders:
         )
 
     def replace(self, **changes: Any) -> WireHeaders:
-        """A copy with ``changes`` applied, validated like a hand-built instance."""
-        return dataclasses.replace(self, **changes)
+        """A copy with ``changes`` applied, validated like a hand-built instance.
+
+        Only the changed fields are checked again (and the relations between
+        fields): the others were checked when this instance was built, and it
+        is immutable. A node derives its answer's headers from the request's
+        on every decode step (section decode)."""
+        unknown = changes.keys() - _NAMES
+        if unknown:
+            raise TypeError(f"WireHeaders has no field {sorted(unknown)[0]!r}")
+        new = object.__new__(WireHeaders)
+        for name in _NAMES:
+            object.__setattr__(new, name, changes[name] if name in changes else getattr(self, name))
+        new._validate(changes)
+        return new
 
     def to_pairs(self) -> list[tuple[bytes, bytes]]:
         """The header pairs to send, canonically formatted.
@@ -223,6 +198,100 @@ class WireHeaders:
 _FIELDS: tuple[tuple[str, Any], ...] = tuple(
     (field.name, field.default) for field in dataclasses.fields(WireHeaders)
 )
+_NAMES: frozenset[str] = frozenset(name for name, _ in _FIELDS)
+
+
+def _check_shape(h: WireHeaders) -> None:
+    # Accept any sequence of integer-likes for convenience (numpy shapes
+    # hold Python ints already, but a list or np.int64 dims are common in
+    # hand-built headers), and store the canonical tuple of Python ints.
+    try:
+        shape = tuple(operator.index(dim) for dim in h.shape)
+    except TypeError:
+        raise ValueError(f"shape must be a sequence of ints, got {h.shape!r}") from None
+    if any(isinstance(dim, bool) for dim in h.shape):
+        raise ValueError(f"shape must be a sequence of ints, got {h.shape!r}")
+    object.__setattr__(h, "shape", shape)
+    if not 1 <= len(shape) <= MAX_RANK:
+        raise ValueError(f"shape must have 1 to {MAX_RANK} dimensions, got {shape!r}")
+    if not all(1 <= dim < UINT_CEILING for dim in shape):
+        raise ValueError(f"every dimension must be >= 1 (and < 10**19), got {shape!r}")
+
+
+def _check_dtype(h: WireHeaders) -> None:
+    if h.dtype not in WIRE_DTYPES:
+        raise ValueError(f"dtype must be one of {sorted(WIRE_DTYPES)}, got {h.dtype!r}")
+
+
+def _check_encoding(h: WireHeaders) -> None:
+    if h.encoding not in WIRE_ENCODINGS:
+        raise ValueError(f"encoding must be one of {sorted(WIRE_ENCODINGS)}, got {h.encoding!r}")
+
+
+def _check_session(h: WireHeaders) -> None:
+    if h.session is not None and (
+        not isinstance(h.session, str)
+        or not h.session.isascii()
+        or SESSION_RE.fullmatch(h.session.encode("ascii")) is None
+    ):
+        raise ValueError(
+            f"session must be a canonical lowercase 8-4-4-4-12 UUID, got {h.session!r}"
+        )
+
+
+def _check_stage(h: WireHeaders) -> None:
+    if h.stage is not None and (
+        not isinstance(h.stage, str)
+        or not h.stage.isascii()
+        or STAGE_RE.fullmatch(h.stage.encode("ascii")) is None
+    ):
+        raise ValueError(f"stage must be '<model-id>/<first layer>', got {h.stage!r}")
+
+
+def _check_session_key(h: WireHeaders) -> None:
+    if h.session_key is not None and not is_session_key(h.session_key):
+        raise ValueError("session_key must be 32 lowercase hex digits")
+
+
+def _check_prefix(h: WireHeaders) -> None:
+    if not valid_prefix_fields(h.prefix, h.prefix_blocks):
+        raise ValueError("prefix must be a block key or None, prefix_blocks a tuple of keys")
+
+
+def _check_kv(h: WireHeaders) -> None:
+    if not valid_kv_fields(h.kv_checksum, h.kv_fingerprint):
+        raise ValueError("kv_checksum must be 16 and kv_fingerprint 32 lowercase hex digits")
+
+
+def _uint_check(field: str) -> Callable[[WireHeaders], None]:
+    def check(h: WireHeaders) -> None:
+        value = getattr(h, field)
+        if value is not None and not is_uint(value):
+            raise ValueError(f"{field} must be an int in 0..10**19-1 or None, got {value!r}")
+
+    return check
+
+
+# Each field's own check, in the order __post_init__ runs them (its errors
+# are what a hand-built instance has always raised first).
+_CHECKS: dict[str, Callable[[WireHeaders], None]] = {
+    "shape": _check_shape,
+    "dtype": _check_dtype,
+    "encoding": _check_encoding,
+    "session": _check_session,
+    "stage": _check_stage,
+    "session_key": _check_session_key,
+    "prefix": _check_prefix,
+    "prefix_blocks": _check_prefix,
+    "kv_checksum": _check_kv,
+    "kv_fingerprint": _check_kv,
+    **{
+        name: _uint_check(name)
+        for name in ("chunk_index", "chunk_total", "position", "deadline_ms")
+    },
+}
+# One name per check (the prefix and KV pairs are checked together).
+_EVERY_CHECK = tuple(n for n in _CHECKS if n not in ("prefix_blocks", "kv_fingerprint"))
 
 
 def parse_wire_headers(

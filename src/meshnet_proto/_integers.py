@@ -15,7 +15,7 @@ import re
 
 from ._errors import ProtocolError
 
-__all__ = ["parse_canonical_uint"]
+__all__ = ["CANONICAL_UINT", "MAX_UINT_DIGITS", "parse_canonical_uint"]
 
 # 19 digits always fit an unsigned 64-bit integer (10**19 - 1 < 2**64), which
 # is what any other implementation will parse these headers into.
@@ -23,7 +23,7 @@ MAX_UINT_DIGITS = 19
 
 # A bytes pattern: ``[0-9]`` then means the ten ASCII bytes and nothing else.
 # ``fullmatch`` (not ``$``, which also matches before a trailing newline).
-_CANONICAL_UINT = re.compile(rb"0|[1-9][0-9]*")
+CANONICAL_UINT = re.compile(rb"0|[1-9][0-9]*")
 
 # How much of a rejected value an error message quotes: enough to recognise
 # it, never enough to turn an error body into an amplifier.
@@ -45,7 +45,9 @@ def parse_canonical_uint(value: bytes | str, *, header: str) -> int:
     The length is checked before any conversion so a megabyte of digits
     costs nothing.
     """
-    if isinstance(value, str):
+    if type(value) is bytes:  # what h11 hands over: no conversion
+        raw = value
+    elif isinstance(value, str):
         # A non-ASCII character can never be part of a canonical integer;
         # encoding leniently keeps the length check meaningful and the error
         # message below uniform.
@@ -62,7 +64,7 @@ def parse_canonical_uint(value: bytes | str, *, header: str) -> int:
             status=400,
             header=header,
         )
-    if _CANONICAL_UINT.fullmatch(raw) is None:
+    if CANONICAL_UINT.fullmatch(raw) is None:
         raise ProtocolError(
             f"{header}: {_quote(raw)} is not a canonical unsigned integer "
             "(ASCII digits only, no sign, no space, no leading zero)",

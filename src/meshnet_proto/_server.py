@@ -209,11 +209,11 @@ class ServerConnection(H11Reader[_Handled], ServerAnswers):
 
     def _on_head(self, request: h11.Request) -> ActivationHead | None:
         self._answering_head = request.method == b"HEAD"
-        check_head(request, self._limits)
+        headers = tuple(request.headers)
+        check_head(request, headers, self._limits)
         # h11 has validated both as visible ASCII.
         method = request.method.decode("ascii")
         path, _, query = request.target.decode("ascii").partition("?")
-        headers = tuple(request.headers)
 
         # wire-2 §2 order: credentials, path/method, framing, wire headers.
         if needs_credentials(self._token, path, query):

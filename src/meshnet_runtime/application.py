@@ -13,6 +13,8 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+import anyio
+
 from meshnet_proto import ActivationHead, ActivationReceived, EndpointRequest, WireHeaders
 
 __all__ = [
@@ -87,6 +89,9 @@ class RequestContext:
     # came included): what an application set aside at the head and did not
     # hand on (the bytes a KV import's head holds, wire-2 §3.11).
     cleanups: list[Callable[[], None]] = field(default_factory=list)
+    # The loop's clock (what anyio.current_time() reads), looked up once per
+    # connection: the cheap way to read it on a request's path.
+    clock: Callable[[], float] = anyio.current_time
 
 
 class Application(Protocol):

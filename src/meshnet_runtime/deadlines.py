@@ -8,14 +8,17 @@ so the hop nearest a hang reports 504 before anyone upstream gives up.
 
 from __future__ import annotations
 
+import asyncio
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import anyio
+import trio
 
 from meshnet_proto import DownstreamError
 
-__all__ = ["DEFAULT_MARGIN", "Deadline", "deadline_exceeded"]
+__all__ = ["DEFAULT_MARGIN", "Deadline", "deadline_exceeded", "loop_clock"]
 
 # Per hop: enough for the downstream's 504 to travel back over loopback or a
 # LAN before we give up ourselves; small against the 60 s default budget.
@@ -60,6 +63,17 @@ class Deadline:
         the margin still lets the downstream try rather than fail at once.
         """
         return max(1, math.floor((self.remaining() - margin) * 1000))
+
+
+def loop_clock() -> Callable[[], float]:
+    """The running event loop's clock, what ``anyio.current_time()`` reads,
+    looked up once: ``anyio.current_time()`` finds the backend on every call
+    (~0.6 us against ~0.2 us here), and a request reads the clock several
+    times (section decode). Valid for the loop it was called in."""
+    try:
+        return asyncio.get_running_loop().time
+    except RuntimeError:  # not asyncio: anyio's other backend
+        return trio.current_time
 
 
 def deadline_exceeded() -> DownstreamError:

@@ -43,7 +43,15 @@ class WireEncoder:
         self, array: np.ndarray, request_encoding: str = "identity"
     ) -> tuple[str, str, bytes | memoryview]:
         auto = self.auto
-        policy = self.encoding if auto is None else auto.policy(array.nbytes)
+        if auto is None:  # a fixed policy: nothing to learn (a decode step's usual path)
+            return await self.codecs.encode(
+                array,
+                dtype_policy=self.dtype_policy,
+                encoding_policy=self.encoding,
+                request_encoding=request_encoding,
+                level=self.level,
+            )
+        policy = auto.policy(array.nbytes)
         work_s: list[float] = []
         dtype, encoding, body = await self.codecs.encode(
             array,
@@ -51,11 +59,10 @@ class WireEncoder:
             encoding_policy=policy,
             request_encoding=request_encoding,
             level=self.level,
-            timed=None if auto is None else work_s.append,
+            timed=work_s.append,
         )
-        if auto is not None:
-            wire = memoryview(body).nbytes
-            auto.observe_encoding(policy, array.nbytes, wire, encoding, sum(work_s))
+        wire = memoryview(body).nbytes
+        auto.observe_encoding(policy, array.nbytes, wire, encoding, sum(work_s))
         return dtype, encoding, body
 
     def describe(self) -> dict[str, Any] | None:

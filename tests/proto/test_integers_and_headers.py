@@ -345,6 +345,63 @@ def test_replace_validates() -> None:
         headers.replace(dtype="float64")
 
 
+# Values for replace(), valid and not: each field's own grammar, its
+# relations (index < total), and normalisation (a list shape, numpy ints).
+_REPLACEMENTS: dict[str, list[object]] = {
+    "shape": [(1, 4), [2, 3], (np.int64(5),), (), (0, 1), (True,), "1,2"],
+    "dtype": ["float32", "bfloat16", "float64", 7],
+    "encoding": ["identity", "zstd", "gzip"],
+    "session": [None, SESSION, SESSION.upper(), "x"],
+    "chunk_index": [None, 0, 1, 2, -1, True, np.int64(1)],
+    "chunk_total": [None, 1, 2, 0, 10**19],
+    "position": [None, 0, 9, -3, 1.5],
+    "deadline_ms": [None, 0, 250, "250"],
+    "stage": [None, "smollm2/0", "Bad/x"],
+    "session_key": [None, "0" * 32, "0" * 31],
+    "prefix": [None, "0" * 32, "zz"],
+    "prefix_blocks": [(), ("0" * 32,), ["0" * 32], ("x",)],
+    "kv_checksum": [None, "0" * 16, "0" * 15],
+    "kv_fingerprint": [None, "0" * 32, "0"],
+}
+
+
+def _outcome(build: object) -> object:
+    try:
+        return build()  # type: ignore[operator]
+    except (ValueError, TypeError) as exc:
+        return type(exc)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.dictionaries(
+        st.sampled_from(sorted(_REPLACEMENTS)), st.integers(min_value=0, max_value=6), max_size=5
+    )
+)
+def test_replace_is_building_anew(picks: dict[str, int]) -> None:
+    """replace() checks only what changed (the rest was checked when the
+    instance was built): it must still answer exactly as building the
+    changed instance from scratch does, value or error."""
+    base = WireHeaders(
+        shape=(1, 4), dtype="float32", session=SESSION, chunk_index=0, chunk_total=2, position=3
+    )
+    changes = {
+        name: _REPLACEMENTS[name][pick % len(_REPLACEMENTS[name])] for name, pick in picks.items()
+    }
+    fields = {f.name: getattr(base, f.name) for f in dataclasses.fields(WireHeaders)}
+    expected = _outcome(lambda: WireHeaders(**{**fields, **changes}))  # type: ignore[arg-type]
+    got = _outcome(lambda: base.replace(**changes))
+    assert got == expected
+    if isinstance(got, WireHeaders):
+        assert all(type(dim) is int for dim in got.shape)
+
+
+def test_replace_refuses_an_unknown_field() -> None:
+    headers = WireHeaders(shape=(1,), dtype="int32")
+    with pytest.raises(TypeError, match="no field 'colour'"):
+        headers.replace(colour="red")
+
+
 def test_headers_are_frozen_and_slotted() -> None:
     headers = WireHeaders(shape=(1,), dtype="int32")
     with pytest.raises(dataclasses.FrozenInstanceError):
