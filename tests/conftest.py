@@ -27,3 +27,18 @@ def taken_port() -> Iterator[int]:
         yield sock.getsockname()[1]
     finally:
         sock.close()
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Tests marked ``cuda`` run only where torch sees a CUDA device (the GPU
+    machine's ``.ci/gpu-check.sh``). Elsewhere they are deselected, and pytest
+    says how many: a CPU run has nothing to skip."""
+    cuda = [item for item in items if item.get_closest_marker("cuda") is not None]
+    if not cuda:
+        return
+    import torch  # only when a collected test needs it: torch is slow to import
+
+    if torch.cuda.is_available():
+        return
+    config.hook.pytest_deselected(items=cuda)
+    items[:] = [item for item in items if item.get_closest_marker("cuda") is None]

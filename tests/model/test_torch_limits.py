@@ -59,10 +59,15 @@ def test_both_engines_are_costed_for_their_aligned_query_blocks(checkpoint: Path
         tight.check_head((1, 512), "int32")
 
 
-@pytest.mark.parametrize("engine", ["numpy", "torch"])
+# Run where CUDA is (.ci/gpu-check.sh); deselected elsewhere (tests/conftest.py).
+CUDA = pytest.mark.cuda
+
+
+@pytest.mark.parametrize("engine", ["numpy", "torch", pytest.param("torch-cuda", marks=CUDA)])
 def test_costs_of_a_gguf_stage_use_its_config_head_dim(qwen3_gguf: Path, engine: str) -> None:
-    if engine == "torch":
-        runner = load_torch_runner(qwen3_gguf, dtype="float32")
+    if engine.startswith("torch"):
+        device = "cuda" if engine == "torch-cuda" else "cpu"
+        runner = load_torch_runner(qwen3_gguf, dtype="float32", device=device)
     else:
         runner = StageRunner.load(qwen3_gguf)
     c = runner.config

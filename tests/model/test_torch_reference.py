@@ -14,6 +14,10 @@ generated length, rope variants, biases, qk-norm, no-rope layers):
   ours do), the prompt in one chunk as ``generate`` sends it: the same
   greedy tokens over 32 steps and logits within ``HALF_TOLERANCE``
   (measured: bit-identical except smollm3 in float16, 1.1e-3).
+
+Each test also runs on CUDA where a GPU is (``.ci/gpu-check.sh``), against
+the same CPU references and within the same bounds; without CUDA that case
+is skipped, with its reason.
 """
 
 from __future__ import annotations
@@ -43,11 +47,15 @@ SPLITS = [[(0, LAYERS)], [(0, 1), (1, 2), (2, LAYERS)]]
 # Half precision: a few units in the last place of the logits' scale.
 HALF_TOLERANCE = 2e-2
 PROMPT = [(7 * i + 3) % VOCAB for i in range(11)]
+# Run where CUDA is (.ci/gpu-check.sh); deselected elsewhere (tests/conftest.py).
+CUDA = pytest.mark.cuda
+DEVICES = ["cpu", pytest.param("cuda", marks=CUDA)]
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
 def test_float32_equals_transformers_and_numpy_through_1_2_3_stages(
-    tmp_path: Path, variant: str
+    tmp_path: Path, variant: str, device: str
 ) -> None:
     model = build_model(variant)
     directory = save(model, tmp_path / variant, classic=False)
@@ -56,7 +64,7 @@ def test_float32_equals_transformers_and_numpy_through_1_2_3_stages(
     numpy_ids, numpy_logits = chain_generate(directory, [(0, LAYERS)], PROMPT, STEPS)
     first_logits = None
     for splits in SPLITS:
-        ids, logits = greedy(torch_runners(directory, splits), PROMPT, STEPS)
+        ids, logits = greedy(torch_runners(directory, splits, device=device), PROMPT, STEPS)
         assert ids == want_ids == numpy_ids, f"{len(splits)} stage(s)"
         assert logit_error(logits, want_logits) <= LOGIT_TOLERANCE
         assert logit_error(logits, numpy_logits) <= LOGIT_TOLERANCE
@@ -84,12 +92,13 @@ def _transformers_in(directory: Path, dtype: str) -> tuple[list[int], np.ndarray
                                          "smollm3")]
     + [("llama-tied-bias", "float16"), ("smollm3", "float16")],
 )  # fmt: skip
+@pytest.mark.parametrize("device", DEVICES)
 def test_half_precision_equals_transformers_in_the_same_dtype(
-    tmp_path: Path, variant: str, dtype: str
+    tmp_path: Path, variant: str, dtype: str, device: str
 ) -> None:
     directory = save(build_model(variant), tmp_path / variant, classic=False)
     want_ids, want_logits = _transformers_in(directory, dtype)
-    runners = torch_runners(directory, [(0, 1), (1, LAYERS)], dtype)
+    runners = torch_runners(directory, [(0, 1), (1, LAYERS)], dtype, device=device)
     ids, logits = greedy(runners, PROMPT, STEPS, chunk=len(PROMPT))
     diverged = next((i for i, (a, b) in enumerate(zip(ids, want_ids, strict=True)) if a != b), None)
     steps = len(ids) if diverged is None else diverged + 1

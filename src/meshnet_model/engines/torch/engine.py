@@ -40,6 +40,7 @@ from .kv_cache import TorchKVCache
 from .layers import (
     RopeTable,
     attend,
+    avoid_planned_attention,
     fused_rms_norm,
     mlp,
     product,
@@ -77,6 +78,7 @@ class TorchStageModel:
         self.layers = weights.layers
         self.first, self.last = weights.first, weights.last
         self.device = torch.device(device)
+        avoid_planned_attention(torch, self.device)
         # transformers' order of operations, except in a quantized stage.
         self.norm: Any = rms_norm
         if held is not None:

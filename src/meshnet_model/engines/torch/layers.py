@@ -32,6 +32,7 @@ from .qlinear import Int4Matrix, linear
 __all__ = [
     "RopeTable",
     "attend",
+    "avoid_planned_attention",
     "fused_rms_norm",
     "mlp",
     "product",
@@ -208,9 +209,28 @@ def attend(
             attn_mask=mask,
             scale=1.0 / math.sqrt(d),
         )
-        outs.append(out.view(b, heads, rows, d))
+        # reshape, not view: CUDA's memory-efficient kernel returns its output
+        # as a transposed view of [b, groups * rows, kv_heads, d], which no
+        # view regroups into heads (a copy then; on the CPU it is contiguous).
+        outs.append(out.reshape(b, heads, rows, d))
     out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
     return out.transpose(1, 2).reshape(b * t, heads * d)
+
+
+def avoid_planned_attention(torch: Any, device: Any) -> None:
+    """On CUDA, take cuDNN out of ``scaled_dot_product_attention``'s choices.
+
+    torch (2.11 on an H200) picks cuDNN's attention for bfloat16 and float16,
+    and cuDNN builds an execution plan for each key length it has not seen:
+    every decode step of a longer context than the process has served, and
+    every prefill chunk at a new position, pays for one (two bfloat16 stages of
+    SmolLM2-135M's shape: 82 ms a decode step against 23 ms, 273 ms a 5-token
+    chunk against 32 ms; .ci/gpu-check.sh). Flash and memory-efficient
+    attention take any length at once, and as fast as a planned cuDNN call.
+    torch keeps the choice per process; every stage of a process wants it,
+    and the CPU has no such kernels, so a CPU stage leaves it alone."""
+    if device.type == "cuda":
+        torch.backends.cuda.enable_cudnn_sdp(False)
 
 
 def _add(x: Any, bias: Any) -> Any:
