@@ -148,6 +148,8 @@ class WireHeaders:
         fields): the others were checked when this instance was built, and it
         is immutable. A node derives its answer's headers from the request's
         on every decode step (section decode)."""
+        if type(self) is not WireHeaders:  # a subclass's own fields: the general way
+            return dataclasses.replace(self, **changes)
         unknown = changes.keys() - _NAMES
         if unknown:
             raise TypeError(f"WireHeaders has no field {sorted(unknown)[0]!r}")

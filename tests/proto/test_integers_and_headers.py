@@ -396,6 +396,17 @@ def test_replace_is_building_anew(picks: dict[str, int]) -> None:
         assert all(type(dim) is int for dim in got.shape)
 
 
+def test_replace_keeps_a_subclass_and_its_own_fields() -> None:
+    @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+    class Tagged(WireHeaders):
+        tag: str = "a"
+
+    tagged = Tagged(shape=(1, 2), dtype="float32", tag="b").replace(position=4)
+    assert type(tagged) is Tagged and (tagged.tag, tagged.position) == ("b", 4)
+    with pytest.raises(ValueError):
+        tagged.replace(dtype="float64")
+
+
 def test_replace_refuses_an_unknown_field() -> None:
     headers = WireHeaders(shape=(1,), dtype="int32")
     with pytest.raises(TypeError, match="no field 'colour'"):
