@@ -14,7 +14,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import anyio
-import trio
 
 from meshnet_proto import DownstreamError
 
@@ -72,7 +71,9 @@ def loop_clock() -> Callable[[], float]:
     times (section decode). Valid for the loop it was called in."""
     try:
         return asyncio.get_running_loop().time
-    except RuntimeError:  # not asyncio: anyio's other backend
+    except RuntimeError:  # not asyncio: anyio's other backend, trio (imported already)
+        import trio
+
         return trio.current_time
 
 
