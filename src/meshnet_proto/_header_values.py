@@ -18,7 +18,7 @@ from typing import Any, TypeAlias
 
 from ._dtypes import WELL_FORMED_TOKEN, WIRE_DTYPES, WIRE_ENCODINGS
 from ._errors import ProtocolError
-from ._integers import CANONICAL_UINT, MAX_UINT_DIGITS, parse_canonical_uint
+from ._integers import MAX_UINT_DIGITS, parse_canonical_uint
 from ._kv import H_KV_CHECKSUM, H_KV_FINGERPRINT, parse_kv
 from ._limits import Limits
 from ._prefix import H_PREFIX, H_PREFIX_BLOCKS, parse_prefix
@@ -164,7 +164,7 @@ def _parse_shape(value: bytes, *, max_rank: int) -> tuple[int, ...]:
     dims: list[int] = []
     for part in value.split(b","):
         try:
-            dim = _uint(part, H_SHAPE)
+            dim = parse_canonical_uint(part, header=H_SHAPE)
         except ProtocolError:
             header = _name(H_SHAPE)
             raise ProtocolError(
@@ -252,16 +252,7 @@ def _optional_uint(values: dict[bytes, bytes], header: bytes, *, required: bool)
         if required:
             raise _missing(header)
         return None
-    return _uint(raw, header)
-
-
-def _uint(raw: bytes, header: bytes) -> int:
-    """``parse_canonical_uint``, its error naming ``header``; a well-formed
-    value (every one a peer of ours sends) takes the short way, without
-    decoding the header's name (section decode: six of them a message)."""
-    if len(raw) <= MAX_UINT_DIGITS and CANONICAL_UINT.fullmatch(raw) is not None:
-        return int(raw)
-    return parse_canonical_uint(raw, header=_name(header))
+    return parse_canonical_uint(raw, header=header)
 
 
 def _bad_chunk(header: bytes, message: str) -> ProtocolError:
