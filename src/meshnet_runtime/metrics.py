@@ -65,7 +65,6 @@ class ServerMetrics:
     def __init__(self, role: str) -> None:
         self.role = role
         self._children: dict[tuple[int, tuple[str, ...]], Any] = {}
-        self._request_children: dict[tuple[str, int], Any] = {}
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
         self.requests = Counter(
@@ -113,15 +112,7 @@ class ServerMetrics:
         return child
 
     def observe_request(self, path: str, status: int) -> None:
-        # Remembered by (path, status) as given: the label and the child are
-        # looked up once (bounded: endpoint_label bounds the series, and a
-        # path outside the known ones is not kept here).
-        child = self._request_children.get((path, status))
-        if child is None:
-            child = self.labelled(self.requests, endpoint_label(path), str(status))
-            if path in _KNOWN:
-                self._request_children[(path, status)] = child
-        child.inc()
+        self.labelled(self.requests, endpoint_label(path), str(status)).inc()
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -43,15 +43,7 @@ class WireEncoder:
         self, array: np.ndarray, request_encoding: str = "identity"
     ) -> tuple[str, str, bytes | memoryview]:
         auto = self.auto
-        if auto is None:  # a fixed policy: nothing to learn (a decode step's usual path)
-            return await self.codecs.encode(
-                array,
-                dtype_policy=self.dtype_policy,
-                encoding_policy=self.encoding,
-                request_encoding=request_encoding,
-                level=self.level,
-            )
-        policy = auto.policy(array.nbytes)
+        policy = self.encoding if auto is None else auto.policy(array.nbytes)
         work_s: list[float] = []
         dtype, encoding, body = await self.codecs.encode(
             array,
@@ -59,10 +51,11 @@ class WireEncoder:
             encoding_policy=policy,
             request_encoding=request_encoding,
             level=self.level,
-            timed=work_s.append,
+            timed=None if auto is None else work_s.append,
         )
-        wire = memoryview(body).nbytes
-        auto.observe_encoding(policy, array.nbytes, wire, encoding, sum(work_s))
+        if auto is not None:
+            wire = memoryview(body).nbytes
+            auto.observe_encoding(policy, array.nbytes, wire, encoding, sum(work_s))
         return dtype, encoding, body
 
     def describe(self) -> dict[str, Any] | None:
