@@ -30,13 +30,10 @@ from meshnet_node.__main__ import main as node_main
 from meshnet_node.config import NodeConfig
 from support.gateway import clean_env
 from support.reference import logit_error
-from support.torch import greedy
+from support.torch import CUDA, DEVICES, greedy
 
 VOCAB, LAYERS = 256, 4
 PROMPT = [(11 * i + 5) % VOCAB for i in range(13)]
-# Run where CUDA is (.ci/gpu-check.sh); deselected elsewhere (tests/conftest.py).
-CUDA = pytest.mark.cuda
-DEVICES = ["cpu", pytest.param("cuda", marks=CUDA)]
 
 
 @pytest.fixture(scope="module")

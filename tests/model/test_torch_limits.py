@@ -21,6 +21,7 @@ from meshnet_model.errors import ChunkTooLarge
 from meshnet_model.stage.costs import QUERY_BLOCK, chunk_cost
 from meshnet_model.testing import small_config, write_checkpoint
 from support.gguf import build_model, write_model_gguf
+from support.torch import CUDA
 
 
 @pytest.fixture(scope="module")
@@ -57,10 +58,6 @@ def test_both_engines_are_costed_for_their_aligned_query_blocks(checkpoint: Path
     tight = load_torch_runner(checkpoint, dtype="float32", max_compute_bytes=blocked.total - 1)
     with pytest.raises(ChunkTooLarge, match="--max-compute-bytes"):
         tight.check_head((1, 512), "int32")
-
-
-# Run where CUDA is (.ci/gpu-check.sh); deselected elsewhere (tests/conftest.py).
-CUDA = pytest.mark.cuda
 
 
 @pytest.mark.parametrize("engine", ["numpy", "torch", pytest.param("torch-cuda", marks=CUDA)])

@@ -40,16 +40,13 @@ from support.reference import (
     reference_generate,
     save,
 )
-from support.torch import greedy, torch_runners
+from support.torch import DEVICES, greedy, torch_runners
 
 STEPS = 32
 SPLITS = [[(0, LAYERS)], [(0, 1), (1, 2), (2, LAYERS)]]
 # Half precision: a few units in the last place of the logits' scale.
 HALF_TOLERANCE = 2e-2
 PROMPT = [(7 * i + 3) % VOCAB for i in range(11)]
-# Run where CUDA is (.ci/gpu-check.sh); deselected elsewhere (tests/conftest.py).
-CUDA = pytest.mark.cuda
-DEVICES = ["cpu", pytest.param("cuda", marks=CUDA)]
 
 
 @pytest.mark.parametrize("device", DEVICES)

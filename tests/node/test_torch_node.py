@@ -23,14 +23,11 @@ from meshnet_model.stage.runner import StageWork
 from meshnet_model.testing import small_config, write_checkpoint
 from meshnet_node.model_chain import ChainError, ModelSession, start_model_chain
 from meshnet_runtime.downstream import DownstreamPool
-from support.torch import greedy
+from support.torch import DEVICES, greedy
 
 pytestmark = pytest.mark.anyio
 
 PROMPT = [(5 * i + 2) % 256 for i in range(14)]
-# Run where CUDA is (.ci/gpu-check.sh); deselected elsewhere (tests/conftest.py).
-CUDA = pytest.mark.cuda
-DEVICES = ["cpu", pytest.param("cuda", marks=CUDA)]
 
 
 @pytest.fixture(scope="module")
