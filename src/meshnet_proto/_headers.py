@@ -147,16 +147,21 @@ class WireHeaders:
         Only the changed fields are checked again (and the relations between
         fields): the others were checked when this instance was built, and it
         is immutable. A node derives its answer's headers from the request's
-        on every decode step (section decode)."""
+        on every decode step (section decode), where usually nothing changes:
+        a change to the value a field already holds (same types throughout)
+        is no change, and with none this instance itself is the answer."""
         if type(self) is not WireHeaders:  # a subclass's own fields: the general way
             return dataclasses.replace(self, **changes)
         unknown = changes.keys() - _NAMES
         if unknown:
             raise TypeError(f"WireHeaders has no field {sorted(unknown)[0]!r}")
+        changed = [name for name, value in changes.items() if not _same(value, getattr(self, name))]
+        if not changed:
+            return self
         new = object.__new__(WireHeaders)
         for name in _NAMES:
-            object.__setattr__(new, name, changes[name] if name in changes else getattr(self, name))
-        new._validate(changes)
+            object.__setattr__(new, name, changes[name] if name in changed else getattr(self, name))
+        new._validate(changed)
         return new
 
     def to_pairs(self) -> list[tuple[bytes, bytes]]:
@@ -194,6 +199,18 @@ class WireHeaders:
         if self.kv_checksum is not None or self.kv_fingerprint is not None:
             pairs += kv_pairs(self.kv_checksum, self.kv_fingerprint)
         return pairs
+
+
+def _same(value: Any, current: Any) -> bool:
+    """``value`` is what the field holds already: equal, and of the same types
+    (``True`` is not ``1``, a list not a tuple, ``np.int64(5)`` not ``5``:
+    each of those is checked, and normalised or refused, as a change)."""
+    if value is current:
+        return True
+    kind = type(value)
+    if kind is not type(current) or value != current:
+        return False
+    return kind is not tuple or all(type(a) is type(b) for a, b in zip(value, current, strict=True))
 
 
 # (name, default) of every field, for WireHeaders._trusted: read once, not per parse.

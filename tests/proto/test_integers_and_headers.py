@@ -348,7 +348,7 @@ def test_replace_validates() -> None:
 # Values for replace(), valid and not: each field's own grammar, its
 # relations (index < total), and normalisation (a list shape, numpy ints).
 _REPLACEMENTS: dict[str, list[object]] = {
-    "shape": [(1, 4), [2, 3], (np.int64(5),), (), (0, 1), (True,), "1,2"],
+    "shape": [(1, 4), [2, 3], (np.int64(5),), (), (0, 1), (True,), "1,2", (np.int64(1), 4), [1, 4]],
     "dtype": ["float32", "bfloat16", "float64", 7],
     "encoding": ["identity", "zstd", "gzip"],
     "session": [None, SESSION, SESSION.upper(), "x"],
@@ -394,6 +394,23 @@ def test_replace_is_building_anew(picks: dict[str, int]) -> None:
     assert got == expected
     if isinstance(got, WireHeaders):
         assert all(type(dim) is int for dim in got.shape)
+
+
+def test_replace_without_a_change_is_the_instance_itself() -> None:
+    """A decode step's answer usually repeats the request's fields: no copy
+    then. A value equal to the field's but of other types is a change, and
+    normalised or refused like one."""
+    base = WireHeaders(shape=(1, 4), dtype="float32", position=3)
+    same = base.replace(shape=(1, 4), dtype="float32", position=3, stage=None, prefix_blocks=())
+    assert same is base
+    numpy_shape = base.replace(shape=(np.int64(1), 4))
+    assert numpy_shape is not base and numpy_shape == base
+    assert all(type(dim) is int for dim in numpy_shape.shape)
+    assert base.replace(shape=[1, 4]) == base and base.replace(shape=[1, 4]) is not base
+    with pytest.raises(ValueError):
+        WireHeaders(shape=(1, 4), dtype="float32", position=True)
+    with pytest.raises(ValueError):
+        base.replace(position=True)
 
 
 def test_replace_keeps_a_subclass_and_its_own_fields() -> None:
