@@ -29,7 +29,6 @@ from functools import partial
 from typing import Any
 
 import anyio
-from prometheus_client import Counter
 
 from meshnet_proto import (
     WIRE_VERSION,
@@ -50,7 +49,7 @@ from meshnet_proto.lowlevel import ByteBudget, Ticket, request_cost
 from meshnet_runtime.codec_pool import CodecPool
 from meshnet_runtime.control import ControlEndpoints
 from meshnet_runtime.deadlines import Deadline
-from meshnet_runtime.downstream import Downstream, DownstreamPool
+from meshnet_runtime.downstream import Downstream
 from meshnet_runtime.http_server import (
     ActivationReply,
     DrainHandoff,
@@ -59,10 +58,9 @@ from meshnet_runtime.http_server import (
     RequestContext,
 )
 from meshnet_runtime.lifecycle import server_settings, server_tls
-from meshnet_runtime.metrics import ServerMetrics
-from meshnet_runtime.replicas import ReplicaSet, needs_replica_set
+from meshnet_runtime.metrics import ServerMetrics, Tally
 from meshnet_runtime.sequencing import SequencedTable
-from meshnet_runtime.transports import client_ssl_context, listen
+from meshnet_runtime.transports import listen
 from meshnet_runtime.wire_encoder import WireEncoder
 
 from .backends import StageBackend, StageContext, make_stage
@@ -71,6 +69,7 @@ from .forgetting import InFlight
 from .handoff import KVHandoff, handoff_info
 from .identity import StageKey, check_stage, node_identity, stage_key
 from .model_stage import stage_from_config
+from .next_hop import next_hop
 
 __all__ = ["NodeApp", "RunningNode", "build_node", "node_identity", "serve_node"]
 
@@ -117,13 +116,13 @@ class NodeApp:
         self.stage.bind_metrics(self.metrics.registry)  # its own gauges (a model's KV cache)
         self.codecs = CodecPool(limits=self.limits, metrics=self.metrics)
         # Tokens the stage ran on (replays included): what a failover cost here.
-        self.stage_tokens = Counter(
+        self.stage_tokens = Tally(
             "meshnet_stage_tokens", "Tokens the stage computed", registry=self.metrics.registry
         )
         self.tokens_computed = 0
         # The loop's clock, as the connections hand it over (RequestContext.clock).
         self._clock: Callable[[], float] = anyio.current_time
-        self.downstream: Downstream | None = _downstream(config, self.metrics)
+        self.downstream: Downstream | None = next_hop(config, self.metrics)
         # Sessions forgotten while a chunk of theirs was on its way down.
         self.in_flight = InFlight(self.downstream, self.table.__contains__)
         # --encoding auto toward --next also weighs the link's speed.
@@ -185,7 +184,12 @@ class NodeApp:
         # It never rewrites a live session (the table: 409 session_exists).
         replay = event.replay
         deadline = Deadline.start(ctx.started, self.config.timeout, headers.deadline_ms)
-        fingerprint = await self.codecs.run(headers.nbytes, tensor_fingerprint, event.tensor)
+        nbytes = headers.nbytes
+        fingerprint = (  # a decode step's: at once, without a coroutine
+            tensor_fingerprint(event.tensor)
+            if nbytes < self.codecs.inline_bytes
+            else await self.codecs.run(nbytes, tensor_fingerprint, event.tensor)
+        )
         decision = await self.seq.admit(
             headers, fingerprint, deadline, replay=replay, client=ctx.peer
         )
@@ -225,7 +229,9 @@ class NodeApp:
         try:
             return await self.seq.run(ticket, work)
         finally:
-            await self.in_flight.ended(ticket.session)
+            orphan = self.in_flight.ended(ticket.session)
+            if orphan is not None:
+                await self.in_flight.pass_forget_down(*orphan)
 
     def _forgotten(self, session: str) -> None:
         """The table forgot ``session``: the stage frees its state at once, and
@@ -280,7 +286,10 @@ class NodeApp:
         *,
         replay: bool = False,
     ) -> ActivationReply:
-        dtype, encoding, body = await self.encoder.encode(output, headers.encoding)
+        encoded = self.encoder.encode_now(output, headers.encoding)
+        if encoded is None:
+            encoded = await self.encoder.encode(output, headers.encoding)
+        dtype, encoding, body = encoded
         # X-Meshnet-Stage is request-only: the answer never carries one, and
         # what goes down names the stage that starts where ours stops. What
         # goes down keeps the session key (the session's, not the hop's:
@@ -341,7 +350,7 @@ class NodeApp:
         return self.seq.sessions_with_waiters
 
     def _count(self, outcome: str) -> None:
-        self.metrics.labelled(self.metrics.chunks, outcome).inc()
+        self.metrics.chunks.labels(outcome).inc()
 
     # ------------------------------------------------------------ endpoints
 
@@ -399,32 +408,6 @@ class NodeApp:
     def cancel_on_disconnect(self, event: EndpointRequest | ActivationReceived) -> bool:
         """A node finishes every request it took, even for a client that left."""
         return False
-
-
-def _downstream(config: NodeConfig, metrics: ServerMetrics) -> Downstream | None:
-    """The hop below: none (the last stage), one node, or a replica set
-    (several nodes serve the next stage: sessions stick, fail over, replay)."""
-    replicas = config.next_replicas or ((config.next,) if config.next else ())
-    if needs_replica_set(replicas):
-        return ReplicaSet(
-            replicas,
-            limits=config.limits,
-            token=config.token,
-            ssl_context=client_ssl_context(config.tls_ca) if replicas[0].tls else None,
-            metrics=metrics,
-            health_interval=config.health_interval,
-            probe_timeout=config.probe_timeout,
-            max_history_bytes=config.max_history_bytes,
-        )
-    if config.next is None:
-        return None
-    return DownstreamPool(
-        config.next,
-        limits=config.limits,
-        token=config.token,
-        ssl_context=client_ssl_context(config.tls_ca) if config.next.tls else None,
-        metrics=metrics,
-    )
 
 
 # ------------------------------------------------------------------ running

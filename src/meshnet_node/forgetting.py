@@ -62,18 +62,23 @@ class InFlight:
         if self._busy.get(session):
             self._orphans.add(session)
 
-    async def ended(self, session: str) -> None:
-        """A chunk of ``session`` was answered (or failed, or was cancelled)."""
+    def ended(self, session: str) -> tuple[str, str | None] | None:
+        """A chunk of ``session`` was answered (or failed, or was cancelled).
+
+        When it was the last in flight of a forgotten session: that session
+        and its key, for ``pass_forget_down``; else None (a decode step's
+        usual end: no coroutine at all, section decode)."""
         self._busy[session] -= 1
         if self._busy[session] > 0:
-            return
+            return None
         del self._busy[session]
         key = self._keys.pop(session, None)
         if session in self._orphans:
             self._orphans.discard(session)
-            await self._pass_forget_down(session, key)
+            return session, key
+        return None
 
-    async def _pass_forget_down(self, session: str, key: str | None = None) -> None:
+    async def pass_forget_down(self, session: str, key: str | None = None) -> None:
         """DELETE a session below us again after a chunk of it went down.
 
         Shielded and bounded: this runs in the ``finally`` of a request that

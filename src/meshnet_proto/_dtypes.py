@@ -44,6 +44,11 @@ def wire_dtype_name(dtype: np.dtype | type | str) -> str:
     not a wire dtype (float64, int8, bool, structured…).
     """
     dt = np.dtype(dtype)
+    # The usual case at once: a wire dtype itself (numpy's dtypes of the
+    # wire's types are singletons), as every decoded tensor's is.
+    by_name = WIRE_DTYPES.get(dt.name)
+    if by_name is dt:
+        return dt.name
     little = dt.newbyteorder("<")
     for name, wire in WIRE_DTYPES.items():
         if little == wire:

@@ -27,7 +27,14 @@ import anyio
 import numpy as np
 import zstandard
 
-from meshnet_proto import EncodingPolicy, Limits, WireDtypePolicy, WireHeaders, encode_for_wire
+from meshnet_proto import (
+    EncodingPolicy,
+    Limits,
+    WireDtypePolicy,
+    WireHeaders,
+    encode_for_wire,
+    encode_tensor,
+)
 from meshnet_proto.lowlevel import decode_tensor
 
 from .metrics import ServerMetrics
@@ -95,6 +102,31 @@ class CodecPool:
         size = headers.nbytes if headers.encoding == "zstd" else 0
         return await self.run(size, work)
 
+    @staticmethod
+    def encode_trivially(
+        array: np.ndarray,
+        dtype_policy: WireDtypePolicy | str,
+        encoding_policy: EncodingPolicy | str,
+        request_encoding: str,
+    ) -> tuple[str, str, bytes | memoryview] | None:
+        """``encode``'s answer when it is trivial, else None: the body a view
+        of the array, no conversion, no compression (a decode step's usual
+        answer), done at once, untimed, without a coroutine or the
+        worker-thread machinery (section decode). Not for a strided array (a
+        chunk of a batch > 1): making it contiguous is a full copy."""
+        if (
+            array.flags.c_contiguous
+            and dtype_policy == WireDtypePolicy.KEEP
+            and (encoding_policy == EncodingPolicy.IDENTITY
+                 or (encoding_policy == EncodingPolicy.MIRROR and request_encoding == "identity"))
+        ):  # fmt: skip
+            # encode_for_wire's answer for these policies, its steps skipped:
+            # encode_tensor refuses any dtype that is not a wire dtype (in
+            # either byte order), and numpy names those as the wire does.
+            body = encode_tensor(array)
+            return array.dtype.name, "identity", body
+        return None
+
     async def encode(
         self,
         array: np.ndarray,
@@ -113,17 +145,9 @@ class CodecPool:
         needs (``meshnet_runtime.link``).
         """
 
-        # Trivial: the body is a view of the array, no encoding at all (a
-        # decode step's usual answer): done here, untimed, without the
-        # worker-thread machinery (section decode). Not for a strided array
-        # (a chunk of a batch > 1): making it contiguous is a full copy.
-        if (
-            array.flags.c_contiguous
-            and dtype_policy == WireDtypePolicy.KEEP
-            and (encoding_policy == EncodingPolicy.IDENTITY
-                 or (encoding_policy == EncodingPolicy.MIRROR and request_encoding == "identity"))
-        ):  # fmt: skip
-            return encode_for_wire(array, encoding_policy=EncodingPolicy.IDENTITY)
+        trivial = self.encode_trivially(array, dtype_policy, encoding_policy, request_encoding)
+        if trivial is not None:
+            return trivial
 
         def work() -> tuple[str, str, bytes | memoryview]:
             start = time.perf_counter()

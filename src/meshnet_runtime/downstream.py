@@ -370,7 +370,7 @@ class DownstreamPool:
                     if len(part):
                         await stream.send(part)
                 if self.metrics and body_nbytes:
-                    self.metrics.labelled(self.metrics.bytes_out, "downstream").inc(body_nbytes)
+                    self.metrics.bytes_out.labels("downstream").inc(body_nbytes)
                 while True:
                     try:
                         event = conn.next_event()
@@ -411,7 +411,7 @@ class DownstreamPool:
             if isinstance(event, ActivationResponse):
                 self.link.observe(received, after_first, time.perf_counter() - first_read_at)
                 if self.metrics:
-                    self.metrics.labelled(self.metrics.bytes_in, "downstream").inc(len(event.body))
+                    self.metrics.bytes_in.labels("downstream").inc(len(event.body))
             if conn.reusable and not self._closed:
                 conn.start_next_cycle()
                 keep = True

@@ -39,6 +39,17 @@ class WireEncoder:
         # Only ``auto`` weighs the link; a fixed policy needs no estimate.
         self.auto = LinkAwareAuto(link) if encoding == "auto" and link is not None else None
 
+    def encode_now(
+        self, array: np.ndarray, request_encoding: str = "identity"
+    ) -> tuple[str, str, bytes | memoryview] | None:
+        """``encode``'s answer when it needs no work (``CodecPool.encode_trivially``),
+        else None: the caller then awaits ``encode``."""
+        if self.auto is not None:
+            return None  # auto weighs every encoding it makes
+        return self.codecs.encode_trivially(
+            array, self.dtype_policy, self.encoding, request_encoding
+        )
+
     async def encode(
         self, array: np.ndarray, request_encoding: str = "identity"
     ) -> tuple[str, str, bytes | memoryview]:

@@ -22,7 +22,7 @@ from meshnet_runtime.deadlines import Deadline
 from meshnet_runtime.endpoints import format_url, parse_endpoint
 from meshnet_runtime.http_server import ServerSettings
 from meshnet_runtime.lifecycle import server_settings
-from meshnet_runtime.metrics import ServerMetrics, endpoint_label
+from meshnet_runtime.metrics import ServerMetrics, Tally, endpoint_label
 
 
 @pytest.mark.parametrize(
@@ -143,6 +143,27 @@ def test_metrics_render_parses_and_registries_are_separate() -> None:
     assert "meshnet_stage_seconds" in families
     assert b"meshnet_requests_total{" not in b.render()
     assert endpoint_label("/info") == "/info"
+
+
+def test_a_tally_reads_as_a_counter_of_its_name_and_labels() -> None:
+    """The hot counters are tallies (plain numbers, no lock per count): the
+    same ``<name>_total`` series as a Counter, a label count refused by name."""
+    metrics = ServerMetrics("node")
+    tokens = Tally("meshnet_test_tokens", "Tokens", registry=metrics.registry)
+    tokens.inc(3)
+    tokens.inc()
+    metrics.chunks.labels("processed").inc()
+    metrics.chunks.labels("processed").inc(2)
+    with pytest.raises(ValueError, match="takes labels"):
+        metrics.chunks.labels("processed", "extra")
+    families = {f.name: f for f in text_string_to_metric_families(metrics.render().decode())}
+    assert families["meshnet_test_tokens"].type == "counter"
+    assert [(s.name, s.labels, s.value) for s in families["meshnet_test_tokens"].samples] == [
+        ("meshnet_test_tokens_total", {}, 4.0)
+    ]
+    assert [(s.name, s.labels, s.value) for s in families["meshnet_chunks"].samples] == [
+        ("meshnet_chunks_total", {"outcome": "processed"}, 3.0)
+    ]
 
 
 @pytest.mark.anyio

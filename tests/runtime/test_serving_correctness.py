@@ -95,13 +95,16 @@ async def test_a_strided_chunk_is_made_contiguous_off_the_loop(monkeypatch: Any)
     contiguous one is a zero-copy view and stays inline."""
     loop_thread = threading.get_ident()
     encoded_on: list[int] = []
-    original = codec_pool_module.encode_for_wire
+    # The pool encodes through encode_for_wire, or at once through
+    # encode_tensor when trivial: each is watched for the thread it runs on.
+    for name in ("encode_for_wire", "encode_tensor"):
+        original = getattr(codec_pool_module, name)
 
-    def encode(*args: Any, **kwargs: Any) -> Any:
-        encoded_on.append(threading.get_ident())
-        return original(*args, **kwargs)
+        def encode(*args: Any, _original: Any = original, **kwargs: Any) -> Any:
+            encoded_on.append(threading.get_ident())
+            return _original(*args, **kwargs)
 
-    monkeypatch.setattr(codec_pool_module, "encode_for_wire", encode)
+        monkeypatch.setattr(codec_pool_module, name, encode)
     codecs = CodecPool()
     batch = floats((2, 1024, 256))  # 2 MiB
     strided = batch[:, :512]  # what plan_chunks cuts: 1 MiB, not contiguous
