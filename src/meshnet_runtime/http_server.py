@@ -146,6 +146,7 @@ class HttpServer:
         self.drain_note = ""  # appended to the drain's log line (how to force it)
         self._shutdown = anyio.Event()
         self._connections: set[ConnectionCycle] = set()
+        self.watching = False  # watch_deadlines runs: connections keep no timer of their own
         self._rejecting = 0
         self._all_closed = anyio.Event()
 
@@ -213,6 +214,7 @@ class HttpServer:
         """
         self.url = bound.url
         async with anyio.create_task_group() as connections:
+            await connections.start(self.watch_deadlines)
             accepting = anyio.CancelScope()
             accepted = anyio.Event()
             connections.start_soon(self._accept, bound, connections, accepting, accepted)
@@ -236,6 +238,26 @@ class HttpServer:
                     self._all_closed = anyio.Event()
                     await self._all_closed.wait()
             connections.cancel_scope.cancel()
+
+    async def watch_deadlines(
+        self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED
+    ) -> None:
+        """End every connection past its phase's deadline (a head, a body or a
+        write too slow), looking each ``settings.watch_interval``; runs until
+        cancelled. ``serve`` runs it; an embedder calling ``serve_stream``
+        itself may start it first (``await tg.start(server.watch_deadlines)``)
+        so that its connections move no timer per request, else each keeps
+        its own. A connection started under it is timed by it for its life."""
+        self.watching = True
+        task_status.started()
+        try:
+            while True:
+                await anyio.sleep(self.settings.watch_interval)
+                now = anyio.current_time()
+                for connection in list(self._connections):
+                    connection.deadline.expire_if_due(now)
+        finally:
+            self.watching = False
 
     async def _wait_for_handoffs(self) -> None:
         """Keep the sessions for export up to the hand-off window (within the

@@ -40,6 +40,7 @@ from .application import ActivationReply, Application, Reply, RequestContext, St
 from .client_watch import watching_client
 from .codec_pool import CodecPool
 from .deadlines import Deadline, deadline_exceeded, loop_clock
+from .phase_deadline import PhaseDeadline
 from .metrics import ServerMetrics
 from .server_errors import internal_error, request_timeout, shutting_down
 from .server_io import Closed, drain, event_path, peer_host, read_event, write
@@ -64,6 +65,8 @@ class CycleHost(Protocol):
     metrics: ServerMetrics | None
     draining: bool
     drain_seen: float
+    # A watchdog ends connections past their phase's deadline (see run).
+    watching: bool
     make_connection: Callable[[], ServerConnection]
 
     def count_answer(self, path: str, status: int) -> None: ...
@@ -88,15 +91,16 @@ class ConnectionCycle:
     server: CycleHost
     stream: ByteStream
     conn: ServerConnection = field(init=False)
-    # fast_acquire: an uncontended write (the usual case) takes no extra
-    # trip through the scheduler (one of three per decode step; section decode).
+    # Orders the writes of the tasks that watch a client (`_send_shielded`);
+    # fast_acquire: an uncontended one takes no trip through the scheduler.
     lock: anyio.Lock = field(default_factory=lambda: anyio.Lock(fast_acquire=True))
     idle_scope: anyio.CancelScope | None = None
     closed_idle: bool = False  # the idle scope was cancelled by a shutdown
     cycle_bytes: list[int] = field(default_factory=lambda: [0])
     cycles: int = 0  # requests read on this connection
-    # The connection's one timer (see run) and what it is timing now.
+    # The connection's one timer (phase_deadline) and what it is timing now.
     timer: anyio.CancelScope | None = None
+    deadline: PhaseDeadline = field(init=False)
     phase: _Phase = _Phase.HEAD
 
     peer: str | None = field(init=False, default=None)
@@ -107,6 +111,7 @@ class ConnectionCycle:
         self.conn = self.server.make_connection()
         self.peer = peer_host(self.stream)
         self.now = loop_clock()
+        self.deadline = PhaseDeadline(self.now, watched=self.server.watching)
 
     def close_if_idle(self) -> None:
         # Only a connection waiting for a request it has no byte of is idle;
@@ -116,19 +121,13 @@ class ConnectionCycle:
             self.idle_scope.cancel()
 
     async def run(self) -> None:
-        # One cancel scope for the connection's whole life, its deadline moved
-        # from phase to phase (the head's timeout, none while the application
-        # works, the write's timeout), instead of a new scope per head and per
-        # answer: a trio scope costs ~10 us here, and the two were ~8 % of the
-        # node's CPU per decode step (a loop without sockets, best of 30). A
-        # deadline that fires ends the connection, so the scope never needs
-        # to outlive one.
+        # One cancel scope for the connection's whole life (phase_deadline).
         try:
             with anyio.CancelScope() as timer:
-                self.timer = timer
+                self.timer = self.deadline.scope = timer
                 while await self._cycle():
                     pass  # the core restarts the cycle itself after an answer
-            self.timer = None
+            self.timer = self.deadline.scope = None
             self.idle_scope = None
             if timer.cancelled_caught and self.phase is _Phase.HEAD:
                 await self._head_timed_out()
@@ -162,13 +161,13 @@ class ConnectionCycle:
                 self.closed_idle = True
                 return False
         else:
-            timer.deadline = self.now() + settings.head_timeout
+            self.deadline.expire_in(settings.head_timeout)
             self.idle_scope = timer  # a shutdown closes the connection while it waits
 
             def body_started() -> None:
                 # An endpoint's body (a /v1 prompt) gets the body timeout
                 # from the end of its head, as a /forward body does.
-                timer.deadline = self.now() + settings.body_timeout
+                self.deadline.expire_in(settings.body_timeout)
 
             event = await read_event(self.conn, self.stream, self.cycle_bytes, on_body=body_started)
             self.idle_scope = None
@@ -179,7 +178,7 @@ class ConnectionCycle:
                 return False
         self.cycles += 1
         self.phase = _Phase.APPLICATION
-        timer.deadline = math.inf  # the application keeps its own deadlines
+        self.deadline.expire_in(math.inf)  # the application keeps its own deadlines
         ctx = RequestContext(
             started=self.now(), path=event_path(event), peer=self.peer, clock=self.now
         )
@@ -272,9 +271,7 @@ class ConnectionCycle:
             await self._error(ctx.path, internal_error())
             return False
         if self.server.metrics:
-            self.server.metrics.labelled(self.server.metrics.bytes_in, "upstream").inc(
-                received.body_nbytes
-            )
+            self.server.metrics.bytes_in.labels("upstream").inc(received.body_nbytes)
         app = self.server.app
         watch = app.cancel_on_disconnect(received)
         return await self._handle(app.handle_activation, received, ctx, watch=watch)
@@ -315,9 +312,7 @@ class ConnectionCycle:
             parts = self.conn.send_activation(reply.headers, reply.body)
             status = 200
             if self.server.metrics:
-                self.server.metrics.labelled(self.server.metrics.bytes_out, "upstream").inc(
-                    len(reply.body)
-                )
+                self.server.metrics.bytes_out.labels("upstream").inc(len(reply.body))
         else:
             parts = self.conn.send_response(reply.status, list(reply.headers), reply.body)
             status = reply.status
@@ -406,24 +401,29 @@ class ConnectionCycle:
         the tasks that watch a client use `_send_shielded`: their task is
         cancelled when the work ends, while the connection goes on.
 
+        Without the write lock: the cycle's own task writes only when no
+        watch runs (`watching_client` returns once its tasks have ended,
+        their shielded writes included), so nothing can interleave; the lock
+        orders the watchers' writes among themselves and was ~2 % of a decode
+        step here (section decode).
+
         ``ends_cycle``: the cycle's answer; the timer keeps the write's deadline,
         which the next cycle replaces before any checkpoint (~1.7 us saved)."""
         timer = self.timer
         if timer is None:  # the connection's timer is spent: a last answer
             await self._send_shielded(parts)
             return
-        async with self.lock:
-            self.phase = _Phase.WRITE
-            timer.deadline = self.now() + self.server.settings.write_timeout
-            try:
-                for part in coalesce(parts):
-                    if len(part):
-                        await self.stream.send(part)
-            except DEAD_STREAM as exc:
-                raise Closed from exc
-            self.phase = _Phase.APPLICATION
-            if not ends_cycle:  # back to no timeout: a 100-continue's body, a stream
-                timer.deadline = math.inf
+        self.phase = _Phase.WRITE
+        self.deadline.expire_in(self.server.settings.write_timeout)
+        try:
+            for part in coalesce(parts):
+                if len(part):
+                    await self.stream.send(part)
+        except DEAD_STREAM as exc:
+            raise Closed from exc
+        self.phase = _Phase.APPLICATION
+        if not ends_cycle:  # back to no timeout: a 100-continue's body, a stream
+            self.deadline.expire_in(math.inf)
 
     async def _send_shielded(self, parts: Sequence[Any]) -> None:
         """Write under a timeout of its own, shielded: a task cancelled mid-write

@@ -19,3 +19,11 @@ class ServerSettings:
     # a stream still open then is ended with a final event, not cut).
     shutdown_timeout: float = 5.0
     retry_after: int = 1  # seconds, on 503 too_many_connections / shutting_down
+
+    @property
+    def watch_interval(self) -> float:
+        """How often the deadline watchdog looks (``HttpServer.watch_deadlines``):
+        a tenth of the shortest connection timeout, within 10 ms and 1 s, so a
+        timeout ends its connection at most that much late."""
+        shortest = min(self.head_timeout, self.body_timeout, self.write_timeout)
+        return min(max(shortest / 10, 0.01), 1.0)
