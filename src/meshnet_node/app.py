@@ -42,6 +42,7 @@ from meshnet_proto import (
     Replay,
     ServerConnection,
     SessionTable,
+    Wait,
     WireHeaders,
     tensor_fingerprint,
 )
@@ -190,9 +191,12 @@ class NodeApp:
             if nbytes < self.codecs.inline_bytes
             else await self.codecs.run(nbytes, tensor_fingerprint, event.tensor)
         )
-        decision = await self.seq.admit(
-            headers, fingerprint, deadline, replay=replay, client=ctx.peer
-        )
+        # Offered at once: only a chunk told to wait takes admit's coroutine.
+        decision = self.seq.offer(headers, fingerprint, deadline, replay=replay, client=ctx.peer)
+        if isinstance(decision, Wait):
+            decision = await self.seq.admit(
+                headers, fingerprint, deadline, replay=replay, client=ctx.peer, first=decision
+            )
         if isinstance(decision, Process):
             self._count("processed")
             return await self._run(decision.ticket, headers, event, deadline, replay=replay)
@@ -217,18 +221,22 @@ class NodeApp:
         replay: bool = False,
     ) -> ActivationReply:
         """Run the stage (unless reforwarding), then deliver; every exit reports
-        the ticket's outcome to the table and to any joined retransmission."""
-
-        async def work() -> ActivationReply:
+        the ticket's outcome to the table and to any joined retransmission
+        (``SequencedTable.run``'s steps, inline: two coroutines fewer a step)."""
+        self.in_flight.started(ticket.session, headers.session_key)
+        outcome = self.seq.begin(ticket)
+        try:
             output = stage_output
             if event is not None:
                 output = await self._stage(ticket, headers, event, deadline)
-            return await self._deliver(ticket, headers, output, deadline, replay=replay)
-
-        self.in_flight.started(ticket.session, headers.session_key)
-        try:
-            return await self.seq.run(ticket, work)
+            reply = await self._deliver(ticket, headers, output, deadline, replay=replay)
+            outcome.finish(reply, None)
+            return reply
+        except MeshnetError as err:
+            outcome.finish(None, err)
+            raise
         finally:
+            self.seq.end(ticket, outcome)
             orphan = self.in_flight.ended(ticket.session)
             if orphan is not None:
                 await self.in_flight.pass_forget_down(*orphan)

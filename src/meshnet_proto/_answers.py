@@ -83,10 +83,12 @@ def activation_pairs(headers: WireHeaders, body: Body) -> tuple[Pairs, Body]:
     data = as_byte_buffer(body)
     nbytes = len(data)
     # Never send what our own peer would refuse as garbage.
-    if headers.encoding == "identity" and nbytes != headers.nbytes:
-        raise ValueError(f"identity body of {nbytes} bytes, headers promise {headers.nbytes}")
-    if nbytes > body_bound(headers):
-        raise ValueError(f"body of {nbytes} bytes over its bound {body_bound(headers)}")
+    if headers.encoding == "identity":
+        promised = headers.nbytes  # computed once: every answer comes here
+        if nbytes != promised:
+            raise ValueError(f"identity body of {nbytes} bytes, headers promise {promised}")
+    elif nbytes > (bound := body_bound(headers)):
+        raise ValueError(f"body of {nbytes} bytes over its bound {bound}")
     return [*headers.to_pairs(), (b"Content-Length", str(nbytes).encode())], data
 
 

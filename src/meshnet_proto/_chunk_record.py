@@ -50,10 +50,10 @@ class ChunkRecord:
 
 def move(record: ChunkRecord, event: str) -> ChunkPhase | None:
     """Apply ``event`` to ``record``; return its new phase (None: forget it)."""
-    key = (record.phase, event)
-    if key not in TRANSITIONS:
-        raise ValueError(f"{event}() on a chunk that is {record.phase.value}")
-    phase = TRANSITIONS[key]
+    try:  # one lookup, not a test and a lookup: each hashes the phase (a Python call)
+        phase = TRANSITIONS[(record.phase, event)]
+    except KeyError:
+        raise ValueError(f"{event}() on a chunk that is {record.phase.value}") from None
     if phase is not None:
         record.phase = phase
     return phase

@@ -152,10 +152,15 @@ class WireHeaders:
         is no change, and with none this instance itself is the answer."""
         if type(self) is not WireHeaders:  # a subclass's own fields: the general way
             return dataclasses.replace(self, **changes)
-        unknown = changes.keys() - _NAMES
-        if unknown:
-            raise TypeError(f"WireHeaders has no field {sorted(unknown)[0]!r}")
-        changed = [name for name, value in changes.items() if not _same(value, getattr(self, name))]
+        if not _NAMES.issuperset(changes):
+            unknown = sorted(changes.keys() - _NAMES)
+            raise TypeError(f"WireHeaders has no field {unknown[0]!r}")
+        changed = [
+            name
+            for name, value in changes.items()
+            # `is` first: most of a decode step's answer is the request's None
+            if value is not (current := getattr(self, name)) and not _same(value, current)
+        ]
         if not changed:
             return self
         new = object.__new__(WireHeaders)
@@ -202,11 +207,10 @@ class WireHeaders:
 
 
 def _same(value: Any, current: Any) -> bool:
-    """``value`` is what the field holds already: equal, and of the same types
-    (``True`` is not ``1``, a list not a tuple, ``np.int64(5)`` not ``5``:
-    each of those is checked, and normalised or refused, as a change)."""
-    if value is current:
-        return True
+    """``value`` (not the very object ``current``: `replace` tests that first)
+    is what the field holds already: equal, and of the same types (``True``
+    is not ``1``, a list not a tuple, ``np.int64(5)`` not ``5``: each of
+    those is checked, and normalised or refused, as a change)."""
     kind = type(value)
     if kind is not type(current) or value != current:
         return False

@@ -55,5 +55,7 @@ def trim(s: Session, window: int, store: ReplayStore) -> None:
         (s.records, s.next_index - window),
         (s.last_records, s.last_total - window),
     ):
+        if floor <= 1:
+            continue  # no index in 0 < i < floor: a run within the window (every decode step's)
         for index in [i for i, r in records.items() if 0 < i < floor and r.phase not in IN_FLIGHT]:
             store.forget((records.pop(index),))

@@ -40,8 +40,8 @@ from .application import ActivationReply, Application, Reply, RequestContext, St
 from .client_watch import watching_client
 from .codec_pool import CodecPool
 from .deadlines import Deadline, deadline_exceeded, loop_clock
-from .phase_deadline import PhaseDeadline
 from .metrics import ServerMetrics
+from .phase_deadline import PhaseDeadline
 from .server_errors import internal_error, request_timeout, shutting_down
 from .server_io import Closed, drain, event_path, peer_host, read_event, write
 from .server_settings import ServerSettings

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, Generic, TypeVar
 
 import anyio
@@ -42,12 +43,14 @@ from meshnet_proto.lowlevel import Ticket
 
 from .deadlines import Deadline
 
-__all__ = ["Admitted", "Outcome", "SequencedTable", "gone"]
+__all__ = ["Admitted", "Decision", "Outcome", "SequencedTable", "gone"]
 
 R = TypeVar("R")
 
 # What ``admit`` hands back: every decision but ``Wait``, which it waits out.
 Admitted = Process | Reforward | Replay | Join
+# What one offer may answer.
+Decision = Admitted | Wait
 
 
 def gone() -> MeshnetError:
@@ -111,6 +114,43 @@ class SequencedTable(Generic[R]):
         """Sessions whose chunks sleep until woken (each holds one wake-up event)."""
         return len(self._wakeups)
 
+    def offer(
+        self,
+        headers: WireHeaders,
+        fingerprint: bytes,
+        deadline: Deadline,
+        *,
+        replay: bool = False,
+        client: str | None = None,
+        after: Wait | None = None,
+        timed_out: bool = False,
+    ) -> Decision:
+        """One offer to the table, now: ``admit``'s step. A chunk that need not
+        wait (a decode step's) is decided here at once, without a coroutine;
+        a ``Wait`` goes to ``admit(..., first=...)``. ``after``: the ``Wait``
+        this offers again after; ``timed_out``: that wait ran out."""
+        try:
+            return self.table.offer(
+                headers,
+                fingerprint,
+                anyio.current_time(),
+                waiter=None if after is None else after.waiter,
+                deadline=deadline.at,
+                replay=replay,
+                client=client,
+            )
+        except MeshnetError:
+            if timed_out:  # the table ended the wait (wire-2 §3.3)
+                if self.on_wait_timeout is not None:
+                    self.on_wait_timeout()
+                # Wake the session's other waiters (they re-offer and wait
+                # again on a fresh event) so its wake-up event is not left
+                # behind: for a session that never starts, nothing else
+                # would ever pop it, and those would pile up.
+                assert headers.session is not None
+                self.wake(headers.session)
+            raise
+
     async def admit(
         self,
         headers: WireHeaders,
@@ -119,65 +159,57 @@ class SequencedTable(Generic[R]):
         *,
         replay: bool = False,
         client: str | None = None,
+        first: Decision | None = None,
     ) -> Admitted:
         """Offer the chunk until the table answers anything but ``Wait``.
 
-        Raises what the table raises (a ``SequencingError``: out of window,
-        timed out waiting, session gone …). Cancelled while waiting, the
-        table's place for the chunk is given up before the cancel goes on.
-        A ``Process`` or ``Reforward`` must go to ``run`` with no ``await``
-        in between: a retransmission told ``Join`` meanwhile would find no
-        run to join (``gone()``).
+        ``first``: the answer of an ``offer`` already made for it. Raises what
+        the table raises (a ``SequencingError``: out of window, timed out
+        waiting, session gone …). Cancelled while waiting, the table's place
+        for the chunk is given up before the cancel goes on. A ``Process`` or
+        ``Reforward`` must go to ``run`` (or ``begin``) with no ``await`` in
+        between: a retransmission told ``Join`` meanwhile would find no run
+        to join (``gone()``).
         """
-        waiter = None
-        timed_out = False
-        while True:
-            now = anyio.current_time()
-            try:
-                decision = self.table.offer(
-                    headers,
-                    fingerprint,
-                    now,
-                    waiter=waiter,
-                    deadline=deadline.at,
-                    replay=replay,
-                    client=client,
-                )
-            except MeshnetError:
-                if timed_out:  # the table ended the wait (wire-2 §3.3)
-                    if self.on_wait_timeout is not None:
-                        self.on_wait_timeout()
-                    # Wake the session's other waiters (they re-offer and wait
-                    # again on a fresh event) so its wake-up event is not left
-                    # behind: for a session that never starts, nothing else
-                    # would ever pop it, and those would pile up.
-                    assert headers.session is not None
-                    self.wake(headers.session)
-                raise
-            if not isinstance(decision, Wait):
-                return decision
-            waiter = decision.waiter
+        offer = partial(self.offer, headers, fingerprint, deadline, replay=replay, client=client)
+        decision = first if first is not None else offer()
+        while isinstance(decision, Wait):
             assert headers.session is not None
             wake = self._wakeups.setdefault(headers.session, anyio.Event())
             try:
-                with anyio.move_on_after(decision.until - now) as timer:
+                with anyio.move_on_after(decision.until - anyio.current_time()) as timer:
                     await wake.wait()
             except anyio.get_cancelled_exc_class():
                 # Cancelled from outside (shutdown, a caller's scope): the
                 # table must not keep a place for a chunk nobody will offer.
-                self.table.give_up(waiter, anyio.current_time())
+                self.table.give_up(decision.waiter, anyio.current_time())
                 raise
             # At until, offer again rather than give up: the table knows
             # whether the session progressed meanwhile (its predecessor may
             # be in the stage now), which stops the reorder timer.
-            timed_out = timer.cancelled_caught
+            decision = offer(after=decision, timed_out=timer.cancelled_caught)
+        return decision
+
+    def begin(self, ticket: Ticket) -> Outcome[R]:
+        """An admitted ticket's run starts (``Process``, ``Reforward``): what
+        retransmissions told ``Join`` meanwhile wait on. ``finish`` it with the
+        answer or the ``MeshnetError``, and ``end`` it however it ended.
+        ``run`` is this around one awaitable; the node does it inline."""
+        outcome: Outcome[R] = Outcome()
+        self._outcomes[ticket.serial] = outcome
+        return outcome
+
+    def end(self, ticket: Ticket, outcome: Outcome[R]) -> None:
+        """The run is over: unfinished (a cancel, a bug), its joiners get ``gone()``."""
+        if not outcome.finished:  # cancelled: joined retransmissions must not hang
+            outcome.finish(None, gone())
+        del self._outcomes[ticket.serial]
 
     async def run(self, ticket: Ticket, work: Callable[[], Awaitable[R]]) -> R:
         """``work()`` for an admitted ticket (``Process``, ``Reforward``): its
         answer or its ``MeshnetError`` goes to every retransmission joined
         meanwhile; any other end (a cancel, a bug) tells them ``gone()``."""
-        outcome: Outcome[R] = Outcome()
-        self._outcomes[ticket.serial] = outcome
+        outcome = self.begin(ticket)
         try:
             reply = await work()
             outcome.finish(reply, None)
@@ -186,9 +218,7 @@ class SequencedTable(Generic[R]):
             outcome.finish(None, err)
             raise
         finally:
-            if not outcome.finished:  # cancelled: joined retransmissions must not hang
-                outcome.finish(None, gone())
-            del self._outcomes[ticket.serial]
+            self.end(ticket, outcome)
 
     async def join(self, ticket: Ticket, deadline: Deadline) -> R:
         """A ``Join``: the answer of the ticket's run in flight (its error
