@@ -49,7 +49,7 @@ from meshnet_proto import (
 from meshnet_proto.lowlevel import ByteBudget, Ticket, request_cost
 from meshnet_runtime.codec_pool import CodecPool
 from meshnet_runtime.control import ControlEndpoints
-from meshnet_runtime.deadlines import Deadline
+from meshnet_runtime.deadlines import Deadline, loop_clock
 from meshnet_runtime.downstream import Downstream
 from meshnet_runtime.http_server import (
     ActivationReply,
@@ -110,7 +110,9 @@ class NodeApp:
         self.table = SessionTable(self.limits, on_forget=self._forgotten)
         # The table's waits, wake-ups and joins (meshnet_runtime.sequencing).
         self.seq: SequencedTable[ActivationReply] = SequencedTable(
-            self.table, on_wait_timeout=lambda: self._count("wait_timeout")
+            self.table,
+            on_wait_timeout=lambda: self._count("wait_timeout"),
+            clock=lambda: self._clock(),  # the connections' loop clock, as handed over
         )
         self.metrics = metrics or ServerMetrics("node")
         self.metrics.sessions.set_function(lambda: len(self.table))
@@ -407,6 +409,7 @@ class NodeApp:
                 tg.start_soon(self.downstream.maintain)  # a replica set's probes, DNS
             while True:
                 await anyio.sleep(interval)
+                self._clock = loop_clock()  # this loop's, whatever a request left
                 self.seq.expire()
 
     async def aclose(self) -> None:

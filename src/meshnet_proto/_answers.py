@@ -54,6 +54,10 @@ def _reason(status: int) -> bytes:
         return b""
 
 
+# h11's events are immutable: every answer's end can be the same one.
+_END_OF_MESSAGE = h11.EndOfMessage()
+
+
 def h11_response(status: int, pairs: Pairs, *, trusted: bool = False) -> h11.Response:
     """h11's response head; a header it refuses is a ``ValueError``.
 
@@ -248,7 +252,7 @@ class ServerAnswers:
             # copy), so any bytes-like works; its annotation says bytes.
             out += self._send_pieces(h11.Data(data=data))  # type: ignore[arg-type]
         # Content-Length framing: the end of the message writes nothing.
-        self._send_pieces(h11.EndOfMessage())
+        self._send_pieces(_END_OF_MESSAGE)
         self._finish(early=early)
         return out
 
@@ -300,7 +304,7 @@ class ServerAnswers:
         """End a streamed body: the closing chunk, then keep-alive or close."""
         if self._phase is not _P.STREAMING:
             raise RuntimeError(f"no streamed answer in progress (phase {self._phase.value!r})")
-        out = self._send_pieces(h11.EndOfMessage())
+        out = self._send_pieces(_END_OF_MESSAGE)
         self._finish(early=False)
         return out
 

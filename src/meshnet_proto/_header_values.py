@@ -149,7 +149,28 @@ def _check_content_type(values: list[bytes]) -> None:
     )
 
 
+# Shapes parsed before, by their header's bytes: a session's decode steps
+# all send the same one. Only valid, short values are kept, and few (a peer
+# chooses the keys): at most _MEMO_ENTRIES of at most _MEMO_VALUE_BYTES
+# each, then the memo starts over.
+_MEMO_ENTRIES = 256
+_MEMO_VALUE_BYTES = 64
+_SHAPES: dict[bytes, tuple[int, ...]] = {}
+
+
 def _parse_shape(value: bytes, *, max_rank: int) -> tuple[int, ...]:
+    shape = _SHAPES.get(value)
+    if shape is not None and len(shape) <= max_rank:
+        return shape
+    shape = _parse_new_shape(value, max_rank=max_rank)
+    if len(value) <= _MEMO_VALUE_BYTES:
+        if len(_SHAPES) >= _MEMO_ENTRIES:
+            _SHAPES.clear()
+        _SHAPES[value] = shape
+    return shape
+
+
+def _parse_new_shape(value: bytes, *, max_rank: int) -> tuple[int, ...]:
     # Count before splitting: a 16 KiB value of commas must not become a
     # list of thousands of empty strings.
     rank = value.count(b",") + 1
@@ -186,11 +207,24 @@ def _parse_shape(value: bytes, *, max_rank: int) -> tuple[int, ...]:
     return tuple(dims)
 
 
+# The tokens a valid chunk may name (wire dtypes, encodings), as the parser
+# returns them: a dict lookup instead of a regular expression, a decode and
+# a set test per header. What is not one of them is refused below.
+_KNOWN_TOKENS: dict[bytes, str] = {
+    token.encode("ascii"): token for token in (*WIRE_DTYPES, *WIRE_ENCODINGS)
+}
+
+
 def _parse_token(
     value: bytes, *, header: bytes, supported: Iterable[str], what: str, bad: str, unsupported: str
 ) -> str:
+    """``value`` as one of ``supported`` (a subset of the known tokens), else
+    400 ``bad`` (not a token at all) or 415 ``unsupported`` (well-formed)."""
+    known = _KNOWN_TOKENS.get(value)
+    if known is not None and known in supported:
+        return known
+    name = _name(header)
     if WELL_FORMED_TOKEN.fullmatch(value) is None:
-        name = _name(header)
         raise ProtocolError(
             f"{name}: {_quote(value)} is not a valid {what} token (lowercase, "
             f"e.g. {', '.join(sorted(supported))})",
@@ -198,17 +232,13 @@ def _parse_token(
             status=400,
             header=name,
         )
-    token = value.decode("ascii")
-    if token not in supported:
-        name = _name(header)
-        raise ProtocolError(
-            f"{name}: {what} {token!r} is not supported (supported: "
-            f"{', '.join(sorted(supported))})",
-            code=unsupported,
-            status=415,
-            header=name,
-        )
-    return token
+    raise ProtocolError(
+        f"{name}: {what} {value.decode('ascii')!r} is not supported (supported: "
+        f"{', '.join(sorted(supported))})",
+        code=unsupported,
+        status=415,
+        header=name,
+    )
 
 
 def _missing(header: bytes) -> ProtocolError:

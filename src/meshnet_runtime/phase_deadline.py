@@ -37,11 +37,18 @@ class PhaseDeadline:
     expires: float = math.inf  # when the current phase ends it; inf: never
 
     def expire_in(self, seconds: float) -> None:
-        """The current phase ends the connection ``seconds`` from now (inf: never)."""
+        """The current phase ends the connection ``seconds`` from now."""
         self.expires = self.now() + seconds
         if not self.watched:
             assert self.scope is not None  # set while the connection runs
             self.scope.deadline = self.expires
+
+    def clear(self) -> None:
+        """The current phase has no deadline (the application's): no clock read."""
+        self.expires = math.inf
+        if not self.watched:
+            assert self.scope is not None  # set while the connection runs
+            self.scope.deadline = math.inf
 
     def expire_if_due(self, now: float) -> None:
         """The watchdog's look: end the connection past its phase's deadline."""

@@ -14,7 +14,6 @@ from __future__ import annotations
 import contextlib
 import enum
 import logging
-import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -178,7 +177,7 @@ class ConnectionCycle:
                 return False
         self.cycles += 1
         self.phase = _Phase.APPLICATION
-        self.deadline.expire_in(math.inf)  # the application keeps its own deadlines
+        self.deadline.clear()  # the application keeps its own deadlines
         ctx = RequestContext(
             started=self.now(), path=event_path(event), peer=self.peer, clock=self.now
         )
@@ -423,7 +422,7 @@ class ConnectionCycle:
             raise Closed from exc
         self.phase = _Phase.APPLICATION
         if not ends_cycle:  # back to no timeout: a 100-continue's body, a stream
-            self.deadline.expire_in(math.inf)
+            self.deadline.clear()
 
     async def _send_shielded(self, parts: Sequence[Any]) -> None:
         """Write under a timeout of its own, shielded: a task cancelled mid-write

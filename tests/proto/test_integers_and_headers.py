@@ -664,3 +664,54 @@ def test_starts_session_is_a_first_chunk_with_nothing_before_it(
     }
     parsed = parse_wire_headers(pairs(**overrides), require_sequencing=chunk_index is not None)
     assert parsed.starts_session is starts
+
+
+# ---------------------------------------------------------------- parse memo
+
+
+def test_a_shape_parsed_before_answers_as_when_first_parsed() -> None:
+    """Shapes are remembered by their bytes (a session repeats its own): the
+    answer is the same, and a tighter rank limit still refuses one it
+    remembers."""
+    from meshnet_proto import _header_values
+
+    first = parse_wire_headers(pairs(x_meshnet_shape=b"2,3,5,7"))
+    assert b"2,3,5,7" in _header_values._SHAPES
+    again = parse_wire_headers(pairs(x_meshnet_shape=b"2,3,5,7"))
+    assert again.shape == first.shape == (2, 3, 5, 7)
+    with pytest.raises(ProtocolError) as refused:
+        parse_wire_headers(pairs(x_meshnet_shape=b"2,3,5,7"), limits=Limits(max_rank=3))
+    assert (refused.value.status, refused.value.code) == (400, "bad_shape")
+
+
+def test_the_shape_memo_stays_small_whatever_a_peer_sends() -> None:
+    from meshnet_proto import _header_values
+
+    for dim in range(1, 3 * _header_values._MEMO_ENTRIES):
+        parse_wire_headers(pairs(x_meshnet_shape=b"1,%d" % dim))
+        assert len(_header_values._SHAPES) <= _header_values._MEMO_ENTRIES
+    long_value = b",".join([b"100000000"] * 8)  # a valid shape, over the memo's length
+    assert len(long_value) > _header_values._MEMO_VALUE_BYTES
+    with pytest.raises(ProtocolError) as too_large:  # the size is checked after the grammar
+        parse_wire_headers(pairs(x_meshnet_shape=long_value))
+    assert too_large.value.code == "tensor_too_large"
+    assert long_value not in _header_values._SHAPES
+    with pytest.raises(ProtocolError):  # an invalid one is never remembered
+        parse_wire_headers(pairs(x_meshnet_shape=b"1,0"))
+    assert b"1,0" not in _header_values._SHAPES
+
+
+@pytest.mark.parametrize(
+    ("header", "value", "status", "code"),
+    [
+        ("x_meshnet_dtype", b"zstd", 415, "unsupported_dtype"),  # a known token, not a dtype
+        ("x_meshnet_encoding", b"float32", 415, "unsupported_encoding"),
+        ("x_meshnet_dtype", b"Float32", 400, "bad_dtype"),
+    ],
+)
+def test_a_known_token_in_the_wrong_header_is_still_refused(
+    header: str, value: bytes, status: int, code: str
+) -> None:
+    with pytest.raises(ProtocolError) as refused:
+        parse_wire_headers(pairs(**{header: value}))
+    assert (refused.value.status, refused.value.code) == (status, code)

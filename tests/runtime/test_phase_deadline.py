@@ -41,10 +41,13 @@ async def test_unwatched_moves_its_scope_watched_only_writes_the_time_down() -> 
         own = PhaseDeadline(clock, watched=False, scope=scope)
         own.expire_in(5.0)
         assert (own.expires, scope.deadline) == (now + 5.0, now + 5.0)
-        own.expire_in(math.inf)
-        assert scope.deadline == math.inf
+        own.clear()
+        assert (own.expires, scope.deadline) == (math.inf, math.inf)
 
         watched = PhaseDeadline(clock, watched=True, scope=scope)
+        watched.expire_in(0.5)
+        watched.clear()
+        assert watched.expires == math.inf
         watched.expire_in(0.5)
         assert watched.expires == now + 0.5 and scope.deadline == math.inf
         watched.expire_if_due(now + 0.4)
