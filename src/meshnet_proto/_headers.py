@@ -215,7 +215,11 @@ def _same(value: Any, current: Any) -> bool:
     kind = type(value)
     if kind is not type(current) or value != current:
         return False
-    return kind is not tuple or all(type(a) is type(b) for a, b in zip(value, current, strict=True))
+    if kind is tuple:  # equal tuples: as long as each other, element by element
+        for mine, theirs in zip(value, current, strict=True):
+            if type(mine) is not type(theirs):
+                return False
+    return True
 
 
 # (name, default) of every field, for WireHeaders._trusted: read once, not per parse.

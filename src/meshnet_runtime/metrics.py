@@ -6,15 +6,30 @@ one process, and each ``/metrics`` must describe only its own server.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator
+import bisect
+import math
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Gauge, Histogram
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 from prometheus_client.registry import Collector
+from prometheus_client.utils import floatToGoString
 
-__all__ = ["METRICS_CONTENT_TYPE", "ReadAtScrape", "ServerMetrics", "Tally", "endpoint_label"]
+__all__ = [
+    "METRICS_CONTENT_TYPE",
+    "ReadAtScrape",
+    "ServerMetrics",
+    "Tally",
+    "TallyHistogram",
+    "endpoint_label",
+]
 
 # (kind "counter" or "gauge", name, help, value) of one unlabelled sample.
 Sample = tuple[str, str, str, float]
@@ -90,6 +105,44 @@ class Tally(Collector):
         yield family
 
 
+class TallyHistogram(Collector):
+    """A histogram kept as plain numbers, read at scrape: what every chunk
+    observes (its stage time). prometheus_client's ``Histogram`` walks its
+    buckets in Python and takes two locks per ``observe``, ~2 % of a decode
+    step; this finds the bucket with ``bisect`` and, observed on the event
+    loop's thread only, needs no lock. Same exposition as a ``Histogram``
+    (``_bucket`` cumulative with ``+Inf``, ``_count``, ``_sum``), without
+    ``_created``."""
+
+    def __init__(
+        self,
+        name: str,
+        documentation: str,
+        buckets: Sequence[float],
+        *,
+        registry: CollectorRegistry,
+    ) -> None:
+        self.name = name
+        self.documentation = documentation
+        self.bounds = tuple(sorted(buckets))
+        self._counts = [0] * (len(self.bounds) + 1)  # the last: above every bound
+        self._sum = 0.0
+        registry.register(self)
+
+    def observe(self, amount: float) -> None:
+        self._counts[bisect.bisect_left(self.bounds, amount)] += 1
+        self._sum += amount
+
+    def collect(self) -> Iterator[Metric]:
+        cumulative, running = [], 0
+        for bound, count in zip((*self.bounds, math.inf), self._counts, strict=True):
+            running += count
+            cumulative.append((floatToGoString(bound), running))
+        yield HistogramMetricFamily(
+            self.name, self.documentation, buckets=cumulative, sum_value=self._sum
+        )
+
+
 METRICS_CONTENT_TYPE = CONTENT_TYPE_LATEST
 
 # Label values are bounded: an unknown path must not grow the series set.
@@ -148,7 +201,7 @@ class ServerMetrics:
             "Tensor bytes reserved for requests in flight (--max-inflight-bytes)",
             registry=r,
         )
-        self.stage_seconds = Histogram(
+        self.stage_seconds = TallyHistogram(
             "meshnet_stage_seconds", "Stage compute time per chunk",
             buckets=_SECONDS_BUCKETS, registry=r,
         )  # fmt: skip

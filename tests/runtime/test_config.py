@@ -8,9 +8,11 @@ import subprocess
 import sys
 from dataclasses import fields
 from pathlib import Path
+from typing import Any
 
 import anyio
 import pytest
+from prometheus_client import CollectorRegistry, Histogram
 from prometheus_client.parser import text_string_to_metric_families
 
 from meshnet_gateway.config import GATEWAY_FLAGS, GatewayConfig
@@ -22,7 +24,7 @@ from meshnet_runtime.deadlines import Deadline
 from meshnet_runtime.endpoints import format_url, parse_endpoint
 from meshnet_runtime.http_server import ServerSettings
 from meshnet_runtime.lifecycle import server_settings
-from meshnet_runtime.metrics import ServerMetrics, Tally, endpoint_label
+from meshnet_runtime.metrics import ServerMetrics, Tally, TallyHistogram, endpoint_label
 
 
 @pytest.mark.parametrize(
@@ -164,6 +166,28 @@ def test_a_tally_reads_as_a_counter_of_its_name_and_labels() -> None:
     assert [(s.name, s.labels, s.value) for s in families["meshnet_chunks"].samples] == [
         ("meshnet_chunks_total", {"outcome": "processed"}, 3.0)
     ]
+
+
+def test_a_tally_histogram_reads_as_prometheus_own_histogram() -> None:
+    """stage_seconds is kept as plain numbers: the same buckets (a value on a
+    bound counts in it), count and sum as prometheus_client's Histogram."""
+    bounds = (0.001, 0.01, 0.1, 1.0)
+    ours = TallyHistogram("t", "T", bounds, registry=CollectorRegistry())
+    theirs = Histogram("t", "T", buckets=bounds, registry=CollectorRegistry())
+    for value in (0.0, 0.0005, 0.001, 0.002, 0.01, 0.5, 1.0, 3.0, 0.1):
+        ours.observe(value)
+        theirs.observe(value)
+
+    def samples(collector: Any) -> dict[tuple[str, str], float]:
+        return {
+            (s.name, s.labels.get("le", "")): s.value
+            for family in collector.collect()
+            for s in family.samples
+            if not s.name.endswith("_created")
+        }
+
+    assert samples(ours) == samples(theirs)
+    assert samples(ours)[("t_bucket", "+Inf")] == 9 and samples(ours)[("t_bucket", "0.001")] == 3
 
 
 @pytest.mark.anyio
