@@ -87,12 +87,11 @@ def encode_tensor(
     a new one at ``level``. Raises ``ValueError`` for a non-wire dtype or an
     unknown encoding.
     """
-    dtype = array.dtype
-    if encoding == "identity" and array.flags.c_contiguous and WIRE_DTYPES.get(dtype.name) is dtype:
+    name = wire_dtype_name(array.dtype)
+    if encoding == "identity" and array.flags.c_contiguous and WIRE_DTYPES[name] is array.dtype:
         # Already what the wire wants (a decode step's usual answer): the view
         # at once, without the general path's conversions and checks.
         return array.reshape(-1).view(np.uint8).data.toreadonly()
-    name = wire_dtype_name(dtype)
     if encoding not in ("identity", "zstd"):
         raise ValueError(f"encoding must be 'identity' or 'zstd', got {encoding!r}")
     # No copy when the array already is what the wire wants; a big-endian or

@@ -165,8 +165,8 @@ class WireHeaders:
         if not changed:
             return self
         new = object.__new__(WireHeaders)
-        for name in _NAMES:
-            object.__setattr__(new, name, changes[name] if name in changed else getattr(self, name))
+        for set_slot, name, _ in _SLOT_SETTERS:  # as _trusted fills them
+            set_slot(new, changes[name] if name in changed else getattr(self, name))
         new._validate(changed)
         return new
 

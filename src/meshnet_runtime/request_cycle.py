@@ -97,8 +97,7 @@ class ConnectionCycle:
     closed_idle: bool = False  # the idle scope was cancelled by a shutdown
     cycle_bytes: list[int] = field(default_factory=lambda: [0])
     cycles: int = 0  # requests read on this connection
-    # The connection's one timer (phase_deadline) and what it is timing now.
-    timer: anyio.CancelScope | None = None
+    # The connection's one timer (its scope: `deadline.scope`) and what it is timing now.
     deadline: PhaseDeadline = field(init=False)
     phase: _Phase = _Phase.HEAD
 
@@ -123,10 +122,10 @@ class ConnectionCycle:
         # One cancel scope for the connection's whole life (phase_deadline).
         try:
             with anyio.CancelScope() as timer:
-                self.timer = self.deadline.scope = timer
+                self.deadline.scope = timer
                 while await self._cycle():
                     pass  # the core restarts the cycle itself after an answer
-            self.timer = self.deadline.scope = None
+            self.deadline.scope = None
             self.idle_scope = None
             if timer.cancelled_caught and self.phase is _Phase.HEAD:
                 await self._head_timed_out()
@@ -145,7 +144,7 @@ class ConnectionCycle:
     async def _cycle(self) -> bool:
         """One request and its answer; ``False`` when the connection is done."""
         settings = self.server.settings
-        timer = self.timer
+        timer = self.deadline.scope
         assert timer is not None  # run() set it
         self.cycle_bytes[0] = 0
         self.closed_idle = False
@@ -408,7 +407,7 @@ class ConnectionCycle:
 
         ``ends_cycle``: the cycle's answer; the timer keeps the write's deadline,
         which the next cycle replaces before any checkpoint (~1.7 us saved)."""
-        timer = self.timer
+        timer = self.deadline.scope
         if timer is None:  # the connection's timer is spent: a last answer
             await self._send_shielded(parts)
             return

@@ -80,7 +80,8 @@ async def test_a_listening_server_times_its_connections_by_its_watchdog() -> Non
                 await anyio.sleep(0.01)
         (connection,) = server._connections
         assert connection.deadline.watched
-        assert connection.timer is not None and connection.timer.deadline == math.inf
+        scope = connection.deadline.scope
+        assert scope is not None and scope.deadline == math.inf
         await slow.send(SLOW_HEAD)
         started = anyio.current_time()
         status, _, body = await read_answer(slow)
