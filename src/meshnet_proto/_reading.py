@@ -9,6 +9,7 @@ from typing import Generic, TypeVar
 import h11
 
 from ._events import NEED_DATA, NeedData
+from ._h11_answering import AnsweringH11
 from ._limits import Limits
 
 __all__ = ["H11Reader", "header_pairs"]
@@ -35,7 +36,9 @@ class H11Reader(Generic[_E]):
     """
 
     def __init__(self, role: type[h11.CLIENT] | type[h11.SERVER], limits: Limits) -> None:
-        self._h11 = h11.Connection(role, max_incomplete_event_size=limits.max_header_bytes)
+        # A server's answers skip h11's second check of their headers.
+        connection = AnsweringH11 if role is h11.SERVER else h11.Connection
+        self._h11 = connection(role, max_incomplete_event_size=limits.max_header_bytes)
         # True from h11's NEED_DATA until bytes are fed to it: it holds none,
         # so the next bytes of a Content-Length body may skip it (`_body_bypass`).
         self._h11_drained = False

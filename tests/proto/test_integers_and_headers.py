@@ -113,6 +113,15 @@ def test_wire_dtypes_are_little_endian() -> None:
 )
 def test_wire_dtype_name_ignores_byte_order(dtype: object, name: str) -> None:
     assert wire_dtype_name(np.dtype(dtype)) == name
+    # Also as what np.dtype() accepts (a scalar type, a string): the long way.
+    assert wire_dtype_name(dtype) == name  # type: ignore[arg-type]
+
+
+def test_wire_dtype_name_finds_an_equal_dtype_by_lookup() -> None:
+    # Native order and metadata do not make another dtype: still the token.
+    assert wire_dtype_name(np.dtype("=f2")) == "float16"
+    assert wire_dtype_name(np.dtype("f4", metadata={"from": "a test"})) == "float32"
+    assert wire_dtype_name(np.float32) == "float32"
 
 
 @pytest.mark.parametrize("dtype", ["f8", "i8", "i1", "u4", "bool", "V2", "c8"])

@@ -141,6 +141,31 @@ def test_fingerprint_framing_is_fixed() -> None:
     assert tensor_fingerprint(a.reshape(4, 3, 2)) == other
 
 
+@pytest.mark.parametrize(
+    "array",
+    [
+        np.zeros((1, 1, 8), dtype=ml_dtypes.bfloat16) + 1.5,  # a decode step's, hashed in place
+        np.float32(2.5),  # zero-dimensional
+        np.zeros((0, 4), dtype=np.int32),  # empty
+        np.arange(6, dtype=np.float16).reshape(2, 3)[:, ::2],  # strided: copied first
+    ],
+)
+def test_fingerprint_hashes_the_element_bytes_whatever_the_array(array: np.ndarray) -> None:
+    # Hashed through the array's own buffer: the same digest as over its
+    # little-endian C-order bytes, framed by shape and dtype name.
+    a = np.asarray(array)
+    shape = ",".join(map(str, a.shape)).encode()
+    framing = b"meshnet-tensor|%b|%b|" % (shape, a.dtype.name.encode())
+    expected = xxhash.xxh3_128(framing + np.ascontiguousarray(a).tobytes()).digest()
+    assert tensor_fingerprint(array) == expected
+
+
+def test_fingerprint_refuses_an_object_array() -> None:
+    # Its buffer is pointers: hashing them would call equal tensors different.
+    with pytest.raises(TypeError, match="holds objects"):
+        tensor_fingerprint(np.array([1.0, None], dtype=object))
+
+
 # -- the ordinary paths ---------------------------------------------------------------------
 
 
