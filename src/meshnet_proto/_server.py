@@ -38,6 +38,9 @@ from ._events import (
     NeedData,
     Paused,
     ProtocolErrorReceived,
+    activation_head,
+    activation_received,
+    is_replay,
 )
 from ._head_checks import (
     activation_body_size,
@@ -126,7 +129,7 @@ class ServerConnection(H11Reader[_Handled], ServerAnswers):
 
     def _reset_cycle(self) -> None:
         self._wire: WireHeaders | None = None
-        self._query = ""  # the activation's query string (``/forward?replay=1``)
+        self._head: ActivationHead | None = None  # the activation's, until its body ends
         self._content_length: int | None = None
         self._body: BodyReader | None = None
         self._endpoint: tuple[str, str, str, str, tuple[tuple[bytes, bytes], ...]] | None = None
@@ -235,16 +238,14 @@ class ServerConnection(H11Reader[_Handled], ServerAnswers):
             headers, limits=self._limits, require_sequencing=self._require_sequencing
         )
         check_activation_length(wire, content_length)
-        check_kv_message(wire, is_kv_import(query))  # wire-2 §3.11: KV headers on KV only
+        kv_import = is_kv_import(query)
+        check_kv_message(wire, kv_import)  # wire-2 §3.11: KV headers on KV only
         self._wire = wire
-        self._query = query
         self._content_length = content_length
         self._move(_T.ACTIVATION_HEAD)
-        return ActivationHead(
-            headers=wire,
-            expects_continue=self._h11.they_are_waiting_for_100_continue,
-            query=query,
-        )
+        expects_continue = self._h11.they_are_waiting_for_100_continue
+        self._head = activation_head((wire, expects_continue, query, is_replay(query), kv_import))
+        return self._head
 
     def _start_activation_body(self) -> None:
         wire = self._wire
@@ -268,14 +269,12 @@ class ServerConnection(H11Reader[_Handled], ServerAnswers):
                 route=route,
             )
         else:
-            wire = self._wire
-            assert wire is not None
+            head = self._head
+            assert head is not None
             tensor: np.ndarray = decode_tensor(
-                wire, body.view(), limits=self._limits, decompressor=self._decompressor
+                head.headers, body.view(), limits=self._limits, decompressor=self._decompressor
             )
-            event = ActivationReceived(
-                headers=wire, tensor=tensor, body_nbytes=body.filled, query=self._query
-            )
+            event = activation_received(head, tensor, body.filled)
         self._move(_T.REQUEST_COMPLETE)
         self._reset_cycle()
         return event

@@ -713,3 +713,45 @@ def test_answers_to_head_have_no_body() -> None:
     assert conn.send_response(200, body=b"ok") == [b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\n"]
     feed(conn, b"GET /health HTTP/1.1\r\nHost: n\r\n\r\n")
     assert conn.send_response(200, body=b"ok")[1] == b"ok"
+
+
+@pytest.mark.parametrize(
+    ("target", "expect_continue"),
+    [
+        (b"/forward", False),
+        (b"/forward?replay=1", True),
+        (b"/forward?a=b&replay=1&x", False),
+        (b"/forward?replay=10", False),
+        (b"/forward?kv=1", False),
+    ],
+)
+def test_activation_events_equal_the_publicly_built_ones(
+    target: bytes, expect_continue: bool
+) -> None:
+    """The connection builds its two activation events without checking
+    again what it made itself: each must be what the public constructor
+    builds from the same values (replay and kv_import read off the query)."""
+    array = tensor()
+    extra = [(b"Expect", b"100-continue")] if expect_continue else []
+    if b"kv=1" in target:
+        # A KV import: [layers, 2, batch, kv_heads, positions, head_dim] and
+        # its two headers (wire-2 §3.11), whose values are checked for form.
+        array = np.zeros((1, 2, 1, 1, 2, 3), dtype=np.float32)
+        extra += [(b"X-Meshnet-Position", b"2"), (b"X-Meshnet-Kv-Checksum", b"0" * 16),
+                  (b"X-Meshnet-Kv-Fingerprint", b"0" * 32)]  # fmt: skip
+    conn = ServerConnection()
+    conn.receive_data(activation_request(array, target=target, extra=extra))
+    head, received = conn.next_event(), conn.next_event()
+    assert isinstance(head, ActivationHead) and isinstance(received, ActivationReceived)
+    query = target.decode().partition("?")[2]
+    assert head == ActivationHead(
+        headers=head.headers, expects_continue=expect_continue, query=query
+    )
+    public = ActivationReceived(
+        headers=head.headers, tensor=received.tensor, body_nbytes=array.nbytes, query=query
+    )
+    assert received == public  # the same tensor object: no array comparison
+    assert (received.replay, received.kv_import) == (head.replay, head.kv_import)
+    assert head.replay == (target.endswith(b"replay=1") or b"replay=1&" in target)
+    assert head.kv_import == (b"kv=1" in target)
+    assert np.array_equal(received.tensor, array)
