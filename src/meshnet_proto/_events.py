@@ -160,21 +160,37 @@ def _slot_setters(cls: type, names: tuple[str, ...]) -> tuple[Callable[[Any, Any
     return tuple(cls.__dict__[name].__set__ for name in names)
 
 
-_HEAD_SLOTS = _slot_setters(
-    ActivationHead, ("headers", "expects_continue", "query", "replay", "kv_import")
-)
-_RECEIVED_SLOTS = _slot_setters(
+(
+    _set_head_headers,
+    _set_head_continue,
+    _set_head_query,
+    _set_head_replay,
+    _set_head_kv,
+) = _slot_setters(ActivationHead, ("headers", "expects_continue", "query", "replay", "kv_import"))
+(
+    _set_received_headers,
+    _set_received_tensor,
+    _set_received_nbytes,
+    _set_received_query,
+    _set_received_replay,
+    _set_received_kv,
+) = _slot_setters(
     ActivationReceived, ("headers", "tensor", "body_nbytes", "query", "replay", "kv_import")
 )
 
 
-def activation_head(head: tuple[WireHeaders, bool, str, bool, bool]) -> ActivationHead:
-    """An `ActivationHead` of (headers, expects_continue, query, replay,
-    kv_import) the connection has checked: equal to building it the public
-    way, without checking again."""
+def activation_head(
+    headers: WireHeaders, expects_continue: bool, query: str, replay: bool, kv_import: bool
+) -> ActivationHead:
+    """An `ActivationHead` the connection has checked: equal to building it
+    the public way (``replay`` and ``kv_import`` as read off ``query``),
+    without checking again."""
     event = object.__new__(ActivationHead)
-    for set_slot, value in zip(_HEAD_SLOTS, head, strict=True):
-        set_slot(event, value)
+    _set_head_headers(event, headers)
+    _set_head_continue(event, expects_continue)
+    _set_head_query(event, query)
+    _set_head_replay(event, replay)
+    _set_head_kv(event, kv_import)
     return event
 
 
@@ -183,9 +199,12 @@ def activation_received(
 ) -> ActivationReceived:
     """The `ActivationReceived` completing ``head``, as `activation_head`."""
     event = object.__new__(ActivationReceived)
-    values = (head.headers, tensor, body_nbytes, head.query, head.replay, head.kv_import)
-    for set_slot, value in zip(_RECEIVED_SLOTS, values, strict=True):
-        set_slot(event, value)
+    _set_received_headers(event, head.headers)
+    _set_received_tensor(event, tensor)
+    _set_received_nbytes(event, body_nbytes)
+    _set_received_query(event, head.query)
+    _set_received_replay(event, head.replay)
+    _set_received_kv(event, head.kv_import)
     return event
 
 

@@ -15,6 +15,7 @@ path that skips re-validating what it has just checked.
 from __future__ import annotations
 
 import dataclasses
+import math
 import operator
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -123,10 +124,8 @@ class WireHeaders:
     @property
     def nbytes(self) -> int:
         """Decoded tensor size in bytes, computed with Python ints (never overflows)."""
-        count = 1
-        for dim in self.shape:
-            count *= dim
-        return count * WIRE_DTYPES[self.dtype].itemsize
+        # math.prod of Python ints is exact at any size.
+        return math.prod(self.shape) * WIRE_DTYPES[self.dtype].itemsize
 
     @property
     def tokens(self) -> int:

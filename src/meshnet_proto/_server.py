@@ -244,7 +244,7 @@ class ServerConnection(H11Reader[_Handled], ServerAnswers):
         self._content_length = content_length
         self._move(_T.ACTIVATION_HEAD)
         expects_continue = self._h11.they_are_waiting_for_100_continue
-        self._head = activation_head((wire, expects_continue, query, is_replay(query), kv_import))
+        self._head = activation_head(wire, expects_continue, query, is_replay(query), kv_import)
         return self._head
 
     def _start_activation_body(self) -> None:

@@ -13,7 +13,7 @@ from ._budget import ByteBudget, request_cost
 from ._chunking import ChunkAssembler, plan_chunks
 from ._client_sessions import Lease
 from ._codec import body_bound, decode_tensor
-from ._dtypes import WIRE_DTYPES
+from ._dtypes import WIRE_DTYPES, wire_dtype_name
 from ._headers import parse_session_key
 from ._kv import KV_RANK, kv_checksum
 from ._policy import apply_wire_dtype
@@ -30,6 +30,7 @@ __all__ = [
     "body_bound",
     "decode_tensor",
     "WIRE_DTYPES",
+    "wire_dtype_name",
     "apply_wire_dtype",
     # the server's routes and the cap on a control body
     "DEFAULT_ROUTES",

@@ -35,7 +35,7 @@ from meshnet_proto import (
     encode_for_wire,
     encode_tensor,
 )
-from meshnet_proto.lowlevel import decode_tensor
+from meshnet_proto.lowlevel import decode_tensor, wire_dtype_name
 
 from .metrics import ServerMetrics
 
@@ -122,9 +122,10 @@ class CodecPool:
         ):  # fmt: skip
             # encode_for_wire's answer for these policies, its steps skipped:
             # encode_tensor refuses any dtype that is not a wire dtype (in
-            # either byte order), and numpy names those as the wire does.
+            # either byte order). wire_dtype_name, not numpy's dtype.name
+            # (~0.7 us a call): the same token, by a dict lookup.
             body = encode_tensor(array)
-            return array.dtype.name, "identity", body
+            return wire_dtype_name(array.dtype), "identity", body
         return None
 
     async def encode(

@@ -412,6 +412,13 @@ def test_replace_without_a_change_is_the_instance_itself() -> None:
     base = WireHeaders(shape=(1, 4), dtype="float32", position=3)
     same = base.replace(shape=(1, 4), dtype="float32", position=3, stage=None, prefix_blocks=())
     assert same is base
+    # An equal shape that is another tuple object (a literal would be the
+    # same constant): compared element by element, and still no change.
+    assert base.replace(shape=tuple([1, 4])) is base
+    # So is an equal str or int that is another object (one parsed anew).
+    assert base.replace(dtype="".join(["float", "32"])) is base
+    far = WireHeaders(shape=(1, 4), dtype="float32", position=10**6)
+    assert far.replace(position=int("1000000")) is far
     numpy_shape = base.replace(shape=(np.int64(1), 4))
     assert numpy_shape is not base and numpy_shape == base
     assert all(type(dim) is int for dim in numpy_shape.shape)
