@@ -46,14 +46,21 @@ def body_buffer(size: int) -> bytearray | memoryview:
 @dataclass(slots=True)
 class BodyReader:
     """One body being collected into one preallocated buffer (`body_buffer`);
-    a chunked or until-close body of unknown size grows a bytearray."""
+    a chunked or until-close body of unknown size grows a bytearray.
 
-    buffer: bytearray | memoryview
+    ``buffer=None``: made at the first piece, ``limit`` bytes — unless that
+    piece is the whole body and is handed over (`take`): then it is kept as
+    it is, without the buffer's zero-fill and the copy (section decode).
+    """
+
+    buffer: bytearray | memoryview | None
     limit: int  # bytes the body may have; over it is 413
     what: str = "request"  # named in the error: "request body", "response body"
     filled: int = 0
+    whole: bytes | bytearray | None = None  # the body, when it was handed over whole
 
     def add(self, data: bytes | bytearray | memoryview) -> None:
+        """Copy ``data`` in after what came before."""
         end = self.filled + len(data)
         if end > self.limit:
             raise ProtocolError(
@@ -61,12 +68,31 @@ class BodyReader:
                 code="body_too_large",
                 status=413,
             )
+        if not data:
+            return  # nothing to copy (and a body kept whole stays so)
+        if self.buffer is None:  # (never with a whole body: it is at the limit)
+            self.buffer = body_buffer(self.limit)
         # Only a bytearray grows past its buffer (to at most `limit`): slice
         # assignment extends it.
         self.buffer[self.filled : end] = data
         self.filled = end
 
+    def take(self, data: bytes | bytearray) -> None:
+        """``add`` a piece nobody else holds or writes to (an h11 ``Data``
+        event's: h11 slices a new object out of its buffer for each). The
+        whole body in one such piece (it came with its head: a decode
+        step's) is kept as it is."""
+        if self.buffer is None and not self.filled and len(data) == self.limit:
+            self.whole = data
+            self.filled = len(data)
+            return
+        self.add(data)
+
     def view(self) -> memoryview:
+        if self.whole is not None:
+            return memoryview(self.whole)
+        if self.buffer is None:  # nothing came: an empty body
+            return memoryview(b"")
         return memoryview(self.buffer)[: self.filled]
 
 

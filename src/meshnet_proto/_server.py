@@ -25,7 +25,7 @@ import numpy as np
 import zstandard
 
 from ._answers import ServerAnswers
-from ._body import BodyReader, body_buffer
+from ._body import BodyReader
 from ._body_bypass import take_body_bytes
 from ._codec import decode_tensor
 from ._errors import MeshnetError
@@ -200,7 +200,7 @@ class ServerConnection(H11Reader[_Handled], ServerAnswers):
             return self._on_head(event)
         if isinstance(event, h11.Data):
             assert self._body is not None
-            self._body.add(event.data)
+            self._body.take(event.data)  # h11's own slice: kept if it is the whole body
             return None
         if isinstance(event, h11.EndOfMessage):
             return self._on_end()
@@ -252,7 +252,7 @@ class ServerConnection(H11Reader[_Handled], ServerAnswers):
         assert wire is not None
         self._move(_T.READ_BODY)
         size = activation_body_size(wire, self._content_length)
-        self._body = BodyReader(body_buffer(size), size)
+        self._body = BodyReader(None, size)  # made at the first piece (BodyReader)
 
     def _on_end(self) -> ActivationReceived | EndpointRequest:
         body = self._body
