@@ -71,6 +71,7 @@ from .handoff import KVHandoff, handoff_info
 from .identity import StageKey, check_stage, node_identity, stage_key
 from .model_stage import stage_from_config
 from .next_hop import next_hop
+from .outgoing import outgoing_changes
 
 __all__ = ["NodeApp", "RunningNode", "build_node", "node_identity", "serve_node"]
 
@@ -305,23 +306,19 @@ class NodeApp:
         # goes down keeps the session key (the session's, not the hop's:
         # wire-2 §3.9); what is answered never carries it.
         stage_key = self.stage_key
-        changes: dict[str, Any] = {
-            "shape": tuple(output.shape),
-            "dtype": dtype,
-            "encoding": encoding,
-            "position": ticket.position,
-            "deadline_ms": None,
-            "stage": None,
-        }
+        shape, position = output.shape, ticket.position
         if self.downstream is None:
             # The last stage: what is answered is all there is (one copy of
             # the headers, not two: section decode).
-            reply = ActivationReply(headers.replace(**changes, **_REQUEST_ONLY), body)
+            changes = outgoing_changes(headers, shape, dtype, encoding, position, answer=True)
+            reply = ActivationReply(headers.replace(**changes), body)
             self.table.response_ready(
                 ticket, reply, self._clock(), nbytes=memoryview(reply.body).nbytes
             )
             return reply
-        out = headers.replace(**changes)
+        out = headers.replace(
+            **outgoing_changes(headers, shape, dtype, encoding, position, answer=False)
+        )
         down = out if stage_key is None else out.replace(stage=f"{stage_key[0]}/{stage_key[2]}")
         if replay:
             # Kept as if sent: a failover of the hop below replays it.
