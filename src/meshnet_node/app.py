@@ -64,7 +64,7 @@ from meshnet_runtime.sequencing import SequencedTable
 from meshnet_runtime.transports import listen
 from meshnet_runtime.wire_encoder import WireEncoder
 
-from .backends import StageBackend, StageContext, make_stage
+from .backends import StageBackend, make_stage, stage_context
 from .config import NodeConfig
 from .forgetting import InFlight
 from .handoff import KVHandoff, handoff_info
@@ -256,18 +256,13 @@ class NodeApp:
         self, ticket: Ticket, headers: WireHeaders, event: ActivationReceived, deadline: Deadline
     ) -> Any:
         started = time.perf_counter()
-        context = StageContext(
-            session=ticket.session,
-            position=ticket.position,
-            tokens=ticket.tokens,
-            index=ticket.index,
-            total=headers.chunk_total or 1,
-            run=ticket.run,
+        context = stage_context(
+            ticket.session, ticket.position, ticket.tokens, ticket.index,
+            headers.chunk_total or 1, ticket.run,
             # The loop's clock is not the thread's: hand the stage a monotonic one.
-            deadline=time.monotonic() + (deadline.at - self._clock()),
-            prefix=headers.prefix,
-            prefix_blocks=headers.prefix_blocks,
-        )
+            time.monotonic() + (deadline.at - self._clock()),
+            headers.prefix, headers.prefix_blocks,
+        )  # fmt: skip
         try:
             output = await self.stage(event.tensor, context)
         except BaseException as exc:
