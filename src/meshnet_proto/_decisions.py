@@ -33,6 +33,28 @@ class Ticket:
     serial: int
 
 
+_TICKET_FIELDS = ("session", "run", "index", "position", "tokens", "fingerprint", "serial")
+_set_session, _set_run, _set_index, _set_position, _set_tokens, _set_fingerprint, _set_serial = (
+    Ticket.__dict__[name].__set__ for name in _TICKET_FIELDS
+)
+
+
+def new_ticket(
+    session: str, run: int, index: int, position: int, tokens: int, fingerprint: bytes, serial: int
+) -> Ticket:
+    """The table's own `Ticket` of values it holds: equal to constructing it,
+    its slots set directly past the frozen keyword ``__init__`` (one a chunk)."""
+    ticket = object.__new__(Ticket)
+    _set_session(ticket, session)
+    _set_run(ticket, run)
+    _set_index(ticket, index)
+    _set_position(ticket, position)
+    _set_tokens(ticket, tokens)
+    _set_fingerprint(ticket, fingerprint)
+    _set_serial(ticket, serial)
+    return ticket
+
+
 @dataclass(frozen=True, slots=True)
 class Process:
     """Run the stage on this chunk now, then report through the ticket."""

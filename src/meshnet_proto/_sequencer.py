@@ -29,7 +29,7 @@ from typing import Any
 from ._capacity import Capacity
 from ._chunk_record import ChunkRecord, move
 from ._claims import check_claims, check_owner, require, unknown
-from ._decisions import Decision, Join, Process, Reforward, Replay, Ticket, Wait
+from ._decisions import Decision, Join, Process, Reforward, Replay, Ticket, Wait, new_ticket
 from ._errors import SequencingError
 from ._fingerprint import tensor_fingerprint
 from ._limits import Limits
@@ -374,14 +374,8 @@ class SessionTable:
             self._store.forget(s.last_records.values())
             s.last_records = {}
         assert h.chunk_index is not None
-        ticket = Ticket(
-            session=s.id,
-            run=s.run,
-            index=h.chunk_index,
-            position=s.position,
-            tokens=h.tokens,
-            fingerprint=fp,
-            serial=next(self._serials),
+        ticket = new_ticket(
+            s.id, s.run, h.chunk_index, s.position, h.tokens, fp, next(self._serials)
         )
         s.records[ticket.index] = ChunkRecord(ticket)
         return Process(ticket)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -31,6 +32,7 @@ from meshnet_proto import (
     tensor_fingerprint,
 )
 from meshnet_proto._capacity import Capacity
+from meshnet_proto._decisions import new_ticket
 from meshnet_proto._routing import Session
 from meshnet_proto._sequencer import Ticket
 from meshnet_proto._waiters import Waiter
@@ -1010,3 +1012,15 @@ def test_an_answer_evicted_by_the_stored_bytes_budget_is_refused_not_rerun() -> 
     with pytest.raises(SequencingError) as err:
         node.offer(0)
     assert err.value.code == "chunk_conflict"
+
+
+def test_the_tables_tickets_equal_constructed_ones() -> None:
+    """The table builds its tickets by their slots (new_ticket): the same
+    value, hash and repr as the constructor's, and as frozen."""
+    values = {"session": S1, "run": 2, "index": 1, "position": 12, "tokens": 4,
+              "fingerprint": b"\x01" * 16, "serial": 9}  # fmt: skip
+    fast = new_ticket(*values.values())
+    built = Ticket(**values)  # type: ignore[arg-type]
+    assert fast == built and hash(fast) == hash(built) and repr(fast) == repr(built)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        fast.run = 3  # type: ignore[misc]

@@ -125,6 +125,23 @@ def test_gateway_requires_entry(capsys: pytest.CaptureFixture[str]) -> None:
     assert "--entry" in capsys.readouterr().err
 
 
+def test_answers_are_counted_through_a_memo_of_known_paths_only() -> None:
+    metrics = ServerMetrics("node")
+    for _ in range(3):
+        metrics.observe_request("/forward", 200)
+    for n in range(50):  # a peer's made-up paths: counted, never remembered
+        metrics.observe_request(f"/nope/{n}", 404)
+    metrics.observe_request("/sessions/abc", 204)
+    families = {f.name: f for f in text_string_to_metric_families(metrics.render().decode())}
+    samples = {
+        tuple(sorted(s.labels.items())): s.value for s in families["meshnet_requests"].samples
+    }
+    assert samples[(("endpoint", "/forward"), ("status", "200"))] == 3
+    assert samples[(("endpoint", "other"), ("status", "404"))] == 50
+    assert samples[(("endpoint", "/sessions"), ("status", "204"))] == 1
+    assert set(metrics._answers) == {("/forward", 200)}
+
+
 def test_metrics_render_parses_and_registries_are_separate() -> None:
     a, b = ServerMetrics("node"), ServerMetrics("node")
     a.observe_request("/forward", 200)
