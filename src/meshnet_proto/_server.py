@@ -53,7 +53,7 @@ from ._head_checks import (
     from_h11,
     needs_credentials,
 )
-from ._headers import WireHeaders, parse_wire_headers
+from ._headers import parse_wire_headers
 from ._kv import check_kv_message, is_kv_import
 from ._limits import KiB, Limits
 from ._reading import H11Reader, header_pairs
@@ -128,7 +128,6 @@ class ServerConnection(H11Reader[_Handled], ServerAnswers):
     # ------------------------------------------------------------- state
 
     def _reset_cycle(self) -> None:
-        self._wire: WireHeaders | None = None
         self._head: ActivationHead | None = None  # the activation's, until its body ends
         self._content_length: int | None = None
         self._body: BodyReader | None = None
@@ -243,7 +242,6 @@ class ServerConnection(H11Reader[_Handled], ServerAnswers):
         check_activation_length(wire, content_length)
         kv_import = is_kv_import(query)
         check_kv_message(wire, kv_import)  # wire-2 §3.11: KV headers on KV only
-        self._wire = wire
         self._content_length = content_length
         self._move(_T.ACTIVATION_HEAD)
         expects_continue = self._h11.they_are_waiting_for_100_continue
@@ -251,10 +249,10 @@ class ServerConnection(H11Reader[_Handled], ServerAnswers):
         return self._head
 
     def _start_activation_body(self) -> None:
-        wire = self._wire
-        assert wire is not None
+        head = self._head
+        assert head is not None
         self._move(_T.READ_BODY)
-        size = activation_body_size(wire, self._content_length)
+        size = activation_body_size(head.headers, self._content_length)
         self._body = BodyReader(None, size)  # made at the first piece (BodyReader)
 
     def _on_end(self) -> ActivationReceived | EndpointRequest:
