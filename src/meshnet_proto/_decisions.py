@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, TypeAlias
 
+from ._slots import slot_setters
 from ._waiters import Waiter
 
 __all__ = ["Ticket", "Process", "Wait", "Replay", "Reforward", "Join", "Decision"]
@@ -33,9 +34,8 @@ class Ticket:
     serial: int
 
 
-_TICKET_FIELDS = ("session", "run", "index", "position", "tokens", "fingerprint", "serial")
 _set_session, _set_run, _set_index, _set_position, _set_tokens, _set_fingerprint, _set_serial = (
-    Ticket.__dict__[name].__set__ for name in _TICKET_FIELDS
+    slot_setters(Ticket, ("session", "run", "index", "position", "tokens", "fingerprint", "serial"))
 )
 
 

@@ -16,7 +16,6 @@ few ``isinstance`` checks per message, never a pass over a tensor.
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Final, Literal
 
@@ -25,6 +24,7 @@ import numpy as np
 from ._errors import DownstreamError, MeshnetError
 from ._headers import WireHeaders
 from ._kv import is_kv_import
+from ._slots import slot_setters
 
 __all__ = [
     "NEED_DATA",
@@ -156,17 +156,13 @@ class ActivationReceived:
 # itself (parsed headers, the decoded tensor, the query it split): their
 # checks, the query parsed twice more and a frozen dataclass's setattr were
 # ~4 us of a decode step (section decode). Its slots are set directly.
-def _slot_setters(cls: type, names: tuple[str, ...]) -> tuple[Callable[[Any, Any], None], ...]:
-    return tuple(cls.__dict__[name].__set__ for name in names)
-
-
 (
     _set_head_headers,
     _set_head_continue,
     _set_head_query,
     _set_head_replay,
     _set_head_kv,
-) = _slot_setters(ActivationHead, ("headers", "expects_continue", "query", "replay", "kv_import"))
+) = slot_setters(ActivationHead, ("headers", "expects_continue", "query", "replay", "kv_import"))
 (
     _set_received_headers,
     _set_received_tensor,
@@ -174,7 +170,7 @@ def _slot_setters(cls: type, names: tuple[str, ...]) -> tuple[Callable[[Any, Any
     _set_received_query,
     _set_received_replay,
     _set_received_kv,
-) = _slot_setters(
+) = slot_setters(
     ActivationReceived, ("headers", "tensor", "body_nbytes", "query", "replay", "kv_import")
 )
 

@@ -45,6 +45,7 @@ from ._header_values import (
 from ._kv import kv_pairs, valid_kv_fields
 from ._limits import Limits
 from ._prefix import prefix_pairs, valid_prefix_fields
+from ._slots import slot_setters
 
 __all__ = ["WireHeaders", "is_session_key", "parse_wire_headers", "parse_session_key"]
 
@@ -229,7 +230,10 @@ _NAMES: frozenset[str] = frozenset(name for name, _ in _FIELDS)
 # (its slot's setter, name, default) of every field: a slot set directly, past
 # the frozen class's __setattr__, is a third cheaper than object.__setattr__.
 _SLOT_SETTERS: tuple[tuple[Callable[[Any, Any], None], str, Any], ...] = tuple(
-    (WireHeaders.__dict__[name].__set__, name, default) for name, default in _FIELDS
+    (set_slot, name, default)
+    for set_slot, (name, default) in zip(
+        slot_setters(WireHeaders, (name for name, _ in _FIELDS)), _FIELDS, strict=True
+    )
 )
 
 
