@@ -57,6 +57,7 @@ class ErrorCode(enum.StrEnum):
     BAD_CHUNK_INDEX = "bad_chunk_index", 400, 502
     BAD_STAGE = "bad_stage", 400
     BAD_PREFIX = "bad_prefix", 400
+    BAD_SAMPLE = "bad_sample", 400
     BAD_KV = "bad_kv", 400
     WIRE_VERSION_MISMATCH = "wire_version_mismatch", 400
     BODY_SIZE_MISMATCH = "body_size_mismatch", 400

@@ -22,6 +22,7 @@ from ._integers import MAX_UINT_DIGITS, parse_canonical_uint
 from ._kv import H_KV_CHECKSUM, H_KV_FINGERPRINT, parse_kv
 from ._limits import Limits
 from ._prefix import H_PREFIX, H_PREFIX_BLOCKS, parse_prefix
+from ._sample import H_SAMPLE, parse_sample
 
 # Header names as h11 hands them to us (lowercase bytes). Comparisons are done
 # on ASCII-lowercased bytes only: ``str.lower()`` would turn the Kelvin sign
@@ -56,6 +57,7 @@ KNOWN_MESHNET_HEADERS: frozenset[bytes] = frozenset(
         H_PREFIX_BLOCKS,
         H_KV_CHECKSUM,
         H_KV_FINGERPRINT,
+        H_SAMPLE,
     }
 )
 
@@ -461,7 +463,15 @@ def _optional(
 
 # wire-2 §2's order of checks, after the content type and duplicates (collect)
 # and before the tensor's size (parse_wire_headers, once the headers are built).
-GROUPS: tuple[Group, ...] = (_wire_version, _tensor, _sequencing, _optional, parse_prefix, parse_kv)
+GROUPS: tuple[Group, ...] = (
+    _wire_version,
+    _tensor,
+    _sequencing,
+    _optional,
+    parse_prefix,
+    parse_kv,
+    parse_sample,
+)
 
 
 def check_size(shape: tuple[int, ...], dtype: str, nbytes: int, limits: Limits) -> None:

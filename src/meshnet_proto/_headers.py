@@ -45,6 +45,7 @@ from ._header_values import (
 from ._kv import kv_pairs, valid_kv_fields
 from ._limits import Limits
 from ._prefix import prefix_pairs, valid_prefix_fields
+from ._sample import SampleSpec, sample_pairs, valid_sample_field
 from ._slots import slot_setters
 
 __all__ = ["WireHeaders", "is_session_key", "parse_wire_headers", "parse_session_key"]
@@ -80,6 +81,9 @@ class WireHeaders:
     # identity fingerprint (on a KV export's answer and a KV import only).
     kv_checksum: str | None = None
     kv_fingerprint: str | None = None
+    # wire-2 §3.13: the last stage draws the next token and answers its id
+    # (request-only: an answer never carries it).
+    sample: SampleSpec | None = None
 
     def __post_init__(self) -> None:
         self._validate(_EVERY_CHECK)
@@ -204,6 +208,8 @@ class WireHeaders:
             pairs += prefix_pairs(self.prefix, self.prefix_blocks)
         if self.kv_checksum is not None or self.kv_fingerprint is not None:
             pairs += kv_pairs(self.kv_checksum, self.kv_fingerprint)
+        if self.sample is not None:
+            pairs += sample_pairs(self.sample)
         return pairs
 
 
@@ -299,6 +305,11 @@ def _check_kv(h: WireHeaders) -> None:
         raise ValueError("kv_checksum must be 16 and kv_fingerprint 32 lowercase hex digits")
 
 
+def _check_sample(h: WireHeaders) -> None:
+    if not valid_sample_field(h.sample):
+        raise ValueError(f"sample must be a SampleSpec or None, got {h.sample!r}")
+
+
 def _uint_check(field: str) -> Callable[[WireHeaders], None]:
     def check(h: WireHeaders) -> None:
         value = getattr(h, field)
@@ -321,6 +332,7 @@ _CHECKS: dict[str, Callable[[WireHeaders], None]] = {
     "prefix_blocks": _check_prefix,
     "kv_checksum": _check_kv,
     "kv_fingerprint": _check_kv,
+    "sample": _check_sample,
     **{
         name: _uint_check(name)
         for name in ("chunk_index", "chunk_total", "position", "deadline_ms")

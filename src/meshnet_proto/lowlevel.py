@@ -18,6 +18,7 @@ from ._headers import parse_session_key
 from ._kv import KV_RANK, kv_checksum
 from ._policy import apply_wire_dtype
 from ._prefix import PREFIX_BLOCK_TOKENS, blocks_ending_in, prefix_block_keys
+from ._sample import MAX_SAMPLE_LOGPROBS, SampleSpec
 from ._sequencer import Ticket
 from ._server import DEFAULT_MAX_ENDPOINT_BODY, DEFAULT_ROUTES
 from ._topology import ChainProblem, StageIdentity, StageReport, is_deep_health
@@ -46,6 +47,9 @@ __all__ = [
     # the KV hand-off message (wire-2 §3.11)
     "KV_RANK",
     "kv_checksum",
+    # sampling at the last stage (wire-2 §3.13)
+    "SampleSpec",
+    "MAX_SAMPLE_LOGPROBS",
     # the gateway's chunking
     "plan_chunks",
     "ChunkAssembler",
