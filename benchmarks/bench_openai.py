@@ -35,7 +35,7 @@ import numpy as np
 from meshnet_gateway import open_gateway
 from meshnet_gateway.config import GatewayConfig
 from meshnet_gateway.openai.generation import ChainSession, ChainSettings, generate
-from meshnet_gateway.openai.sampling import Sampler, SamplingParams
+from meshnet_model.sampling import Sampler, SamplingParams
 from meshnet_gateway.openai.testing import write_tokenizer
 from meshnet_gateway.openai.tokenizer import ModelTokenizer
 from meshnet_model.testing import small_config, write_checkpoint

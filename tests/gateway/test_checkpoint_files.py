@@ -12,9 +12,9 @@ import pytest
 from meshnet_cli.__main__ import main as cli_main
 from meshnet_gateway.__main__ import main as gateway_main
 from meshnet_gateway.openai.defaults import GenerationDefaults
-from meshnet_gateway.openai.sampling import SamplingParams
 from meshnet_gateway.openai.testing import write_tokenizer
 from meshnet_gateway.openai.tokenizer import FALLBACK_TEMPLATE, ModelTokenizer
+from meshnet_model.sampling import SamplingParams
 from meshnet_node.__main__ import main as node_main
 from support.openai import VOCAB, reference_greedy, serve_openai, write_model_dir
 from tests.gateway.test_openai_api import client_for, in_thread

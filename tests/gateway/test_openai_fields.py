@@ -30,9 +30,9 @@ from meshnet_gateway.openai.errors import OpenAIError
 from meshnet_gateway.openai.generation import generate
 from meshnet_gateway.openai.logprobs import TokenTexts
 from meshnet_gateway.openai.requests import REFUSED, parse_chat, parse_completion
-from meshnet_gateway.openai.sampling import Sampler, SamplingParams, log_softmax
 from meshnet_gateway.openai.testing import write_tokenizer
 from meshnet_gateway.openai.tokenizer import ModelTokenizer
+from meshnet_model.sampling import Sampler, SamplingParams, log_softmax
 from support.openai import BIGRAM, fake_stages, greedy_continuation, serve_openai, write_model_dir
 
 T = TypeVar("T")

@@ -14,9 +14,9 @@ from hypothesis import strategies as st
 from meshnet_gateway.openai.errors import OpenAIError
 from meshnet_gateway.openai.generation import StopFilter, generate
 from meshnet_gateway.openai.requests import parse_chat, parse_completion, parse_json_object
-from meshnet_gateway.openai.sampling import Sampler, SamplingParams
 from meshnet_gateway.openai.testing import write_tokenizer
 from meshnet_gateway.openai.tokenizer import ChatTemplateError, ModelTokenizer, TextStream
+from meshnet_model.sampling import Sampler, SamplingParams
 
 
 @pytest.fixture(scope="module")

@@ -26,12 +26,12 @@ from hypothesis import strategies as st
 
 import meshnet_model.stage.runner as runner_module
 from meshnet_gateway.config import GatewayConfig
-from meshnet_gateway.openai.sampling import Sampler, SamplingParams, top_indices
 from meshnet_gateway.openai.special_tokens import ChatEncoder
 from meshnet_gateway.openai.testing import write_tokenizer
 from meshnet_gateway.openai.tokenizer import ModelTokenizer
 from meshnet_model import SessionEnded, StageRunner
 from meshnet_model.errors import ChunkTooLarge, ComputeDeadlineExceeded, ContextExceeded
+from meshnet_model.sampling import Sampler, SamplingParams, top_indices
 from meshnet_model.stage.costs import chunk_cost
 from meshnet_model.testing import small_config, smollm_135m_config, write_checkpoint
 from meshnet_node import serve_node

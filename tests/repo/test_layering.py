@@ -81,6 +81,7 @@ MODEL = SRC / "meshnet_model"
 _LAYERS = {
     "errors": 0,
     "progress": 0,  # a load's progress: imports nothing of ours, the readers report to it
+    "sampling": 0,  # drawing a token from logits (the gateway's and the last stage's)
     "formats": 1,
     "rope": 1,
     "source": 2,

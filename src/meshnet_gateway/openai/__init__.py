@@ -6,8 +6,9 @@ next-token choice), ``generation`` (prefill and decode through the chain),
 endpoints), ``testing`` (tiny tokenizers for tests).
 """
 
+from meshnet_model.sampling import Sampler, SamplingParams
+
 from .api import OPENAI_ROUTES, OpenAIService, ServedModel
-from .sampling import Sampler, SamplingParams
 from .tokenizer import ModelTokenizer
 
 __all__ = [

@@ -34,6 +34,7 @@ from typing import Any
 
 import anyio
 
+from meshnet_model.sampling import Sampler
 from meshnet_model.source import is_gguf, load_config, model_name
 from meshnet_proto import EndpointRequest, MeshnetError
 from meshnet_runtime.codec_pool import CodecPool
@@ -58,7 +59,6 @@ from .requests import (
     parse_completion,
     parse_json_object,
 )
-from .sampling import Sampler
 from .special_tokens import ChatEncoder
 from .timing import RequestTiming
 from .tokenizer import ChatTemplateError, ModelTokenizer

@@ -22,7 +22,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from .sampling import REPETITION_PENALTY, SamplingParams
+from meshnet_model.sampling import REPETITION_PENALTY, SamplingParams
 
 __all__ = ["GenerationDefaults"]
 

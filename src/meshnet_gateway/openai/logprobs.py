@@ -32,7 +32,8 @@ from dataclasses import dataclass
 from functools import cache
 from typing import Any
 
-from .sampling import Logprobs
+from meshnet_model.sampling import Logprobs
+
 from .tokenizer import ModelTokenizer
 
 __all__ = ["TokenLogprob", "TokenTexts", "chat_logprobs", "completion_logprobs"]

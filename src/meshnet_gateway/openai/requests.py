@@ -19,9 +19,10 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from meshnet_model.sampling import REPETITION_PENALTY, SamplingParams
+
 from .errors import OpenAIError, invalid
 from .limits import shown
-from .sampling import REPETITION_PENALTY, SamplingParams
 
 __all__ = ["ChatRequest", "CompletionRequest", "GenerationOptions", "parse_json_object"]
 

@@ -8,9 +8,17 @@ ones); then temperature 0 is greedy (argmax, ties to the lowest id).
 Otherwise the logits are divided by the temperature, cut by ``min_p``
 (probability at least ``min_p`` times the best one's), to the ``top_k``
 highest, then to the smallest set whose probability reaches ``top_p``
-(nucleus), and one id is drawn with a ``numpy.random.Generator`` seeded from
-the request's ``seed``: the same seed, prompt and parameters give the same
-tokens.
+(nucleus), and one id is drawn.
+
+The draw is a function of ``(seed, position)`` (wire-2 §3.13): the uniform
+number that picks the id comes from a counter-based generator (Philox-4x64,
+numpy's ``Philox``) keyed by the request's seed, its counter set to the
+position of the token being drawn. No state carries from one token to the
+next, so the gateway drawing from relayed logits and the last stage drawing
+where the logits are made give the same token, and so does a replica that
+replays the session after a failover. (Until issue 36 the gateway drew from
+one ``numpy.random.Generator`` stream per request: a seed's text changed once,
+then.)
 
 ``logprobs`` are the log-softmax of the *raw* logits, before any of that
 (vLLM's default ``logprobs_mode``): the model's own distribution.
@@ -36,6 +44,7 @@ inf - inf NaN. The probabilities are computed in float64.
 from __future__ import annotations
 
 import math
+import secrets
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
@@ -46,7 +55,9 @@ __all__ = [
     "Logprobs",
     "Sampler",
     "SamplingParams",
+    "draw_generator",
     "log_softmax",
+    "new_seed",
     "top_indices",
 ]
 
@@ -117,6 +128,19 @@ class Logprobs:
     top: tuple[tuple[int, float], ...]
 
 
+def new_seed() -> int:
+    """A seed for a request that gave none: fresh entropy, as OpenAI does
+    (63 bits: any wire-2 sender and JSON reader holds it exactly as an int)."""
+    return secrets.randbits(63)
+
+
+def draw_generator(seed: int, position: int) -> np.random.Generator:
+    """The generator of the draw for the token at ``position``: Philox keyed
+    by ``seed``, its counter at ``position``. Counter-based: nothing depends
+    on which tokens were drawn before, or where."""
+    return np.random.Generator(np.random.Philox(key=seed, counter=position))
+
+
 def log_softmax(logits: np.ndarray) -> np.ndarray:
     """float64 log-softmax over the finite logits; -inf for the others."""
     row = np.asarray(logits, dtype=np.float64).reshape(-1)
@@ -151,8 +175,8 @@ class Sampler:
 
     def __init__(self, params: SamplingParams, seed: int | None) -> None:
         self.params = params
-        # No seed: fresh entropy, as OpenAI does; with one, a fixed stream.
-        self._rng = np.random.default_rng(seed)
+        # No seed: fresh entropy, as OpenAI does; with one, the same draws.
+        self.seed = new_seed() if seed is None else seed
         self._prompt: list[int] = []
         self.generated = 0  # tokens chosen so far
         self._counts: np.ndarray | None = None  # per id: times generated
@@ -173,8 +197,15 @@ class Sampler:
         self.stop_ids = eos | self.params.stop_token_ids
         self._stops = np.asarray(sorted(self.stop_ids), dtype=np.int64)
 
-    def __call__(self, logits: np.ndarray) -> int:
-        """The next id from one position's logits (shape ``[vocab]``)."""
+    def __call__(self, logits: np.ndarray, position: int | None = None) -> int:
+        """The next id from one position's logits (shape ``[vocab]``).
+
+        ``position``: the new token's place in the session (how many tokens
+        come before it), the draw's counter; by default the prompt's length
+        plus the tokens chosen so far, which is that place for a generation
+        this sampler follows from ``begin``."""
+        if position is None:
+            position = len(self._prompt) + self.generated
         raw = np.asarray(logits, dtype=np.float64).reshape(-1)
         if raw.size == 0:
             raise ValueError("empty logits")
@@ -182,11 +213,29 @@ class Sampler:
         finite = np.isfinite(raw)
         if not finite.any():
             raise ValueError("no finite logit to sample from")
-        token = self._choose(self._adjust(np.where(finite, raw, -np.inf)))
+        token = self._choose(self._adjust(np.where(finite, raw, -np.inf)), position)
         if self.params.logprobs is not None:
             self.last = self._logprobs(raw, token)
         self._accept(token, raw.size)
         return token
+
+    @property
+    def stateless(self) -> bool:
+        """Whether the next draw needs nothing but the logits, the parameters
+        and ``(seed, position)``, so that the stage that made the logits can
+        draw it (wire-2 §3.13): no ``logit_bias``, no penalty (they need the
+        history), no ``min_tokens`` mask still in force, a seed the wire
+        carries (< 10**19)."""
+        params = self.params
+        masking = self.generated < params.min_tokens and self._stops.size > 0
+        return not (params.logit_bias or params.penalised or masking) and self.seed < 10**19
+
+    def record(self, logprobs: Logprobs | None) -> None:
+        """A token drawn elsewhere with this sampler's parameters while it was
+        ``stateless`` (the last stage, wire-2 §3.13), counted as if drawn
+        here: no penalty history to update, only the count."""
+        self.last = logprobs
+        self.generated += 1
 
     def adjusted(self, logits: np.ndarray) -> np.ndarray:
         """The logits the next choice is made from (float64; non-finite ones
@@ -234,7 +283,7 @@ class Sampler:
             counts[token] += 1
             seen[token] = True
 
-    def _choose(self, row: np.ndarray) -> int:
+    def _choose(self, row: np.ndarray, position: int) -> int:
         params = self.params
         if params.temperature == 0.0:
             return int(np.argmax(row))
@@ -254,7 +303,8 @@ class Sampler:
         probs /= probs.sum()  # >= 1 before: the best id contributes exp(0)
         if params.top_p < 1.0:
             candidates, probs = _nucleus(candidates, probs, params.top_p)
-        return int(candidates[self._rng.choice(candidates.size, p=probs)])
+        rng = draw_generator(self.seed, position)
+        return int(candidates[rng.choice(candidates.size, p=probs)])
 
     def _logprobs(self, raw: np.ndarray, token: int) -> Logprobs:
         logprobs = log_softmax(raw)
