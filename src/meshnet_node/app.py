@@ -66,12 +66,13 @@ from meshnet_runtime.wire_encoder import WireEncoder
 
 from .backends import StageBackend, make_stage, stage_context
 from .config import NodeConfig
+from .draw import check_sampled_head, draw_answer
 from .forgetting import InFlight
 from .handoff import KVHandoff, handoff_info
 from .identity import StageKey, check_stage, node_identity, stage_key
 from .model_stage import stage_from_config
 from .next_hop import next_hop
-from .outgoing import outgoing_changes
+from .outgoing import REQUEST_ONLY, outgoing_changes, relayed_headers
 
 __all__ = ["NodeApp", "RunningNode", "build_node", "node_identity", "serve_node"]
 
@@ -79,11 +80,6 @@ log = logging.getLogger("meshnet.node")
 
 # How often idle sessions are looked for; expiry is at most this late.
 _EXPIRY_INTERVAL = 5.0
-
-
-# What a request carries and an answer never does: the session's key
-# (wire-2 §3.9) and the prefix cache's keys (§3.10).
-_REQUEST_ONLY: dict[str, Any] = {"session_key": None, "prefix": None, "prefix_blocks": ()}
 
 
 class NodeApp:
@@ -137,6 +133,8 @@ class NodeApp:
             level=config.zstd_level,
             link=self.downstream.link if self.downstream is not None else None,
         )
+        # A drawn token's answer: tiny, exact, never recast (wire-2 §3.13).
+        self.answer_encoder = WireEncoder(self.codecs, encoding="identity")
         # Sessions moved by their KV (wire-2 §3.11): GET /kv/{id}, POST /forward?kv=1.
         self.handoff = KVHandoff(
             self.table,
@@ -174,6 +172,9 @@ class NodeApp:
             check_stage(self.stage_key, event.headers.stage)
         # A stage may refuse by shape and dtype alone (a model's stage).
         self.stage.check_head(event.headers.shape, event.headers.dtype, event.headers.position)
+        if event.headers.sample is not None and self.downstream is None:
+            # This node draws (wire-2 §3.13): refused now if it makes no logits.
+            check_sampled_head(self.identity["output"])
         self.table.check_head(event.headers, ctx.started, replay=event.replay, client=ctx.peer)
 
     async def handle_activation(
@@ -292,9 +293,18 @@ class NodeApp:
         *,
         replay: bool = False,
     ) -> ActivationReply:
-        encoded = self.encoder.encode_now(output, headers.encoding)
+        encoder = self.encoder
+        if headers.sample is not None and self.downstream is None:
+            # The answer is the drawn token (wire-2 §3.13), sent as made:
+            # a dtype policy must not round a float32 answer's ids.
+            position = ticket.position + ticket.tokens  # the drawn token's place
+            output = await self.codecs.run(
+                output.nbytes, draw_answer, output, headers.sample, position
+            )
+            encoder = self.answer_encoder
+        encoded = encoder.encode_now(output, headers.encoding)
         if encoded is None:
-            encoded = await self.encoder.encode(output, headers.encoding)
+            encoded = await encoder.encode(output, headers.encoding)
         dtype, encoding, body = encoded
         # X-Meshnet-Stage is request-only: the answer never carries one, and
         # what goes down names the stage that starts where ours stops. What
@@ -318,7 +328,7 @@ class NodeApp:
         if replay:
             # Kept as if sent: a failover of the hop below replays it.
             self.downstream.record_replayed(ticket.session, down, body)
-            reply = ActivationReply(out.replace(**_REQUEST_ONLY), body)
+            reply = ActivationReply(out.replace(**REQUEST_ONLY), body)
             self.table.response_ready(
                 ticket, reply, self._clock(), nbytes=memoryview(reply.body).nbytes
             )
@@ -334,13 +344,8 @@ class NodeApp:
         if isinstance(response, ErrorResponse):
             self.table.forward_failed(ticket, self._clock(), nbytes=kept)
             raise response.to_error(hop=self.downstream.url)
-        # Relayed unchanged: the last node's headers and body as received —
-        # less a stage header or a session key a careless downstream might
-        # have sent back (both are request-only).
-        relayed = response.headers
-        if relayed.stage is not None or relayed.session_key is not None:
-            relayed = relayed.replace(stage=None, session_key=None)
-        reply = ActivationReply(relayed, response.body)
+        # Relayed unchanged: the last node's headers and body as received.
+        reply = ActivationReply(relayed_headers(response.headers), response.body)
         self.table.response_ready(
             ticket, reply, self._clock(), nbytes=memoryview(reply.body).nbytes
         )

@@ -7,7 +7,18 @@ from typing import Any
 
 from meshnet_proto import WireHeaders
 
-__all__ = ["outgoing_changes"]
+__all__ = ["REQUEST_ONLY", "outgoing_changes", "relayed_headers"]
+
+# What a request carries and an answer never does: the session's key
+# (wire-2 §3.9), the prefix cache's keys (§3.10), the sampling parameters
+# (§3.13) and the stage expected (§3.2).
+REQUEST_ONLY: dict[str, Any] = {
+    "session_key": None,
+    "prefix": None,
+    "prefix_blocks": (),
+    "sample": None,
+    "stage": None,
+}
 
 
 def outgoing_changes(
@@ -23,7 +34,8 @@ def outgoing_changes(
     it changes — its output's shape, dtype and encoding, the session's
     position; no deadline and no stage (X-Meshnet-Stage is request-only:
     what goes down names the next stage itself) — and, for an ``answer``,
-    none of the request-only session key and prefix (wire-2 §3.9, §3.10).
+    none of the request-only session key, prefix and sampling
+    parameters (wire-2 §3.9, §3.10, §3.13).
 
     Only the fields that differ: a decode step's usually none, so that
     ``headers.replace(**changes)`` is the request's own headers, without
@@ -49,4 +61,14 @@ def outgoing_changes(
             changes["prefix"] = None
         if headers.prefix_blocks:
             changes["prefix_blocks"] = ()
+        if headers.sample is not None:
+            changes["sample"] = None
     return changes
+
+
+def relayed_headers(answer: WireHeaders) -> WireHeaders:
+    """A downstream's answer as this node relays it: unchanged, less any
+    request-only field a careless downstream sent back."""
+    if answer.stage is None and answer.session_key is None and answer.sample is None:
+        return answer
+    return answer.replace(stage=None, session_key=None, sample=None)
