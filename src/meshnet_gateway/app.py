@@ -466,6 +466,7 @@ def _openai_service(app: GatewayApp) -> OpenAIService:
             stage=app.expected_entry,
             on_stage_mismatch=lambda: app.on_chain_suspect(),
             prefix=prefix,
+            sample_at=config.sample_at,
         )
 
     # Prompts the chain can take as one run: no more chunks than a run may have.

@@ -101,8 +101,26 @@ _CACHE = (
         "send no block keys: every prompt is computed whole (wire-2 §3.10)",
     ),
 )
+SAMPLE_SITES = ("last-stage", "gateway")
+
+
+def sample_site(text: str) -> str:
+    """``--sample-at``'s value: where a generation's tokens are drawn."""
+    if text not in SAMPLE_SITES:
+        raise argparse.ArgumentTypeError(f"expected one of {', '.join(SAMPLE_SITES)}, got {text!r}")
+    return text
+
+
+_SAMPLING = (
+    Flag(
+        "--sample-at",
+        sample_site,
+        "where tokens are drawn: last-stage (it answers token ids, wire-2 §3.13) or "
+        "gateway (the last stage's logits are relayed up every hop)",
+    ),
+)
 GATEWAY_FLAGS: tuple[Flag, ...] = (
-    _CHAIN + _MODEL + _RETRIES + _PROMPTS + _ADMISSION + _LOGGING + _CACHE
+    _CHAIN + _MODEL + _RETRIES + _PROMPTS + _ADMISSION + _LOGGING + _CACHE + _SAMPLING
 )
 
 
@@ -146,6 +164,8 @@ class GatewayConfig(ServerConfig):
     # The chain's prefix cache (wire-2 §3.10): block keys on every chunk, and
     # prompts started after the longest prefix the chain holds.
     no_prefix_cache: bool = False
+    # Where a generation's tokens are drawn (wire-2 §3.13; SAMPLE_SITES).
+    sample_at: str = "last-stage"
 
     @classmethod
     def build_parser(cls, prog: str | None = None) -> argparse.ArgumentParser:

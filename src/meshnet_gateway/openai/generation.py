@@ -7,7 +7,17 @@ ahead, first failure wins); the last stage answers every chunk with the
 logits of its last position (``[1, vocab]``), and only the last chunk's
 answer matters. Each generated token is then one new run of one chunk
 ``[1, 1]`` at the session's position: the nodes' KV caches continue the
-context. When the generation ends — finished, failed or cancelled because
+context. A decode step is one prebuilt request (no chunk plan, task group or
+assembler for one token).
+
+Where the token is drawn (wire-2 §3.13): while the sampler needs nothing but
+the logits, its parameters and ``(seed, position)`` (``Sampler.stateless``),
+the run's last chunk carries ``X-Meshnet-Sample`` and the last stage answers
+the drawn id, not the ``[1, vocab]`` logits; otherwise (``logit_bias``, the
+penalties, a ``min_tokens`` mask in force, ``--sample-at gateway``) the
+logits come up and the gateway draws, with the same function: either way the
+same tokens. A chain that ignores the header (older nodes) answers logits,
+and the gateway draws from them. When the generation ends — finished, failed or cancelled because
 the client left — the session is deleted at the entry node, which passes
 the DELETE down the chain.
 """
@@ -20,23 +30,31 @@ import time
 import uuid
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
+from typing import overload
 
 import anyio
 import numpy as np
 
+from meshnet_model.sampling import Sampler
 from meshnet_proto import ErrorResponse, MeshnetError, WireHeaders
-from meshnet_proto.lowlevel import PREFIX_BLOCK_TOKENS, blocks_ending_in, prefix_block_keys
+from meshnet_proto.lowlevel import (
+    PREFIX_BLOCK_TOKENS,
+    SampleSpec,
+    blocks_ending_in,
+    prefix_block_keys,
+)
 from meshnet_runtime.codec_pool import CodecPool
 from meshnet_runtime.deadlines import Deadline
 from meshnet_runtime.downstream import Downstream, key_headers
 from meshnet_runtime.wire_encoder import WireEncoder
 
-from .._pipeline import run_chunks
-from .._retry import RetryPolicy
+from .._pipeline import check_response, run_chunks
+from .._retry import RetryPolicy, send_with_retries
+from .drawn import Answer, Drawn, read_answer
 from .logprobs import TokenLogprob, TokenTexts
 from .metrics import GenerationMetrics
 from .prefix_index import PrefixIndex
-from .sampling import Sampler
+from .stops import StopFilter
 from .tokenizer import ModelTokenizer, TextStream
 
 __all__ = [
@@ -72,6 +90,9 @@ class ChainSettings:
     # The chain's prefix cache (wire-2 §3.10): what it is believed to hold;
     # None sends no block keys at all (--no-prefix-cache).
     prefix: PrefixIndex | None = None
+    # Who draws the tokens (wire-2 §3.13): the last stage while it can
+    # ("last-stage"), or always the gateway from relayed logits ("gateway").
+    sample_at: str = "last-stage"
 
 
 class ChainSession:
@@ -110,8 +131,13 @@ class ChainSession:
         self.block_keys: list[str] = []
         self.tokens_saved = 0
 
-    async def prefill(self, ids: Sequence[int]) -> np.ndarray:
-        """Send the prompt; the logits after its last token (``[vocab]``).
+    @overload
+    async def prefill(self, ids: Sequence[int], sample: None = None) -> np.ndarray: ...
+    @overload
+    async def prefill(self, ids: Sequence[int], sample: SampleSpec | None) -> Answer: ...
+    async def prefill(self, ids: Sequence[int], sample: SampleSpec | None = None) -> Answer:
+        """Send the prompt; the logits after its last token (``[vocab]``), or
+        with ``sample`` the token the last stage drew there (wire-2 §3.13).
 
         With a prefix index, the prompt starts after the longest prefix of it
         the chain is believed to hold; a node that no longer holds it answers
@@ -124,23 +150,25 @@ class ChainSession:
             keys = prefix_block_keys(ids)
             held = self.prefix.longest(keys, len(ids))
             if held:
-                logits = await self._attached(ids, keys, held)
+                logits = await self._attached(ids, keys, held, sample)
             elif keys:
                 self.prefix.misses += 1
         if logits is None:
-            logits = await self._run(np.asarray([ids], dtype=np.int32))
+            logits = await self._run(np.asarray([ids], dtype=np.int32), sample=sample)
         if self.metrics is not None:
             self.metrics.prefill_seconds.observe(time.perf_counter() - started)
         return logits
 
-    async def _attached(self, ids: list[int], keys: list[str], held: int) -> np.ndarray | None:
+    async def _attached(
+        self, ids: list[int], keys: list[str], held: int, sample: SampleSpec | None
+    ) -> Answer | None:
         """Run the prompt after its first ``held`` cached blocks; None if a node refused."""
         assert self.prefix is not None
         start = held * PREFIX_BLOCK_TOKENS
         self.history, self.block_keys, self.position = ids[:start], keys[:held], start
         try:
             logits = await self._run(
-                np.asarray([ids[start:]], dtype=np.int32), attach=keys[held - 1]
+                np.asarray([ids[start:]], dtype=np.int32), attach=keys[held - 1], sample=sample
             )
         except MeshnetError as exc:
             if exc.code != "prefix_unknown":
@@ -155,17 +183,65 @@ class ChainSession:
         self.tokens_saved = start
         return logits
 
-    async def step(self, token_id: int) -> np.ndarray:
-        """One decode step: the logits after ``token_id``."""
+    @overload
+    async def step(self, token_id: int, sample: None = None) -> np.ndarray: ...
+    @overload
+    async def step(self, token_id: int, sample: SampleSpec | None) -> Answer: ...
+    async def step(self, token_id: int, sample: SampleSpec | None = None) -> Answer:
+        """One decode step: the logits after ``token_id``, or with ``sample``
+        the token the last stage drew after it.
+
+        One prebuilt request, sent and retried as a run's chunk is, without
+        a run's machinery (a chunk plan, a task group, an assembler)."""
         started = time.perf_counter()
-        logits = await self._run(np.asarray([[token_id]], dtype=np.int32))
+        ids = np.asarray([[token_id]], dtype=np.int32)
+        settings = self.settings
+        headers = WireHeaders(
+            shape=(1, 1),
+            dtype="int32",
+            session=self.session,
+            chunk_index=0,
+            chunk_total=1,
+            position=self.position,
+            stage=settings.stage,
+            session_key=self.key,
+            sample=sample,
+        )
+        if self.prefix is not None:
+            headers = self._block_keys_for(ids, None)(headers)
+        self.chunks += 1
+        try:
+            response = await send_with_retries(
+                self.pool,
+                headers,
+                ids.tobytes(),
+                Deadline.after(settings.timeout),
+                settings.retry,
+            )
+            check_response(self.pool, headers, response.headers)
+            tensor = await self.codecs.decode(response.headers, response.body)
+        except MeshnetError as exc:
+            self._suspect(exc)
+            raise
+        finally:
+            self.position += 1
+            self.runs += 1
+        if self.prefix is not None:
+            self.prefix.add(self.block_keys)
         if self.metrics is not None:
             self.metrics.step_seconds.observe(time.perf_counter() - started)
-        return logits
+        return read_answer(tensor, sample, self.pool.url)
 
-    async def _run(self, ids: np.ndarray, *, attach: str | None = None) -> np.ndarray:
+    def _suspect(self, exc: MeshnetError) -> None:
+        if exc.code == "stage_mismatch" and self.settings.on_stage_mismatch is not None:
+            self.settings.on_stage_mismatch()  # the chain changed under us: re-check it
+
+    async def _run(
+        self, ids: np.ndarray, *, attach: str | None = None, sample: SampleSpec | None = None
+    ) -> Answer:
         """One run of chunks; the last stage's answer to the last chunk.
-        ``attach``: the cached prefix the session's first chunk starts from."""
+        ``attach``: the cached prefix the session's first chunk starts from;
+        ``sample``: how the last stage draws after the last chunk."""
         settings = self.settings
 
         def count(headers: WireHeaders) -> None:
@@ -174,6 +250,8 @@ class ChainSession:
         annotate = None
         if self.prefix is not None:
             annotate = self._block_keys_for(ids, attach)
+        if sample is not None:
+            annotate = _sampling_last(annotate, sample)
 
         try:
             result = await run_chunks(
@@ -193,8 +271,7 @@ class ChainSession:
                 annotate=annotate,
             )
         except MeshnetError as exc:
-            if exc.code == "stage_mismatch" and settings.on_stage_mismatch is not None:
-                settings.on_stage_mismatch()  # the chain changed under us: re-check it
+            self._suspect(exc)
             raise
         finally:
             # Whatever reached the nodes is in their caches now: the position
@@ -203,16 +280,7 @@ class ChainSession:
             self.runs += 1
         if self.prefix is not None:  # every chunk answered: the chain holds these
             self.prefix.add(self.block_keys)
-        logits = result.output
-        if logits.ndim != 2 or logits.shape[0] != 1:
-            raise MeshnetError(
-                f"{self.pool.url}: the last stage answered shape {logits.shape}, "
-                "not logits [1, vocab]",
-                code="downstream_bad_response",
-                status=502,
-                hop=self.pool.url,
-            )
-        return np.asarray(logits[0], dtype=np.float32)
+        return read_answer(result.output, sample, self.pool.url)
 
     def _block_keys_for(
         self, ids: np.ndarray, attach: str | None
@@ -259,37 +327,20 @@ class ChainSession:
                 log.warning("DELETE /sessions/%s: %d", self.session, response.status)
 
 
-class StopFilter:
-    """Cuts generated text at the first stop sequence.
+def _sampling_last(
+    annotate: Callable[[WireHeaders], WireHeaders] | None, sample: SampleSpec
+) -> Callable[[WireHeaders], WireHeaders]:
+    """``annotate``, then ``X-Meshnet-Sample`` on the run's last chunk alone:
+    only its answer is used, and an earlier chunk's needs no draw."""
 
-    Text that might be the start of a stop sequence is held back until the
-    next piece shows whether it is one, so a stop sequence split across
-    tokens never reaches the client.
-    """
+    def with_sample(headers: WireHeaders) -> WireHeaders:
+        if annotate is not None:
+            headers = annotate(headers)
+        if headers.chunk_index == (headers.chunk_total or 1) - 1:
+            return headers.replace(sample=sample)
+        return headers
 
-    def __init__(self, stops: Sequence[str]) -> None:
-        self.stops = [s for s in stops if s]
-        self._pending = ""
-
-    def feed(self, piece: str) -> tuple[str, bool]:
-        """(text safe to emit, whether a stop sequence was reached)."""
-        text = self._pending + piece
-        found = [i for i in (text.find(s) for s in self.stops) if i >= 0]
-        if found:
-            self._pending = ""
-            return text[: min(found)], True
-        hold = 0
-        for stop in self.stops:
-            for k in range(min(len(stop) - 1, len(text)), hold, -1):
-                if text.endswith(stop[:k]):
-                    hold = k
-                    break
-        self._pending = text[len(text) - hold :] if hold else ""
-        return text[: len(text) - hold], False
-
-    def flush(self) -> str:
-        rest, self._pending = self._pending, ""
-        return rest
+    return with_sample
 
 
 @dataclass(slots=True)
@@ -323,10 +374,15 @@ class _Output:
         if wanted:
             result.logprobs = []
 
-    def pick(self, logits: np.ndarray) -> tuple[int, TokenLogprob | None]:
-        """The next id and, if asked, its logprobs entry (in a worker thread)."""
+    def pick(self, answer: Answer) -> tuple[int, TokenLogprob | None]:
+        """The next id and, if asked, its logprobs entry (in a worker thread):
+        drawn from the logits here, or as the last stage drew it."""
         sampler = self.sampler
-        token = sampler(logits)
+        if isinstance(answer, Drawn):
+            token = answer.token
+            sampler.record(answer.logprobs)
+        else:
+            token = sampler(answer)
         if self.texts is None or sampler.last is None or token in sampler.stop_ids:
             return token, None
         return token, self.texts.entry(sampler.last)
@@ -379,14 +435,32 @@ async def generate(
     stop_ids = sampler.stop_ids
     output = _Output(result, on_text, tokenizer, sampler)
     emit = output.emit
-    logits = await chain.prefill(prompt_ids)
+    remote = chain.settings.sample_at == "last-stage"
+
+    def sample() -> SampleSpec | None:
+        """The draw the last stage makes next, while it can make it."""
+        if not remote or not sampler.stateless:
+            return None
+        params = sampler.params
+        return SampleSpec(
+            seed=sampler.seed,
+            temperature=params.temperature,
+            top_p=params.top_p,
+            top_k=params.top_k,
+            min_p=params.min_p,
+            logprobs=params.logprobs,
+        )
+
+    answer = await chain.prefill(prompt_ids, sample())
     if on_prefilled is not None:
         on_prefilled()
     stopped = False
     for produced in range(1, max_tokens + 1):
         try:
-            # O(vocab) numpy work per token: off the event loop.
-            token, entry = await anyio.to_thread.run_sync(output.pick, logits)
+            if isinstance(answer, Drawn):  # nothing to compute: no thread hop
+                token, entry = output.pick(answer)
+            else:  # O(vocab) numpy work per token: off the event loop.
+                token, entry = await anyio.to_thread.run_sync(output.pick, answer)
         except ValueError as exc:  # e.g. every logit NaN: the last stage is broken
             raise MeshnetError(
                 f"{chain.pool.url}: the last stage's logits cannot be sampled: {exc}",
@@ -406,7 +480,7 @@ async def generate(
         await emit(text)
         if stopped or produced == max_tokens:
             break  # the last token needs no decode step of its own
-        logits = await chain.step(token)
+        answer = await chain.step(token, sample())
     if not stopped:
         text, stopped = stops.feed(stream.flush())
         await emit(text)

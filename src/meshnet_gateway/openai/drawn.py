@@ -1,0 +1,77 @@
+"""What the last stage answers a generation's chunk: logits, or a drawn token.
+
+With ``X-Meshnet-Sample`` (wire-2 §3.13) the answer is the token the last
+stage drew — int32 ``[1, 1]``, or with ``logprobs=k`` float32 ``[1, 2 + 2k]``
+(the id, its logprob, then ``k`` (id, logprob) pairs, padded with id -1 when
+the vocabulary is smaller than ``k``). A chain whose last stage ignores the
+header answers the logits ``[1, vocab]`` instead, and the gateway draws from
+them with the same function. Anything else is the last stage's fault: 502.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from meshnet_model.sampling import Logprobs
+from meshnet_proto import MeshnetError
+from meshnet_proto.lowlevel import SampleSpec
+
+__all__ = ["Answer", "Drawn", "read_answer"]
+
+
+@dataclass(frozen=True, slots=True)
+class Drawn:
+    """A token the last stage drew, and its logprobs when they were asked."""
+
+    token: int
+    logprobs: Logprobs | None = None
+
+
+# What a run's last chunk is answered: the logits (``[vocab]``) or the drawn token.
+Answer = np.ndarray | Drawn
+
+
+def _bad(url: str, what: str) -> MeshnetError:
+    return MeshnetError(
+        f"{url}: the last stage answered {what}",
+        code="downstream_bad_response",
+        status=502,
+        hop=url,
+    )
+
+
+def read_answer(tensor: np.ndarray, sample: SampleSpec | None, url: str) -> Answer:
+    """The answer ``tensor`` to a chunk sent with ``sample`` (or without),
+    checked: logits as float32 ``[vocab]``, or the ``Drawn`` token."""
+    if tensor.ndim != 2 or tensor.shape[0] != 1:
+        raise _bad(url, f"shape {tensor.shape}, not logits [1, vocab] or a drawn token")
+    if sample is not None and tensor.dtype == np.int32:
+        if tensor.shape != (1, 1) or tensor[0, 0] < 0:
+            raise _bad(url, f"an int32 {tensor.shape} with {tensor[0, 0]}, not one token id")
+        if sample.logprobs is not None:
+            raise _bad(url, "a token without the logprobs asked for")
+        return Drawn(int(tensor[0, 0]))
+    if (
+        sample is not None
+        and sample.logprobs is not None
+        and tensor.shape[1] == 2 + 2 * sample.logprobs
+    ):
+        return _with_logprobs(tensor[0], url)
+    if tensor.dtype == np.int32:
+        raise _bad(url, "int32 values to a chunk that asked for logits")
+    return np.asarray(tensor[0], dtype=np.float32)
+
+
+def _with_logprobs(row: np.ndarray, url: str) -> Drawn:
+    values = row.astype(np.float64)
+    ids = values[0::2]
+    if not (np.isfinite(values).all() and (ids == np.floor(ids)).all() and ids[0] >= 0):
+        raise _bad(url, "a drawn token whose ids are not whole numbers")
+    top = tuple(
+        (int(token), float(logprob))
+        for token, logprob in zip(ids[1:], values[3::2], strict=True)
+        if token >= 0
+    )
+    return Drawn(int(ids[0]), Logprobs(token=int(ids[0]), logprob=float(values[1]), top=top))
