@@ -17,6 +17,7 @@ from .s2_body import CASES as S2_BODY
 from .s2_headers import CASES as S2_HEADERS
 from .s2_order import CASES as S2_ORDER
 from .s3_kv import CASES as S3_KV
+from .s3_sample import CASES as S3_SAMPLE
 from .s3_sessions import CASES as S3_SESSIONS
 from .s4_errors import CASES as S4_ERRORS
 from .s5_codecs import CASES as S5_CODECS
@@ -31,6 +32,7 @@ ALL_CASES: tuple[Case, ...] = (
     *S2_ORDER,
     *S3_SESSIONS,
     *S3_KV,
+    *S3_SAMPLE,
     *S4_ERRORS,
     *S5_CODECS,
     *S6_ENDPOINTS,

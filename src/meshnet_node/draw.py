@@ -50,7 +50,11 @@ def sampled_bytes(spec: SampleSpec) -> int:
 def draw_answer(logits: np.ndarray, spec: SampleSpec, position: int) -> np.ndarray:
     """The answer to a sampled chunk whose stage made ``logits``; ``position``
     is the drawn token's place in the session (the tokens before it).
-    ``ProtocolError`` 400 ``bad_sample`` for a row that cannot be drawn from."""
+
+    ``ProtocolError`` 400 ``bad_sample`` for an output that is no row of
+    logits (a stub's). A row without a finite logit (a broken stage) is
+    answered as it is: the sender, which accepts logits to a sampled chunk
+    (wire-2 §3.13), finds it cannot draw from them and says so (502)."""
     if logits.ndim != 2 or logits.shape[0] != 1 or not 0 < logits.shape[1] < MAX_SAMPLED_VOCAB:
         raise _refuse(f"x-meshnet-sample: the stage made shape {logits.shape}, not [1, vocab]")
     params = SamplingParams(
@@ -61,10 +65,9 @@ def draw_answer(logits: np.ndarray, spec: SampleSpec, position: int) -> np.ndarr
         logprobs=spec.logprobs,
     )
     sampler = Sampler(params, spec.seed)
-    try:
-        token = sampler(logits[0], position)
-    except ValueError as exc:  # no finite logit: nothing to draw from
-        raise _refuse(f"x-meshnet-sample: {exc}") from None
+    if not np.isfinite(logits).any():
+        return logits
+    token = sampler(logits[0], position)
     if spec.logprobs is None:
         return np.array([[token]], dtype=np.int32)
     chosen = sampler.last

@@ -143,14 +143,17 @@ def tcp_server(handle: Callable[[socket.socket], None]) -> Iterator[str]:
         thread.join(5)
 
 
-def lenient_proxy(upstream: str) -> Callable[[socket.socket], None]:
-    """Our node, made to accept a dtype in the wrong case (``Float32``): one bug."""
+def lenient_proxy(
+    upstream: str, old: bytes = b"Float32", new: bytes = b"float32"
+) -> Callable[[socket.socket], None]:
+    """Our node, made to accept a dtype in the wrong case (``Float32``): one
+    bug; or, given ``old`` and ``new``, whatever rewriting them makes."""
     host, port = upstream.removeprefix("http://").rsplit(":", 1)
 
     def pump(src: socket.socket, dst: socket.socket, fix: bool) -> None:
         with contextlib.suppress(OSError):
             while data := src.recv(65536):
-                dst.sendall(data.replace(b"Float32", b"float32") if fix else data)
+                dst.sendall(data.replace(old, new) if fix else data)
         with contextlib.suppress(OSError):
             dst.shutdown(socket.SHUT_WR)
 
@@ -178,6 +181,20 @@ def test_a_server_that_accepts_a_bad_header_fails_that_case_by_name() -> None:
     assert "expected 400 bad_dtype, got 200" in failed[0]["detail"]
     assert table.returncode == 1
     assert "FAILED 2.dtype-case: expected 400 bad_dtype, got 200" in table.stdout
+
+
+def test_a_node_that_ignores_the_sample_header_fails_exactly_the_sampling_cases() -> None:
+    """wire-2 §3.13 checked: the header renamed on its way in, our node answers
+    the logits row as an echo does; every 3.sample case fails, nothing else."""
+    with (
+        node() as url,
+        tcp_server(lenient_proxy(url, b"X-Meshnet-Sample", b"X-Meshnet-Other")) as broken,
+    ):
+        status, document, _ = conformance(broken)
+    assert status == 1
+    failed = {case["id"] for case in document["cases"] if case["result"] == "fail"}
+    sampling = {case.id for case in ALL_CASES if case.id.startswith("3.sample.")}
+    assert len(sampling) >= 10 and failed == sampling
 
 
 def always_200(conn: socket.socket) -> None:

@@ -75,13 +75,18 @@ def test_a_vocabulary_smaller_than_k_is_padded_with_id_minus_one() -> None:
     [
         np.zeros((2, 5), dtype="<f4"),
         np.zeros((1, 2, 5), dtype="<f4"),
-        np.full((1, 5), np.nan, dtype="<f4"),
     ],
 )
 def test_what_cannot_be_drawn_from_is_400_bad_sample(logits: np.ndarray) -> None:
     with pytest.raises(ProtocolError) as caught:
         draw_answer(logits, SampleSpec(seed=0), 0)
     assert (caught.value.status, caught.value.code) == (400, "bad_sample")
+
+
+def test_a_row_without_a_finite_logit_is_answered_as_it_is() -> None:
+    """A broken stage's NaNs go up as logits: the sender's draw refuses them (502)."""
+    broken = np.full((1, 5), np.nan, dtype="<f4")
+    assert draw_answer(broken, SampleSpec(seed=0), 0) is broken
 
 
 def test_the_head_check_refuses_a_stage_that_makes_hidden_states() -> None:

@@ -1,0 +1,139 @@
+"""wire-2 §3.13: sampling at the last stage — the header's grammar and ranges
+(both roles: refused from the head, nothing changed), and the draw a node
+answers with (one float32 row ``[1, 8]`` as the "logits" of an identity
+stage), held to the reference draw: the token, its logprobs, its replay.
+"""
+
+from __future__ import annotations
+
+import math
+import struct
+
+import numpy as np
+
+from meshnet_model.sampling import Sampler, SamplingParams
+
+from ._case import BOTH, NODE, Case, Context, expect_error, expect_tensor, new_session
+from ._wire import CheckFailed, Response
+from .s3_sessions import _chunk, _expect_at
+
+SECTION = "3"
+SAMPLE = "X-Meshnet-Sample"
+VOCAB = 8  # the "logits" row the checker sends: float32 [1, VOCAB]
+ROW = [0.5, -1.25, 2.0, 0.75, 1.5, -0.5, 1.75, 0.25]
+
+
+def _sampled(ctx: Context, value: str, *, session: str | None = None, shape: str = "") -> bytes:
+    headers = [
+        ("Content-Type", "application/octet-stream"),
+        ("X-Meshnet-Wire", "2"),
+        ("X-Meshnet-Shape", shape or f"1,{VOCAB}"),
+        ("X-Meshnet-Dtype", "float32"),
+    ]
+    if ctx.role == "node":
+        headers += [
+            ("X-Meshnet-Session", session or new_session()),
+            ("X-Meshnet-Chunk-Index", "0"),
+            ("X-Meshnet-Chunk-Total", "1"),
+            ("X-Meshnet-Position", "0"),
+        ]
+    count = math.prod(int(d) for d in (shape or f"1,{VOCAB}").split(","))
+    body = struct.pack(f"<{count}f", *(ROW * (count // VOCAB + 1))[:count])
+    return ctx.forward([*headers, (SAMPLE, value)], body)
+
+
+def _refused_case(id: str, value: str, description: str, shape: str = "") -> Case:
+    def check(ctx: Context) -> None:
+        session = new_session() if ctx.role == "node" else None
+        response = ctx.send(_sampled(ctx, value, session=session, shape=shape))
+        expect_error(response, 400, "bad_sample", header="x-meshnet-sample")
+        if session is not None:  # refused from the head: the session starts afresh at 0
+            _expect_at(ctx.send(_chunk(ctx, session, position=0, seed=1)), 0)
+
+    return Case(f"3.sample.{id}", SECTION, f"X-Meshnet-Sample {description} is 400 bad_sample "
+                "naming it, and changes nothing", check, BOTH)  # fmt: skip
+
+
+def _reference(seed: int, temperature: float, logprobs: int | None = None) -> Sampler:
+    params = SamplingParams(temperature=temperature, logprobs=logprobs)
+    return Sampler(params, seed)
+
+
+def _drawn(response: Response, shape: str, dtype: str) -> np.ndarray:
+    expect_tensor(response, shape=shape, dtype=dtype)
+    if response.all("x-meshnet-sample"):
+        raise CheckFailed("an answer never carries X-Meshnet-Sample (request-only)")
+    return np.frombuffer(response.body, "<i4" if dtype == "int32" else "<f4")
+
+
+def _greedy(ctx: Context) -> None:
+    session = new_session()
+    request = _sampled(ctx, "seed=1,temperature=0", session=session)
+    first = _drawn(ctx.send(request), "1,1", "int32")
+    want = int(np.argmax(ROW))
+    if int(first[0]) != want:
+        raise CheckFailed(f"temperature 0 draws the highest logit's id {want}, got {first[0]}")
+    again = ctx.send(request)  # a retransmission: the kept answer
+    if _drawn(again, "1,1", "int32").tolist() != first.tolist():
+        raise CheckFailed("a retransmission of a sampled chunk answered another token")
+
+
+def _seeded(ctx: Context) -> None:
+    """The draw is a function of (seed, position): the chunk's position (0)
+    plus its tokens (axis 1: VOCAB) is where the token is drawn."""
+    drawn = []
+    for seed in (11, 12, 13, 14, 15, 16):
+        response = ctx.send(_sampled(ctx, f"seed={seed},temperature=1.5"))
+        drawn.append(int(_drawn(response, "1,1", "int32")[0]))
+    want = [_reference(seed, 1.5)(np.array(ROW), VOCAB) for seed in (11, 12, 13, 14, 15, 16)]
+    if drawn != want:
+        raise CheckFailed(f"seeds 11..16 at position {VOCAB} draw {want}, got {drawn}")
+
+
+def _logprobs(ctx: Context) -> None:
+    response = ctx.send(_sampled(ctx, "seed=3,temperature=0,logprobs=2"))
+    row = _drawn(response, "1,6", "float32").astype(np.float64)
+    sampler = _reference(3, 0.0, 2)
+    token = sampler(np.array(ROW), VOCAB)
+    chosen = sampler.last
+    assert chosen is not None
+    want = [token, chosen.logprob, *(v for pair in chosen.top for v in pair)]
+    if not np.allclose(row, want, rtol=1e-5, atol=1e-5):
+        raise CheckFailed(f"logprobs=2 answers {want} (id, logprob, 2 pairs), got {row.tolist()}")
+
+
+CASES: list[Case] = [
+    _refused_case("no-seed", "temperature=0.5", "without seed"),
+    _refused_case("unknown", "seed=1,beams=4", "naming an unknown parameter"),
+    _refused_case("twice", "seed=1,top_k=2,top_k=3", "giving a parameter twice"),
+    _refused_case("nan", "seed=1,temperature=nan", "with a temperature of nan"),
+    _refused_case("range", "seed=1,top_p=0", "with top_p 0 (outside (0, 1])"),
+    _refused_case("logprobs-21", "seed=1,logprobs=21", "asking for 21 logprobs (at most 20)"),
+    _refused_case("overflow", "seed=1,min_p=1e999", "with a decimal that overflows"),
+    _refused_case("batch", "seed=1", "on a chunk of batch 2", shape=f"2,{VOCAB}"),
+    Case(
+        "3.sample.greedy",
+        SECTION,
+        "a node draws with temperature 0 the highest logit's id "
+        "from a float32 [1, 8] row an identity stage answers, as int32 [1, 1] without "
+        "X-Meshnet-Sample, and a retransmission answers the same token",
+        _greedy,
+        NODE,
+    ),
+    Case(
+        "3.sample.seeded",
+        SECTION,
+        "a seeded draw is Philox(key=seed, counter=position) "
+        "over the row: six seeds draw the reference's six tokens",
+        _seeded,
+        NODE,
+    ),
+    Case(
+        "3.sample.logprobs",
+        SECTION,
+        "logprobs=2 answers float32 [1, 6]: the id, its "
+        "logprob, two (id, logprob) pairs of the raw log-softmax",
+        _logprobs,
+        NODE,
+    ),
+]
