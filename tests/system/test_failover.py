@@ -43,7 +43,10 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def stream_with(
-    url: str, at: dict[int, Callable[[], None]], max_tokens: int = TOKENS
+    url: str,
+    at: dict[int, Callable[[], None]],
+    max_tokens: int = TOKENS,
+    **sampling: Any,
 ) -> tuple[str, dict[int, float]]:
     """Stream a greedy completion; after reading event k, run ``at[k]``.
 
@@ -57,7 +60,11 @@ def stream_with(
         http_client=openai.DefaultHttpxClient(trust_env=False),
     )
     stream = client.completions.create(
-        model="tiny-model", prompt=PROMPT, max_tokens=max_tokens, temperature=0, stream=True
+        model="tiny-model",
+        prompt=PROMPT,
+        max_tokens=max_tokens,
+        stream=True,
+        **(sampling or {"temperature": 0}),
     )
     text: list[str] = []
     gaps: dict[int, float] = {}
@@ -144,6 +151,33 @@ def test_sigkill_of_each_hops_holder_mid_stream_keeps_the_exact_tokens(model_dir
         print(f"longest wait for a token after the kill: stage 2 {gaps[3] * 1000:.0f} ms, "
               f"stage 1 {gaps[8] * 1000:.0f} ms")  # fmt: skip
         assert set(gaps) == {3, 8}
+
+
+def test_a_seeded_stream_draws_the_same_tokens_across_a_kill(model_dir: Path) -> None:
+    """The last stage draws (wire-2 §3.13) as a function of (seed, position):
+    the stage-3 answers come from the same logits after the stage-2 holder is
+    killed and its session replayed, so the seeded text is an uninterrupted
+    run's; and the same seed gives the same text again."""
+    seeded = {"temperature": 1.0, "top_p": 0.95, "seed": 2024}
+    with replica_chain(model_dir) as chain:
+
+        def kill_stage2_holder() -> None:
+            entry = [u for u in chain.stage1 if chain.info(u)["replicas"]["history"]["sessions"]]
+            chain.kill(chain.holder(entry[0]))
+
+        async def drive() -> tuple[str, str, str]:
+            config = GatewayConfig.load(gateway_flags(chain))
+            async with open_gateway(config) as gateway:
+                run = functools.partial(stream_with, gateway.url, max_tokens=TOKENS, **seeded)
+                calm, _ = await in_thread(run, {})
+                again, _ = await in_thread(run, {})
+                killed, _ = await in_thread(run, {3: kill_stage2_holder})
+                return calm, again, killed
+
+        calm, again, killed = anyio.run(drive, backend="trio")
+    greedy, _ = expected_text(model_dir)
+    assert calm == again == killed
+    assert calm != greedy  # it did sample
 
 
 def test_sigstop_of_the_holder_recovers_within_the_deadline(model_dir: Path) -> None:
