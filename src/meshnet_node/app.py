@@ -174,7 +174,7 @@ class NodeApp:
         self.stage.check_head(event.headers.shape, event.headers.dtype, event.headers.position)
         if event.headers.sample is not None and self.downstream is None:
             # This node draws (wire-2 §3.13): refused now if it makes no logits.
-            check_sampled_head(self.identity["output"])
+            check_sampled_head(self.identity.get("output", "any"))
         self.table.check_head(event.headers, ctx.started, replay=event.replay, client=ctx.peer)
 
     async def handle_activation(
@@ -298,9 +298,11 @@ class NodeApp:
             # The answer is the drawn token (wire-2 §3.13), sent as made:
             # a dtype policy must not round a float32 answer's ids.
             position = ticket.position + ticket.tokens  # the drawn token's place
-            output = await self.codecs.run(
-                output.nbytes, draw_answer, output, headers.sample, position
-            )
+            # A draw sorts O(vocab): off the loop, unless a plain argmax is
+            # cheaper than the thread's hand-off.
+            plain = headers.sample.greedy and headers.sample.logprobs is None
+            cost = output.nbytes if plain else self.codecs.inline_bytes
+            output = await self.codecs.run(cost, draw_answer, output, headers.sample, position)
             encoder = self.answer_encoder
         encoded = encoder.encode_now(output, headers.encoding)
         if encoded is None:

@@ -365,11 +365,12 @@ class ScriptedChain:
         logits[self.script[len(self.sent) - 1]] = 10.0
         return logits
 
-    async def prefill(self, ids: list[int]) -> np.ndarray:
+    async def prefill(self, ids: list[int], sample: object = None) -> np.ndarray:
+        """Logits whatever ``sample`` asks (a chain that ignores wire-2 §3.13)."""
         self.sent.append(list(ids))
         return self._logits()
 
-    async def step(self, token_id: int) -> np.ndarray:
+    async def step(self, token_id: int, sample: object = None) -> np.ndarray:
         self.sent.append([token_id])
         return self._logits()
 

@@ -377,14 +377,16 @@ async def test_tokenizing_and_sampling_run_off_the_event_loop(
         threads["encode"].add(threading.get_ident())
         return real_encode(self, text, **kw)
 
-    def sample(self, logits):  # type: ignore[no-untyped-def]
+    def sample(self, logits, position=None):  # type: ignore[no-untyped-def]
         threads["sample"].add(threading.get_ident())
-        return real_sample(self, logits)
+        return real_sample(self, logits, position)
 
     monkeypatch.setattr(ModelTokenizer, "encode", encode)
     monkeypatch.setattr(Sampler, "__call__", sample)
     model = write_model_dir(tmp_path / "m")
-    async with serve_openai(model, stages=fake_stages(2)) as served:
+    # The gateway draws (from relayed logits): its sampling is what is watched.
+    flags = ["--sample-at", "gateway"]
+    async with serve_openai(model, stages=fake_stages(2), gateway_flags=flags) as served:
         body = {"model": "m", "prompt": "hello", "max_tokens": 3}
         assert (await post_json(served.url, "/v1/completions", body))[0] == 200
         encoded = len(threads["encode"])

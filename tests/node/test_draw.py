@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import uuid
+from typing import Any
 
 import numpy as np
 import pytest
@@ -182,3 +183,28 @@ async def test_a_stub_whose_output_is_no_logits_row_is_400_once_it_ran() -> None
         assert (status, json.loads(body)["error"]["code"]) == (400, "bad_sample")
         health = await exchange(node.url, b"GET /health HTTP/1.1\r\nHost: t\r\n\r\n")
         assert health.status == 200
+
+
+@pytest.mark.anyio
+async def test_a_seeded_draw_runs_off_the_loop_and_a_greedy_one_on_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import threading
+
+    import meshnet_node.app
+
+    threads: list[int] = []
+    real = meshnet_node.app.draw_answer
+
+    def draw(*args: Any) -> np.ndarray:
+        threads.append(threading.get_ident())
+        return real(*args)
+
+    monkeypatch.setattr(meshnet_node.app, "draw_answer", draw)
+    async with chain([]) as (node,):
+        for sample in ("seed=1,temperature=0.7", "seed=1,temperature=0"):
+            fields = sampled_fields(str(uuid.uuid4()), sample)
+            answer = await exchange(node.url, forward_request(fields, ROW.tobytes()))
+            assert answer.status == 200
+    loop = threading.get_ident()
+    assert threads[0] != loop and threads[1] == loop

@@ -63,6 +63,7 @@ REQUESTS: dict[str, dict[str, Any]] = {
 
 async def _compare(stages: int) -> dict[str, Any]:
     model = str(smollm2_gguf())
+    name_of_model = smollm2_gguf().stem
     async with serve_local(
         model, stages, gateway_flags=["--port", "0", *QUIET], node_flags=QUIET
     ) as run:
@@ -82,7 +83,8 @@ async def _compare(stages: int) -> dict[str, Any]:
         async with open_gateway(relaying) as old:
             out: dict[str, Any] = {}
             for name, extra in REQUESTS.items():
-                document = {"model": smollm2_gguf().stem, "prompt": PROMPT, "max_tokens": TOKENS, **extra}
+                document = {"model": name_of_model, "prompt": PROMPT, "max_tokens": TOKENS}
+                document.update(extra)
                 for label, url in (("new", run.url), ("again", run.url), ("old", old.url)):
                     before = await anyio.to_thread.run_sync(_bytes_up, run.node_urls[0])
                     answer = await anyio.to_thread.run_sync(_post, url, document)

@@ -26,23 +26,18 @@ from __future__ import annotations
 import json
 import logging
 import math
-import os
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import anyio
 
 from meshnet_model.sampling import Sampler
-from meshnet_model.source import is_gguf, load_config, model_name
 from meshnet_proto import EndpointRequest, MeshnetError
 from meshnet_runtime.codec_pool import CodecPool
 from meshnet_runtime.downstream import Downstream
 from meshnet_runtime.http_server import Reply, StreamReply, StreamSend
 
 from ..admission import Admission, AdmissionRefused, Ticket
-from .defaults import GenerationDefaults
 from .errors import OpenAIError, from_meshnet, invalid
 from .formats import ChatFormat as _ChatFormat
 from .formats import CompletionFormat as _CompletionFormat
@@ -59,9 +54,10 @@ from .requests import (
     parse_completion,
     parse_json_object,
 )
+from .served_model import ServedModel
 from .special_tokens import ChatEncoder
 from .timing import RequestTiming
-from .tokenizer import ChatTemplateError, ModelTokenizer
+from .tokenizer import ChatTemplateError
 
 __all__ = ["OPENAI_ROUTES", "OpenAIService", "ServedModel"]
 
@@ -75,7 +71,6 @@ OPENAI_ROUTES: dict[str, tuple[str, ...]] = {
 }
 # A chat request carries the conversation: far more than a control body.
 MAX_REQUEST_BODY = 4 * 1024 * 1024
-DEFAULT_CONTEXT = 2048  # when config.json names no max_position_embeddings
 # Requests parsed and tokenized at once: each may hold a 4 MiB body's worth of
 # Python objects; more wait (they are bounded by the connection limit).
 PREPARE_THREADS = 2
@@ -95,36 +90,6 @@ SSE_HEARTBEAT = b": still generating\n\n"
 STREAM_START_GRACE = 2.0
 
 Spawn = Callable[..., None]  # start_soon of a task group that outlives requests
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class ServedModel:
-    """The checkpoint the gateway speaks for: name, tokenizer, context length."""
-
-    name: str
-    tokenizer: ModelTokenizer
-    context_length: int
-    created: int
-    defaults: GenerationDefaults = field(default_factory=GenerationDefaults)
-
-    @classmethod
-    def load(cls, directory: str, *, name: str | None = None, context: int = 0) -> ServedModel:
-        root = Path(directory)
-        tokenizer = ModelTokenizer.load(root)
-        gguf = is_gguf(root)  # one .gguf file: config and tokenizer in its metadata
-        # The same fail-closed reading as the nodes': a config the chain cannot
-        # run exactly is refused here too, before serving (ConfigError).
-        config = load_config(root) if gguf or (root / "config.json").is_file() else None
-        if not context:
-            context = config.max_position_embeddings if config else DEFAULT_CONTEXT
-        stat = os.stat(root if gguf else root / "tokenizer.json")
-        return cls(
-            name=name or model_name(root),
-            tokenizer=tokenizer,
-            context_length=context,
-            created=int(stat.st_mtime),
-            defaults=GenerationDefaults.load(root),
-        )
 
 
 class OpenAIService:
@@ -431,6 +396,7 @@ class OpenAIService:
                 on_text=on_text,
                 on_prefilled=prefilled,
                 on_token=on_token,
+                sample_at=chain.settings.sample_at,
             )
             outcome = timing.finish_reason = result.finish_reason
             if self.metrics is not None:

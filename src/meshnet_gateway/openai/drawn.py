@@ -14,11 +14,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from meshnet_model.sampling import Logprobs
+from meshnet_model.sampling import Logprobs, Sampler
 from meshnet_proto import MeshnetError
 from meshnet_proto.lowlevel import SampleSpec
 
-__all__ = ["Answer", "Drawn", "read_answer"]
+__all__ = ["Answer", "Drawn", "read_answer", "spec_for_last_stage"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -31,6 +31,22 @@ class Drawn:
 
 # What a run's last chunk is answered: the logits (``[vocab]``) or the drawn token.
 Answer = np.ndarray | Drawn
+
+
+def spec_for_last_stage(sampler: Sampler) -> SampleSpec | None:
+    """The draw the last stage can make next for ``sampler``, or None while
+    it needs more than the logits (``Sampler.stateless``)."""
+    if not sampler.stateless:
+        return None
+    params = sampler.params
+    return SampleSpec(
+        seed=sampler.seed,
+        temperature=params.temperature,
+        top_p=params.top_p,
+        top_k=params.top_k,
+        min_p=params.min_p,
+        logprobs=params.logprobs,
+    )
 
 
 def _bad(url: str, what: str) -> MeshnetError:

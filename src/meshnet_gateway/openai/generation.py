@@ -50,7 +50,7 @@ from meshnet_runtime.wire_encoder import WireEncoder
 
 from .._pipeline import check_response, run_chunks
 from .._retry import RetryPolicy, send_with_retries
-from .drawn import Answer, Drawn, read_answer
+from .drawn import Answer, Drawn, read_answer, spec_for_last_stage
 from .logprobs import TokenLogprob, TokenTexts
 from .metrics import GenerationMetrics
 from .prefix_index import PrefixIndex
@@ -387,6 +387,21 @@ class _Output:
             return token, None
         return token, self.texts.entry(sampler.last)
 
+    async def choose(self, answer: Answer, chain: ChainSession) -> tuple[int, TokenLogprob | None]:
+        """``pick``, off the event loop when it is O(vocab) numpy work."""
+        try:
+            if isinstance(answer, Drawn):  # nothing to compute: no thread hop
+                return self.pick(answer)
+            return await anyio.to_thread.run_sync(self.pick, answer)
+        except ValueError as exc:  # e.g. every logit NaN: the last stage is broken
+            url = chain.pool.url
+            raise MeshnetError(
+                f"{url}: the last stage's logits cannot be sampled: {exc}",
+                code="downstream_bad_response",
+                status=502,
+                hop=url,
+            ) from None
+
     def add(self, entry: TokenLogprob | None) -> None:
         if entry is not None and self.result.logprobs is not None:
             self.pending.append(entry)
@@ -414,8 +429,13 @@ async def generate(
     on_text: OnText | None = None,
     on_prefilled: Callable[[], None] | None = None,
     on_token: Callable[[], None] | None = None,
+    sample_at: str = "last-stage",
 ) -> GenerationResult:
     """Generate up to ``max_tokens`` after ``prompt_ids``; ``on_text`` gets each new piece.
+
+    ``sample_at``: "last-stage" asks the chain to draw while the sampler is
+    stateless (wire-2 §3.13; a chain that answers logits anyway is drawn
+    from here), "gateway" never does.
 
     Generation ends at the sampler's stop ids (the model's eos ids unless
     ``ignore_eos``, and ``stop_token_ids``), masked by the sampler until
@@ -435,39 +455,17 @@ async def generate(
     stop_ids = sampler.stop_ids
     output = _Output(result, on_text, tokenizer, sampler)
     emit = output.emit
-    remote = chain.settings.sample_at == "last-stage"
+    remote = sample_at == "last-stage"
 
     def sample() -> SampleSpec | None:
-        """The draw the last stage makes next, while it can make it."""
-        if not remote or not sampler.stateless:
-            return None
-        params = sampler.params
-        return SampleSpec(
-            seed=sampler.seed,
-            temperature=params.temperature,
-            top_p=params.top_p,
-            top_k=params.top_k,
-            min_p=params.min_p,
-            logprobs=params.logprobs,
-        )
+        return spec_for_last_stage(sampler) if remote else None
 
     answer = await chain.prefill(prompt_ids, sample())
     if on_prefilled is not None:
         on_prefilled()
     stopped = False
     for produced in range(1, max_tokens + 1):
-        try:
-            if isinstance(answer, Drawn):  # nothing to compute: no thread hop
-                token, entry = output.pick(answer)
-            else:  # O(vocab) numpy work per token: off the event loop.
-                token, entry = await anyio.to_thread.run_sync(output.pick, answer)
-        except ValueError as exc:  # e.g. every logit NaN: the last stage is broken
-            raise MeshnetError(
-                f"{chain.pool.url}: the last stage's logits cannot be sampled: {exc}",
-                code="downstream_bad_response",
-                status=502,
-                hop=chain.pool.url,
-            ) from None
+        token, entry = await output.choose(answer, chain)
         result.completion_tokens = produced
         if on_token is not None:
             on_token()
