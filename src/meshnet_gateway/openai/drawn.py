@@ -5,7 +5,9 @@ stage drew — int32 ``[1, 1]``, or with ``logprobs=k`` float32 ``[1, 2 + 2k]``
 (the id, its logprob, then ``k`` (id, logprob) pairs, padded with id -1 when
 the vocabulary is smaller than ``k``). A chain whose last stage ignores the
 header answers the logits ``[1, vocab]`` instead, and the gateway draws from
-them with the same function. Anything else is the last stage's fault: 502.
+them with the same function (a float32 row exactly ``2 + 2k`` wide reads as
+the logprobs answer: no real vocabulary has 42 ids or fewer). Anything else
+is the last stage's fault: 502.
 """
 
 from __future__ import annotations

@@ -368,6 +368,7 @@ class _Output:
         self.result = result
         self.on_text = on_text
         self.sampler = sampler
+        self.vocab = tokenizer.vocab_size
         wanted = sampler.params.logprobs is not None
         self.texts = TokenTexts(tokenizer) if wanted else None
         self.pending: list[TokenLogprob] = []  # entries not yet sent with a piece
@@ -380,6 +381,8 @@ class _Output:
         sampler = self.sampler
         if isinstance(answer, Drawn):
             token = answer.token
+            if token >= self.vocab:  # a forged id would decode to nothing, silently
+                raise ValueError(f"the drawn id {token} is past the vocabulary ({self.vocab})")
             sampler.record(answer.logprobs)
         else:
             token = sampler(answer)

@@ -1,0 +1,175 @@
+"""A last stage that lies about the token it drew (wire-2 §3.13), over sockets.
+
+The gateway's generation sends a sampled step to a scripted chain that
+answers with a forged token: another session's answer, a negative id, an id
+past the vocabulary, two ids, a logprobs row whose ids are not whole, a bare
+id where logprobs were asked, ids as float logits of the wrong width. Each
+is 502 ``downstream_bad_response`` naming the hop — never a 200 with a wrong
+answer, never a 500 — and the gateway's next step on a sane chain works.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+
+import anyio
+import anyio.abc
+import numpy as np
+import pytest
+
+from meshnet_gateway.openai.drawn import Drawn, read_answer
+from meshnet_gateway.openai.generation import ChainSession, ChainSettings, generate
+from meshnet_gateway.openai.tokenizer import ModelTokenizer
+from meshnet_model.sampling import Sampler, SamplingParams
+from meshnet_proto import MeshnetError, WireHeaders
+from meshnet_proto._headers import parse_wire_headers
+from meshnet_proto.lowlevel import SampleSpec
+from meshnet_runtime.codec_pool import CodecPool
+from meshnet_runtime.downstream import DownstreamPool
+from support.openai import write_model_dir
+
+pytestmark = pytest.mark.anyio
+
+# (what the answer's headers change, its tensor) from the request's headers.
+Forge = Callable[[WireHeaders], tuple[dict[str, object], np.ndarray]]
+
+
+def _forges() -> dict[str, Forge]:
+    other = str(uuid.uuid4())
+    return {
+        "another session": lambda h: ({"session": other}, np.array([[5]], "<i4")),
+        "negative id": lambda h: ({}, np.array([[-3]], "<i4")),
+        "past the vocabulary": lambda h: ({}, np.array([[10_000]], "<i4")),
+        "two ids": lambda h: ({}, np.array([[5, 6]], "<i4")),
+        "two rows": lambda h: ({}, np.array([[5], [6]], "<i4")),
+        "rank 3": lambda h: ({}, np.zeros((1, 1, 1), "<i4")),
+        "another position": lambda h: ({"position": 999}, np.array([[5]], "<i4")),
+    }
+
+
+@asynccontextmanager
+async def scripted_chain(forge: Forge) -> AsyncIterator[str]:
+    """One 'node' that reads each request whole and answers it with ``forge``."""
+
+    async def handle(stream: anyio.abc.SocketStream) -> None:
+        async with stream:
+            buffer = b""
+            with anyio.move_on_after(10):
+                while True:
+                    while b"\r\n\r\n" not in buffer:
+                        buffer += await stream.receive(65536)
+                    head, _, buffer = buffer.partition(b"\r\n\r\n")
+                    lines = head.split(b"\r\n")[1:]
+                    pairs = [tuple(x.strip() for x in line.split(b":", 1)) for line in lines]
+                    length = int(dict((k.lower(), v) for k, v in pairs)[b"content-length"])
+                    while len(buffer) < length:
+                        buffer += await stream.receive(65536)
+                    buffer = buffer[length:]
+                    headers = parse_wire_headers(pairs)
+                    changes, tensor = forge(headers)
+                    answer = headers.replace(
+                        shape=tensor.shape,
+                        dtype="int32" if tensor.dtype.kind == "i" else "float32",
+                        sample=None,
+                        session_key=None,
+                        stage=None,
+                        deadline_ms=None,
+                        **changes,
+                    )
+                    body = tensor.tobytes()
+                    fields = b"".join(k + b": " + v + b"\r\n" for k, v in answer.to_pairs())
+                    await stream.send(
+                        b"HTTP/1.1 200 OK\r\n"
+                        + fields
+                        + b"Content-Length: %d\r\n\r\n" % len(body)
+                        + body
+                    )
+
+    listener = await anyio.create_tcp_listener(local_host="127.0.0.1", local_port=0)
+    port = listener.extra(anyio.abc.SocketAttribute.local_port)
+    async with listener, anyio.create_task_group() as tg:
+        tg.start_soon(listener.serve, handle)
+        try:
+            yield f"http://127.0.0.1:{port}"
+        finally:
+            tg.cancel_scope.cancel()
+
+
+SETTINGS = ChainSettings(
+    chunk_tokens=64, inflight=1, encoding="identity", zstd_level=1, timeout=10.0
+)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory: pytest.TempPathFactory) -> ModelTokenizer:
+    return ModelTokenizer.load(write_model_dir(tmp_path_factory.mktemp("drawn") / "m"))
+
+
+@pytest.mark.parametrize("name", list(_forges()))
+async def test_a_forged_token_is_a_502_never_a_200(name: str, tokenizer: ModelTokenizer) -> None:
+    async with scripted_chain(_forges()[name]) as url:
+        pool = DownstreamPool(url)
+        try:
+            chain = ChainSession(pool, CodecPool(), SETTINGS)
+            sampler = Sampler(SamplingParams(temperature=0.0), 1)
+            with pytest.raises(MeshnetError) as caught:
+                await generate(chain, tokenizer, [3, 4, 5], max_tokens=4, sampler=sampler)
+        finally:
+            await pool.aclose()
+    assert (caught.value.status, caught.value.code) == (502, "downstream_bad_response")
+    assert caught.value.hop == url
+
+
+async def test_an_honest_scripted_chain_is_answered(tokenizer: ModelTokenizer) -> None:
+    """The same script with an honest answer: the forges above fail for what they forge."""
+    honest: Forge = lambda h: ({}, np.array([[7]], "<i4"))  # noqa: E731
+    async with scripted_chain(honest) as url:
+        pool = DownstreamPool(url)
+        try:
+            chain = ChainSession(pool, CodecPool(), SETTINGS)
+            sampler = Sampler(SamplingParams(temperature=0.0), 1)
+            result = await generate(chain, tokenizer, [3, 4, 5], max_tokens=4, sampler=sampler)
+        finally:
+            await pool.aclose()
+    assert result.token_ids == [7, 7, 7, 7]
+
+
+SPEC = SampleSpec(seed=1, temperature=0.0, logprobs=2)
+
+
+@pytest.mark.parametrize(
+    ("tensor", "sample"),
+    [
+        (np.array([[5.5, -0.1, 1.0, -1.0, 2.0, -2.0]], "<f4"), SPEC),  # a fractional id
+        (np.array([[5.0, np.nan, 1.0, -1.0, 2.0, -2.0]], "<f4"), SPEC),  # a NaN logprob
+        (np.array([[-2.0, -0.1, 1.0, -1.0, 2.0, -2.0]], "<f4"), SPEC),  # a negative id
+        (np.array([[5]], "<i4"), SPEC),  # no logprobs where they were asked
+        (np.array([[5, 6]], "<i4"), None),  # ints to a chunk that asked for logits
+        (np.array([[-1]], "<i4"), SampleSpec(seed=1)),
+    ],
+)
+def test_read_answer_refuses_what_is_no_token_nor_logits(
+    tensor: np.ndarray, sample: SampleSpec | None
+) -> None:
+    with pytest.raises(MeshnetError) as caught:
+        read_answer(tensor, sample, "http://hop")
+    assert (caught.value.status, caught.value.code, caught.value.hop) == (
+        502,
+        "downstream_bad_response",
+        "http://hop",
+    )
+
+
+def test_read_answer_takes_a_token_a_logprobs_row_and_logits() -> None:
+    assert read_answer(np.array([[9]], "<i4"), SampleSpec(seed=1), "u") == Drawn(9)
+    row = np.array([[4.0, -0.5, 4.0, -0.5, 1.0, -1.5]], "<f4")
+    drawn = read_answer(row, SPEC, "u")
+    assert isinstance(drawn, Drawn) and drawn.token == 4 and drawn.logprobs is not None
+    assert drawn.logprobs.top == ((4, -0.5), (1, -1.5))
+    padded = read_answer(np.array([[4.0, -0.5, 4.0, -0.5, -1.0, 0.0]], "<f4"), SPEC, "u")
+    assert isinstance(padded, Drawn) and padded.logprobs is not None
+    assert padded.logprobs.top == ((4, -0.5),)  # id -1: the vocabulary was smaller than k
+    logits = read_answer(np.zeros((1, 300), "<f4"), SPEC, "u")  # a chain that ignored it
+    assert isinstance(logits, np.ndarray) and logits.shape == (300,)
