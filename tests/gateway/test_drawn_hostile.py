@@ -173,3 +173,18 @@ def test_read_answer_takes_a_token_a_logprobs_row_and_logits() -> None:
     assert padded.logprobs.top == ((4, -0.5),)  # id -1: the vocabulary was smaller than k
     logits = read_answer(np.zeros((1, 300), "<f4"), SPEC, "u")  # a chain that ignored it
     assert isinstance(logits, np.ndarray) and logits.shape == (300,)
+
+
+def test_every_stateless_request_the_api_takes_becomes_a_spec() -> None:
+    """The API's ranges are the wire's, but for top_k (any int): a cut past
+    2**31 is no cut, sent as 0 — the same draw."""
+    from meshnet_gateway.openai.drawn import spec_for_last_stage
+
+    huge = Sampler(SamplingParams(temperature=0.5, top_k=2**40), 3)
+    spec = spec_for_last_stage(huge)
+    assert spec is not None and spec.top_k == 0
+    logits = np.random.default_rng(1).standard_normal(50)
+    plain = Sampler(SamplingParams(temperature=0.5), 3)
+    assert [huge(logits, p) for p in range(20)] == [plain(logits, p) for p in range(20)]
+    assert spec_for_last_stage(Sampler(SamplingParams(repetition_penalty=1.2), 3)) is None
+    assert spec_for_last_stage(Sampler(SamplingParams(), 10**19)) is None  # past the wire's seed

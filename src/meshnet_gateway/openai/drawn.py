@@ -45,7 +45,8 @@ def spec_for_last_stage(sampler: Sampler) -> SampleSpec | None:
         seed=sampler.seed,
         temperature=params.temperature,
         top_p=params.top_p,
-        top_k=params.top_k,
+        # A cut at or past the vocabulary is no cut: the wire's range ends at 2**31.
+        top_k=params.top_k if params.top_k < 2**31 else 0,
         min_p=params.min_p,
         logprobs=params.logprobs,
     )
