@@ -117,10 +117,12 @@ def server_process(
     *args: str,
     timeout: float = 60.0,
     preexec_fn: Callable[[], None] | None = None,
+    env: Mapping[str, str] | None = None,
 ) -> Iterator[tuple[subprocess.Popen[str], str]]:
     """``python -m module args`` until the block ends; yields it and the URL of
     its ready line (``… listening on URL``). Always stopped, killed if need be.
-    ``preexec_fn`` runs in the child before it execs (joining a cgroup, say).
+    ``preexec_fn`` runs in the child before it execs (joining a cgroup, say);
+    ``env`` replaces its environment (another tree's ``PYTHONPATH``, say).
 
     Its stderr goes to a temporary file, quoted when it fails to start. The
     generous start-up timeout is for a loaded machine (imports take seconds).
@@ -131,7 +133,7 @@ def server_process(
             stdout=subprocess.PIPE,
             stderr=errors,
             text=True,
-            env=_child_env(),
+            env=dict(env) if env is not None else _child_env(),
             preexec_fn=preexec_fn,
         )
         try:

@@ -43,6 +43,7 @@ SECTIONS: tuple[str, ...] = (
     "identity",
     "prefix",
     "pd",
+    "link",
 )
 
 # key -> (comparison, bound): the issue's floors. Printed next to the figures.
@@ -55,6 +56,11 @@ TARGETS: dict[str, tuple[str, float]] = {
     "relay_rss_over_payload": ("<=", 3),
     "prefix_second_turn_ttft_over_cold": ("<=", 0.35),
     "pd_decode_p99_over_mixed": ("<=", 0.5),
+    # issue 36: the real model over two stages on the wifi profile
+    "link_wifi_decode_speedup": (">=", 2.0),
+    "link_wifi_bytes_up_per_token_hop": ("<=", 1024),
+    "link_wifi_ms_over_floor": ("<=", 1.3),
+    "link_loopback_decode_ratio": (">=", 0.95),
 }
 
 # In the current directory: the committed docs/bench-throughput.png is only
