@@ -35,7 +35,7 @@ import numpy as np
 from meshnet_bench import decode
 from meshnet_bench._support import QUIET
 from meshnet_bench.activations import make_activation
-from meshnet_node.app import build_node
+from meshnet_node import build_node
 from meshnet_node.config import NodeConfig
 from meshnet_proto import (
     ActivationHead,

@@ -88,10 +88,18 @@ class Trial:
         return 1000.0 / self.ms_per_token
 
 
-def floor_ms(trial: Trial, loopback: Trial, profile: str, stages: int) -> float:
+def crossings(stages: int, direct: bool) -> int:
+    """One-way delays on a token's critical path: down every hop, then back
+    through every hop, or straight from the last stage (wire-2 §3.14)."""
+    return stages + 1 if direct and stages > 1 else 2 * stages
+
+
+def floor_ms(
+    trial: Trial, loopback: Trial, profile: str, stages: int, direct: bool = False
+) -> float:
     """Loopback compute + the trip's one-way delays + its bytes at the rate."""
     link = PROFILES[profile]
-    delays = 2 * stages * link.delay_s
+    delays = crossings(stages, direct) * link.delay_s
     carried = stages * (trial.bytes_up + trial.bytes_down) * 8
     at_rate = carried / link.rate_bps if link.rate_bps else 0.0
     return loopback.ms_per_token + 1000.0 * (delays + at_rate)
@@ -178,9 +186,15 @@ def _splits(path: Path, stages: int) -> list[tuple[int, int]]:
 
 @contextlib.asynccontextmanager
 async def chain(
-    path: Path, stages: int, gateway_flags: Sequence[str], env: dict[str, str] | None
+    path: Path,
+    stages: int,
+    gateway_flags: Sequence[str],
+    env: dict[str, str] | None,
+    direct: bool = False,
 ) -> AsyncIterator[Chain]:
-    """Node and gateway processes, last stage first, each hop behind a link."""
+    """Node and gateway processes, last stage first, each hop behind a link;
+    ``direct``: one more link, from the gateway to the last stage, which the
+    gateway polls for each token (``--direct-return``, wire-2 §3.14)."""
     from meshnet_model.engines.choice import share_cores
 
     threads = ("--threads", str(share_cores(stages)))
@@ -210,6 +224,13 @@ async def chain(
                 "--no-prefix-cache",
                 *gateway_flags,
             ]
+            if direct and stages > 1:
+                last_host, last_port = hops[-1].target
+                back = await links.enter_async_context(
+                    EmulatedLink.serving(last_host, last_port, up=PROFILES["loopback"])
+                )
+                argv += ["--direct-return", back.url_for()]
+                hops.append(back)  # a hop of its own: its bytes count too
             _, gateway = stack.enter_context(
                 server_process("meshnet_gateway", *argv, timeout=300.0, env=env)
             )
@@ -286,15 +307,9 @@ def retune(chain: Chain, profile: str) -> None:
 
 
 async def _trials(
-    path: Path,
-    model: str,
-    stages: int,
-    plan: Plan,
-    flags: Sequence[str],
-    env: dict[str, str] | None,
-    salt: int,
+    path: Path, model: str, stages: int, plan: Plan, tree: Tree, salt: int
 ) -> dict[str, Trial]:
-    async with chain(path, stages, flags, env) as running:
+    async with chain(path, stages, tree.flags, tree.env, tree.direct) as running:
         out: dict[str, Trial] = {}
         for k, profile in enumerate(plan.profiles):
             retune(running, profile)
@@ -320,41 +335,54 @@ def _row(
     }
 
 
+@dataclass(frozen=True, slots=True)
+class Tree:
+    """One way of running the chain: this tree's flags, or the baseline's."""
+
+    name: str
+    flags: tuple[str, ...] = ()
+    env: dict[str, str] | None = None
+    direct: bool = False
+
+
+def _trees(env: dict[str, str] | None) -> tuple[Tree, ...]:
+    """ "after": the last stage samples and the gateway polls it directly;
+    "relayed": it samples, its answers come back through every hop;
+    "before": the baseline."""
+    before = Tree("before", env=env) if env else Tree("before", ("--sample-at", "gateway"))
+    return (Tree("after", direct=True), Tree("relayed"), before)
+
+
 def run(options: BenchOptions) -> SectionResult:
     plan = _plan(options)
     env = _baseline_env()
-    baseline = ("before", () if env is not None else ("--sample-at", "gateway"), env)
-    trees = (("after", (), None), baseline)
-    result = SectionResult(
-        "Decode over emulated links: "
-        + (
-            f"this tree against {os.environ[BASELINE_ENV]}"
-            if env
-            else "last-stage sampling against --sample-at gateway (logits relayed)"
-        )
+    baseline = (
+        f"this tree against {os.environ[BASELINE_ENV]}"
+        if env
+        else ("this tree against itself with --sample-at gateway (logits relayed)")
     )
+    result = SectionResult(f"Decode over emulated links: {baseline}")
     found: dict[tuple[str, int, str, str], Trial] = {}
     with tempfile.TemporaryDirectory() as scratch:
         for model in plan.models:
             path = model_file(model, Path(scratch))
             for stages in plan.stages:
-                for salt, (tree, flags, tree_env) in enumerate(trees):
-                    options.progress(f"  link: {model}, {stages} stages, {tree}")
+                for salt, tree in enumerate(_trees(env)):
+                    options.progress(f"  link: {model}, {stages} stages, {tree.name}")
                     trials = anyio.run(
                         _trials,
                         path,
                         path.stem,
                         stages,
                         plan,
-                        flags,
-                        tree_env,
+                        tree,
                         1000 * salt,
                         backend=options.async_backend,
                     )
                     for profile, trial in trials.items():
-                        found[(model, stages, profile, tree)] = trial
-                        floor = floor_ms(trial, trials["loopback"], profile, stages)
-                        result.rows.append(_row(model, stages, profile, tree, trial, floor))
+                        found[(model, stages, profile, tree.name)] = trial
+                        floor = floor_ms(trial, trials["loopback"], profile, stages, tree.direct)
+                        result.rows.append(_row(model, stages, profile, tree.name, trial, floor))
     _judge(result, found, plan)
     return result
 
@@ -368,7 +396,8 @@ def _judge(
     after, before = found[(model, stages, wifi, "after")], found[(model, stages, wifi, "before")]
     loop_after = found[(model, stages, "loopback", "after")]
     loop_before = found[(model, stages, "loopback", "before")]
-    floor = floor_ms(after, loop_after, wifi, stages)
+    floor = floor_ms(after, loop_after, wifi, stages, direct=True)
+    relayed = found[(model, stages, wifi, "relayed")]
     result.keys.update(
         {
             "link_wifi_decode_speedup": round(after.tok_s / before.tok_s, 2),
@@ -381,5 +410,6 @@ def _judge(
         f"{model}, {stages} stages, {wifi}: decode {after.tok_s:.1f} tok/s against "
         f"{before.tok_s:.1f} ({after.tok_s / before.tok_s:.2f}x); {after.bytes_up:,.0f} bytes up a "
         f"token and hop against {before.bytes_up:,.0f}; {after.ms_per_token:.1f} ms a token, "
-        f"{after.ms_per_token / floor:.2f}x its floor ({floor:.1f} ms)"
+        f"{after.ms_per_token / floor:.2f}x its floor ({floor:.1f} ms); answers relayed "
+        f"instead of polled: {relayed.tok_s:.1f} tok/s"
     )

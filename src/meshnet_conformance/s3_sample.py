@@ -13,7 +13,16 @@ import numpy as np
 
 from meshnet_model.sampling import Sampler, SamplingParams
 
-from ._case import BOTH, NODE, Case, Context, expect_error, expect_tensor, new_session
+from ._case import (
+    BOTH,
+    GATEWAY,
+    NODE,
+    Case,
+    Context,
+    expect_error,
+    expect_tensor,
+    new_session,
+)
 from ._wire import CheckFailed, Response
 from .s3_sessions import _chunk, _expect_at
 
@@ -23,7 +32,9 @@ VOCAB = 8  # the "logits" row the checker sends: float32 [1, VOCAB]
 ROW = [0.5, -1.25, 2.0, 0.75, 1.5, -0.5, 1.75, 0.25]
 
 
-def _sampled(ctx: Context, value: str, *, session: str | None = None, shape: str = "") -> bytes:
+def _sampled(
+    ctx: Context, value: str, *, session: str | None = None, shape: str = "", key: str = ""
+) -> bytes:
     headers = [
         ("Content-Type", "application/octet-stream"),
         ("X-Meshnet-Wire", "2"),
@@ -37,6 +48,8 @@ def _sampled(ctx: Context, value: str, *, session: str | None = None, shape: str
             ("X-Meshnet-Chunk-Total", "1"),
             ("X-Meshnet-Position", "0"),
         ]
+    if key:
+        headers.append(("X-Meshnet-Session-Key", key))
     count = math.prod(int(d) for d in (shape or f"1,{VOCAB}").split(","))
     body = struct.pack(f"<{count}f", *(ROW * (count // VOCAB + 1))[:count])
     return ctx.forward([*headers, (SAMPLE, value)], body)
@@ -50,8 +63,13 @@ def _refused_case(id: str, value: str, description: str, shape: str = "") -> Cas
         if session is not None:  # refused from the head: the session starts afresh at 0
             _expect_at(ctx.send(_chunk(ctx, session, position=0, seed=1)), 0)
 
-    return Case(f"3.sample.{id}", SECTION, f"X-Meshnet-Sample {description} is 400 bad_sample "
-                "naming it, and changes nothing", check, BOTH)  # fmt: skip
+    return Case(
+        f"3.sample.{id}",
+        SECTION,
+        f"X-Meshnet-Sample {description} is 400 bad_sample naming it, and changes nothing",
+        check,
+        BOTH,
+    )
 
 
 def _reference(seed: int, temperature: float, logprobs: int | None = None) -> Sampler:
@@ -102,6 +120,42 @@ def _logprobs(ctx: Context) -> None:
         raise CheckFailed(f"logprobs=2 answers {want} (id, logprob, 2 pairs), got {row.tolist()}")
 
 
+KEY, STRANGER = "0123456789abcdef" * 2, "fedcba9876543210" * 2
+
+
+def _poll(ctx: Context, session: str, query: str = "position=0", key: str = KEY) -> Response:
+    return ctx.send(
+        ctx.request("GET", f"/drawn/{session}?{query}", [("X-Meshnet-Session-Key", key)])
+    )
+
+
+def _drawn_answer(ctx: Context) -> None:
+    session = new_session()
+    chunk = ctx.send(_sampled(ctx, "seed=1,temperature=0", session=session, key=KEY))
+    first = _drawn(chunk, "1,1", "int32")
+    polled = _drawn(_poll(ctx, session), "1,1", "int32")
+    if polled.tolist() != first.tolist():
+        raise CheckFailed(f"the poll answered {polled.tolist()}, the chunk {first.tolist()}")
+
+
+def _drawn_stranger(ctx: Context) -> None:
+    session = new_session()
+    _drawn(
+        ctx.send(_sampled(ctx, "seed=1,temperature=0", session=session, key=KEY)), "1,1", "int32"
+    )
+    expect_error(_poll(ctx, session, key=STRANGER), 403, "session_forbidden")
+    _drawn(_poll(ctx, session), "1,1", "int32")  # the owner's poll still answered
+
+
+def _drawn_refused(ctx: Context) -> None:
+    expect_error(_poll(ctx, new_session(), "position=01"), 400, "bad_request")
+    expect_error(_poll(ctx, new_session()), 404, "not_found")
+
+
+def _drawn_gateway(ctx: Context) -> None:
+    expect_error(_poll(ctx, new_session()), 404, "not_found")
+
+
 CASES: list[Case] = [
     _refused_case("no-seed", "temperature=0.5", "without seed"),
     _refused_case("unknown", "seed=1,beams=4", "naming an unknown parameter"),
@@ -135,5 +189,36 @@ CASES: list[Case] = [
         "logprob, two (id, logprob) pairs of the raw log-softmax",
         _logprobs,
         NODE,
+    ),
+    Case(
+        "3.drawn.answer",
+        SECTION,
+        "GET /drawn/{id}?position=P answers the owner the token the sampled chunk at P drew, "
+        "as the chunk was answered (§3.14)",
+        _drawn_answer,
+        NODE,
+    ),
+    Case(
+        "3.drawn.stranger",
+        SECTION,
+        "GET /drawn/{id} with another session key is 403 session_forbidden; the owner's is "
+        "still answered",
+        _drawn_stranger,
+        NODE,
+    ),
+    Case(
+        "3.drawn.refused",
+        SECTION,
+        "GET /drawn/{id} with a non-canonical position is 400 bad_request; of a session the "
+        "node does not hold, 404 not_found",
+        _drawn_refused,
+        NODE,
+    ),
+    Case(
+        "3.drawn.gateway",
+        SECTION,
+        "a gateway draws nothing: GET /drawn/{id} is 404 not_found",
+        _drawn_gateway,
+        GATEWAY,
     ),
 ]

@@ -41,7 +41,7 @@ from meshnet_runtime.deadlines import Deadline
 from meshnet_runtime.downstream import Downstream, key_headers
 from meshnet_runtime.http_server import ActivationReply, Reply, RequestContext, StreamReply
 from meshnet_runtime.link import LinkEstimate
-from meshnet_runtime.metrics import ReadAtScrape, ServerMetrics
+from meshnet_runtime.metrics import ServerMetrics
 from meshnet_runtime.wire_encoder import WireEncoder
 
 from ._pipeline import run_chunks
@@ -53,13 +53,12 @@ from .chain_view import ChainView
 from .config import GatewayConfig
 from .entry import EntryWindow, entry_downstream
 from .info import gateway_info
-from .openai import OpenAIService, ServedModel
+from .openai import OpenAIService
 from .openai.api import OPENAI_ROUTES
+from .openai.direct_return import DirectReturn
 from .openai.errors import from_meshnet
-from .openai.generation import ChainSettings
-from .openai.metrics import GenerationMetrics, ServingMetrics
-from .openai.prefix_index import PrefixIndex, prefix_index_samples
 from .openai.timing import RequestTiming
+from .openai_service import close_hops, openai_service
 
 __all__ = ["ChainMismatch", "GatewayApp"]
 
@@ -131,8 +130,9 @@ class GatewayApp:
         # One line per request at info (meshnet.access; --no-access-log).
         self.access = AccessLog(enabled=not config.no_access_log)
         self.openai: OpenAIService | None = None
+        self.direct: DirectReturn | None = None  # --direct-return (wire-2 §3.14)
         if config.model is not None:
-            self.openai = _openai_service(self)
+            self.openai = openai_service(self)
         self.metrics.sessions.set_function(lambda: len(self.sessions))
         self.control = ControlEndpoints(
             role="gateway",
@@ -170,7 +170,7 @@ class GatewayApp:
                 # Pending deletes are best effort; the nodes' TTL ends the rest.
                 tg.cancel_scope.cancel()
                 with anyio.CancelScope(shield=True):
-                    await self.pool.aclose()
+                    await close_hops(self)
 
     @property
     def inflight(self) -> int:
@@ -442,46 +442,4 @@ def _session_busy(session: str) -> SequencingError:
         f"session {session} already has a request in progress at this gateway",
         code="session_busy",
         header="x-meshnet-session",
-    )
-
-
-def _openai_service(app: GatewayApp) -> OpenAIService:
-    config = app.config
-    assert config.model is not None
-    model = ServedModel.load(config.model, name=config.model_name, context=config.max_context)
-
-    prefix = None if config.no_prefix_cache else PrefixIndex()
-    if prefix is not None:
-        app.metrics.registry.register(ReadAtScrape(lambda: prefix_index_samples(prefix)))
-
-    def chain_settings() -> ChainSettings:
-        # Read per request: the inflight cap follows the entry's reorder window.
-        return ChainSettings(
-            chunk_tokens=config.chunk_tokens,
-            inflight=app.inflight,
-            encoding=config.encoding,
-            zstd_level=config.zstd_level,
-            timeout=config.timeout,
-            retry=app.retry,
-            stage=app.expected_entry,
-            on_stage_mismatch=lambda: app.on_chain_suspect(),
-            prefix=prefix,
-            sample_at=config.sample_at,
-        )
-
-    # Prompts the chain can take as one run: no more chunks than a run may have.
-    max_prompt = config.chunk_tokens * config.limits.max_chunk_total
-    return OpenAIService(
-        model,
-        app.pool,
-        app.codecs,
-        chain_settings,
-        max_tokens_default=config.max_tokens_default,
-        max_prompt_tokens=max_prompt,
-        max_prompt_chars=config.max_prompt_chars,
-        special_tokens_in_content=config.special_tokens_in_content,
-        metrics=GenerationMetrics(app.metrics.registry),
-        admission=app.admission,
-        spawn=app._spawn,
-        serving=ServingMetrics(app.metrics.registry, model.name, model.context_length),
     )

@@ -104,19 +104,25 @@ _CACHE = (
 SAMPLE_SITES = ("last-stage", "gateway")
 
 
-def sample_site(text: str) -> str:
-    """``--sample-at``'s value: where a generation's tokens are drawn."""
-    if text not in SAMPLE_SITES:
-        raise argparse.ArgumentTypeError(f"expected one of {', '.join(SAMPLE_SITES)}, got {text!r}")
-    return text
+def one_url(text: str) -> str:
+    """``--direct-return``'s value: one URL (the last stage, not a replica set)."""
+    if len(endpoint_list(text)) != 1:
+        raise argparse.ArgumentTypeError("one URL: the last stage as this gateway reaches it")
+    return text.strip()
 
 
 _SAMPLING = (
     Flag(
         "--sample-at",
-        sample_site,
+        choice(SAMPLE_SITES),
         "where tokens are drawn: last-stage (it answers token ids, wire-2 §3.13) or "
         "gateway (the last stage's logits are relayed up every hop)",
+    ),
+    Flag(
+        "--direct-return",
+        one_url,
+        "the last stage's URL as this gateway reaches it: each decode step's token is "
+        "asked of it directly, not waited for back through every hop (wire-2 §3.14)",
     ),
 )
 GATEWAY_FLAGS: tuple[Flag, ...] = (
@@ -166,6 +172,8 @@ class GatewayConfig(ServerConfig):
     no_prefix_cache: bool = False
     # Where a generation's tokens are drawn (wire-2 §3.13; SAMPLE_SITES).
     sample_at: str = "last-stage"
+    # The last stage, polled for each decode step's token (wire-2 §3.14).
+    direct_return: str | None = None
 
     @classmethod
     def build_parser(cls, prog: str | None = None) -> argparse.ArgumentParser:

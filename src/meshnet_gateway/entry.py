@@ -25,6 +25,7 @@ __all__ = [
     "WIRE2_REORDER_WINDOW",
     "EntryWindow",
     "entry_downstream",
+    "last_stage_pool",
     "reorder_window",
 ]
 
@@ -144,6 +145,20 @@ def entry_downstream(config: GatewayConfig, metrics: ServerMetrics) -> Downstrea
         )
     return DownstreamPool(
         config.entry,
+        limits=config.limits,
+        token=config.token,
+        ssl_context=_client_ssl(config),
+        metrics=metrics,
+    )
+
+
+def last_stage_pool(config: GatewayConfig, metrics: ServerMetrics) -> DownstreamPool | None:
+    """``--direct-return``: the last stage, polled for each decode step's
+    token (wire-2 §3.14), with the chain's token and TLS; None without it."""
+    if config.direct_return is None:
+        return None
+    return DownstreamPool(
+        config.direct_return,
         limits=config.limits,
         token=config.token,
         ssl_context=_client_ssl(config),

@@ -19,10 +19,10 @@ from meshnet_runtime.lifecycle import (
 )
 from meshnet_runtime.transports import listen
 
-from .app import build_node
 from .backends import StageBackend
 from .config import NodeConfig
 from .model_stage import stage_from_config
+from .serving import build_node
 
 
 def ready_line(config: NodeConfig, url: str, stage: StageBackend | None = None) -> str:

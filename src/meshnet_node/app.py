@@ -22,10 +22,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
-from contextlib import asynccontextmanager
-from dataclasses import dataclass
-from functools import partial
+from collections.abc import Callable
 from typing import Any
 
 import anyio
@@ -46,35 +43,31 @@ from meshnet_proto import (
     WireHeaders,
     tensor_fingerprint,
 )
-from meshnet_proto.lowlevel import ByteBudget, Ticket, request_cost
+from meshnet_proto.lowlevel import Ticket
 from meshnet_runtime.codec_pool import CodecPool
 from meshnet_runtime.control import ControlEndpoints
 from meshnet_runtime.deadlines import Deadline, loop_clock
 from meshnet_runtime.downstream import Downstream
 from meshnet_runtime.http_server import (
     ActivationReply,
-    DrainHandoff,
-    HttpServer,
     Reply,
     RequestContext,
 )
-from meshnet_runtime.lifecycle import server_settings, server_tls
 from meshnet_runtime.metrics import ServerMetrics, Tally
 from meshnet_runtime.sequencing import SequencedTable
-from meshnet_runtime.transports import listen
 from meshnet_runtime.wire_encoder import WireEncoder
 
 from .backends import StageBackend, make_stage, stage_context
 from .config import NodeConfig
 from .draw import check_sampled_head, draw_answer
+from .drawn_answers import DrawnAnswers
 from .forgetting import InFlight
 from .handoff import KVHandoff, handoff_info
 from .identity import StageKey, check_stage, node_identity, stage_key
-from .model_stage import stage_from_config
 from .next_hop import next_hop
 from .outgoing import REQUEST_ONLY, outgoing_changes, relayed_headers
 
-__all__ = ["NodeApp", "RunningNode", "build_node", "node_identity", "serve_node"]
+__all__ = ["NodeApp", "node_identity"]
 
 log = logging.getLogger("meshnet.node")
 
@@ -144,6 +137,8 @@ class NodeApp:
             codecs=self.codecs,
             registry=self.metrics.registry,
         )
+        # The tokens this last stage drew, for the gateway's direct poll (§3.14).
+        self.drawn = DrawnAnswers(self.table, config.timeout)
         self.control = ControlEndpoints(
             role="node",
             metrics=self.metrics,
@@ -155,6 +150,7 @@ class NodeApp:
             reorder_window=self.limits.reorder_window,
             owner=self._owner,
             export_kv=self.handoff.export,
+            drawn=self.drawn.endpoint,
         )
 
     def make_connection(self) -> ServerConnection:
@@ -249,6 +245,7 @@ class NodeApp:
         """The table forgot ``session``: the stage frees its state at once, and
         the hop's replay history for it goes too."""
         self.stage.end_session(session)
+        self.drawn.forget(session)
         if self.downstream is not None:
             self.downstream.forget(session)
         self.in_flight.forgotten(session)
@@ -297,12 +294,12 @@ class NodeApp:
         if headers.sample is not None and self.downstream is None:
             # The answer is the drawn token (wire-2 §3.13), sent as made:
             # a dtype policy must not round a float32 answer's ids.
-            position = ticket.position + ticket.tokens  # the drawn token's place
+            drawn_at = ticket.position + ticket.tokens  # the drawn token's place
             # A draw sorts O(vocab): off the loop, unless a plain argmax is
             # cheaper than the thread's hand-off.
             plain = headers.sample.greedy and headers.sample.logprobs is None
             cost = output.nbytes if plain else self.codecs.inline_bytes
-            output = await self.codecs.run(cost, draw_answer, output, headers.sample, position)
+            output = await self.codecs.run(cost, draw_answer, output, headers.sample, drawn_at)
             encoder = self.answer_encoder
         encoded = encoder.encode_now(output, headers.encoding)
         if encoded is None:
@@ -322,6 +319,8 @@ class NodeApp:
             self.table.response_ready(
                 ticket, reply, self._clock(), nbytes=memoryview(reply.body).nbytes
             )
+            if headers.sample is not None:
+                self.drawn.publish(ticket.session, ticket.position, reply)
             return reply
         out = headers.replace(
             **outgoing_changes(headers, shape, dtype, encoding, position, answer=False)
@@ -418,76 +417,3 @@ class NodeApp:
     def cancel_on_disconnect(self, event: EndpointRequest | ActivationReceived) -> bool:
         """A node finishes every request it took, even for a client that left."""
         return False
-
-
-# ------------------------------------------------------------------ running
-
-
-def build_node(
-    config: NodeConfig, *, stage: StageBackend | None = None
-) -> tuple[NodeApp, HttpServer]:
-    """The application and its server, not yet listening.
-
-    Without ``stage``: the model of ``--model`` (loaded here; ``ValueError`` if
-    it cannot be), else the ``--backend`` stub.
-    """
-    if stage is None and config.model is not None:
-        stage = stage_from_config(config)
-    metrics = ServerMetrics("node")
-    app = NodeApp(config, stage=stage, metrics=metrics)
-    settings = server_settings(config)
-    ssl_context = server_tls(config)
-    server = HttpServer(
-        app,
-        app.make_connection,
-        settings=settings,
-        metrics=metrics,
-        ssl_context=ssl_context,
-        codecs=app.codecs,
-        budget=ByteBudget(app.limits.max_inflight_bytes, retry_after=settings.retry_after),
-        cost=partial(request_cost, relaying=app.downstream is not None),
-        handoff=DrainHandoff(config.handoff_window, app.handoff.held)
-        if app.handoff.store is not None and config.handoff_window > 0
-        else None,
-    )
-    return app, server
-
-
-@dataclass(slots=True)
-class RunningNode:
-    url: str
-    app: NodeApp
-    server: HttpServer
-
-
-@asynccontextmanager
-async def serve_node(
-    config: NodeConfig, *, stage: StageBackend | None = None
-) -> AsyncIterator[RunningNode]:
-    """Run a node in this process (tests, ``meshnet demo``); graceful shutdown on exit."""
-    app, server = build_node(config, stage=stage)
-    bound = await listen(host=config.host, port=config.port, uds=config.uds, tls=config.tls)
-    try:
-        async with anyio.create_task_group() as tg:
-            # Its own scope: a server that stops early (a test shutting one
-            # node of a chain down) must end the expiry loop, not cancel the
-            # caller's body, which runs inside this task group.
-            maintenance = anyio.CancelScope()
-
-            async def maintain() -> None:
-                with maintenance:
-                    await app.maintain()
-
-            async def run(*, task_status: anyio.abc.TaskStatus[str]) -> None:
-                await server.serve(bound, task_status=task_status)
-                maintenance.cancel()
-
-            tg.start_soon(maintain)
-            url = await tg.start(run)
-            try:
-                yield RunningNode(url, app, server)
-            finally:
-                server.request_shutdown()
-    finally:
-        with anyio.CancelScope(shield=True):
-            await app.aclose()

@@ -24,9 +24,9 @@ from meshnet_proto.lowlevel import decode_tensor
 from meshnet_runtime.deadlines import Deadline
 from meshnet_runtime.downstream import DownstreamPool, key_headers
 
-from .app import RunningNode, serve_node
 from .config import NodeConfig
 from .model_stage import stage_from_config
+from .serving import RunningNode, serve_node
 
 __all__ = ["ChainError", "ModelSession", "even_splits", "start_model_chain"]
 

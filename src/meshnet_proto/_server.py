@@ -62,13 +62,15 @@ from ._state import ServerPhase, ServerTrigger
 __all__ = ["DEFAULT_MAX_ENDPOINT_BODY", "DEFAULT_ROUTES", "ServerConnection"]
 
 # wire-2 §6. A key ending in "/*" matches exactly one non-empty path segment in
-# its place, which is all `DELETE /sessions/{id}` and `GET /kv/{id}` need.
+# its place, which is all `DELETE /sessions/{id}`, `GET /kv/{id}` and
+# `GET /drawn/{id}` (§3.14) need.
 DEFAULT_ROUTES: Mapping[str, Collection[str]] = {
     "/health": ("GET",),
     "/info": ("GET",),
     "/metrics": ("GET",),
     "/sessions/*": ("DELETE",),
     "/kv/*": ("GET",),
+    "/drawn/*": ("GET",),
 }
 
 # The control endpoints take at most a few hundred bytes of JSON; 64 KiB

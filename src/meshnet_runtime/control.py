@@ -87,6 +87,8 @@ class ControlEndpoints:
         owner: Callable[[str, str | None], str | None] | None = None,
         export_kv: Callable[[EndpointRequest, RequestContext], Awaitable[ActivationReply]]
         | None = None,
+        drawn: Callable[[EndpointRequest, RequestContext], Awaitable[ActivationReply]]
+        | None = None,
     ) -> None:
         self.role = role
         self.metrics = metrics
@@ -113,6 +115,7 @@ class ControlEndpoints:
             "/metrics": self.render_metrics,
             "/sessions/*": self.delete_session,
             "/kv/*": export_kv or self.no_kv,
+            "/drawn/*": drawn or self.no_drawn,
         }
         assert self.handlers.keys() == DEFAULT_ROUTES.keys()
 
@@ -123,6 +126,14 @@ class ControlEndpoints:
         """A server without sessions' KV (a gateway): wire-2 §6, 404."""
         raise ProtocolError(
             f"{event.path}: a {self.role} holds no session's KV (GET /kv/{{id}} is a node's)",
+            code="not_found",
+            status=404,
+        )
+
+    async def no_drawn(self, event: EndpointRequest, ctx: RequestContext) -> Reply:
+        """A server that draws no tokens (a gateway): wire-2 §3.14, 404."""
+        raise ProtocolError(
+            f"{event.path}: a {self.role} draws no tokens (GET /drawn/{{id}} is a last stage's)",
             code="not_found",
             status=404,
         )

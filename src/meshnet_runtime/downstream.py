@@ -246,14 +246,20 @@ class DownstreamPool:
     ) -> ActivationResponse | ErrorResponse:
         """``GET /kv/{session}`` (wire-2 §3.11): the session's KV message, its
         body bounded as an activation's, left encoded (it is relayed as is)."""
+        return await self.fetch_activation(f"/kv/{session}", deadline, headers)
+
+    async def fetch_activation(
+        self, target: str, deadline: Deadline, headers: Sequence[tuple[bytes, bytes]] = ()
+    ) -> ActivationResponse | ErrorResponse:
+        """A ``GET`` answered with a tensor (``/kv/{id}``, ``/drawn/{id}``:
+        wire-2 §3.11, §3.14), its body bounded as an activation's, left encoded."""
 
         def build(conn: ClientConnection) -> list[Any]:
-            return conn.send_request("GET", f"/kv/{session}", list(headers),
-                                     expects_activation=True)  # fmt: skip
+            return conn.send_request("GET", target, list(headers), expects_activation=True)
 
         event = await self._exchange(build, deadline, True, 0, self._control_slots)
         if not isinstance(event, ActivationResponse | ErrorResponse):
-            raise self._error("answered GET /kv without a KV message", "downstream_bad_response")
+            raise self._error(f"answered GET {target} without a tensor", "downstream_bad_response")
         return event
 
     @property

@@ -23,6 +23,9 @@ def test_the_floor_is_compute_plus_the_trips_delays_plus_its_bytes_at_the_rate()
     expected = 20.0 + 4 * 5.0 + 1000 * 2 * 1200 * 8 / 100e6
     assert link.floor_ms(wifi, loopback, "wifi", 2) == pytest.approx(expected)
     assert link.floor_ms(loopback, loopback, "loopback", 3) == 20.0
+    # Polled straight from the last stage: 3 one-way delays, not 4.
+    assert link.floor_ms(wifi, loopback, "wifi", 2, direct=True) == pytest.approx(expected - 5.0)
+    assert [link.crossings(s, True) for s in (1, 2, 3)] == [2, 3, 4]
     assert wifi.tok_s == 20.0 and set(PROFILES) == {"loopback", "lan", "wifi", "wan"}
 
 
@@ -31,13 +34,15 @@ def test_tiny_link_section_runs_both_chains_and_the_answers_shrink() -> None:
     result = link.run(BenchOptions(tiny=True, progress=lines.append))
     assert set(result.keys) == set(link.KEYS)
     rows = {(row["link"], row["tree"]): row for row in result.rows}
-    assert set(rows) == {(p, t) for p in ("loopback", "wifi") for t in ("after", "before")}
+    trees = ("after", "relayed", "before")
+    assert set(rows) == {(p, t) for p in ("loopback", "wifi") for t in trees}
 
     def up(profile: str, tree: str) -> int:
         return int(rows[(profile, tree)]["up B/tok/hop"].replace(",", ""))
 
     # The tiny model's logits are 260 float32 (1,040 bytes) a token and hop.
     for profile in ("loopback", "wifi"):
+        assert up(profile, "before") - up(profile, "relayed") >= 1000
         assert up(profile, "before") - up(profile, "after") >= 1000
     assert result.keys["link_wifi_bytes_up_per_token_hop"] == up("wifi", "after") <= 1024
     assert all(value is not None and value > 0 for value in result.keys.values())

@@ -23,7 +23,7 @@ import pytest
 from meshnet_gateway import open_gateway
 from meshnet_gateway.client import Client
 from meshnet_gateway.config import GatewayConfig
-from meshnet_node.app import RunningNode, serve_node
+from meshnet_node import RunningNode, serve_node
 from meshnet_node.backends import Stage, echo
 from meshnet_node.config import NodeConfig
 from meshnet_proto import ErrorResponse

@@ -10,6 +10,7 @@ answer, never a 500 — and the gateway's next step on a sane chain works.
 
 from __future__ import annotations
 
+import dataclasses
 import uuid
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
@@ -19,6 +20,7 @@ import anyio.abc
 import numpy as np
 import pytest
 
+from meshnet_gateway.openai.direct_return import DirectReturn, Relay
 from meshnet_gateway.openai.drawn import Drawn, read_answer
 from meshnet_gateway.openai.generation import ChainSession, ChainSettings, generate
 from meshnet_gateway.openai.tokenizer import ModelTokenizer
@@ -34,6 +36,8 @@ pytestmark = pytest.mark.anyio
 
 # (what the answer's headers change, its tensor) from the request's headers.
 Forge = Callable[[WireHeaders], tuple[dict[str, object], np.ndarray]]
+# What GET /drawn/{session}?position=P answers: a token, or None (404).
+Drawer = Callable[[str, int], np.ndarray | None]
 
 
 def _forges() -> dict[str, Forge]:
@@ -50,8 +54,9 @@ def _forges() -> dict[str, Forge]:
 
 
 @asynccontextmanager
-async def scripted_chain(forge: Forge) -> AsyncIterator[str]:
-    """One 'node' that reads each request whole and answers it with ``forge``."""
+async def scripted_chain(forge: Forge, drawn: Drawer | None = None) -> AsyncIterator[str]:
+    """One 'node' that reads each request whole and answers it with ``forge``;
+    ``GET /drawn/{session}?position=P`` (wire-2 §3.14) with ``drawn``."""
 
     async def handle(stream: anyio.abc.SocketStream) -> None:
         async with stream:
@@ -63,10 +68,13 @@ async def scripted_chain(forge: Forge) -> AsyncIterator[str]:
                     head, _, buffer = buffer.partition(b"\r\n\r\n")
                     lines = head.split(b"\r\n")[1:]
                     pairs = [tuple(x.strip() for x in line.split(b":", 1)) for line in lines]
-                    length = int(dict((k.lower(), v) for k, v in pairs)[b"content-length"])
+                    length = int(dict((k.lower(), v) for k, v in pairs).get(b"content-length", 0))
                     while len(buffer) < length:
                         buffer += await stream.receive(65536)
                     buffer = buffer[length:]
+                    if head.startswith(b"GET /drawn/"):
+                        await stream.send(_drawn_answer(head, drawn))
+                        continue
                     headers = parse_wire_headers(pairs)
                     changes, tensor = forge(headers)
                     answer = headers.replace(
@@ -95,6 +103,31 @@ async def scripted_chain(forge: Forge) -> AsyncIterator[str]:
             yield f"http://127.0.0.1:{port}"
         finally:
             tg.cancel_scope.cancel()
+
+
+def _drawn_answer(head: bytes, drawn: Drawer | None) -> bytes:
+    target = head.split(b" ")[1].decode()
+    session, _, query = target.removeprefix("/drawn/").partition("?")
+    position = int(query.removeprefix("position="))
+    tensor = None if drawn is None else drawn(session, position)
+    if tensor is None:
+        body = (
+            b'{"error":{"status":404,"code":"not_found","message":"no","header":null,"hop":null}}'
+        )
+        return b"HTTP/1.1 404 Not Found\r\nContent-Type: application/json\r\n" + (
+            b"Content-Length: %d\r\n\r\n" % len(body) + body
+        )
+    headers = WireHeaders(
+        shape=tensor.shape,
+        dtype="int32",
+        session=session,
+        chunk_index=0,
+        chunk_total=1,
+        position=position,
+    )
+    fields = b"".join(k + b": " + v + b"\r\n" for k, v in headers.to_pairs())
+    body = tensor.tobytes()
+    return b"HTTP/1.1 200 OK\r\n" + fields + b"Content-Length: %d\r\n\r\n" % len(body) + body
 
 
 SETTINGS = ChainSettings(
@@ -188,3 +221,63 @@ def test_every_stateless_request_the_api_takes_becomes_a_spec() -> None:
     assert [huge(logits, p) for p in range(20)] == [plain(logits, p) for p in range(20)]
     assert spec_for_last_stage(Sampler(SamplingParams(repetition_penalty=1.2), 3)) is None
     assert spec_for_last_stage(Sampler(SamplingParams(), 10**19)) is None  # past the wire's seed
+
+
+async def _direct_generation(
+    drawn: Drawer, tokenizer: ModelTokenizer
+) -> tuple[list[int] | MeshnetError, DirectReturn]:
+    honest: Forge = lambda h: ({}, np.array([[7]], "<i4"))  # noqa: E731
+    async with scripted_chain(honest, drawn) as url:
+        pool, below = DownstreamPool(url), DownstreamPool(url)
+        direct = DirectReturn(below, CodecPool())
+        try:
+            settings = dataclasses.replace(SETTINGS, direct=direct)
+            chain = ChainSession(pool, CodecPool(), settings)
+            sampler = Sampler(SamplingParams(temperature=0.0), 1)
+            try:
+                result = await generate(chain, tokenizer, [3, 4, 5], max_tokens=5, sampler=sampler)
+            except MeshnetError as exc:  # caught here: the script's task group would wrap it
+                return exc, direct
+        finally:
+            await pool.aclose()
+            await direct.aclose()
+    return result.token_ids, direct
+
+
+async def test_the_direct_return_takes_the_polled_token_the_relay_agrees_with(
+    tokenizer: ModelTokenizer,
+) -> None:
+    tokens, direct = await _direct_generation(lambda s, p: np.array([[7]], "<i4"), tokenizer)
+    assert tokens == [7] * 5 and (direct.taken, direct.missed) == (4, 0)
+
+
+async def test_a_poll_that_gets_no_token_falls_back_to_the_relayed_answer(
+    tokenizer: ModelTokenizer,
+) -> None:
+    tokens, direct = await _direct_generation(lambda s, p: None, tokenizer)
+    assert tokens == [7] * 5 and (direct.taken, direct.missed) == (0, 4)
+
+
+async def test_a_polled_token_the_relay_contradicts_is_a_502(tokenizer: ModelTokenizer) -> None:
+    error, _ = await _direct_generation(lambda s, p: np.array([[9]], "<i4"), tokenizer)
+    assert isinstance(error, MeshnetError)
+    assert (error.status, error.code) == (502, "downstream_bad_response")
+    assert "another token" in str(error)
+
+
+def test_a_relay_is_held_to_the_token_taken_early_whichever_lands_first() -> None:
+    def agree(relayed: np.ndarray, early: np.ndarray) -> None:
+        if relayed.tolist() != early.tolist():
+            raise MeshnetError("differ", code="downstream_bad_response", status=502)
+
+    first = Relay(agree)
+    first.landed(np.array([[3]]))
+    with pytest.raises(MeshnetError):
+        first.took(np.array([[4]]))  # the relay came first: checked when taken
+    second = Relay(agree)
+    second.took(np.array([[4]]))
+    with pytest.raises(MeshnetError):
+        second.landed(np.array([[3]]))  # checked when it lands
+    third = Relay(agree)
+    third.took(np.array([[5]]))
+    third.landed(np.array([[5]]))

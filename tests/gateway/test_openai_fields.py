@@ -13,8 +13,9 @@ against a direct reference, each refused one by name.
 
 from __future__ import annotations
 
+import contextlib
 import functools
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -186,6 +187,10 @@ class ScriptedChain:
         """Logits whatever ``sample`` asks (a chain that ignores wire-2 §3.13)."""
         self.sent += 1
         return self._logits()
+
+    @contextlib.asynccontextmanager
+    async def pipelined(self) -> AsyncIterator[None]:
+        yield  # every answer here is immediate: nothing in flight
 
     async def step(self, token_id: int, sample: object = None) -> np.ndarray:
         self.sent += 1

@@ -3,7 +3,9 @@ sampling, stop sequences, request validation, the generation loop."""
 
 from __future__ import annotations
 
+import contextlib
 import json
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import numpy as np
@@ -369,6 +371,10 @@ class ScriptedChain:
         """Logits whatever ``sample`` asks (a chain that ignores wire-2 §3.13)."""
         self.sent.append(list(ids))
         return self._logits()
+
+    @contextlib.asynccontextmanager
+    async def pipelined(self) -> AsyncIterator[None]:
+        yield  # every answer here is immediate: nothing in flight
 
     async def step(self, token_id: int, sample: object = None) -> np.ndarray:
         self.sent.append([token_id])

@@ -119,9 +119,8 @@ def test_every_code_raised_in_src_is_a_member() -> None:
     found |= {"float16_overflow", "bfloat16_overflow"}
     assert len(found) > 55
     assert sorted(found - set(ErrorCode)) == []
-    # bad_request is the one member no meshnet server raises: the contract's
-    # word for a control body an endpoint cannot take, kept for embedders.
-    assert sorted(set(ErrorCode) - found) == ["bad_request"]
+    # Every member is raised somewhere (bad_request last: GET /drawn's query, §3.14).
+    assert sorted(set(ErrorCode) - found) == []
 
 
 def test_every_code_is_raised_with_a_status_its_member_allows() -> None:

@@ -80,17 +80,41 @@ async def _compare(stages: int) -> dict[str, Any]:
                 "gateway",
             ]
         )
-        async with open_gateway(relaying) as old:
+        direct = GatewayConfig.load(
+            [
+                "--port",
+                "0",
+                *QUIET,
+                "--entry",
+                run.node_urls[0],
+                "--model",
+                model,
+                "--direct-return",
+                run.node_urls[-1],
+            ]
+        )
+        async with open_gateway(relaying) as old, open_gateway(direct) as quick:
             out: dict[str, Any] = {}
             for name, extra in REQUESTS.items():
                 document = {"model": name_of_model, "prompt": PROMPT, "max_tokens": TOKENS}
                 document.update(extra)
-                for label, url in (("new", run.url), ("again", run.url), ("old", old.url)):
+                gateways = (
+                    ("new", run.url),
+                    ("again", run.url),
+                    ("old", old.url),
+                    ("direct", quick.url),
+                )
+                for label, url in gateways:
                     before = await anyio.to_thread.run_sync(_bytes_up, run.node_urls[0])
                     answer = await anyio.to_thread.run_sync(_post, url, document)
                     after = await anyio.to_thread.run_sync(_bytes_up, run.node_urls[0])
                     out[f"{name}.{label}"] = answer["choices"][0]
                     out[f"{name}.{label}.bytes"] = after - before
+            assert quick.app.direct is not None
+            out["direct.taken"], out["direct.missed"] = (
+                quick.app.direct.taken,
+                quick.app.direct.missed,
+            )
             return out
 
 
@@ -99,7 +123,7 @@ def test_the_last_stage_draws_the_same_tokens_with_a_few_bytes_each(stages: int)
     out = anyio.run(_compare, stages)
     for name in REQUESTS:
         new, again, old = out[f"{name}.new"], out[f"{name}.again"], out[f"{name}.old"]
-        assert new["text"] == old["text"] == again["text"], name
+        assert new["text"] == old["text"] == again["text"] == out[f"{name}.direct"]["text"], name
         assert new["finish_reason"] == old["finish_reason"]
         # Up from the entry: ids (4 bytes; 32 with 3 logprobs) for each of the
         # prompt's answer and the decode steps, against the 49,152 x 4 logits.
@@ -115,3 +139,7 @@ def test_the_last_stage_draws_the_same_tokens_with_a_few_bytes_each(stages: int)
     for mine, theirs in zip(new["top_logprobs"], old["top_logprobs"], strict=True):
         assert list(mine) == list(theirs)
     assert out["logprobs.new.bytes"] <= 32 * TOKENS
+    # The direct return answered every decode step of the sampled requests
+    # (all four: none keeps the logits path), the relayed answers agreeing.
+    assert out["direct.taken"] == len(REQUESTS) * (TOKENS - 1)
+    assert out["direct.missed"] == 0

@@ -28,8 +28,9 @@ import logging
 import secrets
 import time
 import uuid
-from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import AsyncIterator, Callable, Sequence
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
 from typing import overload
 
 import anyio
@@ -50,9 +51,10 @@ from meshnet_runtime.wire_encoder import WireEncoder
 
 from .._pipeline import check_response, run_chunks
 from .._retry import RetryPolicy, send_with_retries
+from .direct_return import DirectReturn, Pipeline, pipelined
 from .drawn import Answer, Drawn, read_answer, spec_for_last_stage
-from .logprobs import TokenLogprob, TokenTexts
 from .metrics import GenerationMetrics
+from .output import GenerationResult, OnText, Output
 from .prefix_index import PrefixIndex
 from .stops import StopFilter
 from .tokenizer import ModelTokenizer, TextStream
@@ -93,6 +95,9 @@ class ChainSettings:
     # Who draws the tokens (wire-2 §3.13): the last stage while it can
     # ("last-stage"), or always the gateway from relayed logits ("gateway").
     sample_at: str = "last-stage"
+    # The last stage as this gateway reaches it, polled for each decode
+    # step's token (wire-2 §3.14); None: every answer comes relayed.
+    direct: DirectReturn | None = None
 
 
 class ChainSession:
@@ -115,6 +120,8 @@ class ChainSession:
         self.encoder = WireEncoder(codecs, encoding=settings.encoding, level=settings.zstd_level)
         self.runs = 0  # runs completed: prefill + decode steps
         self.prefix = settings.prefix
+        # A generation's relays in flight, while it runs pipelined (§3.14).
+        self.pipeline: Pipeline | None = None
         self._new_session()
 
     def _new_session(self) -> None:
@@ -210,27 +217,85 @@ class ChainSession:
         if self.prefix is not None:
             headers = self._block_keys_for(ids, None)(headers)
         self.chunks += 1
+        deadline = Deadline.after(settings.timeout)
+        direct, pipeline = settings.direct, self.pipeline
+        if direct is not None and pipeline is not None and sample is not None:
+            answer = await self._step_direct(direct, pipeline, headers, ids, sample, deadline)
+        else:
+            try:
+                tensor = await self._send_step(headers, ids, deadline)
+            finally:
+                self.position += 1
+                self.runs += 1
+            answer = read_answer(tensor, sample, self.pool.url)
+        if self.metrics is not None:
+            self.metrics.step_seconds.observe(time.perf_counter() - started)
+        return answer
+
+    async def _send_step(
+        self, headers: WireHeaders, ids: np.ndarray, deadline: Deadline
+    ) -> np.ndarray:
+        """One step down the chain and its relayed answer, decoded."""
         try:
             response = await send_with_retries(
-                self.pool,
-                headers,
-                ids.tobytes(),
-                Deadline.after(settings.timeout),
-                settings.retry,
+                self.pool, headers, ids.tobytes(), deadline, self.settings.retry
             )
             check_response(self.pool, headers, response.headers)
             tensor = await self.codecs.decode(response.headers, response.body)
         except MeshnetError as exc:
             self._suspect(exc)
             raise
-        finally:
-            self.position += 1
-            self.runs += 1
         if self.prefix is not None:
             self.prefix.add(self.block_keys)
-        if self.metrics is not None:
-            self.metrics.step_seconds.observe(time.perf_counter() - started)
-        return read_answer(tensor, sample, self.pool.url)
+        return tensor
+
+    async def _step_direct(
+        self,
+        direct: DirectReturn,
+        pipeline: Pipeline,
+        headers: WireHeaders,
+        ids: np.ndarray,
+        sample: SampleSpec,
+        deadline: Deadline,
+    ) -> Answer:
+        """wire-2 §3.14: the step goes down the chain, its token is asked of
+        the last stage at once; the relayed answer lands in the background
+        and must agree with it."""
+        pipeline.raise_failure()  # an earlier step's relay failed: stop here
+        url = self.pool.url
+
+        def agree(relayed: np.ndarray, early: np.ndarray) -> None:
+            if read_answer(relayed, sample, url) != read_answer(early, sample, direct.url):
+                raise MeshnetError(
+                    f"{url}: the relayed answer names another token than the last "
+                    f"stage's direct one ({direct.url})",
+                    code="downstream_bad_response",
+                    status=502,
+                    hop=url,
+                )
+
+        relay = pipeline.start(lambda: self._send_step(headers, ids, deadline), agree)
+        self.position += 1
+        self.runs += 1
+        early = await direct.poll(headers, self.key, deadline)
+        if early is not None:
+            answer = read_answer(early, sample, direct.url)
+            if isinstance(answer, Drawn):
+                relay.took(early)
+                return answer
+        return read_answer(await relay.result(), sample, url)
+
+    @asynccontextmanager
+    async def pipelined(self) -> AsyncIterator[None]:
+        """Decode steps may leave before the previous step's relayed answer
+        is back (the direct return, wire-2 §3.14); every relay lands, or its
+        failure is raised, before the block ends."""
+        async with pipelined() as pipeline:
+            self.pipeline = pipeline
+            try:
+                yield
+            finally:
+                self.pipeline = None
 
     def _suspect(self, exc: MeshnetError) -> None:
         if exc.code == "stage_mismatch" and self.settings.on_stage_mismatch is not None:
@@ -343,84 +408,6 @@ def _sampling_last(
     return with_sample
 
 
-@dataclass(slots=True)
-class GenerationResult:
-    prompt_tokens: int
-    completion_tokens: int = 0
-    finish_reason: str = "length"  # "stop" (eos or a stop sequence) or "length"
-    text: str = ""
-    token_ids: list[int] = field(default_factory=list)
-    # One entry per generated token shown (a stop id is not), when asked.
-    logprobs: list[TokenLogprob] | None = None
-
-
-# A piece of text and the logprobs of the tokens that came with it (None
-# unless the request asked for logprobs; then a chunk is sent for every
-# token, its text possibly empty, so each token's numbers arrive with it).
-OnText = Callable[[str, "list[TokenLogprob] | None"], Awaitable[None]]
-
-
-class _Output:
-    """A generation's text and logprobs, to its result and to ``on_text``."""
-
-    def __init__(self, result: GenerationResult, on_text: OnText | None,
-                 tokenizer: ModelTokenizer, sampler: Sampler) -> None:  # fmt: skip
-        self.result = result
-        self.on_text = on_text
-        self.sampler = sampler
-        self.vocab = tokenizer.vocab_size
-        wanted = sampler.params.logprobs is not None
-        self.texts = TokenTexts(tokenizer) if wanted else None
-        self.pending: list[TokenLogprob] = []  # entries not yet sent with a piece
-        if wanted:
-            result.logprobs = []
-
-    def pick(self, answer: Answer) -> tuple[int, TokenLogprob | None]:
-        """The next id and, if asked, its logprobs entry (in a worker thread):
-        drawn from the logits here, or as the last stage drew it."""
-        sampler = self.sampler
-        if isinstance(answer, Drawn):
-            token = answer.token
-            if token >= self.vocab:  # a forged id would decode to nothing, silently
-                raise ValueError(f"the drawn id {token} is past the vocabulary ({self.vocab})")
-            sampler.record(answer.logprobs)
-        else:
-            token = sampler(answer)
-        if self.texts is None or sampler.last is None or token in sampler.stop_ids:
-            return token, None
-        return token, self.texts.entry(sampler.last)
-
-    async def choose(self, answer: Answer, chain: ChainSession) -> tuple[int, TokenLogprob | None]:
-        """``pick``, off the event loop when it is O(vocab) numpy work."""
-        try:
-            if isinstance(answer, Drawn):  # nothing to compute: no thread hop
-                return self.pick(answer)
-            return await anyio.to_thread.run_sync(self.pick, answer)
-        except ValueError as exc:  # e.g. every logit NaN: the last stage is broken
-            url = chain.pool.url
-            raise MeshnetError(
-                f"{url}: the last stage's logits cannot be sampled: {exc}",
-                code="downstream_bad_response",
-                status=502,
-                hop=url,
-            ) from None
-
-    def add(self, entry: TokenLogprob | None) -> None:
-        if entry is not None and self.result.logprobs is not None:
-            self.pending.append(entry)
-            self.result.logprobs.append(entry)
-
-    async def emit(self, piece: str) -> None:
-        self.result.text += piece
-        if self.texts is None:
-            if piece and self.on_text is not None:
-                await self.on_text(piece, None)
-            return
-        shown, self.pending = self.pending, []
-        if (piece or shown) and self.on_text is not None:
-            await self.on_text(piece, shown)
-
-
 async def generate(
     chain: ChainSession,
     tokenizer: ModelTokenizer,
@@ -456,32 +443,33 @@ async def generate(
     stops = StopFilter(stop)
     sampler.begin(prompt_ids, tokenizer.stop_ids)
     stop_ids = sampler.stop_ids
-    output = _Output(result, on_text, tokenizer, sampler)
+    output = Output(result, on_text, tokenizer, sampler)
     emit = output.emit
     remote = sample_at == "last-stage"
 
     def sample() -> SampleSpec | None:
         return spec_for_last_stage(sampler) if remote else None
 
-    answer = await chain.prefill(prompt_ids, sample())
-    if on_prefilled is not None:
-        on_prefilled()
-    stopped = False
-    for produced in range(1, max_tokens + 1):
-        token, entry = await output.choose(answer, chain)
-        result.completion_tokens = produced
-        if on_token is not None:
-            on_token()
-        if token in stop_ids:
-            stopped = True
-            break
-        result.token_ids.append(token)
-        output.add(entry)
-        text, stopped = stops.feed(stream.push(token))
-        await emit(text)
-        if stopped or produced == max_tokens:
-            break  # the last token needs no decode step of its own
-        answer = await chain.step(token, sample())
+    async with chain.pipelined():  # the direct return's relays land inside (§3.14)
+        answer = await chain.prefill(prompt_ids, sample())
+        if on_prefilled is not None:
+            on_prefilled()
+        stopped = False
+        for produced in range(1, max_tokens + 1):
+            token, entry = await output.choose(answer, chain)
+            result.completion_tokens = produced
+            if on_token is not None:
+                on_token()
+            if token in stop_ids:
+                stopped = True
+                break
+            result.token_ids.append(token)
+            output.add(entry)
+            text, stopped = stops.feed(stream.push(token))
+            await emit(text)
+            if stopped or produced == max_tokens:
+                break  # the last token needs no decode step of its own
+            answer = await chain.step(token, sample())
     if not stopped:
         text, stopped = stops.feed(stream.flush())
         await emit(text)

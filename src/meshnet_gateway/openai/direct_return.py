@@ -1,0 +1,150 @@
+"""The direct return, the gateway's side (wire-2 §3.14).
+
+A decode step's relayed answer crosses every hop back (2 x S one-way delays
+for S stages). With ``--direct-return URL`` (the last stage, as the gateway
+reaches it) each sampled decode step is sent down the chain as always, and
+at the same moment the gateway asks the last stage for the token that step
+will draw (``GET /drawn/{session}?position=P``, with the session's key): the
+token arrives after S + 1 delays, and the next step leaves at once.
+
+The relayed answer stays the authority. It is awaited in the background (a
+``Pipeline`` a generation holds open), checked as before, and held to the
+token taken early: a relay that fails, or names another token, fails the
+generation (502) at its next step or at its end. A poll that gets no token
+— another replica holds the session, a timeout, any error — costs nothing
+but its wait: the step takes the relayed answer instead.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+
+import anyio
+import anyio.abc
+import numpy as np
+
+from meshnet_proto import ActivationResponse, MeshnetError, WireHeaders
+from meshnet_runtime.codec_pool import CodecPool
+from meshnet_runtime.deadlines import Deadline
+from meshnet_runtime.downstream import DownstreamPool, key_headers
+
+from .._pipeline import check_response
+
+__all__ = ["DirectReturn", "Pipeline", "Relay"]
+
+
+class DirectReturn:
+    """Polls one chain's last stage for the tokens it draws; counts the outcomes."""
+
+    def __init__(self, pool: DownstreamPool, codecs: CodecPool) -> None:
+        self.pool = pool
+        self.codecs = codecs
+        self.taken = 0  # steps answered by a poll
+        self.missed = 0  # polls that got no token: the relayed answer served
+
+    @property
+    def url(self) -> str:
+        return self.pool.url
+
+    async def poll(
+        self, headers: WireHeaders, key: str | None, deadline: Deadline
+    ) -> np.ndarray | None:
+        """The answer to the step sent with ``headers``, as the last stage
+        drew it, or None when it could not be had this way."""
+        target = f"/drawn/{headers.session}?position={headers.position}"
+        try:
+            response = await self.pool.fetch_activation(target, deadline, key_headers(key))
+            if not isinstance(response, ActivationResponse):
+                raise response.to_error(hop=self.url)
+            check_response(self.pool, headers, response.headers)
+            tensor = await self.codecs.decode(response.headers, response.body)
+        except MeshnetError:
+            self.missed += 1
+            return None
+        self.taken += 1
+        return tensor
+
+    async def aclose(self) -> None:
+        await self.pool.aclose()
+
+
+class Relay:
+    """One decode step's relayed answer, still on its way back."""
+
+    def __init__(self, check: Callable[[np.ndarray, np.ndarray], None]) -> None:
+        self.done = anyio.Event()
+        self.answer: np.ndarray | None = None
+        self.error: MeshnetError | None = None
+        self._check = check  # (relayed, taken early): raises MeshnetError if they differ
+        self._taken: np.ndarray | None = None
+
+    async def result(self) -> np.ndarray:
+        """The relayed answer (the step's only one, when no poll got a token)."""
+        await self.done.wait()
+        if self.error is not None:
+            raise self.error
+        assert self.answer is not None
+        return self.answer
+
+    def took(self, early: np.ndarray) -> None:
+        """The step went on with ``early``: the relayed answer must agree."""
+        self._taken = early
+        if self.answer is not None:
+            self._check(self.answer, early)  # it came first: held to it now
+
+    def landed(self, answer: np.ndarray) -> None:
+        self.answer = answer
+        if self._taken is not None:
+            self._check(answer, self._taken)
+
+
+class Pipeline:
+    """A generation's relays in flight: each runs as a task of the
+    generation's own group; the first failure is raised at the next step or
+    when the generation ends."""
+
+    def __init__(self, group: anyio.abc.TaskGroup) -> None:
+        self.group = group
+        self.failure: MeshnetError | None = None
+
+    def raise_failure(self) -> None:
+        if self.failure is not None:
+            raise self.failure
+
+    def start(
+        self,
+        send: Callable[[], Awaitable[np.ndarray]],
+        check: Callable[[np.ndarray, np.ndarray], None],
+    ) -> Relay:
+        relay = Relay(check)
+
+        async def run() -> None:
+            try:
+                relay.landed(await send())
+            except MeshnetError as exc:
+                relay.error = exc
+                if self.failure is None:
+                    self.failure = exc
+            finally:
+                relay.done.set()
+
+        self.group.start_soon(run)
+        return relay
+
+
+@asynccontextmanager
+async def pipelined() -> AsyncIterator[Pipeline]:
+    """A pipeline whose relays all land (or are cancelled) before it closes;
+    the first relay failure is raised then."""
+    failure: Exception | None = None
+    async with anyio.create_task_group() as group:
+        pipeline = Pipeline(group)
+        try:
+            yield pipeline
+        except Exception as exc:  # raised as itself below, not inside the group's group
+            failure = exc
+            group.cancel_scope.cancel()  # nobody waits for the relays any more
+    if failure is not None:
+        raise failure
+    pipeline.raise_failure()
