@@ -27,7 +27,9 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
+import statistics
 import tempfile
 import time
 import urllib.request
@@ -61,14 +63,15 @@ class Plan:
     profiles: tuple[str, ...]
     decode_tokens: int
     prompt_tokens: int
+    rounds: int  # each tree measured this many times, in turns; medians reported
 
 
 def _plan(options: BenchOptions) -> Plan:
     if options.tiny:
-        return Plan(("tiny",), (2,), ("loopback", "wifi"), 4, 16)
+        return Plan(("tiny",), (2,), ("loopback", "wifi"), 4, 16, 1)
     if options.quick:
-        return Plan(("real",), (2,), ("loopback", "wifi"), 16, PROMPT_TOKENS)
-    return Plan(("real", "big-vocab"), (1, 2, 3), tuple(PROFILES), 32, PROMPT_TOKENS)
+        return Plan(("real",), (2,), ("loopback", "wifi"), 16, PROMPT_TOKENS, 3)
+    return Plan(("real", "big-vocab"), (1, 2, 3), tuple(PROFILES), 24, PROMPT_TOKENS, 3)
 
 
 @dataclass(frozen=True, slots=True)
@@ -268,7 +271,8 @@ def _prompt(count: int, salt: int) -> list[int]:
     return [(salt * 7919 + i * 31) % 200 + 3 for i in range(count)]
 
 
-async def measure(chain: Chain, model: str, plan: Plan, salt: int) -> Trial:
+async def measure(chain: Chain, model: str, plan: Plan, salt: int, ttft: bool = True) -> Trial:
+    """One round on one chain; ``ttft``: the 512-token prompt too (else NaN)."""
     call = anyio.to_thread.run_sync
     links = chain.links
     short = _prompt(8, salt)
@@ -278,7 +282,11 @@ async def measure(chain: Chain, model: str, plan: Plan, salt: int) -> Trial:
     middle = [(link.bytes_up, link.bytes_down) for link in links]
     many = await call(_complete, chain.gateway, model, _prompt(8, salt + 2), plan.decode_tokens)
     after = [(link.bytes_up, link.bytes_down) for link in links]
-    ttft = await call(_complete, chain.gateway, model, _prompt(plan.prompt_tokens, salt + 3), 1)
+    first = math.nan
+    if ttft:
+        first = await call(
+            _complete, chain.gateway, model, _prompt(plan.prompt_tokens, salt + 3), 1
+        )
     steps = plan.decode_tokens - 1
     # Per token and hop: the long request's bytes less the one-token one's.
     # A link's own "up" is toward its target (the last stage): our "down".
@@ -291,7 +299,7 @@ async def measure(chain: Chain, model: str, plan: Plan, salt: int) -> Trial:
     toward_gateway = sum(c - g for g, c in grown[1::2])
     hops = len(links) * steps
     return Trial(
-        ttft,
+        first,
         1000.0 * (many - one) / steps,
         max(toward_gateway, 0) / hops,
         max(toward_last, 0) / hops,
@@ -306,15 +314,40 @@ def retune(chain: Chain, profile: str) -> None:
 # ------------------------------------------------------------ the section
 
 
+def median_trial(trials: Sequence[Trial]) -> Trial:
+    """Each figure's median over the rounds (the TTFT: of those that took one)."""
+    ttfts = [t.ttft_s for t in trials if not math.isnan(t.ttft_s)]
+    return Trial(
+        statistics.median(ttfts) if ttfts else math.nan,
+        statistics.median(t.ms_per_token for t in trials),
+        statistics.median(t.bytes_up for t in trials),
+        statistics.median(t.bytes_down for t in trials),
+    )
+
+
 async def _trials(
-    path: Path, model: str, stages: int, plan: Plan, tree: Tree, salt: int
-) -> dict[str, Trial]:
-    async with chain(path, stages, tree.flags, tree.env, tree.direct) as running:
-        out: dict[str, Trial] = {}
+    path: Path, model: str, stages: int, plan: Plan, trees: Sequence[Tree]
+) -> dict[str, dict[str, Trial]]:
+    """Every tree's chain at once (idle ones cost nothing), measured in turns
+    on each profile — A, B, C, A, B, C: a burst of load falls on all alike."""
+    async with contextlib.AsyncExitStack() as stack:
+        chains: dict[str, Chain] = {}
+        for tree in trees:
+            started = chain(path, stages, tree.flags, tree.env, tree.direct)
+            chains[tree.name] = await stack.enter_async_context(started)
+        found: dict[str, dict[str, list[Trial]]] = {name: {} for name in chains}
         for k, profile in enumerate(plan.profiles):
-            retune(running, profile)
-            out[profile] = await measure(running, model, plan, salt + 10 * k)
-        return out
+            for running in chains.values():
+                retune(running, profile)
+            for round_ in range(plan.rounds):
+                for t, (name, running) in enumerate(chains.items()):
+                    salt = 1000 * t + 100 * k + 10 * round_
+                    trial = await measure(running, model, plan, salt, ttft=round_ == 0)
+                    found[name].setdefault(profile, []).append(trial)
+        return {
+            name: {profile: median_trial(trials) for profile, trials in per.items()}
+            for name, per in found.items()
+        }
 
 
 def _row(
@@ -359,26 +392,21 @@ def run(options: BenchOptions) -> SectionResult:
     baseline = (
         f"this tree against {os.environ[BASELINE_ENV]}"
         if env
-        else ("this tree against itself with --sample-at gateway (logits relayed)")
+        else "this tree against itself with --sample-at gateway (logits relayed)"
     )
     result = SectionResult(f"Decode over emulated links: {baseline}")
     found: dict[tuple[str, int, str, str], Trial] = {}
+    trees = _trees(env)
     with tempfile.TemporaryDirectory() as scratch:
         for model in plan.models:
             path = model_file(model, Path(scratch))
             for stages in plan.stages:
-                for salt, tree in enumerate(_trees(env)):
-                    options.progress(f"  link: {model}, {stages} stages, {tree.name}")
-                    trials = anyio.run(
-                        _trials,
-                        path,
-                        path.stem,
-                        stages,
-                        plan,
-                        tree,
-                        1000 * salt,
-                        backend=options.async_backend,
-                    )
+                options.progress(f"  link: {model}, {stages} stages")
+                measured = anyio.run(
+                    _trials, path, path.stem, stages, plan, trees, backend=options.async_backend
+                )
+                for tree in trees:
+                    trials = measured[tree.name]
                     for profile, trial in trials.items():
                         found[(model, stages, profile, tree.name)] = trial
                         floor = floor_ms(trial, trials["loopback"], profile, stages, tree.direct)

@@ -10,6 +10,7 @@ answer, never a 500 — and the gateway's next step on a sane chain works.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -61,7 +62,9 @@ async def scripted_chain(forge: Forge, drawn: Drawer | None = None) -> AsyncIter
     async def handle(stream: anyio.abc.SocketStream) -> None:
         async with stream:
             buffer = b""
-            with anyio.move_on_after(10):
+            # A client that closes its connection (after a 404, say) ends the loop.
+            closed = (anyio.EndOfStream, anyio.BrokenResourceError, anyio.ClosedResourceError)
+            with anyio.move_on_after(10), contextlib.suppress(*closed):
                 while True:
                     while b"\r\n\r\n" not in buffer:
                         buffer += await stream.receive(65536)
@@ -229,7 +232,7 @@ async def _direct_generation(
     honest: Forge = lambda h: ({}, np.array([[7]], "<i4"))  # noqa: E731
     async with scripted_chain(honest, drawn) as url:
         pool, below = DownstreamPool(url), DownstreamPool(url)
-        direct = DirectReturn(below, CodecPool())
+        direct = DirectReturn(below, CodecPool(), worth_s=0.0)  # poll every step
         try:
             settings = dataclasses.replace(SETTINGS, direct=direct)
             chain = ChainSession(pool, CodecPool(), settings)
@@ -281,3 +284,21 @@ def test_a_relay_is_held_to_the_token_taken_early_whichever_lands_first() -> Non
     third = Relay(agree)
     third.took(np.array([[5]]))
     third.landed(np.array([[5]]))
+
+
+def test_polling_stops_where_the_relay_is_as_quick_and_probes_again() -> None:
+    """Loopback: the relayed answer lands as soon as the polled one, and a
+    poll only adds work; one step in PROBE_EVERY still polls, and a lag
+    that grows (a real link) turns polling back on."""
+    from meshnet_gateway.openai.direct_return import PROBE_EVERY, WORTH_S
+
+    direct = DirectReturn(DownstreamPool("http://127.0.0.1:9"), CodecPool())
+    assert direct.worth_polling()  # nothing measured yet
+    direct.observe_lag(0.0001)
+    polled = [direct.worth_polling() for _ in range(2 * PROBE_EVERY)]
+    assert polled.count(True) == 2 and direct.skipped == 2 * PROBE_EVERY - 2
+    assert direct.worth_polling(probe=True)  # a generation's first step always polls
+    direct.observe_lag(0.005)  # a probe on a link with a wifi's one-way delay
+    assert direct.lag is not None and direct.lag >= WORTH_S and direct.worth_polling()
+    direct.observe_lag(-1.0)  # the relay landed first: no lag, not a negative one
+    assert direct.lag is not None and direct.lag >= 0

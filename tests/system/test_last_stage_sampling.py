@@ -111,10 +111,9 @@ async def _compare(stages: int) -> dict[str, Any]:
                     out[f"{name}.{label}"] = answer["choices"][0]
                     out[f"{name}.{label}.bytes"] = after - before
             assert quick.app.direct is not None
-            out["direct.taken"], out["direct.missed"] = (
-                quick.app.direct.taken,
-                quick.app.direct.missed,
-            )
+            counts = quick.app.direct
+            out["direct.taken"], out["direct.missed"] = counts.taken, counts.missed
+            out["direct.skipped"] = counts.skipped
             return out
 
 
@@ -139,7 +138,9 @@ def test_the_last_stage_draws_the_same_tokens_with_a_few_bytes_each(stages: int)
     for mine, theirs in zip(new["top_logprobs"], old["top_logprobs"], strict=True):
         assert list(mine) == list(theirs)
     assert out["logprobs.new.bytes"] <= 32 * TOKENS
-    # The direct return answered every decode step of the sampled requests
-    # (all four: none keeps the logits path), the relayed answers agreeing.
-    assert out["direct.taken"] == len(REQUESTS) * (TOKENS - 1)
-    assert out["direct.missed"] == 0
+    # The direct return polled while it measured the relay's lag; on
+    # loopback the relay is as quick, so it went on without polls but its
+    # probes (WORTH_S): every step was polled or skipped, none missed.
+    steps = len(REQUESTS) * (TOKENS - 1)
+    assert out["direct.taken"] >= 1 and out["direct.missed"] == 0
+    assert out["direct.taken"] + out["direct.skipped"] == steps

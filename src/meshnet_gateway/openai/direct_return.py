@@ -7,6 +7,11 @@ at the same moment the gateway asks the last stage for the token that step
 will draw (``GET /drawn/{session}?position=P``, with the session's key): the
 token arrives after S + 1 delays, and the next step leaves at once.
 
+Polling pays only where the relayed answer comes back later than the
+polled one by a link's delay: each relay's lag behind its poll is measured,
+and while it stays under ``WORTH_S`` (loopback) the steps go without a poll
+but for probes: every generation's first step, and one in ``PROBE_EVERY``.
+
 The relayed answer stays the authority. It is awaited in the background (a
 ``Pipeline`` a generation holds open), checked as before, and held to the
 token taken early: a relay that fails, or names another token, fails the
@@ -17,6 +22,7 @@ but its wait: the step takes the relayed answer instead.
 
 from __future__ import annotations
 
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 
@@ -34,14 +40,48 @@ from .._pipeline import check_response
 __all__ = ["DirectReturn", "Pipeline", "Relay"]
 
 
-class DirectReturn:
-    """Polls one chain's last stage for the tokens it draws; counts the outcomes."""
+# A poll costs each end a request; it pays when the relayed answer lands at
+# least this much later than the polled one (a link's delay: 5 ms on wifi,
+# ~0.1 ms on loopback, where polling only adds work on shared cores).
+WORTH_S = 0.002
+# While polling does not pay, every this many steps one is polled anyway, to
+# see whether the link changed.
+PROBE_EVERY = 32
 
-    def __init__(self, pool: DownstreamPool, codecs: CodecPool) -> None:
+
+class DirectReturn:
+    """Polls one chain's last stage for the tokens it draws, while that pays;
+    counts the outcomes."""
+
+    def __init__(self, pool: DownstreamPool, codecs: CodecPool, worth_s: float = WORTH_S) -> None:
         self.pool = pool
         self.codecs = codecs
+        self.worth_s = worth_s  # 0: poll every step whatever the lag
         self.taken = 0  # steps answered by a poll
         self.missed = 0  # polls that got no token: the relayed answer served
+        self.skipped = 0  # steps not polled: the relayed answer came as soon
+        # How much later the relayed answer landed than the polled one, the
+        # last time both came (seconds); None until measured.
+        self.lag: float | None = None
+        self._since_probe = 0
+
+    def worth_polling(self, probe: bool = False) -> bool:
+        """Whether to poll for the next step: ``lag`` >= ``worth_s``, or a
+        probe (``probe``: a generation's first step; or one in ``PROBE_EVERY``)."""
+        if probe or self.lag is None or self.lag >= self.worth_s:
+            return True
+        self._since_probe += 1
+        if self._since_probe >= PROBE_EVERY:
+            self._since_probe = 0
+            return True
+        self.skipped += 1
+        return False
+
+    def observe_lag(self, seconds: float) -> None:
+        """The last relay's lag decides: a link's delay is far above the
+        threshold and loopback's far below, so one measurement says which
+        (an average would let a probe on a changed link count for little)."""
+        self.lag = max(0.0, seconds)
 
     @property
     def url(self) -> str:
@@ -72,12 +112,18 @@ class DirectReturn:
 class Relay:
     """One decode step's relayed answer, still on its way back."""
 
-    def __init__(self, check: Callable[[np.ndarray, np.ndarray], None]) -> None:
+    def __init__(
+        self,
+        check: Callable[[np.ndarray, np.ndarray], None],
+        on_lag: Callable[[float], None] | None = None,
+    ) -> None:
         self.done = anyio.Event()
         self.answer: np.ndarray | None = None
         self.error: MeshnetError | None = None
         self._check = check  # (relayed, taken early): raises MeshnetError if they differ
+        self._on_lag = on_lag  # how much later than the early answer the relayed one landed
         self._taken: np.ndarray | None = None
+        self._taken_at = self._landed_at = 0.0
 
     async def result(self) -> np.ndarray:
         """The relayed answer (the step's only one, when no poll got a token)."""
@@ -89,14 +135,20 @@ class Relay:
 
     def took(self, early: np.ndarray) -> None:
         """The step went on with ``early``: the relayed answer must agree."""
-        self._taken = early
+        self._taken, self._taken_at = early, time.perf_counter()
         if self.answer is not None:
+            self._lagged()
             self._check(self.answer, early)  # it came first: held to it now
 
     def landed(self, answer: np.ndarray) -> None:
-        self.answer = answer
+        self.answer, self._landed_at = answer, time.perf_counter()
         if self._taken is not None:
+            self._lagged()
             self._check(answer, self._taken)
+
+    def _lagged(self) -> None:
+        if self._on_lag is not None:
+            self._on_lag(self._landed_at - self._taken_at)
 
 
 class Pipeline:
@@ -116,8 +168,9 @@ class Pipeline:
         self,
         send: Callable[[], Awaitable[np.ndarray]],
         check: Callable[[np.ndarray, np.ndarray], None],
+        on_lag: Callable[[float], None] | None = None,
     ) -> Relay:
-        relay = Relay(check)
+        relay = Relay(check, on_lag)
 
         async def run() -> None:
             try:

@@ -219,7 +219,12 @@ class ChainSession:
         self.chunks += 1
         deadline = Deadline.after(settings.timeout)
         direct, pipeline = settings.direct, self.pipeline
-        if direct is not None and pipeline is not None and sample is not None:
+        if (
+            direct is not None
+            and pipeline is not None
+            and sample is not None
+            and direct.worth_polling(probe=self.runs == 1)  # a generation's first step
+        ):
             answer = await self._step_direct(direct, pipeline, headers, ids, sample, deadline)
         else:
             try:
@@ -274,7 +279,9 @@ class ChainSession:
                     hop=url,
                 )
 
-        relay = pipeline.start(lambda: self._send_step(headers, ids, deadline), agree)
+        relay = pipeline.start(
+            lambda: self._send_step(headers, ids, deadline), agree, direct.observe_lag
+        )
         self.position += 1
         self.runs += 1
         early = await direct.poll(headers, self.key, deadline)
