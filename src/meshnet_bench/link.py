@@ -126,13 +126,13 @@ def big_vocab_model(directory: Path) -> Path:
     from meshnet_model.testing.gguf import GGUFVocab, write_gguf
 
     alphabet = byte_alphabet()
-    tokens = [alphabet[b] for b in range(256)]
+    tokens = [alphabet[b] for b in range(256)] + ["Ġt"]
     tokens += [f"w{i}" for i in range(BIG_VOCAB - len(tokens) - 1)] + ["<|end|>"]
     vocab = GGUFVocab(
         model="gpt2",
         tokens=tokens,
         token_types=[1] * (len(tokens) - 1) + [3],
-        merges=[],
+        merges=["Ġ t"],  # one merge: a BPE vocabulary needs its list
         pre="gpt-2",
         bos_id=len(tokens) - 1,
         eos_id=len(tokens) - 1,

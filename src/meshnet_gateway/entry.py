@@ -13,6 +13,7 @@ import anyio.abc
 from meshnet_proto import ErrorResponse, Limits, MeshnetError
 from meshnet_runtime.deadlines import Deadline
 from meshnet_runtime.downstream import Downstream, DownstreamPool
+from meshnet_runtime.endpoints import Endpoint
 from meshnet_runtime.metrics import ServerMetrics
 from meshnet_runtime.replicas import ReplicaSet, needs_replica_set
 
@@ -143,13 +144,7 @@ def entry_downstream(config: GatewayConfig, metrics: ServerMetrics) -> Downstrea
             probe_timeout=config.probe_timeout,
             max_history_bytes=config.max_history_bytes,
         )
-    return DownstreamPool(
-        config.entry,
-        limits=config.limits,
-        token=config.token,
-        ssl_context=_client_ssl(config),
-        metrics=metrics,
-    )
+    return _node_pool(config.entry, config, metrics)
 
 
 def last_stage_pool(config: GatewayConfig, metrics: ServerMetrics) -> DownstreamPool | None:
@@ -157,8 +152,15 @@ def last_stage_pool(config: GatewayConfig, metrics: ServerMetrics) -> Downstream
     token (wire-2 §3.14), with the chain's token and TLS; None without it."""
     if config.direct_return is None:
         return None
+    return _node_pool(config.direct_return, config, metrics)
+
+
+def _node_pool(
+    url: Endpoint | str, config: GatewayConfig, metrics: ServerMetrics
+) -> DownstreamPool:
+    """Connections to one node, with the chain's limits, token and TLS."""
     return DownstreamPool(
-        config.direct_return,
+        url,
         limits=config.limits,
         token=config.token,
         ssl_context=_client_ssl(config),
