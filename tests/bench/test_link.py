@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import pytest
 
-from meshnet_bench import BenchOptions, link
+from meshnet_bench import link
+from meshnet_bench._result import BenchOptions
 from meshnet_bench.emulated_link import PROFILES
 
 pytestmark = pytest.mark.slow
