@@ -44,6 +44,8 @@ def gateway_info(app: GatewayApp) -> dict[str, Any]:
         "auth": config.token is not None,
         "model": app.openai.model.name if app.openai is not None else None,
         "admission": app.admission.describe() if app.openai is not None else None,
+        "sample_at": config.sample_at,
+        "direct_return": app.direct.describe() if app.direct is not None else None,
         "chain": {
             "checked": app.chain_problems is not None,
             "problems": [p.to_json() for p in app.chain_problems or []],

@@ -111,6 +111,9 @@ async def _compare(stages: int) -> dict[str, Any]:
                     out[f"{name}.{label}"] = answer["choices"][0]
                     out[f"{name}.{label}.bytes"] = after - before
             assert quick.app.direct is not None
+            info = quick.app.info()
+            assert info["direct_return"]["url"] == run.node_urls[-1]
+            assert info["sample_at"] == "last-stage"
             counts = quick.app.direct
             out["direct.taken"], out["direct.missed"] = counts.taken, counts.missed
             out["direct.skipped"] = counts.skipped

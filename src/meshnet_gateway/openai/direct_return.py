@@ -25,6 +25,7 @@ from __future__ import annotations
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
+from typing import Any
 
 import anyio
 import anyio.abc
@@ -37,7 +38,7 @@ from meshnet_runtime.downstream import DownstreamPool, key_headers
 
 from .._pipeline import check_response
 
-__all__ = ["DirectReturn", "Pipeline", "Relay"]
+__all__ = ["PROBE_EVERY", "WORTH_S", "DirectReturn", "Pipeline", "Relay", "pipelined"]
 
 
 # A poll costs each end a request; it pays when the relayed answer lands at
@@ -76,6 +77,17 @@ class DirectReturn:
             return True
         self.skipped += 1
         return False
+
+    def describe(self) -> dict[str, Any]:
+        """For the gateway's ``/info``: where it polls and how that went."""
+        lag = None if self.lag is None else round(self.lag * 1000, 3)
+        return {
+            "url": self.url,
+            "taken": self.taken,
+            "missed": self.missed,
+            "skipped": self.skipped,
+            "lag_ms": lag,
+        }
 
     def observe_lag(self, seconds: float) -> None:
         """The last relay's lag decides: a link's delay is far above the
