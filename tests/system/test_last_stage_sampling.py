@@ -67,32 +67,14 @@ async def _compare(stages: int) -> dict[str, Any]:
     async with serve_local(
         model, stages, gateway_flags=["--port", "0", *QUIET], node_flags=QUIET
     ) as run:
-        relaying = GatewayConfig.load(
-            [
-                "--port",
-                "0",
-                *QUIET,
-                "--entry",
-                run.node_urls[0],
-                "--model",
-                model,
-                "--sample-at",
-                "gateway",
-            ]
-        )
-        direct = GatewayConfig.load(
-            [
-                "--port",
-                "0",
-                *QUIET,
-                "--entry",
-                run.node_urls[0],
-                "--model",
-                model,
-                "--direct-return",
-                run.node_urls[-1],
-            ]
-        )
+
+        def another_gateway(*flags: str) -> GatewayConfig:
+            """A second gateway over the same chain, with ``flags``."""
+            base = ["--port", "0", *QUIET, "--entry", run.node_urls[0], "--model", model]
+            return GatewayConfig.load([*base, *flags])
+
+        relaying = another_gateway("--sample-at", "gateway")
+        direct = another_gateway("--direct-return", run.node_urls[-1])
         async with open_gateway(relaying) as old, open_gateway(direct) as quick:
             out: dict[str, Any] = {}
             for name, extra in REQUESTS.items():
