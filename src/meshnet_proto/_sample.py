@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ._errors import ProtocolError
-from ._integers import MAX_UINT_DIGITS
+from ._integers import MAX_UINT_DIGITS, parse_canonical_uint
 from ._limits import Limits
 
 __all__ = ["MAX_SAMPLE_LOGPROBS", "SampleSpec"]
@@ -38,7 +38,6 @@ TOP_K_CEILING = 2**31  # top_k < this; 0: no cut
 _NAME_VALUE = re.compile(rb"([a-z_]{1,16})=([0-9][0-9.e+-]{0,31})")
 # A decimal as Python's repr(float) writes one (no sign: every parameter is >= 0).
 _DECIMAL = re.compile(rb"[0-9]{1,20}(?:\.[0-9]{1,20})?(?:e[+-]?[0-9]{1,3})?")
-_UINT = re.compile(rb"0|[1-9][0-9]*")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -121,9 +120,12 @@ def _bad(message: str) -> ProtocolError:
 
 def _number(name: bytes, raw: bytes) -> float | int:
     if name in (b"seed", b"top_k", b"logprobs"):
-        if _UINT.fullmatch(raw) is None or len(raw) > MAX_UINT_DIGITS:
-            raise _bad(f"x-meshnet-sample: {name.decode()} must be a canonical unsigned integer")
-        return int(raw)
+        try:  # wire-2 §2.3's one spelling of an integer, as every header's
+            return parse_canonical_uint(raw, header=H_SAMPLE)
+        except ProtocolError:
+            raise _bad(
+                f"x-meshnet-sample: {name.decode()} must be a canonical unsigned integer"
+            ) from None
     if _DECIMAL.fullmatch(raw) is None:
         raise _bad(f"x-meshnet-sample: {name.decode()} must be a decimal number")
     return float(raw)  # finite: at most 20 digits and an exponent of 3 digits may overflow
@@ -150,23 +152,10 @@ def parse_sample_value(raw: bytes) -> SampleSpec:
         given[name.decode()] = _number(name, value)
     if "seed" not in given:
         raise _bad("x-meshnet-sample: seed is required")
-    spec = object.__new__(SampleSpec)
-    for field, default in _DEFAULTS:
-        object.__setattr__(spec, field, given.get(field, default))
-    problem = _problem(spec)
-    if problem is not None:
-        raise _bad(f"x-meshnet-sample: {problem}")
-    return spec
-
-
-_DEFAULTS = (
-    ("seed", 0),
-    ("temperature", 1.0),
-    ("top_p", 1.0),
-    ("top_k", 0),
-    ("min_p", 0.0),
-    ("logprobs", None),
-)
+    try:  # the dataclass's defaults and its one range check, as a hand-built spec's
+        return SampleSpec(**given)
+    except ValueError as problem:
+        raise _bad(f"x-meshnet-sample: {problem}") from None
 
 
 def parse_sample(
