@@ -12,7 +12,7 @@ failover all pick the same token.
 The answer (wire-2 §3.13): without ``logprobs``, int32 ``[1, 1]``, the id;
 with ``logprobs=k``, float32 ``[1, 2 + 2k]``: the id, its logprob, then the
 ``k`` most likely (id, logprob) pairs (ids are exact in float32 below 2**24,
-which every vocabulary is: the head check refuses a wider row).
+which every vocabulary is: ``draw_answer`` refuses a wider row).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from meshnet_model.sampling import Sampler, SamplingParams
 from meshnet_proto import ProtocolError
 from meshnet_proto.lowlevel import SampleSpec
 
-__all__ = ["MAX_SAMPLED_VOCAB", "check_sampled_head", "draw_answer", "sampled_bytes"]
+__all__ = ["MAX_SAMPLED_VOCAB", "check_sampled_head", "draw_answer"]
 
 # Ids travel exactly in a float32 answer up to here.
 MAX_SAMPLED_VOCAB = 2**24
@@ -42,11 +42,6 @@ def check_sampled_head(output: str) -> None:
         raise _refuse("x-meshnet-sample: this node's stage answers hidden states, not logits")
 
 
-def sampled_bytes(spec: SampleSpec) -> int:
-    """What a sampled answer's body holds: the cost of keeping it for a replay."""
-    return 4 if spec.logprobs is None else 4 * (2 + 2 * spec.logprobs)
-
-
 def draw_answer(logits: np.ndarray, spec: SampleSpec, position: int) -> np.ndarray:
     """The answer to a sampled chunk whose stage made ``logits``; ``position``
     is the drawn token's place in the session (the tokens before it).
@@ -57,6 +52,8 @@ def draw_answer(logits: np.ndarray, spec: SampleSpec, position: int) -> np.ndarr
     (wire-2 §3.13), finds it cannot draw from them and says so (502)."""
     if logits.ndim != 2 or logits.shape[0] != 1 or not 0 < logits.shape[1] < MAX_SAMPLED_VOCAB:
         raise _refuse(f"x-meshnet-sample: the stage made shape {logits.shape}, not [1, vocab]")
+    if not np.isfinite(logits).any():
+        return logits
     params = SamplingParams(
         temperature=spec.temperature,
         top_p=spec.top_p,
@@ -65,8 +62,6 @@ def draw_answer(logits: np.ndarray, spec: SampleSpec, position: int) -> np.ndarr
         logprobs=spec.logprobs,
     )
     sampler = Sampler(params, spec.seed)
-    if not np.isfinite(logits).any():
-        return logits
     token = sampler(logits[0], position)
     if spec.logprobs is None:
         return np.array([[token]], dtype=np.int32)
