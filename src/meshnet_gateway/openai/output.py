@@ -42,8 +42,13 @@ OnText = Callable[[str, "list[TokenLogprob] | None"], Awaitable[None]]
 class Output:
     """A generation's text and logprobs, to its result and to ``on_text``."""
 
-    def __init__(self, result: GenerationResult, on_text: OnText | None,
-                 tokenizer: ModelTokenizer, sampler: Sampler) -> None:  # fmt: skip
+    def __init__(
+        self,
+        result: GenerationResult,
+        on_text: OnText | None,
+        tokenizer: ModelTokenizer,
+        sampler: Sampler,
+    ) -> None:
         self.result = result
         self.on_text = on_text
         self.sampler = sampler
