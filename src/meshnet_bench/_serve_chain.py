@@ -9,10 +9,11 @@ import contextlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from ._support import server_process
 
-__all__ = ["GATEWAY_FLAGS", "Chain", "long_ids", "model_file", "start_chain"]
+__all__ = ["GATEWAY_FLAGS", "Chain", "byte_level_gguf", "long_ids", "model_file", "start_chain"]
 
 # meshnet run's gateway flags (its --chunk-tokens and --inflight defaults).
 GATEWAY_FLAGS = ("--chunk-tokens", "128", "--inflight", "4")
@@ -21,22 +22,47 @@ GATEWAY_FLAGS = ("--chunk-tokens", "128", "--inflight", "4")
 def tiny_model(directory: Path) -> Path:
     """A 2-layer random llama GGUF with a byte-level vocabulary (the gateway
     needs a tokenizer; ``random_gguf`` files have none)."""
+    shape = dict(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=2048,
+        rms_norm_eps=1e-5,
+        rope_theta=10000.0,
+    )
+    words = ["Ġt", "he", "Ġthe", "<|endoftext|>"]
+    merges = ["Ġ t", "h e", "Ġt he"]
+    return byte_level_gguf(directory / "tiny-serve.gguf", words, merges, shape)
+
+
+def byte_level_gguf(
+    path: Path, words: list[str], merges: list[str], shape: dict[str, Any], qtype: str = "F32"
+) -> Path:
+    """A random llama GGUF of ``shape`` whose vocabulary is the 256 byte tokens
+    then ``words`` (the last one its bos and eos), with ``merges``."""
     from meshnet_model.formats.gguf.tokenizer import byte_alphabet
     from meshnet_model.testing import random_weights, small_config
     from meshnet_model.testing.gguf import GGUFVocab, write_gguf
 
     alphabet = byte_alphabet()
-    tokens = [alphabet[b] for b in range(256)] + ["Ġt", "he", "Ġthe", "<|endoftext|>"]
-    vocab = GGUFVocab(model="gpt2", tokens=tokens, token_types=[1] * (len(tokens) - 1) + [3],
-                      merges=["Ġ t", "h e", "Ġt he"], pre="gpt-2", bos_id=len(tokens) - 1,
-                      eos_id=len(tokens) - 1, add_bos=False)  # fmt: skip
-    shape = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                 num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                 vocab_size=len(tokens), max_position_embeddings=2048, rms_norm_eps=1e-5,
-                 rope_theta=10000.0)  # fmt: skip
+    tokens = [alphabet[b] for b in range(256)] + words
+    end = len(tokens) - 1
+    vocab = GGUFVocab(
+        model="gpt2",
+        tokens=tokens,
+        token_types=[1] * end + [3],
+        merges=merges,
+        pre="gpt-2",
+        bos_id=end,
+        eos_id=end,
+        add_bos=False,
+    )
+    shape = {**shape, "vocab_size": len(tokens)}
     weights = random_weights(small_config(**shape), seed=0)
-    return write_gguf(directory / "tiny-serve.gguf", {"model_type": "llama", **shape}, weights,
-                      vocab=vocab)  # fmt: skip
+    return write_gguf(path, {"model_type": "llama", **shape}, weights, vocab=vocab, qtype=qtype)
 
 
 def model_file(model: str, directory: Path) -> Path:
@@ -89,8 +115,16 @@ def start_chain(path: Path, layers: int) -> Iterator[Chain]:
             proc, url = stack.enter_context(server_process("meshnet_node", *argv, timeout=300.0))
             urls.insert(0, url)
             pids.insert(0, proc.pid)
-        proc, gateway = stack.enter_context(server_process(
-            "meshnet_gateway", *quiet, "--entry", urls[0], "--model", str(path), *GATEWAY_FLAGS,
-            timeout=300.0,
-        ))  # fmt: skip
+        proc, gateway = stack.enter_context(
+            server_process(
+                "meshnet_gateway",
+                *quiet,
+                "--entry",
+                urls[0],
+                "--model",
+                str(path),
+                *GATEWAY_FLAGS,
+                timeout=300.0,
+            )
+        )
         yield Chain(gateway, urls, [*pids, proc.pid])

@@ -121,23 +121,11 @@ def model_file(name: str, directory: Path) -> Path:
 
 def big_vocab_model(directory: Path) -> Path:
     """A random Llama-shaped GGUF: 4 small layers, Llama 3's 128,256 ids."""
-    from meshnet_model.formats.gguf.tokenizer import byte_alphabet
-    from meshnet_model.testing import random_weights, small_config
-    from meshnet_model.testing.gguf import GGUFVocab, write_gguf
+    from ._serve_chain import byte_level_gguf
 
-    alphabet = byte_alphabet()
-    tokens = [alphabet[b] for b in range(256)] + ["Ġt"]
-    tokens += [f"w{i}" for i in range(BIG_VOCAB - len(tokens) - 1)] + ["<|end|>"]
-    vocab = GGUFVocab(
-        model="gpt2",
-        tokens=tokens,
-        token_types=[1] * (len(tokens) - 1) + [3],
-        merges=["Ġ t"],  # one merge: a BPE vocabulary needs its list
-        pre="gpt-2",
-        bos_id=len(tokens) - 1,
-        eos_id=len(tokens) - 1,
-        add_bos=False,
-    )
+    # Byte tokens, one merged word (a BPE vocabulary needs a merge list),
+    # fillers up to 128,256, and the end token.
+    words = ["Ġt", *(f"w{i}" for i in range(BIG_VOCAB - 256 - 2)), "<|end|>"]
     shape = dict(
         hidden_size=256,
         intermediate_size=512,
@@ -145,20 +133,12 @@ def big_vocab_model(directory: Path) -> Path:
         num_attention_heads=4,
         num_key_value_heads=2,
         head_dim=64,
-        vocab_size=BIG_VOCAB,
         max_position_embeddings=2048,
         rms_norm_eps=1e-5,
         rope_theta=500000.0,
         tie_word_embeddings=True,
     )
-    weights = random_weights(small_config(**shape), seed=0)
-    return write_gguf(
-        directory / "big-vocab.gguf",
-        {"model_type": "llama", **shape},
-        weights,
-        vocab=vocab,
-        qtype="F16",
-    )
+    return byte_level_gguf(directory / "big-vocab.gguf", words, ["Ġ t"], shape, qtype="F16")
 
 
 def _baseline_env() -> dict[str, str] | None:
