@@ -43,8 +43,14 @@ def test_tiny_link_section_runs_both_chains_and_the_answers_shrink() -> None:
 
     # The tiny model's logits are 260 float32 (1,040 bytes) a token and hop.
     for profile in ("loopback", "wifi"):
+        # Relayed: the same hops, the logits row gone from each answer.
         assert up(profile, "before") - up(profile, "relayed") >= 1000
-        assert up(profile, "before") - up(profile, "after") >= 1000
+        # After: no logits either, but its per-hop mean also spreads the
+        # polls' own link over the steps, as many as were polled (a probe a
+        # generation on loopback, all of them on a loaded machine): held to
+        # the issue's 1 KiB, which a relayed logits row alone (1,040) exceeds.
+        assert up(profile, "after") <= 1024
+    assert up("wifi", "before") >= 1040
     assert result.keys["link_wifi_bytes_up_per_token_hop"] == up("wifi", "after") <= 1024
     assert all(value is not None and value > 0 for value in result.keys.values())
     assert any("tiny, 2 stages" in line for line in lines)
