@@ -32,6 +32,7 @@ from meshnet_proto.lowlevel import SampleSpec
 from meshnet_runtime.codec_pool import CodecPool
 from meshnet_runtime.downstream import DownstreamPool
 from support.openai import write_model_dir
+from support.serving import scripted_peer
 
 pytestmark = pytest.mark.anyio
 
@@ -98,14 +99,8 @@ async def scripted_chain(forge: Forge, drawn: Drawer | None = None) -> AsyncIter
                         + body
                     )
 
-    listener = await anyio.create_tcp_listener(local_host="127.0.0.1", local_port=0)
-    port = listener.extra(anyio.abc.SocketAttribute.local_port)
-    async with listener, anyio.create_task_group() as tg:
-        tg.start_soon(listener.serve, handle)
-        try:
-            yield f"http://127.0.0.1:{port}"
-        finally:
-            tg.cancel_scope.cancel()
+    async with scripted_peer(handle) as url:
+        yield url
 
 
 def _drawn_answer(head: bytes, drawn: Drawer | None) -> bytes:

@@ -27,6 +27,7 @@ from meshnet_proto import (
 )
 from meshnet_runtime.deadlines import Deadline
 from meshnet_runtime.downstream import DownstreamPool
+from support.serving import scripted_peer
 
 pytestmark = pytest.mark.anyio
 
@@ -229,14 +230,8 @@ async def scripted_downstream(answer: bytes) -> AsyncIterator[str]:
                     seen += await stream.receive(65536)
                 await stream.send(answer)
 
-    listener = await anyio.create_tcp_listener(local_host="127.0.0.1", local_port=0)
-    port = listener.extra(anyio.abc.SocketAttribute.local_port)
-    async with listener, anyio.create_task_group() as tg:
-        tg.start_soon(listener.serve, handle)
-        try:
-            yield f"http://127.0.0.1:{port}"
-        finally:
-            tg.cancel_scope.cancel()
+    async with scripted_peer(handle) as url:
+        yield url
 
 
 @pytest.mark.parametrize("status", [b"600", b"999"])

@@ -5,10 +5,11 @@ port 0 run by ``serve`` (its watchdog and drain included)."""
 from __future__ import annotations
 
 import ssl
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 
 import anyio
+import anyio.abc
 import numpy as np
 from anyio.abc import ByteStream
 
@@ -29,7 +30,16 @@ from meshnet_runtime.http_server import (
 from meshnet_runtime.metrics import ServerMetrics
 from meshnet_runtime.transports import listen
 
-__all__ = ["BUGGY_SHAPE", "REJECTED", "SID", "EchoApp", "activation", "at_eof", "running"]
+__all__ = [
+    "BUGGY_SHAPE",
+    "REJECTED",
+    "SID",
+    "EchoApp",
+    "activation",
+    "at_eof",
+    "running",
+    "scripted_peer",
+]
 
 SID = "5b1e0c4e-8d8a-4c55-9d6e-1f2a3b4c5d6e"
 REJECTED = "00000000-0000-4000-8000-000000000000"
@@ -113,3 +123,19 @@ async def running(
             yield server, url
         finally:
             server.request_shutdown()
+
+
+@asynccontextmanager
+async def scripted_peer(
+    handle: Callable[[anyio.abc.SocketStream], Awaitable[None]],
+) -> AsyncIterator[str]:
+    """A loopback listener on port 0 whose connections ``handle`` serves by
+    hand (a scripted or hostile peer); yields its URL, stops with the block."""
+    listener = await anyio.create_tcp_listener(local_host="127.0.0.1", local_port=0)
+    port = listener.extra(anyio.abc.SocketAttribute.local_port)
+    async with listener, anyio.create_task_group() as tg:
+        tg.start_soon(listener.serve, handle)
+        try:
+            yield f"http://127.0.0.1:{port}"
+        finally:
+            tg.cancel_scope.cancel()
