@@ -22,6 +22,7 @@ from ._case import (
     expect_error,
     expect_tensor,
     new_session,
+    replace_header,
 )
 from ._wire import CheckFailed, Response
 from .s3_sessions import _chunk, _expect_at
@@ -35,22 +36,15 @@ ROW = [0.5, -1.25, 2.0, 0.75, 1.5, -0.5, 1.75, 0.25]
 def _sampled(
     ctx: Context, value: str, *, session: str | None = None, shape: str = "", key: str = ""
 ) -> bytes:
-    headers = [
-        ("Content-Type", "application/octet-stream"),
-        ("X-Meshnet-Wire", "2"),
-        ("X-Meshnet-Shape", shape or f"1,{VOCAB}"),
-        ("X-Meshnet-Dtype", "float32"),
-    ]
-    if ctx.role == "node":
-        headers += [
-            ("X-Meshnet-Session", session or new_session()),
-            ("X-Meshnet-Chunk-Index", "0"),
-            ("X-Meshnet-Chunk-Total", "1"),
-            ("X-Meshnet-Position", "0"),
-        ]
+    """A float32 "logits" chunk (``[1, VOCAB]`` unless ``shape``) asking for a draw."""
+    shape = shape or f"1,{VOCAB}"
+    position = 0 if ctx.role == "node" else None
+    headers = replace_header(
+        ctx.forward_headers(session=session, position=position), "X-Meshnet-Shape", shape
+    )
     if key:
         headers.append(("X-Meshnet-Session-Key", key))
-    count = math.prod(int(d) for d in (shape or f"1,{VOCAB}").split(","))
+    count = math.prod(int(d) for d in shape.split(","))
     body = struct.pack(f"<{count}f", *(ROW * (count // VOCAB + 1))[:count])
     return ctx.forward([*headers, (SAMPLE, value)], body)
 
