@@ -71,6 +71,9 @@ class ErrorCode(enum.StrEnum):
     UNAUTHORIZED = "unauthorized", 401
     # 403
     SESSION_FORBIDDEN = "session_forbidden", 403
+    KEY_NOT_ALLOWED = "key_not_allowed", 403
+    HOST_NOT_ALLOWED = "host_not_allowed", 403
+    ORIGIN_NOT_ALLOWED = "origin_not_allowed", 403
     # 404
     NOT_FOUND = "not_found", 404
     # 405
@@ -124,8 +127,10 @@ class ErrorCode(enum.StrEnum):
     TOO_MANY_CONNECTIONS = "too_many_connections", 503
     MEMORY_FULL = "memory_full", 503
     KV_MEMORY_FULL = "kv_memory_full", 503
+    KV_TRANSFERS_FULL = "kv_transfers_full", 503
     STAGE_BUSY = "stage_busy", 503
     CHAIN_MISMATCH = "chain_mismatch", 503
+    GATEWAY_BUSY = "gateway_busy", 503
     # 504
     DOWNSTREAM_TIMEOUT = "downstream_timeout", 504
     DEADLINE_EXCEEDED = "deadline_exceeded", 504

@@ -10,7 +10,6 @@ against what its wire headers promise.
 
 from __future__ import annotations
 
-import hmac
 from collections.abc import Collection, Iterable, Mapping, Sequence
 
 import h11
@@ -19,18 +18,16 @@ from ._codec import body_bound
 from ._errors import ProtocolError
 from ._headers import WireHeaders
 from ._limits import Limits
-from ._topology import is_deep_health
 
 __all__ = [
     "activation_body_size",
     "check_activation_length",
-    "check_credentials",
     "check_framing",
     "check_head",
     "check_route",
     "endpoint_body_too_large",
     "from_h11",
-    "needs_credentials",
+    "is_preflight",
 ]
 
 _HTTP_VERSIONS = frozenset({b"1.0", b"1.1"})
@@ -82,33 +79,14 @@ def check_head(
         )
 
 
-def needs_credentials(token: bytes | None, path: str, query: str) -> bool:
-    # /health stays open (a load balancer's probe); ?deep=1 shows the
-    # chain's URLs and identities and costs every hop: it needs the token.
-    return token is not None and (path != "/health" or is_deep_health(query))
-
-
-def _unauthorized() -> ProtocolError:
-    # A fixed message: never a hint of the token, nor of what was sent.
-    return ProtocolError(
-        "missing or wrong Authorization: Bearer credentials",
-        code="unauthorized",
-        status=401,
-        header="authorization",
+def is_preflight(method: str, path: str, routes: Mapping[str, Collection[str]]) -> bool:
+    """A CORS preflight a route answers (``OPTIONS`` among its methods):
+    browsers send it without credentials, and its answer names only the
+    methods and headers allowed (wire-2 §7), so it needs none."""
+    return method == "OPTIONS" and any(
+        "OPTIONS" in methods and _route_matches(pattern, path)
+        for pattern, methods in routes.items()
     )
-
-
-def check_credentials(headers: Iterable[tuple[bytes, bytes]], token: bytes) -> None:
-    """Exactly one ``Authorization: Bearer <token>`` (wire-2 §7), or 401."""
-    values = [value for name, value in headers if name == b"authorization"]
-    if len(values) != 1:
-        raise _unauthorized()
-    scheme, _, credentials = values[0].partition(b" ")
-    # compare_digest runs in time independent of where the bytes differ;
-    # run it even for a wrong scheme so that branch costs the same.
-    matches = hmac.compare_digest(credentials.strip(), token)
-    if scheme.lower() != b"bearer" or not matches:
-        raise _unauthorized()
 
 
 def _route_matches(pattern: str, path: str) -> bool:

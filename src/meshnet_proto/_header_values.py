@@ -23,6 +23,7 @@ from ._kv import H_KV_CHECKSUM, H_KV_FINGERPRINT, parse_kv
 from ._limits import Limits
 from ._prefix import H_PREFIX, H_PREFIX_BLOCKS, parse_prefix
 from ._sample import H_SAMPLE, parse_sample
+from ._tenancy import H_CACHE_SALT, H_CLIENT, parse_tenancy
 
 # Header names as h11 hands them to us (lowercase bytes). Comparisons are done
 # on ASCII-lowercased bytes only: ``str.lower()`` would turn the Kelvin sign
@@ -58,6 +59,8 @@ KNOWN_MESHNET_HEADERS: frozenset[bytes] = frozenset(
         H_KV_CHECKSUM,
         H_KV_FINGERPRINT,
         H_SAMPLE,
+        H_CLIENT,
+        H_CACHE_SALT,
     }
 )
 
@@ -471,6 +474,7 @@ GROUPS: tuple[Group, ...] = (
     parse_prefix,
     parse_kv,
     parse_sample,
+    parse_tenancy,
 )
 
 

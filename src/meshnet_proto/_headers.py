@@ -47,6 +47,7 @@ from ._limits import Limits
 from ._prefix import prefix_pairs, valid_prefix_fields
 from ._sample import SampleSpec, sample_pairs, valid_sample_field
 from ._slots import slot_setters
+from ._tenancy import tenancy_pairs, valid_tenancy_field
 
 __all__ = ["WireHeaders", "is_session_key", "parse_wire_headers", "parse_session_key"]
 
@@ -84,6 +85,10 @@ class WireHeaders:
     # wire-2 §3.13: the last stage draws the next token and answers its id
     # (request-only: an answer never carries it).
     sample: SampleSpec | None = None
+    # wire-2 §3.15: whom the session serves (its quota's client) and the
+    # salt of its prefix keys, set by the chain (request-only).
+    client: str | None = None
+    cache_salt: str | None = None
 
     def __post_init__(self) -> None:
         self._validate(_EVERY_CHECK)
@@ -210,6 +215,8 @@ class WireHeaders:
             pairs += kv_pairs(self.kv_checksum, self.kv_fingerprint)
         if self.sample is not None:
             pairs += sample_pairs(self.sample)
+        if self.client is not None or self.cache_salt is not None:
+            pairs += tenancy_pairs(self.client, self.cache_salt)
         return pairs
 
 
@@ -310,6 +317,14 @@ def _check_sample(h: WireHeaders) -> None:
         raise ValueError(f"sample must be a SampleSpec or None, got {h.sample!r}")
 
 
+def _tenancy_check(field: str) -> Callable[[WireHeaders], None]:
+    def check(h: WireHeaders) -> None:
+        if not valid_tenancy_field(getattr(h, field)):
+            raise ValueError(f"{field} must be 32 lowercase hex digits or None")
+
+    return check
+
+
 def _uint_check(field: str) -> Callable[[WireHeaders], None]:
     def check(h: WireHeaders) -> None:
         value = getattr(h, field)
@@ -333,6 +348,8 @@ _CHECKS: dict[str, Callable[[WireHeaders], None]] = {
     "kv_checksum": _check_kv,
     "kv_fingerprint": _check_kv,
     "sample": _check_sample,
+    "client": _tenancy_check("client"),
+    "cache_salt": _tenancy_check("cache_salt"),
     **{
         name: _uint_check(name)
         for name in ("chunk_index", "chunk_total", "position", "deadline_ms")

@@ -38,16 +38,23 @@ BLOCK_KEY = re.compile(rb"[0-9a-f]{32}")
 _BLOCK_LIST = re.compile(rb"[0-9a-f]{32}(?:,[0-9a-f]{32})*")
 
 
-def prefix_block_keys(tokens: Sequence[int] | np.ndarray, previous: str | None = None) -> list[str]:
+def prefix_block_keys(
+    tokens: Sequence[int] | np.ndarray, previous: str | None = None, *, salt: str | None = None
+) -> list[str]:
     """The keys of the whole blocks of ``tokens``, chained after ``previous``
     (the key of the block before ``tokens[0]``; None at position 0). A
-    trailing partial block has no key yet."""
+    trailing partial block has no key yet. ``salt`` (32 hex digits, wire-2
+    §3.15) keys block 0's hash — BLAKE2b's own keyed mode, so a salted key
+    is unrelated to every unsalted one and to every other salt's; the
+    blocks after it chain from a key that already carries it."""
     ids = np.ascontiguousarray(np.asarray(tokens, dtype="<i4").reshape(-1))
     keys: list[str] = []
     chain = bytes.fromhex(previous) if previous is not None else b""
+    mac = bytes.fromhex(salt) if salt is not None and previous is None else b""
     for start in range(0, len(ids) - PREFIX_BLOCK_TOKENS + 1, PREFIX_BLOCK_TOKENS):
         block = ids[start : start + PREFIX_BLOCK_TOKENS].tobytes()
-        chain = hashlib.blake2b(chain + block, digest_size=16).digest()
+        chain = hashlib.blake2b(chain + block, digest_size=16, key=mac).digest()
+        mac = b""
         keys.append(chain.hex())
     return keys
 

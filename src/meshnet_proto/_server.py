@@ -28,6 +28,7 @@ from ._answers import ServerAnswers
 from ._body import BodyReader
 from ._body_bypass import take_body_bytes
 from ._codec import decode_tensor
+from ._credentials import CHAIN, Credentials, HeadCheck, Principal
 from ._errors import MeshnetError
 from ._events import (
     PAUSED,
@@ -45,13 +46,12 @@ from ._events import (
 from ._head_checks import (
     activation_body_size,
     check_activation_length,
-    check_credentials,
     check_framing,
     check_head,
     check_route,
     endpoint_body_too_large,
     from_h11,
-    needs_credentials,
+    is_preflight,
 )
 from ._headers import parse_wire_headers
 from ._kv import check_kv_message, is_kv_import
@@ -87,7 +87,12 @@ class ServerConnection(H11Reader[_Handled], ServerAnswers):
     bytes out. See ``docs/embedding.md`` for the driver loop.
 
     ``token``: when set, every path but a plain ``/health`` (``?deep=1``
-    included) needs ``Authorization: Bearer <token>`` (wire-2 §7). ``activation_path`` takes
+    included) needs ``Authorization: Bearer <token>`` (wire-2 §7); or
+    ``credentials``: the chain's tokens and clients' API keys
+    (`Credentials`), whose `Principal` is ``principal`` while a request is
+    served. ``head_check(method, path, query, headers)`` runs on every
+    head before the credentials (a gateway's Host and Origin checks); the
+    ``MeshnetError`` it raises is the request's answer. ``activation_path`` takes
     ``POST`` only. ``routes`` are the other paths and their methods (404 and
     405 come from here). ``require_sequencing=False`` is the gateway's input
     (session, index and total optional). ``max_endpoint_body`` caps the body
@@ -100,6 +105,8 @@ class ServerConnection(H11Reader[_Handled], ServerAnswers):
         *,
         limits: Limits = Limits(),  # noqa: B008 - frozen, shared safely
         token: str | None = None,
+        credentials: Credentials | None = None,
+        head_check: HeadCheck | None = None,
         activation_path: str = "/forward",
         require_sequencing: bool = True,
         routes: Mapping[str, Collection[str]] = DEFAULT_ROUTES,
@@ -108,13 +115,17 @@ class ServerConnection(H11Reader[_Handled], ServerAnswers):
     ) -> None:
         if token is not None and (not isinstance(token, str) or not token):
             raise ValueError("token must be a non-empty str or None")
+        if token is not None and credentials is not None:
+            raise ValueError("give token or credentials, not both")
         if not activation_path.startswith("/"):
             raise ValueError("activation_path must start with '/'")
         if max_endpoint_body < 0:
             raise ValueError("max_endpoint_body must be >= 0")
         super().__init__(h11.SERVER, limits)
         self._limits = limits
-        self._token = token.encode() if token is not None else None
+        self._credentials = credentials or Credentials(() if token is None else (token,))
+        self._head_check = head_check
+        self._principal = CHAIN
         self._activation_path = activation_path
         self._require_sequencing = require_sequencing
         self._routes = {pattern: frozenset(methods) for pattern, methods in routes.items()}
@@ -134,6 +145,11 @@ class ServerConnection(H11Reader[_Handled], ServerAnswers):
         self._content_length: int | None = None
         self._body: BodyReader | None = None
         self._endpoint: tuple[str, str, str, str, tuple[tuple[bytes, bytes], ...]] | None = None
+
+    @property
+    def principal(self) -> Principal:
+        """Whom the request being served comes from (wire-2 §7)."""
+        return self._principal
 
     @property
     def should_close(self) -> bool:
@@ -223,9 +239,12 @@ class ServerConnection(H11Reader[_Handled], ServerAnswers):
         path, _, query = request.target.decode("ascii").partition("?")
 
         # wire-2 §2 order: credentials, path/method, framing, wire headers.
-        if needs_credentials(self._token, path, query):
-            assert self._token is not None
-            check_credentials(headers, self._token)
+        if self._head_check is not None:
+            self._head_check(method, path, query, headers)
+        if is_preflight(method, path, self._routes):
+            self._principal = CHAIN  # no credential to name; its answer holds no data
+        else:
+            self._principal = self._credentials.identify(headers, path, query)
         route = check_route(method, path, self._activation_path, self._routes)
         content_length = check_framing(method, headers)
 

@@ -13,6 +13,7 @@ from ._budget import ByteBudget, request_cost
 from ._chunking import ChunkAssembler, plan_chunks
 from ._client_sessions import Lease
 from ._codec import body_bound, decode_tensor
+from ._credentials import CLIENT_PATHS, TENANT_NAME, Credentials, HeadCheck, Principal, key_digest
 from ._dtypes import WIRE_DTYPES, wire_dtype_name
 from ._headers import parse_session_key
 from ._kv import KV_RANK, kv_checksum
@@ -43,6 +44,12 @@ __all__ = [
     # the prefix cache's block keys (wire-2 §3.10)
     "PREFIX_BLOCK_TOKENS",
     "prefix_block_keys",
+    "CLIENT_PATHS",
+    "TENANT_NAME",
+    "HeadCheck",
+    "Credentials",
+    "Principal",
+    "key_digest",
     "blocks_ending_in",
     # the KV hand-off message (wire-2 §3.11)
     "KV_RANK",

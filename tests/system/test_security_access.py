@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 import trustme
 
-import meshnet_proto._head_checks as server_module
+import meshnet_proto._credentials as server_module
 from meshnet_cli.__main__ import main as meshnet_main
 from meshnet_proto import NEED_DATA, ProtocolErrorReceived, ServerConnection
 from support.gateway import spawn
@@ -71,7 +71,7 @@ def requests_for(token_header: bytes | None) -> dict[str, bytes]:
     session = new_session()
 
     def plain(method: str, target: str) -> bytes:
-        head = [f"{method} {target} HTTP/1.1".encode(), b"Host: n", b"Connection: close"]
+        head = [f"{method} {target} HTTP/1.1".encode(), b"Host: localhost", b"Connection: close"]
         head += [name + b": " + value for name, value in auth]
         return b"\r\n".join(head) + b"\r\n\r\n"
 
@@ -202,7 +202,7 @@ def test_credentials_are_compared_with_compare_digest(monkeypatch: pytest.Monkey
     for header in (b"Bearer nope", b"Basic nope", b"Bearer " + TOKEN.encode()):
         conn = ServerConnection(token=TOKEN)
         conn.receive_data(
-            b"GET /info HTTP/1.1\r\nHost: n\r\nAuthorization: " + header + b"\r\n\r\n"
+            b"GET /info HTTP/1.1\r\nHost: localhost\r\nAuthorization: " + header + b"\r\n\r\n"
         )
         event = conn.next_event()
         assert event is not NEED_DATA
