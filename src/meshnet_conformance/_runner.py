@@ -19,6 +19,7 @@ from .s2_order import CASES as S2_ORDER
 from .s3_kv import CASES as S3_KV
 from .s3_sample import CASES as S3_SAMPLE
 from .s3_sessions import CASES as S3_SESSIONS
+from .s3_tenancy import CASES as S3_TENANCY
 from .s4_errors import CASES as S4_ERRORS
 from .s5_codecs import CASES as S5_CODECS
 from .s6_endpoints import CASES as S6_ENDPOINTS
@@ -33,6 +34,7 @@ ALL_CASES: tuple[Case, ...] = (
     *S3_SESSIONS,
     *S3_KV,
     *S3_SAMPLE,
+    *S3_TENANCY,
     *S4_ERRORS,
     *S5_CODECS,
     *S6_ENDPOINTS,

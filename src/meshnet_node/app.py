@@ -46,6 +46,7 @@ from meshnet_proto import (
 from meshnet_proto.lowlevel import Ticket
 from meshnet_runtime.codec_pool import CodecPool
 from meshnet_runtime.control import ControlEndpoints
+from meshnet_runtime.credentials import chain_credentials
 from meshnet_runtime.deadlines import Deadline, loop_clock
 from meshnet_runtime.downstream import Downstream
 from meshnet_runtime.http_server import (
@@ -62,8 +63,9 @@ from .config import NodeConfig
 from .draw import check_sampled_head, draw_answer
 from .drawn_answers import DrawnAnswers
 from .forgetting import InFlight
-from .handoff import KVHandoff, handoff_info
+from .handoff import KVHandoff
 from .identity import StageKey, check_stage, node_identity, stage_key
+from .kv_transfers import KVTransfers
 from .next_hop import next_hop
 from .outgoing import REQUEST_ONLY, outgoing_changes, relayed_headers
 
@@ -87,6 +89,7 @@ class NodeApp:
     ) -> None:
         self.config = config
         self.limits = config.limits
+        self.credentials = chain_credentials(config)
         self.stage: StageBackend = stage or make_stage(config.backend, config.delay_ms)
         # What this node serves (wire-2 §6.1): fixed for the process's life,
         # so computed once; the chain check compares it across hops.
@@ -136,6 +139,8 @@ class NodeApp:
             end_session=self.stage.end_session,
             codecs=self.codecs,
             registry=self.metrics.registry,
+            transfers=KVTransfers(config.max_kv_transfers, config.max_kv_transfers_per_peer),
+            import_timeout=min(config.kv_import_timeout, config.timeout),
         )
         # The tokens this last stage drew, for the gateway's direct poll (§3.14).
         self.drawn = DrawnAnswers(self.table, config.timeout)
@@ -154,7 +159,9 @@ class NodeApp:
         )
 
     def make_connection(self) -> ServerConnection:
-        return ServerConnection(limits=self.limits, token=self.config.token)
+        # The chain's token(s) only (wire-2 §7): clients' API keys are a
+        # gateway's; a node serves its chain.
+        return ServerConnection(limits=self.limits, credentials=self.credentials)
 
     # ------------------------------------------------------------ activations
 
@@ -171,7 +178,9 @@ class NodeApp:
         if event.headers.sample is not None and self.downstream is None:
             # This node draws (wire-2 §3.13): refused now if it makes no logits.
             check_sampled_head(self.identity.get("output", "any"))
-        self.table.check_head(event.headers, ctx.started, replay=event.replay, client=ctx.peer)
+        self.table.check_head(
+            event.headers, ctx.started, replay=event.replay, client=client_of(event.headers, ctx)
+        )
 
     async def handle_activation(
         self, event: ActivationReceived, ctx: RequestContext
@@ -192,10 +201,11 @@ class NodeApp:
             else await self.codecs.run(nbytes, tensor_fingerprint, event.tensor)
         )
         # Offered at once: only a chunk told to wait takes admit's coroutine.
-        decision = self.seq.offer(headers, fingerprint, deadline, replay=replay, client=ctx.peer)
+        client = client_of(headers, ctx)
+        decision = self.seq.offer(headers, fingerprint, deadline, replay=replay, client=client)
         if isinstance(decision, Wait):
             decision = await self.seq.admit(
-                headers, fingerprint, deadline, replay=replay, client=ctx.peer, first=decision
+                headers, fingerprint, deadline, replay=replay, client=client, first=decision
             )
         if isinstance(decision, Process):
             self._count("processed")
@@ -259,7 +269,7 @@ class NodeApp:
             headers.chunk_total or 1, ticket.run,
             # The loop's clock is not the thread's: hand the stage a monotonic one.
             time.monotonic() + (deadline.at - self._clock()),
-            headers.prefix, headers.prefix_blocks,
+            headers.prefix, headers.prefix_blocks, headers.cache_salt,
         )  # fmt: skip
         try:
             output = await self.stage(event.tensor, context)
@@ -386,7 +396,7 @@ class NodeApp:
             "inflight": self.in_flight.count,
             "identity": self.identity,
             # The registration a replica set reads (wire-2 §3.12); null: no KV.
-            "handoff": handoff_info(self.handoff.store, self.config.kv_role),
+            "handoff": self.handoff.info(self.config.kv_role),
         }
 
     def _owner(self, session: str, key: str | None) -> str | None:
@@ -417,3 +427,10 @@ class NodeApp:
     def cancel_on_disconnect(self, event: EndpointRequest | ActivationReceived) -> bool:
         """A node finishes every request it took, even for a client that left."""
         return False
+
+
+def client_of(headers: WireHeaders, ctx: RequestContext) -> str | None:
+    """Whom a session's quota counts (wire-2 §3.9, §3.15): the client the
+    chain names (``X-Meshnet-Client``: every sender a node accepts holds
+    the chain's token), else the sender's address."""
+    return headers.client if headers.client is not None else ctx.peer

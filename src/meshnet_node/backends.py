@@ -79,13 +79,15 @@ class StageContext:
     # of the blocks ending in this chunk (the model stage files its KV under them).
     prefix: str | None = None
     prefix_blocks: tuple[str, ...] = ()
+    # wire-2 §3.15: the salt the session's block keys start from (its tenant's).
+    cache_salt: str | None = None
 
 
 _CONTEXT_FIELDS = ("session", "position", "tokens", "index", "total", "run", "deadline",
-                   "prefix", "prefix_blocks")  # fmt: skip
+                   "prefix", "prefix_blocks", "cache_salt")  # fmt: skip
 (
     _set_session, _set_position, _set_tokens, _set_index, _set_total, _set_run, _set_deadline,
-    _set_prefix, _set_prefix_blocks,
+    _set_prefix, _set_prefix_blocks, _set_cache_salt,
 ) = (StageContext.__dict__[name].__set__ for name in _CONTEXT_FIELDS)  # fmt: skip
 
 
@@ -99,6 +101,7 @@ def stage_context(
     deadline: float | None,
     prefix: str | None,
     prefix_blocks: tuple[str, ...],
+    cache_salt: str | None = None,
 ) -> StageContext:
     """The `StageContext` of these values (a ticket's and its checked
     headers'), equal to constructing it: its slots set directly, past the
@@ -113,6 +116,7 @@ def stage_context(
     _set_deadline(context, deadline)
     _set_prefix(context, prefix)
     _set_prefix_blocks(context, prefix_blocks)
+    _set_cache_salt(context, cache_salt)
     return context
 
 

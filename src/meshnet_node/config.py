@@ -23,6 +23,7 @@ from meshnet_runtime.config import (
     millis,
     nonempty,
     positive_int,
+    positive_seconds,
     seconds_or_zero,
     split_replicas,
 )
@@ -174,6 +175,23 @@ _HANDOFF = (
         "when shutting down: seconds the node keeps its sessions for a KV hand-off to "
         "another replica, after its requests in flight (within --shutdown-timeout; 0: none)",
     ),
+    Flag(
+        "--kv-import-timeout",
+        positive_seconds,
+        "seconds a KV import's body has, from its head, while its bytes are set aside "
+        "(later: 408; wire-2 §3.11)",
+    ),
+    Flag(
+        "--max-kv-transfers",
+        positive_int,
+        "KV imports and exports open at once, all peers together (more get 503 kv_transfers_full)",
+    ),
+    Flag(
+        "--max-kv-transfers-per-peer",
+        positive_int,
+        "KV imports and exports one peer address may have open at once (more get 503 "
+        "kv_transfers_full)",
+    ),
 )
 NODE_FLAGS: tuple[Flag, ...] = _CHAIN + _MODEL + _MEMORY + _BATCHING + _HANDOFF
 
@@ -206,6 +224,12 @@ class NodeConfig(ServerConfig):
     micro_batches: int = 0  # decode groups in flight along the chain; 0: auto (its stage count)
     kv_role: str = "any"  # wire-2 §3.12: prefill, decode or any (in /info's handoff object)
     handoff_window: float = 10.0  # a drain keeps sessions for export this long (wire-2 §3.11)
+    # What a KV move may hold (docs/security.md, KV moves): an import's body
+    # comes within this many seconds of its head, and moves open at once are
+    # bounded per peer address and in all.
+    kv_import_timeout: float = 10.0
+    max_kv_transfers: int = 4
+    max_kv_transfers_per_peer: int = 2
 
     @classmethod
     def check_role(cls, values: dict[str, Any], error: Callable[[str], NoReturn]) -> None:

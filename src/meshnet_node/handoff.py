@@ -2,9 +2,15 @@
 
 ``KVStore`` is what a stage with per-session KV offers (``ModelStage``); a
 stub stage has none (409 ``kv_unsupported``). ``check_import_head`` is the
-import's head, in the spec's order, ending with the bytes set aside
+import's head, in the spec's order, up to the bytes to set aside
 (pre-allocation); ``export_message`` builds the export's answer. The
 ``NodeApp`` wires them to the session table and the routes.
+
+Every byte a move makes the node hold is bounded before it is held
+(``kv_transfers``): a place among the moves open at once (per peer and in
+all), the import's bytes in the KV budget until a short body deadline
+(``--kv-import-timeout``), the export's copy in the server's in-flight
+budget until its answer is written or its client is gone.
 """
 
 from __future__ import annotations
@@ -25,9 +31,11 @@ from meshnet_proto import (
     WireHeaders,
     encode_tensor,
 )
-from meshnet_proto.lowlevel import kv_checksum, parse_session_key
+from meshnet_proto.lowlevel import ByteBudget, kv_checksum, parse_session_key
 from meshnet_runtime.codec_pool import CodecPool
 from meshnet_runtime.http_server import ActivationReply, Reply, RequestContext
+
+from .kv_transfers import KVTransfers, check_finite
 
 __all__ = [
     "HeldBytes",
@@ -35,6 +43,7 @@ __all__ = [
     "KVLayout",
     "KVStore",
     "check_checksum",
+    "check_kv_body",
     "check_import_head",
     "export_message",
     "handoff_info",
@@ -111,10 +120,10 @@ def check_import_head(
     table: SessionTable,
     now: float,
     client: str | None,
-) -> HeldBytes:
+) -> int:
     """wire-2 §3.11's checks of an import's head, after the core's (§2 and
-    the KV headers): the fingerprint, the shape, the table, then the bytes
-    set aside — the last step, so nothing after it can fail and leak them."""
+    the KV headers): the fingerprint, the shape, the table; then the bytes
+    to set aside (``KVHandoff.check_head`` holds them, last)."""
     if store is None:
         raise kv_unsupported("a KV import")
     if headers.kv_fingerprint != fingerprint:
@@ -143,9 +152,7 @@ def check_import_head(
         )
     assert headers.session is not None  # a node's parse requires it
     table.check_adopt(headers.session, now, client=client)
-    nbytes = layout.bytes_per_position * batch * positions
-    store.hold_kv(nbytes)
-    return HeldBytes(store, nbytes)
+    return layout.bytes_per_position * batch * positions
 
 
 def check_checksum(headers: WireHeaders, tensor: np.ndarray) -> None:
@@ -154,6 +161,12 @@ def check_checksum(headers: WireHeaders, tensor: np.ndarray) -> None:
             "the KV's bytes do not match x-meshnet-kv-checksum (XXH3-64): nothing was imported",
             "x-meshnet-kv-checksum",
         )
+
+
+def check_kv_body(headers: WireHeaders, tensor: np.ndarray) -> None:
+    """The import's body (off the loop): its checksum, then its numbers."""
+    check_checksum(headers, tensor)
+    check_finite(tensor)
 
 
 def export_message(
@@ -173,18 +186,23 @@ def export_message(
     return headers, encode_tensor(state, encoding="identity")
 
 
-def handoff_info(store: KVStore | None, role: str) -> dict[str, Any] | None:
+def handoff_info(
+    store: KVStore | None, role: str, transfers: KVTransfers | None = None
+) -> dict[str, Any] | None:
     """``/info``'s ``handoff`` object (wire-2 §3.12): the registration a
-    replica set reads."""
+    replica set reads, and the moves open here."""
     if store is None:
         return None
     layout = store.kv_layout
-    return {
+    info: dict[str, Any] = {
         "role": role,
         "kv_dtype": layout.dtype,
         "bytes_per_position": layout.bytes_per_position,
         "kv_free_bytes": store.kv_free_bytes(),
     }
+    if transfers is not None:
+        info["transfers"] = transfers.describe()
+    return info
 
 
 class KVHandoff:
@@ -201,12 +219,22 @@ class KVHandoff:
         end_session: Callable[[str], None],
         codecs: CodecPool,
         registry: CollectorRegistry,
+        transfers: KVTransfers | None = None,
+        import_timeout: float | None = None,
     ) -> None:
         self.table = table
         self.store = store
         self.fingerprint = fingerprint
         self.end_session = end_session  # the stage's: an import the table then refused
         self.codecs = codecs
+        # Moves open at once, per peer and in all (--max-kv-transfers[-per-peer]).
+        self.transfers = transfers or KVTransfers(4, 2)
+        # An import's body must arrive this soon after its head (--kv-import-timeout):
+        # its bytes are set aside meanwhile. None: the server's body timeout.
+        self.import_timeout = import_timeout
+        # The server's in-flight budget (serving.build_node), where an export's
+        # copy counts while its answer is written; None: not counted (a bare app).
+        self.inflight: ByteBudget | None = None
         self._importing: set[str] = set()
         self.moved = Counter("meshnet_handoff_sessions",
                              "Sessions' KV exported or imported (wire-2 §3.11)",
@@ -226,19 +254,30 @@ class KVHandoff:
                 header="x-meshnet-session",
             )
 
+    def info(self, role: str) -> dict[str, Any] | None:
+        return handoff_info(self.store, role, self.transfers)
+
     def check_head(self, headers: WireHeaders, ctx: RequestContext) -> None:
+        """The import's head: its checks, then a place among the moves, then
+        its bytes set aside; all given back when the request ends without
+        the import (ctx.cleanups), at the latest at its body's deadline."""
         assert headers.session is not None
         self._not_importing(headers.session)
-        held = check_import_head(self.store, self.fingerprint, headers, self.table,
-                                 anyio.current_time(), ctx.peer)  # fmt: skip
-        ctx.cleanups.append(held)
+        nbytes = check_import_head(self.store, self.fingerprint, headers, self.table,
+                                   anyio.current_time(), ctx.peer)  # fmt: skip
+        assert self.store is not None  # check_import_head refused a stub
+        ctx.cleanups.append(self.transfers.take(ctx.peer, "a KV import"))
+        self.store.hold_kv(nbytes)
+        ctx.cleanups.append(HeldBytes(self.store, nbytes))
+        if self.import_timeout is not None:
+            ctx.body_timeout = self.import_timeout
 
     async def import_(self, headers: WireHeaders, tensor: np.ndarray, ctx: RequestContext) -> Reply:
         """The import's body: checksum, then the stage's cache, then the table."""
         session, position = headers.session, headers.position
         assert session is not None and position is not None and self.store is not None
         (held,) = (c for c in ctx.cleanups if isinstance(c, HeldBytes))
-        await self.codecs.run(headers.nbytes, check_checksum, headers, tensor)
+        await self.codecs.run(headers.nbytes, check_kv_body, headers, tensor)
         self._not_importing(session)
         self.table.check_adopt(session, anyio.current_time(), client=ctx.peer)
         self._importing.add(session)
@@ -267,6 +306,12 @@ class KVHandoff:
         position = self.table.position(session)
         if not self.table.between_runs(session, anyio.current_time()):
             raise _busy(session)
+        ctx.cleanups.append(self.transfers.take(ctx.peer, f"GET /kv/{session}"))
+        # The copy is held until its answer is written or its client is gone:
+        # counted from before it is made, at a batch-1 session's size (a
+        # session's usual batch), the rest once it is known.
+        expected = (position or 0) * self.store.kv_layout.bytes_per_position
+        self._hold_copy(expected, ctx)
         state = await self.store.export_kv(session)
         if state is None:
             raise ProtocolError(
@@ -277,10 +322,18 @@ class KVHandoff:
         # A chunk that ran meanwhile (its sender broke the rule) changed what was copied.
         if self.table.position(session) != position or state.shape[4] != position:
             raise _busy(session)
+        if state.nbytes > expected:
+            self._hold_copy(state.nbytes - expected, ctx)
         headers, body = export_message(session, state, self.fingerprint)
         self.moved.labels("export").inc()
         self.moved_bytes.labels("export").inc(state.nbytes)
         return ActivationReply(headers, body)
+
+    def _hold_copy(self, nbytes: int, ctx: RequestContext) -> None:
+        """``nbytes`` of an export's copy in the in-flight budget (503
+        ``memory_full`` past it), given back when the request ends."""
+        if self.inflight is not None:
+            ctx.cleanups.append(self.inflight.reserve(nbytes).release)
 
 
 def _busy(session: str) -> SequencingError:

@@ -40,6 +40,7 @@ from __future__ import annotations
 import contextlib
 import functools
 from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -98,6 +99,16 @@ KV_RETRY_AFTER = 5
 # The prefix cache's block keys are the wire's (wire-2 §3.10): the model
 # package is given them, it does not import the wire.
 WIRE_BLOCK_NAMING = BlockNaming(PREFIX_BLOCK_TOKENS, prefix_block_keys)
+
+
+def block_naming(salt: str | None) -> BlockNaming:
+    """The wire's naming for a session whose keys start from ``salt``
+    (wire-2 §3.15: its tenant's): fixed at the session's first chunk."""
+    if salt is None:
+        return WIRE_BLOCK_NAMING
+    return BlockNaming(PREFIX_BLOCK_TOKENS, partial(prefix_block_keys, salt=salt))
+
+
 _ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048)
 _CHUNK_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
 
@@ -139,8 +150,10 @@ class ModelStage:
         # exactly this life (see StageRunner.admit).
         life = self.runner.admit(context.session)
         try:
-            self.runner.prepare_prefix(life, context.position, tensor, context.prefix,
-                                       context.prefix_blocks, WIRE_BLOCK_NAMING)  # fmt: skip
+            naming = block_naming(context.cache_salt)
+            self.runner.prepare_prefix(
+                life, context.position, tensor, context.prefix, context.prefix_blocks, naming
+            )
             # The value checks (ids in the vocabulary, finite hidden states)
             # are O(tensor): in the worker thread with the compute.
             output = await self.scheduler.run(life, context.position, tensor, context.deadline)

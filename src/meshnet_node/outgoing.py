@@ -11,13 +11,15 @@ __all__ = ["REQUEST_ONLY", "outgoing_changes", "relayed_headers"]
 
 # What a request carries and an answer never does: the session's key
 # (wire-2 §3.9), the prefix cache's keys (§3.10), the sampling parameters
-# (§3.13) and the stage expected (§3.2).
+# (§3.13), the stage expected (§3.2) and whom the session serves (§3.15).
 REQUEST_ONLY: dict[str, Any] = {
     "session_key": None,
     "prefix": None,
     "prefix_blocks": (),
     "sample": None,
     "stage": None,
+    "client": None,
+    "cache_salt": None,
 }
 
 
@@ -63,12 +65,22 @@ def outgoing_changes(
             changes["prefix_blocks"] = ()
         if headers.sample is not None:
             changes["sample"] = None
+        if headers.client is not None:
+            changes["client"] = None
+        if headers.cache_salt is not None:
+            changes["cache_salt"] = None
     return changes
 
 
 def relayed_headers(answer: WireHeaders) -> WireHeaders:
     """A downstream's answer as this node relays it: unchanged, less any
     request-only field a careless downstream sent back."""
-    if answer.stage is None and answer.session_key is None and answer.sample is None:
+    if (
+        answer.stage is None
+        and answer.session_key is None
+        and answer.sample is None
+        and answer.client is None
+        and answer.cache_salt is None
+    ):
         return answer
-    return answer.replace(stage=None, session_key=None, sample=None)
+    return answer.replace(stage=None, session_key=None, sample=None, client=None, cache_salt=None)

@@ -38,6 +38,8 @@ def build_node(
     app = NodeApp(config, stage=stage, metrics=metrics)
     settings = server_settings(config)
     ssl_context = server_tls(config)
+    budget = ByteBudget(app.limits.max_inflight_bytes, retry_after=settings.retry_after)
+    app.handoff.inflight = budget  # a KV export's copy is held by a request in flight
     server = HttpServer(
         app,
         app.make_connection,
@@ -45,7 +47,7 @@ def build_node(
         metrics=metrics,
         ssl_context=ssl_context,
         codecs=app.codecs,
-        budget=ByteBudget(app.limits.max_inflight_bytes, retry_after=settings.retry_after),
+        budget=budget,
         cost=partial(request_cost, relaying=app.downstream is not None),
         handoff=DrainHandoff(config.handoff_window, app.handoff.held)
         if app.handoff.store is not None and config.handoff_window > 0

@@ -92,6 +92,19 @@ class RequestContext:
     # The loop's clock (what anyio.current_time() reads), looked up once per
     # connection: the cheap way to read it on a request's path.
     clock: Callable[[], float] = anyio.current_time
+    # The tenant the request's API key names (docs/security.md, tenants), or
+    # None: a request on the chain's token, or a server without API keys.
+    tenant: str | None = None
+    # Set at the head by an application that holds something for the body
+    # (a KV import's bytes, wire-2 §3.11): the body's timeout instead of the
+    # server's, when shorter.
+    body_timeout: float | None = None
+
+    @property
+    def client(self) -> str | None:
+        """Whom quotas, fair queues and the prefix cache count this request
+        for: its tenant, else its peer's address."""
+        return self.tenant if self.tenant is not None else self.peer
 
 
 class Application(Protocol):

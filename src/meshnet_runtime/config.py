@@ -212,7 +212,16 @@ _LIMIT = (
     Flag("--shutdown-timeout", positive_seconds, "seconds in-flight requests get on shutdown"),
 )
 _ACCESS = (
-    Flag("--token", nonempty, "require 'Authorization: Bearer TOKEN' (and present it)"),
+    Flag(
+        "--token",
+        nonempty,
+        "the chain's token: require 'Authorization: Bearer TOKEN' (and present it)",
+    ),
+    Flag(
+        "--accept-token",
+        nonempty,
+        "a second chain token this server accepts (the old one, during a rotation)",
+    ),
     Flag("--tls-cert", nonempty, "serve TLS with this PEM certificate chain"),
     Flag("--tls-key", nonempty, "... and this PEM private key"),
     Flag("--tls-ca", nonempty, "verify an https downstream with this CA bundle"),
@@ -262,6 +271,8 @@ class ServerConfig:
     max_connections: int = _SETTINGS.max_connections
     shutdown_timeout: float = _SETTINGS.shutdown_timeout
     token: str | None = field(default=None, repr=False)  # never logged
+    # wire-2 §7: a rotation's old (or next) token, accepted but never presented.
+    accept_token: str | None = field(default=None, repr=False)
     tls_cert: str | None = None
     tls_key: str | None = None
     tls_ca: str | None = None
@@ -335,6 +346,8 @@ class ServerConfig:
         values = cls._values(given, os.environ if environ is None else environ, parser.error)
         if (values["tls_cert"] is None) != (values["tls_key"] is None):
             parser.error("--tls-cert and --tls-key go together")
+        if values["accept_token"] is not None and values["token"] is None:
+            parser.error("--accept-token is a second chain token: give --token too")
         cls.check_role(values, parser.error)
         try:
             return cls(**values)  # builds and validates its Limits

@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import enum
 import logging
+import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -123,8 +124,7 @@ class ConnectionCycle:
         try:
             with anyio.CancelScope() as timer:
                 self.deadline.scope = timer
-                while await self._cycle():
-                    pass  # the core restarts the cycle itself after an answer
+                await _cycles(self)
             self.deadline.scope = None
             self.idle_scope = None
             if timer.cancelled_caught and self.phase is _Phase.HEAD:
@@ -180,6 +180,8 @@ class ConnectionCycle:
         ctx = RequestContext(
             started=self.now(), path=event_path(event), peer=self.peer, clock=self.now
         )
+        # Whom its credential names (wire-2 §7): the tenant of an API key.
+        ctx.tenant = self.conn.principal.tenant
 
         if isinstance(event, ConnectionClosed):
             return False
@@ -191,16 +193,16 @@ class ConnectionCycle:
         if self.server.draining and not self.server.serves_while_draining(event):
             await self._error(ctx.path, shutting_down(settings.retry_after))
             return False
-        if isinstance(event, ActivationHead):
-            try:
+        try:
+            if isinstance(event, ActivationHead):
                 return await self._activation_head(event, ctx)
-            finally:
-                for cleanup in ctx.cleanups:
-                    cleanup()
-        if isinstance(event, EndpointRequest):
-            app = self.server.app
-            watch = app.cancel_on_disconnect(event)
-            return await self._handle(app.handle_endpoint, event, ctx, watch=watch)
+            if isinstance(event, EndpointRequest):
+                app = self.server.app
+                watch = app.cancel_on_disconnect(event)
+                return await self._handle(app.handle_endpoint, event, ctx, watch=watch)
+        finally:  # what the request held (a KV import's bytes, an export's copy), however it ended
+            for cleanup in ctx.cleanups:
+                cleanup()
         log.error("unexpected event from ServerConnection: %r", event)
         await self._error(ctx.path, internal_error())
         return False
@@ -246,7 +248,7 @@ class ConnectionCycle:
         if received is NEED_DATA:
             # The sender's deadline bounds the body too: past it nobody waits
             # for the answer, however long our own body timeout is.
-            deadline = Deadline.start(ctx.started, settings.body_timeout, event.headers.deadline_ms)
+            deadline = _body_deadline(ctx, settings.body_timeout, event.headers.deadline_ms)
             # Reads sized to the body's bound, at least 64 KiB, at most 1 MiB.
             read_size = body_read_size(body_bound(event.headers))
             with anyio.move_on_after(deadline.remaining()) as body_timer:
@@ -430,3 +432,36 @@ class ConnectionCycle:
             await write(self.stream, self.lock, parts, self.server.settings.write_timeout)
         except DEAD_STREAM as exc:
             raise Closed from exc
+
+
+async def _cycles(connection: ConnectionCycle) -> None:
+    """A connection's request cycles, one after another (the core restarts a
+    cycle itself after an answer).
+
+    An answer cut off by its write timeout sits in a reference cycle of its
+    exception's frames (anyio re-raises the cancellation from a frame that
+    holds it) until the next GC, and its body with it: a KV export's copy,
+    hundreds of MB. The frames' locals are let go of at once instead."""
+    try:
+        while await connection._cycle():
+            pass
+    except BaseException as exc:
+        _clear_frames(exc)
+        raise
+
+
+def _clear_frames(exc: BaseException | None) -> None:
+    """Drop the locals of the finished frames ``exc`` and its causes went through."""
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        traceback.clear_frames(exc.__traceback__)
+        exc = exc.__cause__ or exc.__context__
+
+
+def _body_deadline(ctx: RequestContext, body_timeout: float, deadline_ms: int | None) -> Deadline:
+    """A request body's deadline: the server's body timeout, or the shorter one
+    the application set at the head (a KV import's), within the sender's."""
+    if ctx.body_timeout is not None:
+        body_timeout = min(body_timeout, ctx.body_timeout)
+    return Deadline.start(ctx.started, body_timeout, deadline_ms)

@@ -52,7 +52,7 @@ def _ids(session: str, position: int, ids: list[int], key: bytes | None = KEY) -
 
 
 def _export(url: str, session: str, key: bytes | None = KEY):
-    lines = [f"GET /kv/{session} HTTP/1.1", "Host: node", "Connection: close"]
+    lines = [f"GET /kv/{session} HTTP/1.1", "Host: localhost", "Connection: close"]
     if key is not None:
         lines.append(f"X-Meshnet-Session-Key: {key.decode()}")
     return send(url, ("\r\n".join(lines) + "\r\n\r\n").encode())

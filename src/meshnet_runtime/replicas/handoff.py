@@ -6,14 +6,18 @@ the session, import at the new one, then end it at the old one only
 a session's first one-token chunk at a prefill replica moves it to the
 least loaded decode replica. A move that fails leaves the session where it
 was; the caller then goes on there, or replays (docs/failover.md).
+``MoveBackoff`` keeps a session whose prefill/decode move failed from trying
+again on every decode step: each try of its KV costs a whole export.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+
+import anyio
 
 from meshnet_proto import ActivationResponse, ErrorResponse, MeshnetError, WireHeaders
 
@@ -22,7 +26,13 @@ from ..downstream import key_headers
 from .placement import Placement
 from .replica import Replica
 
-__all__ = ["KV_IMPORT_PATH", "HandoffCounts", "disaggregated_target", "hand_off"]
+__all__ = [
+    "KV_IMPORT_PATH",
+    "HandoffCounts",
+    "MoveBackoff",
+    "disaggregated_target",
+    "hand_off",
+]
 
 log = logging.getLogger("meshnet.replicas")
 
@@ -47,12 +57,13 @@ async def hand_off(
     counts: HandoffCounts,
     *,
     ask: Deadline | None = None,
+    backoff: MoveBackoff | None = None,
 ) -> bool:
     """Move ``session`` from ``source`` to ``target`` by its KV; whether it moved.
 
     ``ask``: the deadline of the export (a source that may be gone is given
-    less than the whole move). The caller holds the session's lock: none
-    of its chunks is in flight."""
+    less than the whole move); ``backoff``: told of the outcome. The caller
+    holds the session's lock: none of its chunks is in flight."""
     why = ""
     try:
         exported = await source.pool.fetch_kv(session, ask or deadline, key_headers(key))
@@ -68,6 +79,8 @@ async def hand_off(
                 why = f"import: {imported.status} {code}"
     except MeshnetError as exc:
         why = f"{exc.code}: {exc}"
+    if backoff is not None:
+        (backoff.failed if why else backoff.forget)(session)
     if why:
         counts.failed += 1
         log.warning("session %s: no KV hand-off from %s to %s (%s)",
@@ -92,13 +105,62 @@ def _import_headers(exported: ActivationResponse, key: str | None) -> list[tuple
     return headers.to_pairs()
 
 
+class MoveBackoff:
+    """When a session may try its prefill/decode move again after one failed.
+
+    A refused move (the decode replica's KV budget or transfer places full,
+    an export that failed) is tried again only after ``first`` seconds,
+    doubling to ``longest``; after ``give_up`` failures the session stays
+    where it is for good (its answers are the same there). At most ``limit``
+    sessions are remembered (the oldest forgotten first), so a set with many
+    short sessions that fail to move holds bounded memory."""
+
+    def __init__(
+        self,
+        *,
+        first: float = 1.0,
+        longest: float = 30.0,
+        give_up: int = 8,
+        limit: int = 65536,
+        clock: Callable[[], float] = anyio.current_time,
+    ) -> None:
+        self.first, self.longest, self.give_up, self.limit = first, longest, give_up, limit
+        self.clock = clock
+        self._failed: dict[str, tuple[int, float]] = {}  # session: (failures, next try at)
+
+    def due(self, session: str) -> bool:
+        """Whether the session may try a move now."""
+        failed = self._failed.get(session)
+        if failed is None:
+            return True
+        failures, at = failed
+        return failures < self.give_up and self.clock() >= at
+
+    def failed(self, session: str) -> None:
+        failures = self._failed.pop(session, (0, 0.0))[0] + 1
+        wait = min(self.first * 2 ** (failures - 1), self.longest)
+        self._failed[session] = (failures, self.clock() + wait)
+        if len(self._failed) > self.limit:
+            del self._failed[next(iter(self._failed))]
+
+    def forget(self, session: str) -> None:
+        """The session moved or ended: nothing to wait for."""
+        self._failed.pop(session, None)
+
+
 def disaggregated_target(
-    placement: Placement[Replica], holder: Replica, headers: WireHeaders
+    placement: Placement[Replica],
+    holder: Replica,
+    headers: WireHeaders,
+    backoff: MoveBackoff | None = None,
 ) -> Replica | None:
     """The decode replica a session at a prefill replica moves to before this
     chunk (wire-2 §3.12): its first one-token chunk, when a healthy decode
-    replica is there; else None (it stays)."""
+    replica is there and no failed move of it is being backed off from
+    (``backoff``); else None (it stays)."""
     if holder.kv_role != "prefill" or headers.tokens != 1 or headers.starts_session:
+        return None
+    if backoff is not None and headers.session is not None and not backoff.due(headers.session):
         return None
     decoders: Sequence[Replica] = [
         r for r in placement.ranked(exclude=[holder], fallback=False) if r.kv_role == "decode"

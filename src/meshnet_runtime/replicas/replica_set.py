@@ -34,7 +34,7 @@ from ..link import LinkEstimate
 from ..metrics import ServerMetrics
 from .failover import Failover, Lost, lost_session
 from .fanout import deep_health, delete_everywhere
-from .handoff import disaggregated_target, hand_off
+from .handoff import MoveBackoff, disaggregated_target, hand_off
 from .monitor import HealthMonitor, Resolver, resolve_name
 from .placement import Placement, is_name
 from .replica import Replica, open_replica
@@ -94,6 +94,8 @@ class ReplicaSet:
         self.failover = Failover(
             self.url, self.placement, self.history, self.monitor, probe_timeout
         )
+        # A refused prefill/decode move is not tried again on every decode step.
+        self.moves = MoveBackoff()
         replicas = self.placement.replicas
         self.margin = replicas[0].pool.margin if replicas else 0.1
         # --encoding auto weighs one link: the replicas' are alike enough.
@@ -181,11 +183,11 @@ class ReplicaSet:
         if route.recover or replica is None:
             return await failover.recover(session, headers, body, deadline, replica,
                                           alive=route.alive)  # fmt: skip
-        decoder = disaggregated_target(self.placement, replica, headers)
+        decoder = disaggregated_target(self.placement, replica, headers, self.moves)
         if decoder is not None:  # its prompt is done: to a decode replica (wire-2 §3.12)
             async with failover.lock(session):
                 if await hand_off(replica, decoder, session, headers.session_key, deadline,
-                                  failover.handoffs):  # fmt: skip
+                                  failover.handoffs, backoff=self.moves):  # fmt: skip
                     replica = self._sticky[session] = decoder
         try:
             response = await failover.attempt(replica, headers, body, deadline)
@@ -218,6 +220,7 @@ class ReplicaSet:
         self.history.forget(session)
         self._sticky.pop(session, None)
         self.failover.forget(session)
+        self.moves.forget(session)
 
     async def _any(self, call: Callable[[Replica], Awaitable[Any]]) -> Any:
         """A request any healthy replica may answer: the next one if one is gone."""

@@ -1,0 +1,132 @@
+"""A prefill/decode move that the decode replica refuses is not tried again
+on every decode step (wire-2 §3.12; issue 37, part 4), over real loopback
+sockets: a prefill and a decode first-stage replica in front of one last
+stage, a gateway over the two.
+
+The decode replica's KV budget cannot hold the session: each try of the
+move costs the prefill replica a whole export, and is refused. The session
+decodes at the prefill replica with the bits a chain without roles computes,
+and the moves tried grow with the log of the time, not with the steps.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator
+
+import anyio
+import numpy as np
+import pytest
+
+from meshnet_gateway import Client, open_gateway
+from meshnet_gateway.config import GatewayConfig
+from meshnet_model import StageRunner
+from meshnet_model.testing import small_config, write_checkpoint
+from meshnet_node import RunningNode, serve_node
+from meshnet_node.config import NodeConfig
+from meshnet_runtime.replicas import ReplicaSet
+from meshnet_runtime.replicas.handoff import MoveBackoff
+from support.gateway import QUIET
+
+pytestmark = pytest.mark.anyio
+
+PROMPT = 20
+STEPS = 12
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> str:
+    path = tmp_path_factory.mktemp("move-backoff") / "model"
+    write_checkpoint(path, small_config(max_position_embeddings=128), seed=17)
+    return str(path)
+
+
+def _prompt(vocab: int) -> np.ndarray:
+    return np.random.default_rng(4).integers(0, vocab, (1, PROMPT)).astype(np.int32)
+
+
+def _reference(checkpoint: str) -> list[np.ndarray]:
+    first = StageRunner.load(checkpoint, range(0, 2))
+    last = StageRunner.load(checkpoint, range(2, 4))
+    out = [last.run("r", 0, first.run("r", 0, _prompt(first.config.vocab_size)))]
+    for position in range(PROMPT, PROMPT + STEPS):
+        step = np.asarray([[int(np.argmax(out[-1]))]], dtype=np.int32)
+        out.append(last.run("r", position, first.run("r", position, step)))
+    return out
+
+
+@contextlib.asynccontextmanager
+async def _chain(checkpoint: str) -> AsyncIterator[tuple[list[RunningNode], ReplicaSet, Client]]:
+    model = ["--model", checkpoint]
+    async with contextlib.AsyncExitStack() as stack:
+        last = await stack.enter_async_context(
+            serve_node(NodeConfig.load([*QUIET, *model, "--layers", "2:4"]))
+        )
+        entries = []
+        # The decode replica's budget is smaller than the prompt's KV (10 KiB).
+        for role, extra in (("prefill", []), ("decode", ["--kv-budget-bytes", "4096"])):
+            flags = [*QUIET, *model, "--layers", "0:2", "--next", last.url, "--kv-role", role]
+            node = serve_node(NodeConfig.load([*flags, *extra]))
+            entries.append(await stack.enter_async_context(node))
+        config = GatewayConfig.load([*QUIET, "--entry", ",".join(n.url for n in entries)])
+        gateway = await stack.enter_async_context(open_gateway(config))
+        client = await stack.enter_async_context(Client(gateway.url))
+        hop = gateway.app.pool
+        assert isinstance(hop, ReplicaSet)
+        yield entries, hop, client
+
+
+async def test_a_refused_move_backs_off_and_the_session_decodes_where_it_is(
+    checkpoint: str,
+) -> None:
+    want = _reference(checkpoint)
+    vocab = small_config().vocab_size
+    async with _chain(checkpoint) as (entries, hop, client):
+        with anyio.fail_after(30):  # registration: the roles come with the identities
+            while {r.kv_role for r in hop.replicas} != {"prefill", "decode"}:
+                await anyio.sleep(0.05)
+        prefill, decode = entries
+        started = anyio.current_time()
+        with anyio.fail_after(60):
+            first = await client.forward(_prompt(vocab), encoding="identity")
+            got = [first.output]
+            for position in range(PROMPT, PROMPT + STEPS):
+                step = np.asarray([[int(np.argmax(got[-1]))]], dtype=np.int32)
+                result = await client.forward(
+                    step, session=first.session, position=position, encoding="identity"
+                )
+                got.append(result.output)
+        elapsed = anyio.current_time() - started
+        # Tries 1 s apart, then 2, 4, ...: one at the first step, one more per doubling.
+        tries = hop.failover.handoffs.failed
+        assert 1 <= tries <= 2 + int(np.log2(1 + elapsed)), (tries, elapsed)
+        assert tries < STEPS // 2  # before: one export and refused import every step
+        assert hop.failover.handoffs.moved == 0
+        assert hop.holder(first.session) == prefill.url
+        assert prefill.app.tokens_computed == PROMPT + STEPS  # it decoded where it was
+        assert decode.app.tokens_computed == 0
+    for mine, reference in zip(got, want, strict=True):
+        assert np.array_equal(mine, reference)
+
+
+def test_the_backoff_doubles_to_its_longest_then_gives_up() -> None:
+    now = [100.0]
+    backoff = MoveBackoff(first=1.0, longest=4.0, give_up=5, limit=2, clock=lambda: now[0])
+    assert backoff.due("s")
+    waits = []
+    for _ in range(4):
+        backoff.failed("s")
+        assert not backoff.due("s")
+        start = now[0]
+        while not backoff.due("s"):
+            now[0] += 0.5
+        waits.append(now[0] - start)
+    assert waits == [1.0, 2.0, 4.0, 4.0]
+    backoff.failed("s")  # the fifth: the session stays where it is
+    now[0] += 3600
+    assert not backoff.due("s")
+    backoff.forget("s")  # it ended (or moved): a new start
+    assert backoff.due("s")
+    for session in ("a", "b", "c"):  # at most ``limit`` remembered: the oldest goes
+        backoff.failed(session)
+    assert backoff.due("a") and not backoff.due("b") and not backoff.due("c")
