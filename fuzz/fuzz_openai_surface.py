@@ -167,7 +167,7 @@ class Chain:
     async def post(self, path: str, body: bytes) -> bytes:
         host, port = self.url.removeprefix("http://").rsplit(":", 1)
         data = (
-            f"POST {path} HTTP/1.1\r\nHost: g\r\nConnection: close\r\n"
+            f"POST {path} HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n"
             f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
         ).encode() + body
         out = bytearray()

@@ -20,7 +20,7 @@ from meshnet_runtime.config import (
     positive_seconds,
 )
 
-from . import status
+from . import keys, status
 
 if TYPE_CHECKING:  # what build_parser hands each subcommand's _add_* to add its parser to
     _Commands = argparse._SubParsersAction[OneLineParser]
@@ -35,6 +35,7 @@ def build_parser() -> argparse.ArgumentParser:
     for add in (_add_demo, _add_send, _add_bench, _add_generate, _add_conformance, _add_run):
         add(commands)
     status.add_parser(commands)  # meshnet status URL: a gateway's chain
+    keys.add_parser(commands)  # meshnet keys new TENANT --file F: a client's API key
     return parser
 
 
@@ -212,6 +213,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _dispatch(args: argparse.Namespace) -> int:
     if args.command == "status":
         return status.main(args)
+    if args.command == "keys":
+        return keys.main(args)
     if args.command == "demo":
         from .demo import run_demo
 

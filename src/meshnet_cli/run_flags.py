@@ -47,7 +47,8 @@ NODE_ONLY = ("--dtype", "--engine", "--device", "--threads", "--kv-budget-bytes"
 GATEWAY_ONLY = ("--host", "--port", "--tls-cert", "--tls-key", "--chunk-tokens", "--inflight",
                 "--model-name", "--max-tokens-default", "--max-context", "--max-prompt-chars",
                 "--special-tokens-in-content", "--max-running", "--max-prefill-tokens",
-                "--max-queued", "--queue-timeout")  # fmt: skip
+                "--max-queued", "--queue-timeout",
+                "--allowed-hosts", "--allowed-origins")  # fmt: skip
 # Every server's: access, limits, shutdown, logging — given to the gateway and
 # every node alike (a --token is required and presented on every hop).
 BOTH = ("--token", "--timeout", "--head-timeout", "--max-sessions", "--max-sessions-per-client",

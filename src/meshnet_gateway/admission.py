@@ -1,4 +1,5 @@
-"""Admission control: how many generations the gateway takes on, before any work.
+"""Admission control: how many generations the gateway takes on, and how much
+prefill it has in flight on the chain, decided before the work.
 
 Issue 19: with nothing bounding what the gateway admits, a burst of long
 prompts reached the nodes all at once and most failed *during* the work
@@ -9,40 +10,51 @@ request is either admitted, queued, or refused at once with a status and a
 Two budgets, because decode and prefill cost different things:
 
 * ``max_running`` generations at once (a decode stream is one small chunk
-  per token: many can share the chain; the throughput bench runs 64);
-* ``max_prefill_tokens``: prompt tokens of admitted generations whose
-  prefill has not finished. This is what floods the nodes' queues: 12
-  prompts of 1,200 tokens are 14,400 tokens of compute queued at the entry
-  at once. A generation leaves this budget when its prompt's last chunk is
-  answered (``Ticket.prefilled``). A prompt larger than the whole budget is
-  admitted alone when nothing else is prefilling, so no prompt the context
-  allows is refused for its size, only made to wait its turn.
+  per token: many can share the chain; the throughput bench runs 64). A
+  generation takes a ``Ticket`` for its whole life (``admit``).
+* ``max_prefill_tokens``: prompt tokens in flight on the chain at once.
+  This is what floods the nodes' queues: 12 prompts of 1,200 tokens are
+  14,400 tokens of compute queued at the entry at once. A prefill is not
+  granted this budget whole (issue 37: one prompt over the budget used to
+  be admitted alone and held every other admission for its whole prefill —
+  a 5-token prompt of another client waited 21-36 s for its first token).
+  It takes a ``Grant`` for each piece it sends (a window of chunks,
+  ``Ticket.prefill``), given back as that piece is answered; so other
+  requests' pieces are granted between its pieces, and a short prompt
+  waits for at most the pieces in flight, not for a whole long prefill. A
+  piece larger than the whole budget is granted alone when nothing else is
+  in flight: never refused for its size, only made to wait its turn.
 
-Waiting requests form one strict FIFO queue (``max_queued`` long): only
-the head may be admitted, so a stream of small prompts cannot overtake a
-large one forever. Beyond the queue's length: ``AdmissionRefused``
-``queue_full`` (the API answers 429); waiting longer than the queue
-timeout: ``queue_timeout`` (503). Both carry a ``Retry-After`` estimate:
-the recent queue wait.
+Both wait queues are fair across clients (``FairQueue``: round-robin
+between clients, FIFO within one), and strict at their head: the next
+waiter in that order must fit before anyone behind it is served, so a
+stream of small pieces cannot overtake a large one forever. The start queue
+is ``max_queued`` long: beyond it, ``AdmissionRefused`` ``queue_full`` (the
+API answers 429); waiting longer than the queue timeout, for a start or for
+a piece: ``queue_timeout`` (503). Both carry a ``Retry-After`` estimate: the
+recent wait to start. The prefill queue needs no bound of its own: each
+running generation waits for at most one piece at a time.
 
-The bookkeeping is synchronous (``request``, ``Ticket.prefilled``,
-``Ticket.release``, ``cancel``) so it can be tested as plain logic; only
-``admit`` awaits. Everything runs on the event loop thread, so there is no
-lock. Every way out of ``admit`` — admitted, refused, timed out, cancelled
-because the client left — leaves the counts exact (no leaked budget).
+The bookkeeping is synchronous (``request``, ``request_prefill``,
+``Ticket.release``, ``Grant.release``, ``cancel``) so it can be tested as
+plain logic; only ``admit`` and ``Ticket.prefill`` await. Everything runs on
+the event loop thread, so there is no lock. Every way out of a wait —
+granted, refused, timed out, cancelled because the client left — leaves
+the counts exact (no leaked budget).
 """
 
 from __future__ import annotations
 
 import math
-from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Literal
 
 import anyio
 
-__all__ = ["Admission", "AdmissionRefused", "Ticket"]
+from .fair_queue import FairQueue
+
+__all__ = ["Admission", "AdmissionRefused", "Grant", "Ticket"]
 
 RefusalReason = Literal["queue_full", "queue_timeout"]
 
@@ -65,44 +77,69 @@ class AdmissionRefused(Exception):
 
 
 @dataclass(eq=False, slots=True)
-class Ticket:
-    """One admitted generation's hold on the budgets; release it exactly once
-    (further calls are no-ops, so every ``finally`` may call it)."""
+class Grant:
+    """A piece of prefill's hold on the prefill budget; release it once the
+    piece is answered (further calls are no-ops)."""
 
     tokens: int
     _admission: Admission = field(repr=False)
-    prefilling: bool = True
     released: bool = False
 
-    def prefilled(self) -> None:
-        """Its prompt is through the chain: its tokens leave the prefill budget."""
-        if self.prefilling and not self.released:
-            self.prefilling = False
-            self._admission._end_prefill(self)
-            self._admission._pump()
-
     def release(self) -> None:
-        """The generation ended (any way): both budgets get its share back."""
         if self.released:
             return
-        if self.prefilling:
-            self.prefilling = False
-            self._admission._end_prefill(self)
+        self.released = True
+        self._admission._end_grant(self)
+        self._admission._pump()
+
+
+@dataclass(eq=False, slots=True)
+class Ticket:
+    """One admitted generation's place in the running budget; release it
+    exactly once (further calls are no-ops, so every ``finally`` may call it).
+
+    ``tokens``: its prompt's length, as asked; ``client``: whom the fair
+    queues count its pieces of prefill for."""
+
+    tokens: int
+    _admission: Admission = field(repr=False)
+    client: str | None = None
+    released: bool = False
+
+    def release(self) -> None:
+        """The generation ended (any way): its running place back."""
+        if self.released:
+            return
         self.released = True
         self._admission.running -= 1
         self._admission._pump()
+
+    async def prefill(self, tokens: int, *, timeout: float | None = None) -> Grant:
+        """Wait (fairly among clients) until ``tokens`` more prompt tokens may
+        go down the chain; ``AdmissionRefused`` after the queue timeout."""
+        return await self._admission.prefill(tokens, client=self.client, timeout=timeout)
 
 
 @dataclass(eq=False, slots=True)
 class _Waiter:
     tokens: int
     since: float
-    ticket: Ticket | None = None
+    client: str | None
+    prefill: bool  # waits for a Grant (else for a Ticket)
+    granted: Ticket | Grant | None = None
     wake: Callable[[], None] | None = None
+
+    @property
+    def ticket(self) -> Ticket | None:
+        return self.granted if isinstance(self.granted, Ticket) else None
+
+    @property
+    def grant(self) -> Grant | None:
+        return self.granted if isinstance(self.granted, Grant) else None
 
 
 class Admission:
-    """The gateway's admission budgets and its FIFO wait queue."""
+    """The gateway's admission budgets and their fair wait queues."""
 
     def __init__(
         self,
@@ -125,14 +162,19 @@ class Admission:
         self.on_refused = on_refused
         self.on_waited = on_waited
         self.running = 0  # admitted tickets not yet released
-        self.prefill_tokens = 0  # their prompt tokens, while prefilling
-        self.prefilling = 0  # how many are prefilling (a prompt may count 0 tokens)
-        self._queue: deque[_Waiter] = deque()
+        self.prefill_tokens = 0  # tokens of the grants not yet released
+        self.prefill_grants = 0  # how many (a piece may count 0 tokens)
+        self._queue: FairQueue[_Waiter] = FairQueue()  # waiting to start
+        self._prefill_queue: FairQueue[_Waiter] = FairQueue()  # pieces waiting for budget
         self._wait_estimate = float(_RETRY_AFTER_MIN)
 
     @property
     def queued(self) -> int:
         return len(self._queue)
+
+    @property
+    def prefill_waiting(self) -> int:
+        return len(self._prefill_queue)
 
     def retry_after(self) -> int:
         """Seconds a refused client should wait: the smoothed recent queue wait."""
@@ -145,26 +187,26 @@ class Admission:
             "running": self.running,
             "max_prefill_tokens": self.max_prefill_tokens,
             "prefill_tokens": self.prefill_tokens,
+            "prefill_waiting": self.prefill_waiting,
             "max_queued": self.max_queued,
             "queued": self.queued,
+            "queued_clients": self._queue.clients,
             "queue_timeout_s": self.queue_timeout,
         }
 
     # ------------------------------------------------------------ logic
 
     def fits(self, tokens: int) -> bool:
-        """Whether a generation of ``tokens`` prompt tokens may start now
-        (ignoring the queue: ``request`` keeps strict FIFO)."""
-        if self.running >= self.max_running:
-            return False
-        # Oversize alone: a prompt over the whole budget waits until nothing
-        # else prefills, then goes, so it is never starved for its size.
-        return self.prefilling == 0 or self.prefill_tokens + tokens <= self.max_prefill_tokens
+        """Whether a piece of ``tokens`` prompt tokens may go now (ignoring
+        the queue: ``request_prefill`` keeps its order). Oversize alone: a
+        piece over the whole budget waits until nothing else is in flight,
+        then goes, so it is never starved for its size."""
+        return self.prefill_grants == 0 or self.prefill_tokens + tokens <= self.max_prefill_tokens
 
-    def request(self, tokens: int) -> Ticket | _Waiter:
+    def request(self, tokens: int, client: str | None = None) -> Ticket | _Waiter:
         """A ticket now, or a place in the queue; ``AdmissionRefused`` if it is full."""
-        if not self._queue and self.fits(tokens):
-            return self._grant(tokens)
+        if not self._queue and self.running < self.max_running:
+            return self._ticket(tokens, client)
         if len(self._queue) >= self.max_queued:
             self._refused("queue_full")
             raise AdmissionRefused(
@@ -173,39 +215,54 @@ class Admission:
                 f"{self.queued} waiting, --max-queued {self.max_queued}); retry later",
                 self.retry_after(),
             )
-        waiter = _Waiter(tokens, self.clock())
-        self._queue.append(waiter)
+        waiter = _Waiter(tokens, self.clock(), client, prefill=False)
+        self._queue.push(client, waiter)
+        return waiter
+
+    def request_prefill(self, tokens: int, client: str | None = None) -> Grant | _Waiter:
+        """A grant for a piece of prefill now, or a place in the prefill queue."""
+        if not self._prefill_queue and self.fits(tokens):
+            return self._grant(tokens)
+        waiter = _Waiter(tokens, self.clock(), client, prefill=True)
+        self._prefill_queue.push(client, waiter)
         return waiter
 
     def cancel(self, waiter: _Waiter) -> None:
-        """The waiter gave up (timeout, client gone): out of the queue, or, if
-        it was admitted meanwhile, its ticket back."""
-        if waiter.ticket is not None:
-            waiter.ticket.release()
+        """The waiter gave up (timeout, client gone): out of its queue, or, if
+        it was served meanwhile, what it was granted back."""
+        if waiter.granted is not None:
+            waiter.granted.release()
             return
-        try:
-            self._queue.remove(waiter)
-        except ValueError:
-            return
+        queue = self._prefill_queue if waiter.prefill else self._queue
         # It may have been the head that did not fit: the next one may.
-        self._pump()
+        if queue.remove(waiter.client, waiter):
+            self._pump()
 
-    def _grant(self, tokens: int) -> Ticket:
+    def _ticket(self, tokens: int, client: str | None) -> Ticket:
         self.running += 1
-        self.prefilling += 1
-        self.prefill_tokens += tokens
-        return Ticket(tokens, self)
+        return Ticket(tokens, self, client)
 
-    def _end_prefill(self, ticket: Ticket) -> None:
-        self.prefilling -= 1
-        self.prefill_tokens -= ticket.tokens
+    def _grant(self, tokens: int) -> Grant:
+        self.prefill_grants += 1
+        self.prefill_tokens += tokens
+        return Grant(tokens, self)
+
+    def _end_grant(self, grant: Grant) -> None:
+        self.prefill_grants -= 1
+        self.prefill_tokens -= grant.tokens
 
     def _pump(self) -> None:
-        """Admit from the head while it fits (strict FIFO: never past the head)."""
-        while self._queue and self.fits(self._queue[0].tokens):
-            waiter = self._queue.popleft()
-            waiter.ticket = self._grant(waiter.tokens)
+        """Serve each queue in its fair order while its next waiter fits
+        (strict: never past that waiter)."""
+        while self._queue and self.running < self.max_running:
+            waiter = self._queue.pop()
+            waiter.granted = self._ticket(waiter.tokens, waiter.client)
             self._observe_wait(self.clock() - waiter.since)
+            if waiter.wake is not None:
+                waiter.wake()
+        while self._prefill_queue and self.fits(self._prefill_queue.head().tokens):
+            waiter = self._prefill_queue.pop()
+            waiter.granted = self._grant(waiter.tokens)
             if waiter.wake is not None:
                 waiter.wake()
 
@@ -220,17 +277,36 @@ class Admission:
 
     # ------------------------------------------------------------ waiting
 
-    async def admit(self, tokens: int, *, timeout: float | None = None) -> Ticket:
-        """Wait (FIFO) until a generation of ``tokens`` prompt tokens may start.
+    async def admit(
+        self, tokens: int, *, timeout: float | None = None, client: str | None = None
+    ) -> Ticket:
+        """Wait (fairly among clients) until a generation of ``tokens`` prompt
+        tokens may start.
 
         ``timeout``: the caller's own bound, if shorter than the queue timeout.
         Raises ``AdmissionRefused``; when cancelled (the client left), it
         leaves the queue, or gives back a ticket granted in the meantime.
         """
-        granted = self.request(tokens)
+        granted = self.request(tokens, client)
         if isinstance(granted, Ticket):
             return granted
-        waiter = granted
+        ticket = await self._wait(granted, timeout)
+        assert isinstance(ticket, Ticket)
+        return ticket
+
+    async def prefill(
+        self, tokens: int, *, client: str | None = None, timeout: float | None = None
+    ) -> Grant:
+        """Wait (fairly among clients) for a grant of ``tokens`` prefill tokens;
+        as ``admit`` for timeouts and cancellation."""
+        granted = self.request_prefill(tokens, client)
+        if isinstance(granted, Grant):
+            return granted
+        grant = await self._wait(granted, timeout)
+        assert isinstance(grant, Grant)
+        return grant
+
+    async def _wait(self, waiter: _Waiter, timeout: float | None) -> Ticket | Grant:
         event = anyio.Event()
         waiter.wake = event.set
         limit = self.queue_timeout if timeout is None else min(timeout, self.queue_timeout)
@@ -240,16 +316,18 @@ class Admission:
         except BaseException:
             self.cancel(waiter)
             raise
-        if waiter.ticket is not None:
-            return waiter.ticket  # admitted, even if the timer ran out in the same tick
+        if waiter.granted is not None:
+            return waiter.granted  # served, even if the timer ran out in the same tick
         waited = self.clock() - waiter.since
         self.cancel(waiter)
-        # A timed-out wait is a lower bound of the real one: it counts too.
-        self._observe_wait(waited)
+        if not waiter.prefill:
+            # A timed-out wait is a lower bound of the real one: it counts too.
+            self._observe_wait(waited)
         self._refused("queue_timeout")
+        what = "prefill budget" if waiter.prefill else "capacity"
         raise AdmissionRefused(
             "queue_timeout",
-            f"waited {waited:.1f} s for capacity (--queue-timeout {self.queue_timeout:g}); "
+            f"waited {waited:.1f} s for {what} (--queue-timeout {self.queue_timeout:g}); "
             "the gateway is overloaded, retry later",
             self.retry_after(),
         )

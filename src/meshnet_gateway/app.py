@@ -44,14 +44,16 @@ from meshnet_runtime.link import LinkEstimate
 from meshnet_runtime.metrics import ServerMetrics
 from meshnet_runtime.wire_encoder import WireEncoder
 
-from ._pipeline import run_chunks
+from ._pipeline import RunResult, run_chunks
 from ._retry import RetryPolicy
 from .access import AccessLog, AccessRecord, access_record
 from .admission import Admission
 from .chain import RECHECK_CODES, ChainCheck, ChainMismatch, gateway_facts
 from .chain_view import ChainView
+from .clients import GatewayClients
 from .config import GatewayConfig
 from .entry import EntryWindow, entry_downstream
+from .forward_admission import admitted
 from .info import gateway_info
 from .openai import OpenAIService
 from .openai.api import OPENAI_ROUTES
@@ -127,6 +129,8 @@ class GatewayApp:
             max_queued=config.max_queued,
             queue_timeout=config.queue_timeout,
         )
+        # Who may call (wire-2 §7) and whom each request serves (§3.15).
+        self.clients = GatewayClients(config)
         # One line per request at info (meshnet.access; --no-access-log).
         self.access = AccessLog(enabled=not config.no_access_log)
         self.openai: OpenAIService | None = None
@@ -159,6 +163,7 @@ class GatewayApp:
         async with anyio.create_task_group() as tg:
             self._background = tg
             tg.start_soon(self.pool.maintain)  # health probes of the entry's replicas, if any
+            tg.start_soon(self.clients.watch)  # --api-keys: re-read as the file changes
             self.chain.arm()
             try:
                 if await self.entry.refresh(quiet=True) is None and not self.entry.read:
@@ -277,7 +282,7 @@ class GatewayApp:
             now,
             entropy=os.urandom(16),
             key=request.session_key,
-            client=ctx.peer,
+            client=ctx.client,  # the tenant's quota, or the address's (wire-2 §3.15)
         )
         self._active.add(lease.session)
         sent = False  # once a chunk may have gone down, a failure ends the session
@@ -293,23 +298,11 @@ class GatewayApp:
             tensor = await self.codecs.run(
                 event.tensor.nbytes, apply_wire_dtype, event.tensor, self.config.wire_dtype
             )
-            sent = True
-            result = await run_chunks(
-                self.pool,
-                self.to_entry,
-                tensor,
-                session=lease.session,
-                session_key=lease.node_key,
-                base_position=lease.position,
-                chunk_tokens=self.config.chunk_tokens,
-                inflight=self.inflight,
-                request_encoding=request.encoding,
-                deadline=deadline,
-                retry=self.retry,
-                on_retry=self._count_retry,
-                stage=self.expected_entry,
-            )
+            async with admitted(self.admission, request.tokens, ctx.client, deadline):
+                sent = True
+                result = await _run_forward(self, tensor, lease, request, deadline, ctx)
             dtype, encoding, body = await self.to_clients.encode(result.output, request.encoding)
+
         except BaseException as exc:
             if sent:
                 self._fail(lease, exc)
@@ -392,7 +385,7 @@ class GatewayApp:
             except MeshnetError as exc:
                 return from_meshnet(exc).reply()
             record.timing = RequestTiming(arrived=ctx.started)
-            return await self.openai.handle(event, record.timing)
+            return await self.openai.handle(event, record.timing, tenancy=self.clients.tenancy(ctx))
         if event.route == "/info":
             return Reply.json(200, await self.describe())
         reply = await self.control.handle(event, ctx)
@@ -442,4 +435,31 @@ def _session_busy(session: str) -> SequencingError:
         f"session {session} already has a request in progress at this gateway",
         code="session_busy",
         header="x-meshnet-session",
+    )
+
+
+async def _run_forward(
+    app: GatewayApp,
+    tensor: np.ndarray,
+    lease: Lease,
+    request: WireHeaders,
+    deadline: Deadline,
+    ctx: RequestContext,
+) -> RunResult:
+    """A ``/forward`` sequence down the chain as one run of chunks."""
+    return await run_chunks(
+        app.pool,
+        app.to_entry,
+        tensor,
+        session=lease.session,
+        session_key=lease.node_key,
+        base_position=lease.position,
+        chunk_tokens=app.config.chunk_tokens,
+        inflight=app.inflight,
+        request_encoding=request.encoding,
+        deadline=deadline,
+        retry=app.retry,
+        on_retry=app._count_retry,
+        stage=app.expected_entry,
+        annotate=app.clients.tenancy(ctx).mark,  # whom it serves (wire-2 §3.15)
     )

@@ -14,6 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar, NoReturn
 
+from meshnet_proto.lowlevel import Credentials
 from meshnet_runtime.config import (
     Flag,
     ServerConfig,
@@ -27,7 +28,10 @@ from meshnet_runtime.config import (
     positive_seconds,
     split_replicas,
 )
+from meshnet_runtime.credentials import ApiKeyFile, KeyFileError
 from meshnet_runtime.endpoints import Endpoint
+
+from .browser import host_list, origin_list
 
 __all__ = ["GATEWAY_FLAGS", "SPECIAL_TOKEN_POLICIES", "GatewayConfig"]
 
@@ -59,6 +63,7 @@ _PROMPTS = (
         "characters of a prompt or conversation, checked before tokenizing "
         "(0: 32 per token of context)",
     ),
+    Flag("--max-messages", positive_int, "messages of one chat, counted before any is rendered"),
     Flag(
         "--special-tokens-in-content",
         choice(SPECIAL_TOKEN_POLICIES),
@@ -71,12 +76,30 @@ _ADMISSION = (
     Flag(
         "--max-prefill-tokens",
         positive_int,
-        "prompt tokens of admitted /v1 generations still prefilling (a larger prompt goes alone)",
+        "prompt tokens in flight on the chain at once, granted piece by piece (fair across "
+        "clients; a larger piece goes alone)",
     ),
     Flag("--max-queued", nonnegative_int, "/v1 requests waiting for admission (more get 429)"),
     Flag("--queue-timeout", positive_seconds,
          "seconds a /v1 request may wait in the queue (then 503)"),
 )  # fmt: skip
+
+
+def check_api_keys(values: dict[str, Any], error: Callable[[str], NoReturn]) -> None:
+    """``--api-keys`` needs the chain's token (which clients never hold)
+    and a key file that can be used, both said at start in one line."""
+    path = values.get("api_keys")
+    if path is None:
+        return
+    if values.get("token") is None:
+        error(
+            "--api-keys: give the chain's token too (--token or MESHNET_TOKEN); "
+            "clients hold API keys, the chain its token"
+        )
+    try:
+        ApiKeyFile(path, Credentials())
+    except KeyFileError as exc:
+        error(f"--api-keys: {exc}")
 
 
 def switch(text: str) -> bool:
@@ -125,8 +148,37 @@ _SAMPLING = (
         "asked of it directly, not waited for back through every hop (wire-2 §3.14)",
     ),
 )
+_KEYS = (
+    Flag(
+        "--api-keys",
+        nonempty,
+        "file of clients' API keys (TENANT sha256:DIGEST [cache=GROUP] a line; re-read "
+        "when it changes): /v1 and /forward then take these keys, never the chain's token",
+    ),
+)
+_BROWSERS = (
+    Flag(
+        "--allowed-hosts",
+        host_list,
+        "Host names served beside localhost and IP literals, comma-separated ('*': any)",
+    ),
+    Flag(
+        "--allowed-origins",
+        origin_list,
+        "browser origins (https://app.example.com) that may call the gateway ('*': any)",
+    ),
+)
 GATEWAY_FLAGS: tuple[Flag, ...] = (
-    _CHAIN + _MODEL + _RETRIES + _PROMPTS + _ADMISSION + _LOGGING + _CACHE + _SAMPLING
+    _CHAIN
+    + _MODEL
+    + _RETRIES
+    + _PROMPTS
+    + _ADMISSION
+    + _LOGGING
+    + _CACHE
+    + _SAMPLING
+    + _BROWSERS
+    + _KEYS
 )
 
 
@@ -149,6 +201,7 @@ class GatewayConfig(ServerConfig):
     retries: int = 2
     retry_backoff_ms: float = 50.0
     max_prompt_chars: int = 0  # 0: 32 characters per token of context
+    max_messages: int = 2048  # OpenAI's own bound on a chat's messages (issue 37)
     special_tokens_in_content: str = "escape"
     # admission (issue 19, docs/openai-api.md#admission): budgets a /v1
     # generation must fit before any chunk is sent; more wait (FIFO) or get
@@ -174,6 +227,12 @@ class GatewayConfig(ServerConfig):
     sample_at: str = "last-stage"
     # The last stage, polled for each decode step's token (wire-2 §3.14).
     direct_return: str | None = None
+    # Clients' API keys (docs/security.md): a file of digests, never the keys.
+    api_keys: str | None = None
+    # Web pages (browser.py, docs/openai-api.md#browsers-host-origin-cors): a
+    # Host not served is 403 (DNS rebinding), so is an Origin not allowed.
+    allowed_hosts: tuple[str, ...] = ()
+    allowed_origins: tuple[str, ...] = ()
 
     @classmethod
     def build_parser(cls, prog: str | None = None) -> argparse.ArgumentParser:
@@ -191,3 +250,4 @@ class GatewayConfig(ServerConfig):
         split_replicas(values, "entry")
         if values["entry"] is None:
             error(f"--entry (or {env_name('--entry')}) is required")
+        check_api_keys(values, error)

@@ -66,6 +66,7 @@ def openai_service(app: GatewayApp) -> OpenAIService:
         max_tokens_default=config.max_tokens_default,
         max_prompt_tokens=max_prompt,
         max_prompt_chars=config.max_prompt_chars,
+        max_messages=config.max_messages,
         special_tokens_in_content=config.special_tokens_in_content,
         metrics=GenerationMetrics(app.metrics.registry),
         admission=app.admission,

@@ -26,6 +26,8 @@ from meshnet_runtime.lifecycle import rss_suffix, server_settings, server_tls
 from meshnet_runtime.transports import BoundListener
 
 from .app import GatewayApp
+from .browser import BrowserPolicy, with_preflight
+from .browser_guard import BrowserGuard
 from .config import GatewayConfig
 from .openai.api import MAX_REQUEST_BODY as OPENAI_MAX_REQUEST_BODY
 from .openai.api import OPENAI_ROUTES
@@ -39,24 +41,27 @@ def build_server(config: GatewayConfig, app: GatewayApp) -> HttpServer:
     routes: dict[str, Any] = dict(DEFAULT_ROUTES)
     max_endpoint_body = DEFAULT_MAX_ENDPOINT_BODY
     if app.openai is not None:
-        routes.update(OPENAI_ROUTES)
+        routes.update(with_preflight(OPENAI_ROUTES))  # browsers' preflights (browser_guard)
         max_endpoint_body = OPENAI_MAX_REQUEST_BODY
+    # Host and Origin checked on every head, before credentials (browser.py).
+    browsers = BrowserPolicy.build(config.host, config.allowed_hosts, config.allowed_origins)
 
     def make_connection() -> ServerConnection:
         # The gateway's input is a whole sequence: session, index and total
         # are optional there (wire-2 §2).
         return ServerConnection(
             limits=limits,
-            token=config.token,
+            credentials=app.clients.credentials,  # the chain's token and clients' API keys
             require_sequencing=False,
             routes=routes,
             max_endpoint_body=max_endpoint_body,
+            head_check=browsers.check_head,
         )
 
     settings = server_settings(config)
     ssl_context = server_tls(config)
     return HttpServer(
-        app,
+        BrowserGuard(app, browsers, routes),
         make_connection,
         settings=settings,
         metrics=app.metrics,

@@ -279,7 +279,8 @@ async def _leave(url: str, body: dict[str, Any], *, until: Any) -> None:
     (a whole answer sends nothing before its end: ``until`` is polled then)."""
     host, port = url.removeprefix("http://").rsplit(":", 1)
     data = json.dumps(body).encode()
-    head = (f"POST /v1/completions HTTP/1.1\r\nHost: gw\r\nContent-Type: application/json\r\n"
+    head = (f"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\n"
+            f"Content-Type: application/json\r\n"
             f"Content-Length: {len(data)}\r\n\r\n").encode()  # fmt: skip
     stream = await anyio.connect_tcp(host, int(port))
     await stream.send(head + data)

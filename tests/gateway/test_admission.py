@@ -23,7 +23,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from meshnet_gateway.admission import Admission, AdmissionRefused, Ticket
+from meshnet_gateway.admission import Admission, AdmissionRefused, Grant, Ticket
 from meshnet_gateway.config import GatewayConfig
 from support.openai import Served, fake_stages, serve_openai, write_model_dir
 
@@ -51,6 +51,11 @@ def granted(result: object) -> Ticket:
     return result
 
 
+def grant(result: object) -> Grant:
+    assert isinstance(result, Grant), result
+    return result
+
+
 # ---------------------------------------------------------------- plain logic
 
 
@@ -59,41 +64,50 @@ def test_running_budget_queues_then_admits_on_release() -> None:
     first, second = granted(adm.request(1)), granted(adm.request(1))
     waiter = adm.request(1)
     assert not isinstance(waiter, Ticket) and adm.queued == 1 and adm.running == 2
-    first.prefilled()  # the prefill budget is not what holds it back
+    held = grant(adm.request_prefill(100))  # the prefill budget is not what holds it back
+    held.release()
     assert waiter.ticket is None
     first.release()
     assert waiter.ticket is not None and adm.queued == 0 and adm.running == 2
     second.release()
     waiter.ticket.release()
-    assert (adm.running, adm.prefill_tokens, adm.prefilling) == (0, 0, 0)
+    assert (adm.running, adm.prefill_tokens, adm.prefill_grants) == (0, 0, 0)
 
 
-def test_prefill_budget_is_strict_fifo() -> None:
+def test_a_prompt_takes_no_prefill_budget_until_its_pieces_ask() -> None:
+    adm = admission(running=4, prefill=100)
+    tickets = [granted(adm.request(5000)) for _ in range(3)]  # far over the budget: admitted
+    assert adm.running == 3 and adm.prefill_tokens == 0
+    for ticket in tickets:
+        ticket.release()
+
+
+def test_prefill_pieces_are_strict_at_the_head() -> None:
     adm = admission(prefill=100)
-    big = granted(adm.request(60))
-    middle = adm.request(50)  # 60 + 50 > 100
-    small = adm.request(10)  # would fit, but must not pass the head
-    assert not isinstance(middle, Ticket) and not isinstance(small, Ticket)
-    assert small.ticket is None
-    big.prefilled()  # its first token is known: 60 tokens back
-    assert middle.ticket is not None and small.ticket is not None
-    assert adm.prefill_tokens == 60 and adm.running == 3
+    big = grant(adm.request_prefill(60))
+    middle = adm.request_prefill(50)  # 60 + 50 > 100
+    small = adm.request_prefill(10)  # would fit, but must not pass the head
+    assert not isinstance(middle, Grant) and not isinstance(small, Grant)
+    assert small.grant is None and adm.prefill_waiting == 2
+    big.release()  # its piece is answered: 60 tokens back
+    assert middle.grant is not None and small.grant is not None
+    assert adm.prefill_tokens == 60 and adm.prefill_grants == 2
 
 
-def test_a_prompt_over_the_whole_budget_goes_alone() -> None:
+def test_a_piece_over_the_whole_budget_goes_alone() -> None:
     adm = admission(prefill=100)
-    huge = granted(adm.request(500))  # nothing else prefills: admitted, not refused
-    after = adm.request(1)
-    assert not isinstance(after, Ticket)
-    huge.prefilled()
-    assert after.ticket is not None
+    huge = grant(adm.request_prefill(500))  # nothing else in flight: granted, not refused
+    after = adm.request_prefill(1)
+    assert not isinstance(after, Grant)
+    huge.release()
+    assert after.grant is not None
     # And it waits its turn behind others, then goes alone.
     adm2 = admission(prefill=100)
-    small = granted(adm2.request(10))
-    waiting = adm2.request(500)
-    assert not isinstance(waiting, Ticket)
-    small.prefilled()
-    assert waiting.ticket is not None and adm2.prefill_tokens == 500
+    small = grant(adm2.request_prefill(10))
+    waiting = adm2.request_prefill(500)
+    assert not isinstance(waiting, Grant)
+    small.release()
+    assert waiting.grant is not None and adm2.prefill_tokens == 500
 
 
 def test_queue_full_is_refused_at_once_with_retry_after() -> None:
@@ -116,23 +130,26 @@ def test_no_queue_at_all() -> None:
 
 def test_cancelling_the_head_lets_the_next_in() -> None:
     adm = admission(prefill=100)
-    granted(adm.request(90))
-    head = adm.request(50)
-    behind = adm.request(5)
-    assert not isinstance(head, Ticket) and not isinstance(behind, Ticket)
+    grant(adm.request_prefill(90))
+    head = adm.request_prefill(50)
+    behind = adm.request_prefill(5)
+    assert not isinstance(head, Grant) and not isinstance(behind, Grant)
     adm.cancel(head)
-    assert behind.ticket is not None and adm.queued == 0
+    assert behind.grant is not None and adm.prefill_waiting == 0
     adm.cancel(head)  # twice: nothing
-    assert adm.running == 2
+    assert adm.prefill_grants == 2
+    adm.cancel(behind)  # served meanwhile: its grant goes back
+    assert adm.prefill_tokens == 90
 
 
-def test_release_is_idempotent_and_prefilled_after_release_is_a_no_op() -> None:
+def test_releases_are_idempotent() -> None:
     adm = admission()
     ticket = granted(adm.request(7))
-    ticket.release()
-    ticket.release()
-    ticket.prefilled()
-    assert (adm.running, adm.prefill_tokens, adm.prefilling) == (0, 0, 0)
+    piece = grant(adm.request_prefill(7))
+    for _ in range(2):
+        ticket.release()
+        piece.release()
+    assert (adm.running, adm.prefill_tokens, adm.prefill_grants) == (0, 0, 0)
 
 
 def test_retry_after_follows_the_queue_wait() -> None:
@@ -159,86 +176,89 @@ def test_bad_budgets_are_refused() -> None:
 
 
 class AdmissionMachine(RuleBasedStateMachine):
-    """Random requests, prefills, releases and cancellations: the counts always
-    equal what the live tickets hold, the budgets hold, FIFO holds, and when
+    """Random starts and pieces of three clients, releases and cancellations:
+    the counts always equal what the live tickets and grants hold, the budgets
+    hold, each client's waiters are served in their order, and when
     everything has ended nothing is left."""
 
     def __init__(self) -> None:
         super().__init__()
         self.adm = admission(running=3, prefill=50, queued=4)
-        self.tickets: list[Ticket] = []
+        self.held: list[Ticket | Grant] = []
         self.waiters: list[Any] = []
-        self.order: list[int] = []  # request numbers of queued ones, in queue order
-        self.granted_order: list[int] = []
         self.count = 0
-        self.numbers: dict[int, int] = {}  # id(waiter): its request number
+        self.numbers: dict[int, tuple[str, bool, int]] = {}  # id(waiter): (client, piece, n)
+        self.served: list[tuple[str, bool, int]] = []
 
     def _collect(self) -> None:
         for waiter in list(self.waiters):
-            if waiter.ticket is not None:
+            if waiter.granted is not None:
                 self.waiters.remove(waiter)
-                self.tickets.append(waiter.ticket)
-                self.granted_order.append(self.numbers[id(waiter)])
+                self.held.append(waiter.granted)
+                self.served.append(self.numbers[id(waiter)])
 
-    @rule(tokens=st.integers(0, 80))
-    def request(self, tokens: int) -> None:
+    def _ask(self, tokens: int, client: str, piece: bool) -> None:
         self.count += 1
         try:
-            result = self.adm.request(tokens)
+            ask = self.adm.request_prefill if piece else self.adm.request
+            result = ask(tokens, client)
         except AdmissionRefused:
-            assert self.adm.queued == self.adm.max_queued
+            assert not piece and self.adm.queued == self.adm.max_queued
             return
-        if isinstance(result, Ticket):
-            self.tickets.append(result)
+        if isinstance(result, (Ticket, Grant)):
+            self.held.append(result)
         else:
-            self.numbers[id(result)] = self.count
+            self.numbers[id(result)] = (client, piece, self.count)
             self.waiters.append(result)
-            self.order.append(self.count)
 
-    @precondition(lambda self: self.tickets)
-    @rule(pick=st.integers(0, 100))
-    def prefilled(self, pick: int) -> None:
-        self.tickets[pick % len(self.tickets)].prefilled()
-        self._collect()
+    @rule(tokens=st.integers(0, 80), client=st.sampled_from("abc"), piece=st.booleans())
+    def ask(self, tokens: int, client: str, piece: bool) -> None:
+        self._ask(tokens, client, piece)
 
-    @precondition(lambda self: self.tickets)
+    @precondition(lambda self: self.held)
     @rule(pick=st.integers(0, 100))
     def release(self, pick: int) -> None:
-        self.tickets.pop(pick % len(self.tickets)).release()
+        self.held.pop(pick % len(self.held)).release()
         self._collect()
 
     @precondition(lambda self: self.waiters)
     @rule(pick=st.integers(0, 100))
     def cancel(self, pick: int) -> None:
-        waiter = self.waiters.pop(pick % len(self.waiters))
-        self.order.remove(self.numbers[id(waiter)])
-        self.adm.cancel(waiter)
+        self.adm.cancel(self.waiters.pop(pick % len(self.waiters)))
         self._collect()
 
     @invariant()
-    def counts_match_the_live_tickets(self) -> None:
+    def counts_match_what_is_held(self) -> None:
         adm = self.adm
-        live = [t for t in self.tickets if not t.released]
-        assert adm.running == len(live) <= adm.max_running
-        prefilling = [t for t in live if t.prefilling]
-        assert adm.prefilling == len(prefilling)
-        assert adm.prefill_tokens == sum(t.tokens for t in prefilling)
-        assert adm.prefilling <= 1 or adm.prefill_tokens <= adm.max_prefill_tokens
-        assert adm.queued == len(self.waiters) <= adm.max_queued
-        # Nobody waits while the head could go; grants follow the queue's order.
-        assert not self.waiters or not adm.fits(adm._queue[0].tokens)
-        granted_from_queue = [n for n in self.order if n in self.granted_order]
-        assert granted_from_queue == self.granted_order
+        live = [h for h in self.held if not h.released]
+        tickets = [h for h in live if isinstance(h, Ticket)]
+        grants = [h for h in live if isinstance(h, Grant)]
+        assert adm.running == len(tickets) <= adm.max_running
+        assert adm.prefill_grants == len(grants)
+        assert adm.prefill_tokens == sum(g.tokens for g in grants)
+        assert adm.prefill_grants <= 1 or adm.prefill_tokens <= adm.max_prefill_tokens
+        starts = [w for w in self.waiters if not w.prefill]
+        assert adm.queued == len(starts) <= adm.max_queued
+        assert adm.prefill_waiting == len(self.waiters) - len(starts)
+        # Nobody waits while the next in turn could go.
+        assert not starts or adm.running == adm.max_running
+        pieces = adm._prefill_queue
+        assert not pieces or not adm.fits(pieces.head().tokens)
+        # Within one client and queue, served in the order asked.
+        for key in {(c, p) for c, p, _ in self.served}:
+            numbers = [n for c, p, n in self.served if (c, p) == key]
+            assert numbers == sorted(numbers)
 
     def teardown(self) -> None:
         for waiter in self.waiters:
             self.adm.cancel(waiter)
-        for ticket in self.tickets:
-            ticket.release()
+        for held in self.held:
+            held.release()
         self._collect()
-        for ticket in self.tickets:
-            ticket.release()
-        assert (self.adm.running, self.adm.prefill_tokens, self.adm.queued) == (0, 0, 0)
+        for held in self.held:
+            held.release()
+        adm = self.adm
+        assert (adm.running, adm.prefill_tokens, adm.queued, adm.prefill_waiting) == (0, 0, 0, 0)
 
 
 AdmissionMachine.TestCase.settings = settings(max_examples=150, stateful_step_count=40,
@@ -250,7 +270,7 @@ test_admission_never_leaks = AdmissionMachine.TestCase
 
 
 @pytest.mark.anyio
-async def test_waiters_are_admitted_in_fifo_order() -> None:
+async def test_one_clients_waiters_are_admitted_in_fifo_order() -> None:
     adm = Admission(max_running=1, max_prefill_tokens=100, max_queued=8, queue_timeout=LIMIT)
     first = await adm.admit(1)
     admitted: list[int] = []
@@ -269,7 +289,7 @@ async def test_waiters_are_admitted_in_fifo_order() -> None:
             assert adm.queued == 4
             first.release()
     assert admitted == [0, 1, 2, 3]
-    assert (adm.running, adm.prefill_tokens, adm.queued) == (0, 0, 0)
+    assert (adm.running, adm.queued) == (0, 0)
 
 
 @pytest.mark.anyio
@@ -284,9 +304,9 @@ async def test_queue_timeout_refuses_and_leaves_nothing() -> None:
     assert reasons == ["queue_timeout"]
     with anyio.fail_after(LIMIT), pytest.raises(AdmissionRefused):
         await adm.admit(5, timeout=0.01)  # the caller's own, shorter bound
-    assert (adm.running, adm.prefill_tokens, adm.queued) == (1, 5, 0)
+    assert (adm.running, adm.queued) == (1, 0)
     held.release()
-    assert (adm.running, adm.prefill_tokens) == (0, 0)
+    assert adm.running == 0
 
 
 @pytest.mark.anyio
@@ -299,9 +319,9 @@ async def test_cancelled_while_queued_leaves_the_queue() -> None:
             await anyio.wait_all_tasks_blocked()
             assert adm.queued == 1
             tg.cancel_scope.cancel()  # the client left
-    assert (adm.queued, adm.running, adm.prefill_tokens) == (0, 1, 5)
+    assert (adm.queued, adm.running) == (0, 1)
     held.release()
-    assert (adm.running, adm.prefill_tokens) == (0, 0)
+    assert adm.running == 0
 
 
 @pytest.mark.anyio
@@ -324,9 +344,9 @@ async def test_cancelled_in_the_tick_it_was_admitted_gives_the_ticket_back() -> 
             tg.start_soon(caller)
             await anyio.wait_all_tasks_blocked()
             held.release()  # grants the waiter's ticket and wakes it ...
-            assert adm.running == 1 and adm.prefill_tokens == 7
+            assert adm.running == 1 and adm.queued == 0
             tg.cancel_scope.cancel()  # ... but it is cancelled before it runs
-    assert (adm.queued, adm.running, adm.prefill_tokens) == (0, 0, 0)
+    assert (adm.queued, adm.running) == (0, 0)
 
 
 @pytest.mark.anyio
@@ -344,7 +364,7 @@ async def test_a_stream_whose_producer_never_starts_gives_its_ticket_back(
         await api._reclaim_unstarted(lost, anyio.Event())
         await api._reclaim_unstarted(started, began)
     assert lost.released and not started.released
-    assert (adm.running, adm.prefill_tokens) == (1, 6)
+    assert adm.running == 1
 
 
 # ---------------------------------------------------------------- flags
@@ -362,6 +382,10 @@ def test_flags_and_defaults() -> None:
     assert (
         GatewayConfig.load(["--entry", "http://x:1"], {"MESHNET_MAX_QUEUED": "3"}).max_queued == 3
     )
+    assert GatewayConfig.load(["--entry", "http://x:1"], {}).max_messages == 2048
+    assert (
+        GatewayConfig.load(["--entry", "http://x:1", "--max-messages", "5"], {}).max_messages == 5
+    )
 
 
 @pytest.mark.parametrize(
@@ -372,6 +396,7 @@ def test_flags_and_defaults() -> None:
         (["--max-queued", "many"], {}),
         (["--queue-timeout", "0"], {}),
         (["--queue-timeout", "inf"], {}),
+        (["--max-messages", "0"], {}),
         ([], {"MESHNET_MAX_RUNNING": "x"}),
     ],
 )
@@ -501,8 +526,9 @@ async def test_a_client_leaving_the_queue_frees_its_place(model_dir: Path) -> No
         admission = served.gateway.admission
         host, port = served.url.removeprefix("http://").rsplit(":", 1)
         body = json.dumps({"model": "tiny-model", "prompt": "hi", "max_tokens": 40}).encode()
-        request = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json"
-                   b"\r\nContent-Length: %d\r\n\r\n%s") % (len(body), body)  # fmt: skip
+        request = (b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\n"
+                   b"Content-Type: application/json\r\n"
+                   b"Content-Length: %d\r\n\r\n%s") % (len(body), body)  # fmt: skip
         with anyio.fail_after(LIMIT):
             running = await anyio.connect_tcp(host, int(port))
             await running.send(request)
@@ -545,7 +571,8 @@ def post_ids(url: str, ids: list[int]) -> tuple[int, dict[str, str], bytes]:
 async def test_the_issues_burst_through_meshnet_run_with_its_defaults(tmp_path: Path) -> None:
     """Issue 19's acceptance, on the tiny model: ``meshnet run --stages 2``'s
     own code path and defaults; 16 concurrent 1,200-token prompts all
-    answered, 64 each answered or refused with Retry-After, never 409/504."""
+    answered, 64 each answered or refused with Retry-After, never 409/504,
+    and the prefill budget held piece by piece (issue 37)."""
     from meshnet_cli.run import serve_local
 
     model = write_model_dir(tmp_path / "tiny-model", context=2048)
@@ -566,15 +593,26 @@ async def test_the_issues_burst_through_meshnet_run_with_its_defaults(tmp_path: 
                         tg.start_soon(one, ids)
             return results
 
-        sixteen = await burst(16)
-        assert [status for status, _, _ in sixteen] == [200] * 16
-        # 16 x 1,200 tokens over a 4,096-token prefill budget: most waited their turn.
-        registry = run.gateway.metrics.registry
-        waited = registry.get_sample_value("meshnet_openai_admission_wait_seconds_count")
-        assert waited is not None and waited >= 10
-        for status, headers, body in await burst(64):
-            assert status in (200, 429, 503), body
-            if status != 200:
-                assert int(headers["retry-after"]) >= 1
         admission = run.gateway.admission
+        peaks = {"prefill_tokens": 0, "prefill_waiting": 0}
+
+        async def watch() -> None:  # the budget as it is used, every few ms
+            while True:
+                for name in peaks:
+                    peaks[name] = max(peaks[name], getattr(admission, name))
+                await anyio.sleep(0.002)
+
+        async with anyio.create_task_group() as watching:
+            watching.start_soon(watch)
+            sixteen = await burst(16)
+            assert [status for status, _, _ in sixteen] == [200] * 16
+            for status, headers, body in await burst(64):
+                assert status in (200, 429, 503), body
+                if status != 200:
+                    assert int(headers["retry-after"]) >= 1
+            watching.cancel_scope.cancel()
+        # Issue 37: every prompt starts at once (--max-running 128), its
+        # prefill in pieces of 128 tokens; 64 prefills want 8,192 tokens in
+        # flight, the budget holds them to 4,096 and the rest wait their turn.
+        assert 2048 < peaks["prefill_tokens"] <= 4096 and peaks["prefill_waiting"] > 0, peaks
         assert (admission.running, admission.prefill_tokens, admission.queued) == (0, 0, 0)

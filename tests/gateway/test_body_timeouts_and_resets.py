@@ -33,7 +33,7 @@ LIMIT = 30
 
 def completion_head(body: bytes) -> bytes:
     return (
-        b"POST /v1/completions HTTP/1.1\r\nHost: g\r\nContent-Type: application/json\r\n"
+        b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
         b"Content-Length: %d\r\n\r\n" % len(body)
     )
 

@@ -281,7 +281,7 @@ async def test_invalid_requests_get_openai_error_bodies(model_dir: Path) -> None
             host, port = served.url.removeprefix("http://").rsplit(":", 1)
             conn = http.client.HTTPConnection(host, int(port), timeout=LIMIT)
             try:
-                conn.request("POST", "/v1/completions", body=body)
+                conn.request("POST", "/v1/completions", body=body, headers=JSON)
                 response = conn.getresponse()
                 return response.status, json.loads(response.read())
             finally:

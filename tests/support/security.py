@@ -76,7 +76,7 @@ def request(
     target: bytes = b"/forward",
     version: bytes = b"HTTP/1.1",
     length: bytes | str | None = "auto",
-    host: bytes = b"node",
+    host: bytes = b"localhost",  # a name every server serves (a gateway checks Host)
     close: bool = True,
     token: str | None = None,
 ) -> bytes:
@@ -168,7 +168,7 @@ def send(url: str, data: bytes, **kwargs) -> Answer:
 
 
 def get(url: str, target: str, *, token: str | None = None, **kwargs) -> Answer:
-    lines = [f"GET {target} HTTP/1.1", "Host: node", "Connection: close"]
+    lines = [f"GET {target} HTTP/1.1", "Host: localhost", "Connection: close"]
     if token is not None:
         lines.append(f"Authorization: Bearer {token}")
     return send(url, ("\r\n".join(lines) + "\r\n\r\n").encode(), **kwargs)

@@ -28,7 +28,7 @@ def http_request(method: str, target: str, fields: Fields = (), body: bytes = b"
     if body or method == "POST":
         pairs.append(("Content-Length", str(len(body))))
     head = "".join(f"{name}: {value}\r\n" for name, value in pairs)
-    return f"{method} {target} HTTP/1.1\r\nHost: t\r\n{head}\r\n".encode() + body
+    return f"{method} {target} HTTP/1.1\r\nHost: localhost\r\n{head}\r\n".encode() + body
 
 
 def forward_request(fields: Fields, body: bytes, *, token: str | None = None) -> bytes:

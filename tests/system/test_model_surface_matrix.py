@@ -223,7 +223,8 @@ def openai_rows() -> list[Row]:
         ("image_part", [{"role": "user", "content": [{"type": "image_url"}]}], "invalid_type"),
         ("text_part_no_text", [{"role": "user", "content": [{"type": "text"}]}], "invalid_type"),
         ("unknown_role", [{"role": "wizard", "content": "x"}], "invalid_messages"),
-        ("100k_messages", [{"role": "u", "content": ""}] * 100_000, "prompt_too_long"),
+        # counted before anything else (issue 37): more than --max-messages
+        ("100k_messages", [{"role": "u", "content": ""}] * 100_000, "array_above_max_length"),
         ("four_mb_content", [{"role": "user", "content": "y" * 4_000_000}], "prompt_too_long"),
     ]:
         row(f"messages_{name}", H, _chat(messages=messages), 400, code)

@@ -1035,7 +1035,7 @@ def test_ten_thousand_sessions_at_once_are_bounded(procs: Procs) -> None:
     # Healthy: health, and (after freeing the table) a new session serves.
     assert get(url, "/health").status == 200
     for session in admitted:
-        delete = f"DELETE /sessions/{session} HTTP/1.1\r\nHost: n\r\nConnection: close\r\n\r\n"
+        delete = f"DELETE /sessions/{session} HTTP/1.1\r\nHost: [::1]\r\nConnection: close\r\n\r\n"
         assert send(url, delete.encode()).status == 204
     valid_chunk_round_trip(url)
     valid_chunk_round_trip(procs.urls["gateway"])
@@ -1062,7 +1062,7 @@ def test_a_session_flood_at_the_gateway_is_bounded_too(procs: Procs) -> None:
             assert (status, code) == (503, "sessions_full") and retry is not None
     # The client's DELETE frees its sessions at the gateway and down the chain.
     for session, key in admitted.items():
-        delete = f"DELETE /sessions/{session} HTTP/1.1\r\nHost: n\r\nConnection: close\r\n"
+        delete = f"DELETE /sessions/{session} HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n"
         delete += f"X-Meshnet-Session-Key: {key.decode()}\r\n\r\n"
         assert send(url, delete.encode()).status == 204
     valid_chunk_round_trip(url)

@@ -90,7 +90,7 @@ def tokens_chunk(
 
 
 def delete(session: str, key: str | None) -> bytes:
-    head = [f"DELETE /sessions/{session} HTTP/1.1".encode(), b"Host: n", b"Connection: close"]
+    head = [f"DELETE /sessions/{session} HTTP/1.1".encode(), b"Host: [::1]", b"Connection: close"]
     head += [name + b": " + value for name, value in key_pair(key)]
     return b"\r\n".join(head) + b"\r\n\r\n"
 

@@ -16,9 +16,10 @@ with the OpenAI error body and logged in one line, without a traceback.
 
 A checked request then passes the gateway's admission control
 (``meshnet_gateway.admission``) before any chunk goes down the chain: it
-starts, waits its turn in a FIFO queue, or is refused with 429
-``queue_full`` / 503 ``queue_timeout`` and ``Retry-After``. Its ticket is
-given back on every way the generation ends.
+starts, waits its turn in a queue fair across clients, or is refused with
+429 ``queue_full`` / 503 ``queue_timeout`` and ``Retry-After``; its prompt
+then goes down in pieces, each granted prefill budget in turn (issue 37).
+Its ticket is given back on every way the generation ends.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import json
 import logging
 import math
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import anyio
@@ -37,13 +39,15 @@ from meshnet_runtime.codec_pool import CodecPool
 from meshnet_runtime.downstream import Downstream
 from meshnet_runtime.http_server import Reply, StreamReply, StreamSend
 
-from ..admission import Admission, AdmissionRefused, Ticket
+from ..admission import Admission, Ticket
+from ..tenancy import Tenancy
+from .admitted import admission_gate, admit
 from .errors import OpenAIError, from_meshnet, invalid
 from .formats import ChatFormat as _ChatFormat
 from .formats import CompletionFormat as _CompletionFormat
 from .formats import Format as _Format
 from .generation import ChainSession, ChainSettings, GenerationResult, OnText, generate
-from .limits import PromptLimits, checked_text, shown
+from .limits import MAX_MESSAGES, PromptLimits, checked_text, shown
 from .logprobs import TokenLogprob
 from .metrics import GenerationMetrics, ServingMetrics
 from .requests import (
@@ -105,6 +109,7 @@ class OpenAIService:
         max_tokens_default: int = 256,
         max_prompt_tokens: int | None = None,
         max_prompt_chars: int = 0,
+        max_messages: int = MAX_MESSAGES,
         special_tokens_in_content: str = "escape",
         metrics: GenerationMetrics | None = None,
         admission: Admission | None = None,
@@ -112,7 +117,9 @@ class OpenAIService:
         serving: ServingMetrics | None = None,
     ) -> None:
         self.model = model
-        self.prompt_limits = PromptLimits.for_context(model.context_length, max_prompt_chars)
+        self.prompt_limits = PromptLimits.for_context(
+            model.context_length, max_prompt_chars, max_messages
+        )
         self.chat_encoder = ChatEncoder(model.tokenizer, special_tokens_in_content)
         self._preparing: anyio.CapacityLimiter | None = None  # made on the loop
         self.pool = pool
@@ -148,10 +155,15 @@ class OpenAIService:
                 serving.running.set_function(lambda: len(self.active))
 
     async def handle(
-        self, event: EndpointRequest, timing: RequestTiming | None = None
+        self,
+        event: EndpointRequest,
+        timing: RequestTiming | None = None,
+        *,
+        tenancy: Tenancy | None = None,
     ) -> Reply | StreamReply:
         """``timing``: the request's record, filled in as the generation goes
-        (the gateway's access log reads it); one is made here when not given."""
+        (the gateway's access log reads it); one is made here when not given.
+        ``tenancy``: whom it serves (the chain is told, wire-2 §3.15)."""
         if timing is None:
             timing = RequestTiming(arrived=anyio.current_time())
         try:
@@ -165,7 +177,7 @@ class OpenAIService:
             ids, options, fmt = await anyio.to_thread.run_sync(
                 self._prepare, event.path, event.body, limiter=self._preparing
             )
-            return await self._serve(ids, options, fmt, timing)
+            return await self._serve(ids, options, fmt, timing, tenancy)
         except OpenAIError as exc:
             # One line, no traceback, no client text: a refused request must
             # not become a log flood.
@@ -183,7 +195,7 @@ class OpenAIService:
             ids = self._completion_ids(completion)
             fmt: _Format = _CompletionFormat(self.model.name)
         else:
-            chat = parse_chat(document)
+            chat = parse_chat(document, self.prompt_limits)
             options = chat.options
             self._check_model(options.model)
             ids = self._chat_ids(chat)
@@ -267,19 +279,29 @@ class OpenAIService:
         return options.max_tokens
 
     async def _serve(
-        self, ids: list[int], options: GenerationOptions, fmt: _Format, timing: RequestTiming
+        self,
+        ids: list[int],
+        options: GenerationOptions,
+        fmt: _Format,
+        timing: RequestTiming,
+        tenancy: Tenancy | None = None,
     ) -> Reply | StreamReply:
         max_tokens = self._budget(ids, options)  # checked in _prepare: cheap now
         sampling = self.model.defaults.sampling(options.sampling, options.explicit)
         sampler = Sampler(sampling, options.seed)
-        chain = ChainSession(self.pool, self.codecs, self.chain_settings(), metrics=self.metrics)
+        if tenancy is not None:
+            tenancy = tenancy.salted(options.cache_salt)
+        chain = ChainSession(
+            self.pool, self.codecs, self.chain_settings(), metrics=self.metrics, tenancy=tenancy
+        )
         timing.prompt_tokens = len(ids)
         timing.queued = anyio.current_time()
         # Last before the work: nothing between here and run()'s (or
         # produce()'s) ``finally`` can fail or be cancelled without the
         # ticket going back.
-        ticket = await self._admit(len(ids))
+        ticket = await admit(self.admission, len(ids), None if tenancy is None else tenancy.name)
         timing.admitted = anyio.current_time()
+        chain.gate = None if ticket is None else admission_gate(ticket)
         if self.serving is not None:
             self.serving.queue_time.observe(timing.admitted - timing.queued)
 
@@ -365,12 +387,7 @@ class OpenAIService:
         self.active.add(chain.session)
         outcome = "cancelled"  # unless it ends any other way: the client left
         serving = self.serving
-
-        def prefilled() -> None:
-            if ticket is not None:
-                ticket.prefilled()
-            if serving is not None:
-                serving.prompt_tokens.inc(len(ids))
+        prompt_counted = None if serving is None else partial(serving.prompt_tokens.inc, len(ids))
 
         def on_token() -> None:
             gap = timing.token(anyio.current_time())
@@ -394,7 +411,7 @@ class OpenAIService:
                 sampler=sampler,
                 stop=options.stop,
                 on_text=on_text,
-                on_prefilled=prefilled,
+                on_prefilled=prompt_counted,
                 on_token=on_token,
                 sample_at=chain.settings.sample_at,
             )
@@ -415,22 +432,6 @@ class OpenAIService:
             if self.metrics is not None:
                 self.metrics.prompt_tokens.inc(len(ids))
                 self.metrics.generations.labels(fmt.endpoint, outcome).inc()
-
-    async def _admit(self, tokens: int) -> Ticket | None:
-        """Wait for admission; a refusal as the OpenAI error it is answered with."""
-        if self.admission is None:
-            return None
-        try:
-            return await self.admission.admit(tokens)
-        except AdmissionRefused as exc:
-            full = exc.reason == "queue_full"
-            raise OpenAIError(
-                exc.message,
-                status=429 if full else 503,
-                type="rate_limit_error" if full else "server_error",
-                code=exc.reason,
-                retry_after=exc.retry_after,
-            ) from None
 
 
 def _observe_finished(

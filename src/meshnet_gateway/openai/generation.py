@@ -51,10 +51,13 @@ from meshnet_runtime.wire_encoder import WireEncoder
 
 from .._pipeline import check_response, run_chunks
 from .._retry import RetryPolicy, send_with_retries
+from ..tenancy import Tenancy
+from .chunk_marks import marked, sampling_last
 from .direct_return import DirectReturn, Pipeline, pipelined
 from .drawn import Answer, Drawn, read_answer, spec_for_last_stage
 from .metrics import GenerationMetrics
 from .output import GenerationResult, OnText, Output
+from .pieces import PrefillGate, run_in_pieces
 from .prefix_index import PrefixIndex
 from .stops import StopFilter
 from .tokenizer import ModelTokenizer, TextStream
@@ -110,8 +113,12 @@ class ChainSession:
         settings: ChainSettings,
         *,
         metrics: GenerationMetrics | None = None,
+        tenancy: Tenancy | None = None,
     ) -> None:
         self.pool = pool
+        # Whom the session serves (wire-2 §3.15): on its prefill's chunks.
+        self.tenancy = tenancy
+        self.salt = tenancy.cache_salt if tenancy is not None else None
         self.codecs = codecs
         self.settings = settings
         self.metrics = metrics
@@ -122,6 +129,7 @@ class ChainSession:
         self.prefix = settings.prefix
         # A generation's relays in flight, while it runs pipelined (§3.14).
         self.pipeline: Pipeline | None = None
+        self.gate: PrefillGate | None = None  # set: a prompt goes in pieces (pieces.py)
         self._new_session()
 
     def _new_session(self) -> None:
@@ -154,7 +162,7 @@ class ChainSession:
         ids = [int(i) for i in ids]
         logits = None
         if self.prefix is not None and self.position == 0:
-            keys = prefix_block_keys(ids)
+            keys = prefix_block_keys(ids, salt=self.salt)
             held = self.prefix.longest(keys, len(ids))
             if held:
                 logits = await self._attached(ids, keys, held, sample)
@@ -313,6 +321,15 @@ class ChainSession:
     async def _run(
         self, ids: np.ndarray, *, attach: str | None = None, sample: SampleSpec | None = None
     ) -> Answer:
+        """``_run_once``, or with a gate one run per granted piece."""
+        if self.gate is None:
+            return await self._run_once(ids, attach=attach, sample=sample)
+        window = self.settings.chunk_tokens * max(1, self.settings.inflight)
+        return await run_in_pieces(self._run_once, ids, window, self.gate, attach, sample)
+
+    async def _run_once(
+        self, ids: np.ndarray, *, attach: str | None = None, sample: SampleSpec | None = None
+    ) -> Answer:
         """One run of chunks; the last stage's answer to the last chunk.
         ``attach``: the cached prefix the session's first chunk starts from;
         ``sample``: how the last stage draws after the last chunk."""
@@ -325,7 +342,9 @@ class ChainSession:
         if self.prefix is not None:
             annotate = self._block_keys_for(ids, attach)
         if sample is not None:
-            annotate = _sampling_last(annotate, sample)
+            annotate = sampling_last(annotate, sample)
+        if self.tenancy is not None:
+            annotate = marked(annotate, self.tenancy)
 
         try:
             result = await run_chunks(
@@ -364,7 +383,7 @@ class ChainSession:
         done = len(self.block_keys) * PREFIX_BLOCK_TOKENS
         self.history.extend(int(i) for i in ids.reshape(-1))
         previous = self.block_keys[-1] if self.block_keys else None
-        self.block_keys += prefix_block_keys(self.history[done:], previous)
+        self.block_keys += prefix_block_keys(self.history[done:], previous, salt=self.salt)
         keys = self.block_keys
 
         def annotate(headers: WireHeaders) -> WireHeaders:
@@ -401,22 +420,6 @@ class ChainSession:
                 log.warning("DELETE /sessions/%s: %d", self.session, response.status)
 
 
-def _sampling_last(
-    annotate: Callable[[WireHeaders], WireHeaders] | None, sample: SampleSpec
-) -> Callable[[WireHeaders], WireHeaders]:
-    """``annotate``, then ``X-Meshnet-Sample`` on the run's last chunk alone:
-    only its answer is used, and an earlier chunk's needs no draw."""
-
-    def with_sample(headers: WireHeaders) -> WireHeaders:
-        if annotate is not None:
-            headers = annotate(headers)
-        if headers.chunk_index == (headers.chunk_total or 1) - 1:
-            return headers.replace(sample=sample)
-        return headers
-
-    return with_sample
-
-
 async def generate(
     chain: ChainSession,
     tokenizer: ModelTokenizer,
@@ -439,8 +442,7 @@ async def generate(
     Generation ends at the sampler's stop ids (the model's eos ids unless
     ``ignore_eos``, and ``stop_token_ids``), masked by the sampler until
     ``min_tokens`` tokens exist.
-    ``on_prefilled``: called once the prompt's last chunk is answered (the
-    admission control's prefill budget gets the prompt's tokens back then).
+    ``on_prefilled``: called once the prompt's last chunk is answered.
     ``on_token``: called as each token is sampled (a stop id too: it counts
     in ``completion_tokens``), for the request's timing (TTFT, inter-token).
     Does not close ``chain``: the caller does, in a ``finally``.

@@ -8,6 +8,14 @@
   than the context for any tokenizer of natural text (English averages ~4
   characters per token, code and other scripts fewer), so nothing that could
   fit is refused, while a flood is cut at a size proportional to the model.
+* ``max_messages``: messages of one chat, counted as soon as the JSON is
+  parsed (issue 37): a chat's cost at the gateway grows with its messages,
+  not only its characters — 50,000 one-character messages (1.6 MB) took 10x
+  the CPU of the same text in one message and ~200 MB to render and
+  tokenize, and four clients looping it slowed everyone else from 0.065 s
+  to 5.6 s. The default is OpenAI's own bound on ``messages`` (2,048; the
+  same 400 ``array_above_max_length``), far above any chat a context holds
+  in practice, and it keeps a chat's per-message work to a few MB.
 * ``checked_text``: text that cannot be UTF-8 (a lone surrogate such as
   ``"\\ud800"``, which JSON's escapes allow) is a 400, not an exception
   inside the tokenizer.
@@ -22,20 +30,36 @@ from dataclasses import dataclass
 
 from .errors import OpenAIError, invalid
 
-__all__ = ["CHARS_PER_CONTEXT_TOKEN", "PromptLimits", "checked_text", "shown"]
+__all__ = ["CHARS_PER_CONTEXT_TOKEN", "MAX_MESSAGES", "PromptLimits", "checked_text", "shown"]
 
 CHARS_PER_CONTEXT_TOKEN = 32
+MAX_MESSAGES = 2048  # --max-messages: OpenAI's bound on a chat's ``messages``
 _SHOWN = 60  # characters of a bad value an error message quotes
 
 
 @dataclass(frozen=True, slots=True)
 class PromptLimits:
     max_chars: int
+    max_messages: int = MAX_MESSAGES
 
     @classmethod
-    def for_context(cls, context: int, max_chars: int = 0) -> PromptLimits:
+    def for_context(
+        cls, context: int, max_chars: int = 0, max_messages: int = MAX_MESSAGES
+    ) -> PromptLimits:
         """``max_chars`` of ``--max-prompt-chars``; 0: 32 per token of context."""
-        return cls(max_chars or CHARS_PER_CONTEXT_TOKEN * context)
+        return cls(max_chars or CHARS_PER_CONTEXT_TOKEN * context, max_messages)
+
+    def check_messages(self, messages: object) -> None:
+        """A chat's ``messages``, counted before any of them is looked at
+        (what is not a list is left to the request's own checks)."""
+        if isinstance(messages, list) and len(messages) > self.max_messages:
+            raise invalid(
+                "messages",
+                f"Invalid 'messages': array too long. Expected an array with maximum length "
+                f"{self.max_messages}, but got an array with length {len(messages)} instead "
+                "(--max-messages).",
+                "array_above_max_length",
+            )
 
     def check_chars(self, param: str, texts: Iterable[str]) -> None:
         total = 0

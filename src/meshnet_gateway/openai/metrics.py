@@ -59,7 +59,7 @@ class GenerationMetrics:
         )  # fmt: skip
         self.prefill_tokens_admitted = Gauge(
             "meshnet_openai_admission_prefill_tokens",
-            "Prompt tokens of admitted generations still prefilling (--max-prefill-tokens)",
+            "Prompt tokens granted and on the chain now (--max-prefill-tokens)",
             registry=registry,
         )  # fmt: skip
         self.refused = Counter(

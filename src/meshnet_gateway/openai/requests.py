@@ -22,7 +22,7 @@ from typing import Any
 from meshnet_model.sampling import REPETITION_PENALTY, SamplingParams
 
 from .errors import OpenAIError, invalid
-from .limits import shown
+from .limits import PromptLimits, shown
 
 __all__ = ["ChatRequest", "CompletionRequest", "GenerationOptions", "parse_json_object"]
 
@@ -97,6 +97,9 @@ class GenerationOptions:
     # The sampling parameters the request named; the others may come from the
     # checkpoint's generation_config.json (defaults.py).
     explicit: frozenset[str] = frozenset()
+    # vLLM's per-request prefix-cache salt: a cached prefix is shared only
+    # with requests of the same tenant that give the same salt (§3.15).
+    cache_salt: str | None = None
 
     def check_vocab(self, vocab: int) -> None:
         """Token ids the request names (logit_bias, stop_token_ids) must exist."""
@@ -242,8 +245,22 @@ def _options(
         stream=stream,
         include_usage=include_usage,
         explicit=frozenset(n for n in DEFAULTED if document.get(n) is not None),
+        cache_salt=_cache_salt(document.get("cache_salt")),
     )
 
+
+def _cache_salt(value: Any) -> str | None:
+    if value is None:
+        return None
+    if not isinstance(value, str):
+        raise invalid("cache_salt", "cache_salt must be a string", "invalid_type")
+    if not 0 < len(value) <= MAX_CACHE_SALT:
+        raise invalid("cache_salt", f"cache_salt: 1 to {MAX_CACHE_SALT} characters")
+    return value
+
+
+# A cache_salt is hashed, never stored: its length only bounds the hashing.
+MAX_CACHE_SALT = 256
 
 # The sampling parameters generation_config.json may give a default for.
 DEFAULTED = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
@@ -361,7 +378,8 @@ def _content_text(content: Any, index: int) -> str:
                   "invalid_type")  # fmt: skip
 
 
-def parse_chat(document: dict[str, Any]) -> ChatRequest:
+def parse_chat(document: dict[str, Any], limits: PromptLimits | None = None) -> ChatRequest:
+    """``limits``: their message count is checked before any message is (issue 37)."""
     options = _options(
         document,
         max_tokens_names=("max_tokens", "max_completion_tokens"),
@@ -370,6 +388,8 @@ def parse_chat(document: dict[str, Any]) -> ChatRequest:
     messages = document.get("messages")
     if not isinstance(messages, list) or not messages:
         raise invalid("messages", "messages must be a non-empty list", "invalid_type")
+    if limits is not None:
+        limits.check_messages(messages)
     checked: list[dict[str, Any]] = []
     for index, message in enumerate(messages):
         if not isinstance(message, dict):
