@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from meshnet_gateway.openai.generation import ChainSession, ChainSettings
+from meshnet_gateway.tenancy import Tenancy
 from meshnet_runtime.codec_pool import CodecPool
 from meshnet_runtime.downstream import Downstream
 
@@ -31,10 +32,12 @@ async def greedy(
     ids: Sequence[int],
     answer: int,
     timed: Callable[[float], None] | None = None,
+    tenancy: Tenancy | None = None,
 ) -> Greedy:
     """``answer`` greedy tokens after ``ids``; ``timed`` gets each decode step's
-    wall time. The session is closed at the chain whatever happens."""
-    chain = ChainSession(pool, codecs, settings)
+    wall time; ``tenancy``: whom the session serves (wire-2 §3.15). The
+    session is closed at the chain whatever happens."""
+    chain = ChainSession(pool, codecs, settings, tenancy=tenancy)
     try:
         started = time.perf_counter()
         first = logits = await chain.prefill(ids)
