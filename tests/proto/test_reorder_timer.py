@@ -492,11 +492,13 @@ async def forward(
 @pytest.mark.anyio
 async def test_chunks_queued_for_compute_longer_than_the_reorder_timeout_are_served() -> None:
     """Issue 19's shape: two sessions send 4 chunks each at once to a node
-    that computes one at a time, 0.15 s each, with a 0.1 s reorder timeout:
-    the last chunk waits about 1.2 s, and every chunk is answered 200."""
+    that computes one at a time, 0.15 s each, with a 0.3 s reorder timeout:
+    the last chunk waits about 1.2 s, and every chunk is answered 200. (The
+    timeout bounds only the wait for a predecessor to *arrive*: 0.3 s leaves
+    room for a loaded machine to send the chunks 0 last, 30 ms apart.)"""
     sessions = [str(uuid.uuid4()) for _ in range(2)]
     answers: dict[tuple[str, int], ActivationResponse | ErrorResponse] = {}
-    async with slow_node(0.15, "--reorder-timeout", "0.1") as node:
+    async with slow_node(0.15, "--reorder-timeout", "0.3") as node:
         pool = DownstreamPool(node.url)
 
         async def send(session: str, index: int) -> None:
