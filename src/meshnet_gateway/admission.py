@@ -215,6 +215,17 @@ class Admission:
                 f"{self.queued} waiting, --max-queued {self.max_queued}); retry later",
                 self.retry_after(),
             )
+        mine = self._queue.waiting(client)
+        if mine >= max(1, self.max_queued // 2):
+            # Half the queue per client, as half the sessions (wire-2 §3.9):
+            # one client's burst cannot take every other client's place.
+            self._refused("queue_full")
+            raise AdmissionRefused(
+                "queue_full",
+                f"this client has {mine} requests waiting already (half of --max-queued "
+                f"{self.max_queued}); retry later",
+                self.retry_after(),
+            )
         waiter = _Waiter(tokens, self.clock(), client, prefill=False)
         self._queue.push(client, waiter)
         return waiter

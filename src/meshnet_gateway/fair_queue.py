@@ -43,6 +43,11 @@ class FairQueue(Generic[T]):
         """Clients with at least one item waiting."""
         return len(self._lanes)
 
+    def waiting(self, client: str | None) -> int:
+        """Items ``client`` has in the queue."""
+        lane = self._lanes.get(client)
+        return 0 if lane is None else len(lane)
+
     def push(self, client: str | None, item: T) -> None:
         lane = self._lanes.get(client)
         if lane is None:

@@ -103,6 +103,22 @@ def test_starts_are_round_robin_across_clients() -> None:
     assert (admission.running, admission.queued) == (0, 0)
 
 
+def test_one_client_holds_at_most_half_the_queue() -> None:
+    admission = adm(running=1, queued=4)
+    assert isinstance(admission.request(1, "a"), Ticket)
+    admission.request(1, "a")
+    admission.request(1, "a")
+    with pytest.raises(AdmissionRefused) as caught:
+        admission.request(1, "a")
+    assert caught.value.reason == "queue_full" and "this client" in caught.value.message
+    admission.request(1, "b")  # another client still finds a place
+    admission.request(1, "c")
+    with pytest.raises(AdmissionRefused) as caught:
+        admission.request(1, "d")  # the whole queue is full now
+    assert "at capacity" in caught.value.message
+    assert adm(running=1, queued=1).request(1, "x") is not None
+
+
 def test_prefill_pieces_are_round_robin_across_clients() -> None:
     admission = adm(prefill=10)
     first = admission.request_prefill(10, "long")
