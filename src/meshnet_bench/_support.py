@@ -25,6 +25,9 @@ if TYPE_CHECKING:
     import numpy as np
 
     from meshnet_gateway import Client
+    from meshnet_model import ModelConfig
+
+    from ._result import BenchOptions
 
 MiB = 1024 * 1024
 LOOPBACK = ["--host", "127.0.0.1", "--port", "0"]
@@ -206,3 +209,23 @@ def mib(nbytes: int) -> str:
 
 def times_x(value: float) -> str:
     return f"{value:.2f}x"
+
+
+@contextlib.contextmanager
+def random_smollm(
+    options: BenchOptions, layers: int, label: str, section: str
+) -> Iterator[tuple[str, ModelConfig]]:
+    """A random checkpoint of SmolLM-135M's shape with ``layers`` layers (a
+    toy model with ``options.tiny``), written to a temporary directory for
+    the block: (the directory, its config)."""
+    from meshnet_model.testing import small_config, smollm_135m_config, write_checkpoint
+
+    config = (
+        small_config(num_hidden_layers=layers, max_position_embeddings=2048)
+        if options.tiny
+        else smollm_135m_config(num_hidden_layers=layers)
+    )
+    with tempfile.TemporaryDirectory(prefix=f"meshnet-bench-{section}-") as directory:
+        options.progress(f"{section}: writing a random checkpoint ({label})")
+        write_checkpoint(directory, config, seed=0)
+        yield directory, config

@@ -22,7 +22,6 @@ how many of the attacker's prefills attached the victim's prefix.
 from __future__ import annotations
 
 import statistics
-import tempfile
 from collections.abc import Callable
 from contextlib import AsyncExitStack
 from dataclasses import dataclass, field, replace
@@ -32,10 +31,10 @@ import numpy as np
 
 from meshnet_bench._greedy import greedy
 from meshnet_bench._result import BenchOptions, SectionResult
+from meshnet_bench._support import random_smollm
 from meshnet_gateway.openai.generation import ChainSettings
 from meshnet_gateway.openai.prefix_index import PrefixIndex
 from meshnet_gateway.tenancy import Tenancy, tenancy_of
-from meshnet_model.testing import small_config, smollm_135m_config, write_checkpoint
 from meshnet_node.model_chain import even_splits, start_model_chain
 from meshnet_runtime.codec_pool import CodecPool
 from meshnet_runtime.downstream import DownstreamPool
@@ -134,15 +133,8 @@ async def _measure(directory: str, plan: _Plan, vocab: int,
 
 def run(options: BenchOptions) -> SectionResult:
     plan = _plan(options)
-    config = (
-        small_config(num_hidden_layers=plan.layers, max_position_embeddings=2048)
-        if options.tiny
-        else smollm_135m_config(num_hidden_layers=plan.layers)
-    )
     result = SectionResult(title=f"The PIN search across tenants ({plan.label}, loopback)")
-    with tempfile.TemporaryDirectory(prefix="meshnet-bench-tenants-") as directory:
-        options.progress(f"tenants: writing a random checkpoint ({plan.label})")
-        write_checkpoint(directory, config, seed=0)
+    with random_smollm(options, plan.layers, plan.label, "tenants") as (directory, config):
         one, apart = anyio.run(_measure, directory, plan, config.vocab_size, options.progress,
                                backend=options.async_backend)  # fmt: skip
     result.keys = {

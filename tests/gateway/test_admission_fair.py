@@ -15,8 +15,6 @@ served.
 from __future__ import annotations
 
 import functools
-import http.client
-import json
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
@@ -34,7 +32,7 @@ from meshnet_gateway.openai.errors import OpenAIError
 from meshnet_gateway.openai.limits import MAX_MESSAGES, PromptLimits
 from meshnet_gateway.openai.pieces import run_in_pieces
 from meshnet_node.backends import Stage
-from support.openai import fake_embed, fake_stages, serve_openai, write_model_dir
+from support.openai import fake_embed, fake_stages, post_json, serve_openai, write_model_dir
 
 LIMIT = 30  # every wait is bounded: a hang fails the test, not the run
 
@@ -323,16 +321,7 @@ def test_a_chats_messages_are_counted_before_anything_else() -> None:
 # ---------------------------------------------------------------- over loopback
 
 
-def post(url: str, path: str, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
-    host, port = url.removeprefix("http://").rsplit(":", 1)
-    conn = http.client.HTTPConnection(host, int(port), timeout=LIMIT)
-    try:
-        conn.request("POST", path, body=json.dumps(body),
-                     headers={"Content-Type": "application/json"})  # fmt: skip
-        response = conn.getresponse()
-        return response.status, json.loads(response.read())
-    finally:
-        conn.close()
+post = functools.partial(post_json, timeout=LIMIT)
 
 
 async def in_thread(fn: Callable[..., Any], *args: Any) -> Any:

@@ -12,26 +12,21 @@ last stage, a gateway over the two.
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import AsyncIterator
-
 import anyio
 import numpy as np
 import pytest
 
-from meshnet_gateway import Client, open_gateway
-from meshnet_gateway.config import GatewayConfig
-from meshnet_model import StageRunner
+from meshnet_gateway import Client
 from meshnet_model.testing import small_config, write_checkpoint
-from meshnet_node import RunningNode, serve_node
-from meshnet_node.config import NodeConfig
-from meshnet_runtime.replicas import ReplicaSet
-from support.gateway import QUIET
+from meshnet_node import RunningNode
+from support.handoff_chain import handoff_chain, random_prompt, split_reference
 
 pytestmark = pytest.mark.anyio
 
 PROMPT = 20
 STEPS = 3
+ROLES_ANY = (["--kv-role", "any"], ["--kv-role", "any"])
+ROLES_PD = (["--kv-role", "prefill"], ["--kv-role", "decode"])
 
 
 @pytest.fixture(scope="module")
@@ -42,40 +37,11 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 
 def _prompt(vocab: int) -> np.ndarray:
-    return np.random.default_rng(2).integers(0, vocab, (1, PROMPT)).astype(np.int32)
+    return random_prompt(vocab, PROMPT, seed=2)
 
 
 def _reference(checkpoint: str) -> list[np.ndarray]:
-    """The prompt's logits and each greedy step's, by two runners split as the chain is."""
-    first = StageRunner.load(checkpoint, range(0, 2))
-    last = StageRunner.load(checkpoint, range(2, 4))
-    ids = _prompt(first.config.vocab_size)
-    out = [last.run("r", 0, first.run("r", 0, ids))]
-    for position in range(PROMPT, PROMPT + STEPS):
-        step = np.asarray([[int(np.argmax(out[-1]))]], dtype=np.int32)
-        out.append(last.run("r", position, first.run("r", position, step)))
-    return out
-
-
-@contextlib.asynccontextmanager
-async def _chain(
-    checkpoint: str, roles: tuple[str, str] = ("any", "any")
-) -> AsyncIterator[tuple[list[RunningNode], ReplicaSet, Client]]:
-    model = ["--model", checkpoint]
-    async with contextlib.AsyncExitStack() as stack:
-        last = await stack.enter_async_context(
-            serve_node(NodeConfig.load([*QUIET, *model, "--layers", "2:4"]))
-        )
-        entries = []
-        for role in roles:
-            flags = [*QUIET, *model, "--layers", "0:2", "--next", last.url, "--kv-role", role]
-            entries.append(await stack.enter_async_context(serve_node(NodeConfig.load(flags))))
-        config = GatewayConfig.load([*QUIET, "--entry", ",".join(n.url for n in entries)])
-        gateway = await stack.enter_async_context(open_gateway(config))
-        client = await stack.enter_async_context(Client(gateway.url))
-        hop = gateway.app.pool
-        assert isinstance(hop, ReplicaSet)
-        yield entries, hop, client
+    return split_reference(checkpoint, _prompt(small_config().vocab_size), STEPS)
 
 
 async def _generate(client: Client, vocab: int, session: str | None = None,
@@ -97,7 +63,7 @@ async def test_a_drained_replicas_session_goes_on_by_its_kv_with_no_replay(
 ) -> None:
     want = _reference(checkpoint)
     vocab = small_config().vocab_size
-    async with _chain(checkpoint) as (entries, hop, client):
+    async with handoff_chain(checkpoint, ROLES_ANY) as (entries, hop, client):
         holder: list[RunningNode] = []
 
         async def drain_the_holder(session: str) -> None:
@@ -128,7 +94,7 @@ async def test_prefill_and_decode_run_on_their_replicas_with_the_same_bits(
 ) -> None:
     want = _reference(checkpoint)
     vocab = small_config().vocab_size
-    async with _chain(checkpoint, ("prefill", "decode")) as (entries, hop, client):
+    async with handoff_chain(checkpoint, ROLES_PD) as (entries, hop, client):
         with anyio.fail_after(30):  # registration: the roles come with the identities
             while {r.kv_role for r in hop.replicas} != {"prefill", "decode"}:
                 await anyio.sleep(0.05)

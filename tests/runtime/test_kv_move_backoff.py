@@ -11,27 +11,20 @@ and the moves tried grow with the log of the time, not with the steps.
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import AsyncIterator
-
 import anyio
 import numpy as np
 import pytest
 
-from meshnet_gateway import Client, open_gateway
-from meshnet_gateway.config import GatewayConfig
-from meshnet_model import StageRunner
 from meshnet_model.testing import small_config, write_checkpoint
-from meshnet_node import RunningNode, serve_node
-from meshnet_node.config import NodeConfig
-from meshnet_runtime.replicas import ReplicaSet
 from meshnet_runtime.replicas.handoff import MoveBackoff
-from support.gateway import QUIET
+from support.handoff_chain import handoff_chain, random_prompt, split_reference
 
 pytestmark = pytest.mark.anyio
 
 PROMPT = 20
 STEPS = 12
+# The decode replica's budget is smaller than the prompt's KV (10 KiB).
+ROLES = (["--kv-role", "prefill"], ["--kv-role", "decode", "--kv-budget-bytes", "4096"])
 
 
 @pytest.fixture(scope="module")
@@ -42,38 +35,11 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 
 def _prompt(vocab: int) -> np.ndarray:
-    return np.random.default_rng(4).integers(0, vocab, (1, PROMPT)).astype(np.int32)
+    return random_prompt(vocab, PROMPT, seed=4)
 
 
 def _reference(checkpoint: str) -> list[np.ndarray]:
-    first = StageRunner.load(checkpoint, range(0, 2))
-    last = StageRunner.load(checkpoint, range(2, 4))
-    out = [last.run("r", 0, first.run("r", 0, _prompt(first.config.vocab_size)))]
-    for position in range(PROMPT, PROMPT + STEPS):
-        step = np.asarray([[int(np.argmax(out[-1]))]], dtype=np.int32)
-        out.append(last.run("r", position, first.run("r", position, step)))
-    return out
-
-
-@contextlib.asynccontextmanager
-async def _chain(checkpoint: str) -> AsyncIterator[tuple[list[RunningNode], ReplicaSet, Client]]:
-    model = ["--model", checkpoint]
-    async with contextlib.AsyncExitStack() as stack:
-        last = await stack.enter_async_context(
-            serve_node(NodeConfig.load([*QUIET, *model, "--layers", "2:4"]))
-        )
-        entries = []
-        # The decode replica's budget is smaller than the prompt's KV (10 KiB).
-        for role, extra in (("prefill", []), ("decode", ["--kv-budget-bytes", "4096"])):
-            flags = [*QUIET, *model, "--layers", "0:2", "--next", last.url, "--kv-role", role]
-            node = serve_node(NodeConfig.load([*flags, *extra]))
-            entries.append(await stack.enter_async_context(node))
-        config = GatewayConfig.load([*QUIET, "--entry", ",".join(n.url for n in entries)])
-        gateway = await stack.enter_async_context(open_gateway(config))
-        client = await stack.enter_async_context(Client(gateway.url))
-        hop = gateway.app.pool
-        assert isinstance(hop, ReplicaSet)
-        yield entries, hop, client
+    return split_reference(checkpoint, _prompt(small_config().vocab_size), STEPS)
 
 
 async def test_a_refused_move_backs_off_and_the_session_decodes_where_it_is(
@@ -81,7 +47,7 @@ async def test_a_refused_move_backs_off_and_the_session_decodes_where_it_is(
 ) -> None:
     want = _reference(checkpoint)
     vocab = small_config().vocab_size
-    async with _chain(checkpoint) as (entries, hop, client):
+    async with handoff_chain(checkpoint, ROLES) as (entries, hop, client):
         with anyio.fail_after(30):  # registration: the roles come with the identities
             while {r.kv_role for r in hop.replicas} != {"prefill", "decode"}:
                 await anyio.sleep(0.05)

@@ -15,10 +15,13 @@ the last id (a random bigram table).
 
 from __future__ import annotations
 
+import http.client
+import json
 from collections.abc import AsyncIterator, Callable
 from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -169,3 +172,19 @@ def stage_of(app: NodeApp) -> StageBackend:
 def kv_bytes(app: NodeApp) -> int:
     """KV cache bytes a model node's live sessions hold, as its /info reports them."""
     return int(app.info()["stage"]["kv_live_bytes"])  # the prefix cache's retained KV aside
+
+
+def post_json(
+    url: str, path: str, body: dict[str, Any], *, source: str = "127.0.0.1", timeout: float = 120
+) -> tuple[int, Any]:
+    """POST ``body`` as JSON from the loopback address ``source`` (another
+    client's peer address); the status and the decoded answer."""
+    host, port = url.removeprefix("http://").rsplit(":", 1)
+    conn = http.client.HTTPConnection(host, int(port), timeout=timeout, source_address=(source, 0))
+    try:
+        headers = {"Content-Type": "application/json"}
+        conn.request("POST", path, body=json.dumps(body), headers=headers)
+        response = conn.getresponse()
+        return response.status, json.loads(response.read())
+    finally:
+        conn.close()

@@ -36,6 +36,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from meshnet_gateway.openai.testing import CORPUS, SPECIAL_TOKENS, write_tokenizer
 from meshnet_model.testing import small_config, write_checkpoint
 from support.model_surface import ModelChain, model_chain, wait_for
+from support.openai import post_json
 from support.security import rss_kib
 
 VOCAB = 320
@@ -90,24 +91,11 @@ def chain(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ModelChain]:
         yield chain
 
 
-def post(url: str, path: str, body: dict[str, Any], source: str = "127.0.0.1") -> tuple[int, Any]:
-    """POST ``body`` from the loopback address ``source`` (another client's peer address)."""
-    host, port = url.removeprefix("http://").rsplit(":", 1)
-    conn = http.client.HTTPConnection(host, int(port), timeout=120, source_address=(source, 0))
-    try:
-        conn.request("POST", path, body=json.dumps(body),
-                     headers={"Content-Type": "application/json"})  # fmt: skip
-        response = conn.getresponse()
-        return response.status, json.loads(response.read())
-    finally:
-        conn.close()
-
-
 def first_token(chain: ModelChain, ids: list[int], source: str = "127.0.0.1") -> float:
     """Seconds until the answer holding the first (and only) token."""
     body = {"model": chain.model, "prompt": ids, "max_tokens": 1, "temperature": 0}
     started = time.perf_counter()
-    status, answer = post(chain.gateway, "/v1/completions", body, source)
+    status, answer = post_json(chain.gateway, "/v1/completions", body, source=source)
     assert status == 200, answer
     return time.perf_counter() - started
 
@@ -173,15 +161,15 @@ def test_a_chat_of_50000_messages_is_refused_cheaply_and_its_text_in_one_is_serv
 
     one, many = chat("a" * 50_000), chat(*["a"] * 50_000)
     assert len(json.dumps(many)) > 1_500_000
-    post(chain.gateway, path, one)  # warm
+    post_json(chain.gateway, path, one)  # warm
     before = cpu_seconds(pid)
-    status, answer = post(chain.gateway, path, one)
+    status, answer = post_json(chain.gateway, path, one)
     one_cpu = cpu_seconds(pid) - before
     assert status == 200 and answer["usage"]["prompt_tokens"] < 32, answer
 
     peak = rss_kib(pid)[1]
     before = cpu_seconds(pid)
-    status, answer = post(chain.gateway, path, many)
+    status, answer = post_json(chain.gateway, path, many)
     many_cpu = cpu_seconds(pid) - before
     print(f"one message {one_cpu:.2f} s CPU, 50,000 messages {many_cpu:.2f} s CPU, "
           f"peak RSS +{(rss_kib(pid)[1] - peak) / 1024:.0f} MiB")  # fmt: skip
@@ -190,5 +178,5 @@ def test_a_chat_of_50000_messages_is_refused_cheaply_and_its_text_in_one_is_serv
     assert (error["code"], error["param"]) == ("array_above_max_length", "messages"), error
     assert many_cpu <= 2 * one_cpu + 0.2, (many_cpu, one_cpu)
     assert rss_kib(pid)[1] - peak < 64 * 1024  # KiB: the chat was never rendered
-    status, answer = post(chain.gateway, path, chat(*["a"] * 16))  # a chat of a few: served
+    status, answer = post_json(chain.gateway, path, chat(*["a"] * 16))  # a chat of a few: served
     assert status == 200, answer
