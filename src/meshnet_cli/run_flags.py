@@ -44,16 +44,44 @@ NODE_ONLY = ("--dtype", "--engine", "--device", "--threads", "--kv-budget-bytes"
              "--memory-limit", "--max-chunk-tokens", "--max-compute-bytes",
              "--max-batch-tokens", "--max-queued-tokens", "--micro-batches")  # fmt: skip
 # The gateway's own, and its listener: the one port a user talks to.
-GATEWAY_ONLY = ("--host", "--port", "--tls-cert", "--tls-key", "--chunk-tokens", "--inflight",
-                "--model-name", "--max-tokens-default", "--max-context", "--max-prompt-chars",
-                "--special-tokens-in-content", "--max-running", "--max-prefill-tokens",
-                "--max-queued", "--queue-timeout",
-                "--allowed-hosts", "--allowed-origins")  # fmt: skip
+GATEWAY_ONLY = (
+    "--host",
+    "--port",
+    "--tls-cert",
+    "--tls-key",
+    "--chunk-tokens",
+    "--inflight",
+    "--model-name",
+    "--max-tokens-default",
+    "--max-context",
+    "--max-prompt-chars",
+    "--special-tokens-in-content",
+    "--max-running",
+    "--max-prefill-tokens",
+    "--max-queued",
+    "--queue-timeout",
+    "--allowed-hosts",
+    "--allowed-origins",
+    "--api-keys",
+    "--max-messages",
+)
 # Every server's: access, limits, shutdown, logging — given to the gateway and
 # every node alike (a --token is required and presented on every hop).
-BOTH = ("--token", "--timeout", "--head-timeout", "--max-sessions", "--max-sessions-per-client",
-        "--session-ttl", "--max-tensor-bytes", "--max-inflight-bytes", "--max-connections",
-        "--shutdown-timeout", "--log-level", "--async-backend")  # fmt: skip
+BOTH = (
+    "--token",
+    "--accept-token",
+    "--timeout",
+    "--head-timeout",
+    "--max-sessions",
+    "--max-sessions-per-client",
+    "--session-ttl",
+    "--max-tensor-bytes",
+    "--max-inflight-bytes",
+    "--max-connections",
+    "--shutdown-timeout",
+    "--log-level",
+    "--async-backend",
+)
 
 # Where one machine's run differs from a server's default: the port people
 # expect of a local OpenAI server, chunks in flight for pipelined prefill,
