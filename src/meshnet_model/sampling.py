@@ -55,6 +55,7 @@ __all__ = [
     "Logprobs",
     "Sampler",
     "SamplingParams",
+    "distribution",
     "draw_generator",
     "log_softmax",
     "new_seed",
@@ -213,10 +214,10 @@ class Sampler:
         finite = np.isfinite(raw)
         if not finite.any():
             raise ValueError("no finite logit to sample from")
-        token = self._choose(self._adjust(np.where(finite, raw, -np.inf)), position)
+        token = self.choose(self._adjust(np.where(finite, raw, -np.inf)), position)
         if self.params.logprobs is not None:
             self.last = self._logprobs(raw, token)
-        self._accept(token, raw.size)
+        self.advance(token, raw.size)
         return token
 
     @property
@@ -276,33 +277,21 @@ class Sampler:
         assert self._seen is not None
         return self._counts, self._seen
 
-    def _accept(self, token: int, size: int) -> None:
+    def advance(self, token: int, size: int) -> None:
+        """Count ``token`` as chosen (from ``size`` logits) and add it to the
+        penalty history; ``__call__`` does this, and so does a verified
+        speculative window (meshnet_model.speculative) for each token it emits."""
         self.generated += 1
         if self.params.penalised:
             counts, seen = self._history(size)
             counts[token] += 1
             seen[token] = True
 
-    def _choose(self, row: np.ndarray, position: int) -> int:
-        params = self.params
-        if params.temperature == 0.0:
-            return int(np.argmax(row))
-        candidates = np.flatnonzero(np.isfinite(row))
-        values = row[candidates]
-        with np.errstate(over="ignore", divide="ignore"):
-            # Shift first: 0 for the best, <= 0 (down to -inf) for the rest.
-            scaled = (values - values.max()) / params.temperature
-        if params.min_p > 0.0:
-            # p / p_max = exp(scaled): keep those at least min_p of the best.
-            keep = np.flatnonzero(scaled >= math.log(params.min_p))
-            candidates, scaled = candidates[keep], scaled[keep]
-        if params.top_k and params.top_k < candidates.size:
-            keep = top_indices(scaled, params.top_k)
-            candidates, scaled = candidates[keep], scaled[keep]
-        probs = np.exp(scaled)
-        probs /= probs.sum()  # >= 1 before: the best id contributes exp(0)
-        if params.top_p < 1.0:
-            candidates, probs = _nucleus(candidates, probs, params.top_p)
+    def choose(self, row: np.ndarray, position: int) -> int:
+        """The id drawn for ``position`` from ``adjusted`` logits, recording nothing."""
+        if self.params.temperature == 0.0:
+            return int(np.argmax(row))  # ties: the lowest id
+        candidates, probs = distribution(row, self.params)
         rng = draw_generator(self.seed, position)
         return int(candidates[rng.choice(candidates.size, p=probs)])
 
@@ -315,6 +304,29 @@ class Sampler:
             logprob=_reported(logprobs[token]),
             top=tuple((int(i), _reported(logprobs[i])) for i in top),
         )
+
+
+def distribution(row: np.ndarray, params: SamplingParams) -> tuple[np.ndarray, np.ndarray]:
+    """What a draw at ``params.temperature`` > 0 chooses among: the kept ids,
+    in the order the draw indexes them, and their probabilities (float64,
+    sum 1), from ``adjusted`` logits: temperature, min_p, top_k, top_p."""
+    candidates = np.flatnonzero(np.isfinite(row))
+    values = row[candidates]
+    with np.errstate(over="ignore", divide="ignore"):
+        # Shift first: 0 for the best, <= 0 (down to -inf) for the rest.
+        scaled = (values - values.max()) / params.temperature
+    if params.min_p > 0.0:
+        # p / p_max = exp(scaled): keep those at least min_p of the best.
+        keep = np.flatnonzero(scaled >= math.log(params.min_p))
+        candidates, scaled = candidates[keep], scaled[keep]
+    if params.top_k and params.top_k < candidates.size:
+        keep = top_indices(scaled, params.top_k)
+        candidates, scaled = candidates[keep], scaled[keep]
+    probs = np.exp(scaled)
+    probs /= probs.sum()  # >= 1 before: the best id contributes exp(0)
+    if params.top_p < 1.0:
+        candidates, probs = _nucleus(candidates, probs, params.top_p)
+    return candidates, probs
 
 
 def _reported(value: float) -> float:

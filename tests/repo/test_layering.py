@@ -84,6 +84,7 @@ _LAYERS = {
     "sampling": 0,  # drawing a token from logits (the gateway's and the last stage's)
     "formats": 1,
     "rope": 1,
+    "speculative": 1,  # verifying a drafted window, over sampling's draw (issue 38)
     "source": 2,
     "stage": 3,
     "engines": 4,
