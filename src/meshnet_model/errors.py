@@ -19,6 +19,8 @@ __all__ = [
     "ConfigError",
     "ContextExceeded",
     "KVBudgetExceeded",
+    "RewindRefused",
+    "SessionBusy",
     "SessionEnded",
     "StageInputError",
     "StageInvariantError",
@@ -72,6 +74,19 @@ class KVBudgetExceeded(Exception):
     def __init__(self, message: str, *, needed: int, in_use: int, limit: int) -> None:
         super().__init__(message)
         self.needed, self.in_use, self.limit = needed, in_use, limit
+
+
+class RewindRefused(ValueError):
+    """A rewind to ``length`` outside ``[floor, held]``: past the positions the
+    session holds, negative, or into the prefix it attached (``floor``)."""
+
+    def __init__(self, message: str, *, length: int, held: int, floor: int) -> None:
+        super().__init__(message)
+        self.length, self.held, self.floor = length, held, floor
+
+
+class SessionBusy(Exception):
+    """A rewind while one of the session's chunks computes: it waits for the chunk."""
 
 
 class SessionEnded(Exception):

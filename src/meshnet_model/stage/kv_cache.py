@@ -8,7 +8,11 @@ so a decode step is amortised O(1) copying; the budget counts allocated
 capacity, not just the filled part, because that is the memory really held.
 When doubling would break the budget the cache grows to exactly what the
 chunk needs; when even that does not fit, ``KVBudgetExceeded`` — the node
-answers 503 and nothing was allocated.
+answers 503 and nothing was allocated. A truncation (a failed chunk's
+leftover, a speculative rewind: ``truncate``) keeps the capacity, and the
+budget goes on counting it: the positions it frees are what the very next
+chunk refills, and giving them back would copy the whole cache at every
+verify window; the bytes go back when the session ends.
 
 Thread-safety: chunks of one session never run concurrently (the node's
 sequencer), but different sessions' chunks may, in worker threads, and a
@@ -114,7 +118,8 @@ class KVCache:
         return self.capacity * self.bytes_per_position
 
     def truncate(self, length: int) -> None:
-        """Forget positions from ``length`` on (what a failed or cancelled chunk left)."""
+        """Forget positions from ``length`` on (what a failed or cancelled chunk
+        left, or a rewind drops); the capacity, and its bytes, stay."""
         if not 0 <= length <= self.length:
             raise ValueError(f"cannot truncate a cache of {self.length} positions to {length}")
         self.length = length

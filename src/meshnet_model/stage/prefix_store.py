@@ -23,6 +23,7 @@ store, the budget and a cache's ``closed`` flag change together.
 
 from __future__ import annotations
 
+from array import array
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -161,18 +162,17 @@ class TokenChain:
     def __init__(self, naming: BlockNaming, start: int = 0, key: str | None = None) -> None:
         self.naming = naming
         self.start = start  # a block boundary: 0, or the prefix the session attached
-        self.tokens: list[int] = []
+        # Every token since ``start``: a rewind may go back into any block
+        # after it, whose key is then recomputed from its tokens. 4 bytes a
+        # token, beside the KV cache's kilobytes a position.
+        self.tokens: array[int] = array("i")
         self.keys: dict[int, str] = {start: key} if key is not None else {}
 
     def keys_for(self, position: int, chunk: np.ndarray) -> list[str]:
         """The keys of the blocks ending in ``chunk`` at ``position``; the
         chain then holds the chunk (anything past ``position`` is dropped:
         a retransmission after a failed chunk)."""
-        if position < self.start:
-            raise ValueError(f"position {position} is before the chain's start {self.start}")
-        del self.tokens[position - self.start :]
-        for end in [end for end in self.keys if end > position]:
-            del self.keys[end]
+        self.rewind(position)
         ids = [int(t) for t in np.asarray(chunk).reshape(-1)]
         self.tokens.extend(ids)
         block = self.naming.block_tokens
@@ -181,8 +181,14 @@ class TokenChain:
         keys = self.naming.keys(tail, self.keys.get(base) if base else None)
         for i, key in enumerate(keys):
             self.keys[base + (i + 1) * block] = key
-        # Only this chunk's block start is ever needed again (a retransmission
-        # comes at this chunk's position): the tokens before it go.
-        del self.tokens[: base - self.start]
-        self.start = base
         return keys
+
+    def rewind(self, length: int) -> None:
+        """Forget the tokens and block keys past ``length`` (a session's
+        rewind): the blocks the next chunks complete are named from the
+        tokens the session then holds."""
+        if length < self.start:
+            raise ValueError(f"position {length} is before the chain's start {self.start}")
+        del self.tokens[length - self.start :]
+        for end in [end for end in self.keys if end > length]:
+            del self.keys[end]

@@ -15,6 +15,11 @@ Position handling — the cache must agree with the session's position (wire-2
   exactly the first attempt's).
 * cache shorter: context this stage never saw — refused (``CacheMismatch``).
 
+Between chunks the caller may also ``rewind`` a session: keep its first
+``length`` positions (speculative decoding's rejected drafts, issue 38;
+``stage.life`` says what goes and why a rewind never reaches into an
+attached prefix). Never while a step computes the session (``SessionBusy``).
+
 A session's cache is tied to its life (issue 13): the node ``admit``s a
 session when its sequencer hands a chunk to the stage and gets a
 ``SessionLife``; ``end_session`` (DELETE, TTL, eviction) marks that life
@@ -37,7 +42,6 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -48,8 +52,9 @@ from ..errors import (
     ChunkTooLarge,
     ComputeDeadlineExceeded,
     ContextExceeded,
-    PrefixMismatch,
     PrefixUnknown,
+    RewindRefused,
+    SessionBusy,
     SessionEnded,
     StageInputError,
 )
@@ -58,7 +63,8 @@ from ..source import model_name
 from .batch import BatchEntry
 from .costs import chunk_cost, reachable_context
 from .kv_cache import KVBudget, KVCache
-from .prefix_store import BlockNaming, PrefixStore, TokenChain
+from .life import SessionLife, StageWork
+from .prefix_store import BlockNaming, PrefixStore
 from .weights import StageWeights
 
 if TYPE_CHECKING:  # typing only: the engines import this module
@@ -69,6 +75,8 @@ __all__ = [
     "ChunkTooLarge",
     "ComputeDeadlineExceeded",
     "ContextExceeded",
+    "RewindRefused",
+    "SessionBusy",
     "SessionLife",
     "StageInputError",
     "StageRunner",
@@ -84,48 +92,6 @@ DEFAULT_MAX_CHUNK_TOKENS = 2048
 # could ask for. meshnet-node --max-compute-bytes.
 DEFAULT_MAX_COMPUTE_BYTES = 1024 * 1024 * 1024
 _FLOAT_WIRE = ("float32", "float16", "bfloat16")
-
-
-@dataclass(eq=False, slots=True)
-class StageWork:
-    """One chunk of one session for ``run_batch``; ``deadline`` on the
-    ``time.monotonic()`` clock. After the step exactly one of ``output`` and
-    ``error`` is set."""
-
-    life: SessionLife
-    position: int
-    inputs: np.ndarray
-    deadline: float | None = None
-    output: np.ndarray | None = None
-    error: BaseException | None = None
-
-    def result(self) -> np.ndarray:
-        if self.error is not None:
-            raise self.error
-        assert self.output is not None
-        return self.output
-
-
-@dataclass(eq=False, slots=True)
-class SessionLife:
-    """One session's life on this stage: its cache, and whether it has ended.
-
-    ``ended`` is set, and ``cache`` read, under the runner's lock; a life
-    that has ended never gets a cache again.
-    """
-
-    session: str
-    cache: KVCache | None = None
-    ended: bool = False
-    # The prefix cache (wire-2 §3.10): the prefix a new session starts from,
-    # the block keys of the chunk in hand with their ends (filed once it has
-    # run), and the first stage's own count of the keys.
-    attach: str | None = None
-    pending: list[tuple[str, int]] = field(default_factory=list)
-    chain: TokenChain | None = None
-    # Its cache came in a KV import (wire-2 §3.11): it files no prefix blocks
-    # (a first stage never saw its tokens, so it could not check their keys).
-    imported: bool = False
 
 
 class StageRunner:
@@ -294,28 +260,7 @@ class StageRunner:
         starts from, and the block keys to file once the chunk has run. The
         first stage checks the keys against the token ids (``PrefixMismatch``),
         named by ``naming`` (the caller's: the wire's hash chain)."""
-        if life.imported:
-            life.pending = []
-            return
-        if prefix is not None and life.cache is None:
-            life.attach = prefix
-        block = naming.block_tokens
-        start = position // block
-        life.pending = [(key, (start + i + 1) * block) for i, key in enumerate(blocks)]
-        if not (self.first and inputs.ndim == 2 and inputs.shape[0] == 1):
-            return  # only token ids can be checked; the stages below trust their sender
-        if life.chain is None:
-            if position and prefix is None:
-                if not blocks:
-                    return  # a session that never files: nothing to check
-                raise PrefixMismatch("block keys must be sent from the session's first chunk")
-            life.chain = TokenChain(naming, position if prefix else 0, prefix)
-        keys = life.chain.keys_for(position, inputs)
-        if blocks and list(blocks) != keys:
-            raise PrefixMismatch(
-                "x-meshnet-prefix-blocks does not name this session's tokens "
-                f"(the first stage computes {len(keys)} other keys)"
-            )
+        life.prepare_prefix(position, inputs, prefix, blocks, naming, first=self.first)
 
     def run(
         self,
@@ -339,29 +284,35 @@ class StageRunner:
         returned or raised it alone. One work per session in a step (the
         node's sequencer hands a session's chunks out one at a time)."""
         entries = []
-        for work in works:
-            try:
-                entries.append(self._entry(work))
-            except Exception as exc:  # the chunk's own fault: it alone fails
-                work.error = exc
-        self.model.forward_batch([entry for _, entry in entries])  # each entry: its outcome
-        for work, entry in entries:
-            if entry.error is not None:
-                work.error = entry.error
-            elif work.life.ended:  # ended while computing: its output must not travel on
-                work.error = SessionEnded(
-                    f"session {work.life.session} ended while its chunk was computing"
-                )
-            else:
-                work.output = entry.output
-                self._file(work.life)
+        try:
+            for work in works:
+                try:
+                    entries.append(self._entry(work))
+                except Exception as exc:  # the chunk's own fault: it alone fails
+                    work.error = exc
+            self.model.forward_batch([entry for _, entry in entries])  # each entry: its outcome
+            for work, entry in entries:
+                if entry.error is not None:
+                    work.error = entry.error
+                elif work.life.ended:  # ended while computing: its output must not travel on
+                    work.error = SessionEnded(
+                        f"session {work.life.session} ended while its chunk was computing"
+                    )
+                else:
+                    work.output = entry.output
+                    work.life.file_ready(self.prefix)
+        finally:  # after the filing: a rewind never meets a chunk half accounted
+            with self._lock:
+                for work in works:
+                    if work.life.busy is work:
+                        work.life.busy = None
 
     def _entry(self, work: StageWork) -> tuple[StageWork, BatchEntry[Any]]:
         """Check one chunk and bring its session's cache to its position."""
         life, position, inputs = work.life, work.position, work.inputs
         self.check_input(inputs, position)
         self.check_position(position, inputs.shape[1])
-        cache = self._cache_for(life, batch=inputs.shape[0])
+        cache = self._cache_for(work)
         if cache.batch != inputs.shape[0]:
             raise StageInputError(
                 f"session {life.session} started with batch {cache.batch}, this chunk has "
@@ -390,27 +341,39 @@ class StageRunner:
                 f"{life.attach} of {position} positions (evicted, or never computed here)"
             )
         cache.copy_prefix(found[0], position)
-        life.attach = None
+        life.attach, life.floor = None, position
         with self.budget.lock:
             self.prefix.tokens_saved += position
 
-    def _file(self, life: SessionLife) -> None:
-        """File the session's cache under the keys of the blocks it now holds."""
-        cache = life.cache
-        if not life.pending or cache is None:
-            return
-        ready = [(key, end) for key, end in life.pending if end <= cache.length]
-        if ready:
-            self.prefix.file(cache, ready)
-            life.pending = [item for item in life.pending if item[1] > cache.length]
-
-    def _cache_for(self, life: SessionLife, *, batch: int) -> KVCache:
+    def _cache_for(self, work: StageWork) -> KVCache:
+        """The session's cache (made now if it has none); the session is busy
+        from here to the step's end (``run_batch``)."""
+        life = work.life
         with self._lock:
             if life.ended:  # forgotten while the chunk waited: create nothing
                 raise SessionEnded(f"session {life.session} ended before its chunk ran")
             if life.cache is None:
-                life.cache = self.model.new_cache(self.budget, batch)
+                life.cache = self.model.new_cache(self.budget, work.inputs.shape[0])
+            life.busy = work
             return life.cache
+
+    def rewind(self, session: str, length: int) -> int:
+        """Keep the session's positions ``[0, length)`` and drop the rest: the
+        drafted positions past a verify window's accepted prefix (issue 38;
+        ``stage.life``). Returns how many went (0: a no-op, or a session this
+        stage does not hold and ``length`` 0).
+
+        ``RewindRefused`` (a ValueError) for a length outside ``[floor,
+        held]``; ``SessionBusy`` while a step computes the session (the
+        caller rewinds between its chunks, as its sequencer orders them).
+        """
+        with self._lock:
+            life = self._lives.get(session)
+            if life is None:
+                return SessionLife(session).rewind(length, self.prefix)  # refuses all but 0
+            if life.busy is not None:
+                raise SessionBusy(f"session {session}: a chunk of it is computing")
+            return life.rewind(length, self.prefix)
 
     def end_session(self, session: str) -> int:
         """End the session's life and free its cache; returns the bytes given back."""
