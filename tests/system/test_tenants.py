@@ -105,6 +105,25 @@ def test_a_key_opens_the_client_paths_of_the_gateway_only(chain: ModelChain) -> 
         assert (answer.status, _code(answer)) == (401, "unauthorized")
 
 
+def test_a_page_on_an_allowed_origin_gets_its_preflight_without_a_key(
+    chain: ModelChain,
+) -> None:
+    """Browsers send no credential on a CORS preflight: a gateway with API keys
+    answers it (204) for an origin it allows, and the real request needs the key."""
+    origin = b"http://localhost:3000"
+    pairs = [
+        (b"Origin", origin),
+        (b"Access-Control-Request-Method", b"POST"),
+        (b"Access-Control-Request-Headers", b"authorization, content-type"),
+    ]
+    raw = request(pairs, b"", method=b"OPTIONS", target=b"/v1/chat/completions", length=None)
+    answer = send(chain.gateway, raw)
+    assert answer.status == 204, answer.raw[:300]
+    assert answer.headers[b"access-control-allow-origin"] == origin
+    page = request([(b"Origin", origin)], b"", method=b"GET", target=b"/v1/models", length=None)
+    assert send(chain.gateway, page).status == 401
+
+
 def test_keys_are_added_and_revoked_without_a_restart(chain: ModelChain) -> None:
     keys_file: Path = chain.keys_file  # type: ignore[attr-defined]
     erin = "mk-erin-" + "3c" * 20
