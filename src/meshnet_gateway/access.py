@@ -7,6 +7,7 @@ tokens and speed::
     127.0.0.1 "POST /v1/completions" 200 prompt_tokens=5 completion_tokens=8 \\
         ttft=0.041s tok/s=52.3 duration=0.186s        (one line)
     127.0.0.1 "GET /health" 200 duration=0.000s
+    127.0.0.1 "POST /v1/chat/completions" 200 tenant=acme prompt_tokens=…  (with --api-keys)
 
 ``ttft``: arrival to the first token sampled (queue and prefill included);
 ``tok/s``: the decode rate, tokens after the first per second after the
@@ -51,6 +52,7 @@ class AccessRecord:
     peer: str | None
     started: float  # RequestContext.started: the anyio clock
     timing: RequestTiming | None = None  # a /v1 generation's, filled in as it goes
+    tenant: str | None = None  # the API key's (docs/security.md): who to bill, who to ask
 
 
 class AccessLog:
@@ -87,6 +89,8 @@ class AccessLog:
 def line(record: AccessRecord, status: int, now: float, *, client_left: bool = False) -> str:
     """The access line of ``record`` answered ``status``, ending at ``now``."""
     parts = [record.peer or "-", f'"{record.method} {record.path}"', str(status)]
+    if record.tenant is not None:
+        parts.append(f"tenant={record.tenant}")
     timing = record.timing
     if timing is not None and timing.prompt_tokens is not None:
         ttft = timing.ttft
@@ -106,7 +110,7 @@ def line(record: AccessRecord, status: int, now: float, *, client_left: bool = F
 def access_record(method: str, path: str, query: str, ctx: RequestContext) -> AccessRecord:
     # A target is bounded by the core's head limit; a log line by less.
     target = f"{path}?{query}" if query else path
-    return AccessRecord(method, target[:200], ctx.peer, ctx.started)
+    return AccessRecord(method, target[:200], ctx.peer, ctx.started, tenant=ctx.tenant)
 
 
 def status_of(exc: BaseException) -> int:

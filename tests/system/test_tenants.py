@@ -192,6 +192,9 @@ def test_a_prefix_is_shared_within_a_tenant_and_never_across(chain: ModelChain) 
     # alice asking again attaches her own prefix on every stage
     _complete(chain, "alice", SECRET + "what is my balance?")
     assert _hits(chain) == [h + 1 for h in before]
+    # The gateway's access log names the tenant of each request (not its key).
+    log = chain.logs["gateway"].read_text()
+    assert "tenant=alice" in log and "tenant=mallory" in log and KEYS["alice"] not in log
 
 
 def test_tenants_of_one_cache_group_share_their_prefixes(chain: ModelChain) -> None:
