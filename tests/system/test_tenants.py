@@ -217,9 +217,11 @@ def test_a_requests_cache_salt_narrows_sharing_within_its_tenant(chain: ModelCha
     assert _hits(chain) == before
     _complete(chain, "bob", prompt, cache_salt="conversation-1")
     assert _hits(chain) == [h + 1 for h in before]
-    body = {"model": chain.model, "prompt": "x", "cache_salt": 7}
-    answer = _post(chain.gateway, "/v1/completions", body, KEYS["bob"])
-    assert (answer.status, json.loads(answer.body)["error"]["param"]) == (400, "cache_salt")
+    for salt, code in ((7, "invalid_type"), ("\ud800", "invalid_unicode")):
+        body = {"model": chain.model, "prompt": "x", "cache_salt": salt}
+        answer = _post(chain.gateway, "/v1/completions", body, KEYS["bob"])
+        error = json.loads(answer.body)["error"]
+        assert (answer.status, error["param"], error["code"]) == (400, "cache_salt", code)
 
 
 # ------------------------------------------------------------- quotas

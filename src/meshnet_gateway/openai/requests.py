@@ -22,7 +22,7 @@ from typing import Any
 from meshnet_model.sampling import REPETITION_PENALTY, SamplingParams
 
 from .errors import OpenAIError, invalid
-from .limits import PromptLimits, shown
+from .limits import PromptLimits, checked_text, shown
 
 __all__ = ["ChatRequest", "CompletionRequest", "GenerationOptions", "parse_json_object"]
 
@@ -256,7 +256,7 @@ def _cache_salt(value: Any) -> str | None:
         raise invalid("cache_salt", "cache_salt must be a string", "invalid_type")
     if not 0 < len(value) <= MAX_CACHE_SALT:
         raise invalid("cache_salt", f"cache_salt: 1 to {MAX_CACHE_SALT} characters")
-    return value
+    return checked_text("cache_salt", value)  # it is hashed as UTF-8
 
 
 # A cache_salt is hashed, never stored: its length only bounds the hashing.
