@@ -19,17 +19,18 @@ Both are request-only: an answer never carries them.
 
 from __future__ import annotations
 
-import re
 from typing import Any
 
 from ._errors import ProtocolError
 from ._limits import Limits
+from ._prefix import BLOCK_KEY
 
 __all__ = ["parse_tenancy", "tenancy_pairs", "valid_tenancy_field"]
 
 H_CLIENT = b"x-meshnet-client"
 H_CACHE_SALT = b"x-meshnet-cache-salt"
-_NAME = re.compile(rb"[0-9a-f]{32}")
+# A block key's form (128 bits, 32 lowercase hex digits): one spelling each.
+_NAME = BLOCK_KEY
 
 
 def _parse(values: dict[bytes, bytes], header: bytes, code: str) -> str | None:
