@@ -46,7 +46,8 @@ the counts exact (no leaked budget).
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -118,6 +119,15 @@ class Ticket:
         """Wait (fairly among clients) until ``tokens`` more prompt tokens may
         go down the chain; ``AdmissionRefused`` after the queue timeout."""
         return await self._admission.prefill(tokens, client=self.client, timeout=timeout)
+
+    @asynccontextmanager
+    async def prefilling(self, tokens: int, *, timeout: float | None = None) -> AsyncIterator[None]:
+        """``prefill``'s grant held for the block (a piece on the chain), then given back."""
+        grant = await self.prefill(tokens, timeout=timeout)
+        try:
+            yield
+        finally:
+            grant.release()
 
 
 @dataclass(eq=False, slots=True)
@@ -207,25 +217,20 @@ class Admission:
         """A ticket now, or a place in the queue; ``AdmissionRefused`` if it is full."""
         if not self._queue and self.running < self.max_running:
             return self._ticket(tokens, client)
-        if len(self._queue) >= self.max_queued:
-            self._refused("queue_full")
-            raise AdmissionRefused(
-                "queue_full",
-                f"the gateway is at capacity ({self.running} generations running, "
-                f"{self.queued} waiting, --max-queued {self.max_queued}); retry later",
-                self.retry_after(),
-            )
         mine = self._queue.waiting(client)
-        if mine >= max(1, self.max_queued // 2):
-            # Half the queue per client, as half the sessions (wire-2 §3.9):
-            # one client's burst cannot take every other client's place.
+        full = len(self._queue) >= self.max_queued
+        # Half the queue per client, as half the sessions (wire-2 §3.9): one
+        # client's burst cannot take every other client's place.
+        if full or mine >= max(1, self.max_queued // 2):
             self._refused("queue_full")
-            raise AdmissionRefused(
-                "queue_full",
-                f"this client has {mine} requests waiting already (half of --max-queued "
-                f"{self.max_queued}); retry later",
-                self.retry_after(),
+            why = (
+                f"the gateway is at capacity ({self.running} generations running, "
+                f"{self.queued} waiting, --max-queued {self.max_queued})"
+                if full
+                else f"this client has {mine} requests waiting already (half of --max-queued "
+                f"{self.max_queued})"
             )
+            raise AdmissionRefused("queue_full", f"{why}; retry later", self.retry_after())
         waiter = _Waiter(tokens, self.clock(), client, prefill=False)
         self._queue.push(client, waiter)
         return waiter

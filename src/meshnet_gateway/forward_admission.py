@@ -30,18 +30,13 @@ async def admitted(
     try:
         ticket = await admission.admit(tokens, client=client, timeout=deadline.remaining())
         try:
-            grant = await ticket.prefill(tokens, timeout=deadline.remaining())
-        except BaseException:
+            async with ticket.prefilling(tokens, timeout=deadline.remaining()):
+                yield  # the run down the chain: it asks admission nothing
+        finally:
             ticket.release()
-            raise
     except AdmissionRefused as exc:
         raise CapacityError(
             f"the gateway's admission: {exc.message}",
             code="gateway_busy",
             retry_after=exc.retry_after,
         ) from None
-    try:
-        yield
-    finally:
-        grant.release()
-        ticket.release()

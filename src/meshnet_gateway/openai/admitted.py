@@ -45,14 +45,11 @@ def admission_gate(ticket: Ticket) -> PrefillGate:
     @asynccontextmanager
     async def gate(tokens: int) -> AsyncIterator[None]:
         try:
-            grant = await ticket.prefill(tokens)
+            async with ticket.prefilling(tokens):
+                yield  # the piece's run: it asks admission nothing
         except AdmissionRefused as exc:
             raise MeshnetError(
                 exc.message, code="queue_timeout", status=503, retry_after=exc.retry_after
             ) from None
-        try:
-            yield
-        finally:
-            grant.release()
 
     return gate
