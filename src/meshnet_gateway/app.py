@@ -302,7 +302,6 @@ class GatewayApp:
                 sent = True
                 result = await _run_forward(self, tensor, lease, request, deadline, ctx)
             dtype, encoding, body = await self.to_clients.encode(result.output, request.encoding)
-
         except BaseException as exc:
             if sent:
                 self._fail(lease, exc)

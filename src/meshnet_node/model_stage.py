@@ -40,7 +40,6 @@ from __future__ import annotations
 import contextlib
 import functools
 from concurrent.futures import ThreadPoolExecutor
-from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -106,7 +105,7 @@ def block_naming(salt: str | None) -> BlockNaming:
     (wire-2 §3.15: its tenant's): fixed at the session's first chunk."""
     if salt is None:
         return WIRE_BLOCK_NAMING
-    return BlockNaming(PREFIX_BLOCK_TOKENS, partial(prefix_block_keys, salt=salt))
+    return BlockNaming(PREFIX_BLOCK_TOKENS, functools.partial(prefix_block_keys, salt=salt))
 
 
 _ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048)
