@@ -25,7 +25,7 @@ from ._case import (
     replace_header,
 )
 from ._wire import CheckFailed, Response
-from .s3_sessions import _chunk, _expect_at
+from .s3_sessions import refused_from_head
 
 SECTION = "3"
 SAMPLE = "X-Meshnet-Sample"
@@ -51,11 +51,12 @@ def _sampled(
 
 def _refused_case(id: str, value: str, description: str, shape: str = "") -> Case:
     def check(ctx: Context) -> None:
-        session = new_session() if ctx.role == "node" else None
-        response = ctx.send(_sampled(ctx, value, session=session, shape=shape))
-        expect_error(response, 400, "bad_sample", header="x-meshnet-sample")
-        if session is not None:  # refused from the head: the session starts afresh at 0
-            _expect_at(ctx.send(_chunk(ctx, session, position=0, seed=1)), 0)
+        refused_from_head(
+            ctx,
+            lambda session: _sampled(ctx, value, session=session, shape=shape),
+            "bad_sample",
+            "x-meshnet-sample",
+        )
 
     return Case(
         f"3.sample.{id}",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 
 import zstandard
 
@@ -62,6 +63,18 @@ def _expect_at(response: Response, position: int, tokens: int = 2) -> Response:
     if _position(response) != position:
         raise CheckFailed(f"expected X-Meshnet-Position {position}, got {_position(response)}")
     return response
+
+
+def refused_from_head(
+    ctx: Context, request: Callable[[str | None], bytes], code: str, header: str
+) -> None:
+    """``request(session)`` (a fresh session at a node, None at a gateway) is
+    400 ``code`` naming ``header``, and leaves nothing: at a node the session
+    then starts afresh at position 0."""
+    session = new_session() if ctx.role == "node" else None
+    expect_error(ctx.send(request(session)), 400, code, header=header)
+    if session is not None:
+        _expect_at(ctx.send(_chunk(ctx, session, position=0, seed=1)), 0)
 
 
 def _expect_names(response: Response, session: str, index: int, total: int) -> None:

@@ -10,13 +10,12 @@ from ._case import (
     HIDDEN,
     Case,
     Context,
-    expect_error,
     expect_tensor,
     float32_body,
     new_session,
 )
 from ._wire import CheckFailed
-from .s3_sessions import _chunk, _expect_at
+from .s3_sessions import refused_from_head
 
 SECTION = "3"
 NAME = "0123456789abcdef" * 2
@@ -30,11 +29,9 @@ def _with(ctx: Context, session: str | None, *pairs: tuple[str, str]) -> bytes:
 
 def _refused_case(id: str, header: str, value: str, code: str) -> Case:
     def check(ctx: Context) -> None:
-        session = new_session() if ctx.role == "node" else None
-        response = ctx.send(_with(ctx, session, (header, value)))
-        expect_error(response, 400, code, header=header.lower())
-        if session is not None:  # refused from the head: the session starts afresh at 0
-            _expect_at(ctx.send(_chunk(ctx, session, position=0, seed=1)), 0)
+        refused_from_head(
+            ctx, lambda session: _with(ctx, session, (header, value)), code, header.lower()
+        )
 
     return Case(
         f"3.client.{id}",
