@@ -31,9 +31,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from meshnet_gateway.openai.testing import CORPUS, SPECIAL_TOKENS, write_tokenizer
+from meshnet_gateway.openai.testing import write_tokenizer
 from meshnet_model.testing import small_config, write_checkpoint
 from support.model_surface import ModelChain, model_chain, wait_for
 from support.openai import post_json
@@ -65,28 +64,12 @@ GATEWAY = [
 ]  # fmt: skip
 
 
-def write_run_tokenizer(root: Path) -> None:
-    """The test tokenizer (its config and chat template), retrained with runs of ``a``."""
-    write_tokenizer(root, VOCAB)
-    tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=VOCAB,
-        special_tokens=SPECIAL_TOKENS,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tokenizer.train_from_iterator(["a" * 4096] * 8 + CORPUS * 4, trainer=trainer)
-    assert tokenizer.get_vocab_size(with_added_tokens=True) == VOCAB
-    tokenizer.save(str(root / "tokenizer.json"))
-
-
 @pytest.fixture(scope="module")
 def chain(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ModelChain]:
     root = tmp_path_factory.mktemp("fair-model")
     write_checkpoint(root, small_config(**MODEL), seed=13)
-    write_run_tokenizer(root)
+    # runs of "a" are learned first: a 50,000-letter message is a few tokens
+    write_tokenizer(root, VOCAB, extra_corpus=["a" * 4096] * 8)
     with model_chain(root, tmp_path_factory.mktemp("fair-logs"), gateway_flags=GATEWAY) as chain:
         yield chain
 

@@ -8,6 +8,7 @@ exactly ``vocab_size`` ids so that every id a model can produce decodes.
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from pathlib import Path
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -38,8 +39,12 @@ CORPUS = [
 ]
 
 
-def write_tokenizer(directory: str | Path, vocab_size: int = 320) -> Path:
-    """Train a byte-level BPE of exactly ``vocab_size`` ids into ``directory``."""
+def write_tokenizer(
+    directory: str | Path, vocab_size: int = 320, extra_corpus: Sequence[str] = ()
+) -> Path:
+    """Train a byte-level BPE of exactly ``vocab_size`` ids into ``directory``;
+    ``extra_corpus``: texts it learns first (a test's own merges, such as
+    runs of one letter)."""
     base = 256 + len(SPECIAL_TOKENS)
     if vocab_size < base:
         raise ValueError(f"vocab_size must be >= {base} (bytes + special tokens)")
@@ -52,7 +57,7 @@ def write_tokenizer(directory: str | Path, vocab_size: int = 320) -> Path:
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tokenizer.train_from_iterator(CORPUS * 4, trainer=trainer)
+    tokenizer.train_from_iterator([*extra_corpus, *CORPUS * 4], trainer=trainer)
     # A small corpus runs out of merges: pad with special tokens so every id
     # below vocab_size exists (a model may sample any of them).
     missing = vocab_size - tokenizer.get_vocab_size(with_added_tokens=True)
