@@ -445,7 +445,10 @@ async def _run_forward(
     deadline: Deadline,
     ctx: RequestContext,
 ) -> RunResult:
-    """A ``/forward`` sequence down the chain as one run of chunks."""
+    """A ``/forward`` sequence down the chain as one run of chunks; a new
+    session's first run says whom it serves (wire-2 §3.15: the nodes read it
+    when the session starts, so a continuation, a decode step, carries none)."""
+    mark = app.clients.tenancy(ctx).mark if lease.position == 0 else None
     return await run_chunks(
         app.pool,
         app.to_entry,
@@ -460,5 +463,5 @@ async def _run_forward(
         retry=app.retry,
         on_retry=app._count_retry,
         stage=app.expected_entry,
-        annotate=app.clients.tenancy(ctx).mark,  # whom it serves (wire-2 §3.15)
+        annotate=mark,
     )
