@@ -9,7 +9,6 @@ beside a session goes with it.
 
 from __future__ import annotations
 
-import itertools
 import math
 from collections.abc import Callable
 
@@ -17,6 +16,7 @@ from ._chunk_record import IN_FLIGHT
 from ._errors import CapacityError
 from ._limits import Limits
 from ._routing import Session
+from ._runs import all_records
 from ._waiters import WaiterRegistry
 
 __all__ = ["Capacity"]
@@ -62,10 +62,7 @@ class Capacity:
         """A chunk of the session is in flight, or waits with time left."""
         if self._waiters.waiting_at(s.id, now):
             return True
-        return any(
-            r.phase in IN_FLIGHT
-            for r in itertools.chain(s.records.values(), s.last_records.values())
-        )
+        return any(r.phase in IN_FLIGHT for r in all_records(s))
 
     def expire(self, now: float) -> list[str]:
         """Drop the sessions idle past ``limits.session_ttl``; return their ids."""

@@ -46,6 +46,9 @@ class ChunkRecord:
     phase: ChunkPhase = ChunkPhase.RUNNING
     stage_output: Any = None
     response: Any = None
+    # A window's (it carried X-Meshnet-After, wire-2 §3.16): kept past its
+    # run's end, for a sender's windows in flight.
+    window: bool = False
 
 
 def move(record: ChunkRecord, event: str) -> ChunkPhase | None:

@@ -23,6 +23,11 @@ class Ticket:
     ``position`` is where the chunk starts in the session (the node's count,
     also when the sender sent none). ``serial`` is unique per table, so a
     ticket of an ended session never touches a new session of the same id.
+
+    wire-2 §3.16: ``rewind_from`` is ``F`` when the chunk is a rewind (its
+    stage drops positions ``[position, F)`` of the session before it runs
+    the chunk), else None; ``epoch`` is the session's epoch once the stage
+    has run the chunk (a rewind's is one more than the session's before it).
     """
 
     session: str
@@ -32,26 +37,32 @@ class Ticket:
     tokens: int
     fingerprint: bytes
     serial: int
+    rewind_from: int | None = None
+    epoch: int = 0
 
 
-_set_session, _set_run, _set_index, _set_position, _set_tokens, _set_fingerprint, _set_serial = (
-    slot_setters(Ticket, ("session", "run", "index", "position", "tokens", "fingerprint", "serial"))
-)
+_FIELDS = ("session", "run", "index", "position", "tokens", "fingerprint", "serial")
+_SETTERS = slot_setters(Ticket, (*_FIELDS, "rewind_from", "epoch"))
 
 
 def new_ticket(
-    session: str, run: int, index: int, position: int, tokens: int, fingerprint: bytes, serial: int
+    session: str,
+    run: int,
+    index: int,
+    position: int,
+    tokens: int,
+    fingerprint: bytes,
+    serial: int,
+    *,
+    epoch: int = 0,
+    rewind_from: int | None = None,
 ) -> Ticket:
     """The table's own `Ticket` of values it holds: equal to constructing it,
     its slots set directly past the frozen keyword ``__init__`` (one a chunk)."""
     ticket = object.__new__(Ticket)
-    _set_session(ticket, session)
-    _set_run(ticket, run)
-    _set_index(ticket, index)
-    _set_position(ticket, position)
-    _set_tokens(ticket, tokens)
-    _set_fingerprint(ticket, fingerprint)
-    _set_serial(ticket, serial)
+    values = (session, run, index, position, tokens, fingerprint, serial, rewind_from, epoch)
+    for set_slot, value in zip(_SETTERS, values, strict=True):
+        set_slot(ticket, value)
     return ticket
 
 

@@ -59,6 +59,8 @@ class ErrorCode(enum.StrEnum):
     BAD_PREFIX = "bad_prefix", 400
     BAD_SAMPLE = "bad_sample", 400
     BAD_KV = "bad_kv", 400
+    BAD_DRAFT = "bad_draft", 400
+    BAD_AFTER = "bad_after", 400
     WIRE_VERSION_MISMATCH = "wire_version_mismatch", 400
     BODY_SIZE_MISMATCH = "body_size_mismatch", 400
     BAD_ZSTD_FRAME = "bad_zstd_frame", 400
@@ -94,6 +96,8 @@ class ErrorCode(enum.StrEnum):
     KV_CACHE_MISMATCH = "kv_cache_mismatch", 409
     PREFIX_UNKNOWN = "prefix_unknown", 409
     KV_UNSUPPORTED = "kv_unsupported", 409
+    WINDOW_STALE = "window_stale", 409
+    REWIND_REFUSED = "rewind_refused", 409
     # 411
     LENGTH_REQUIRED = "length_required", 411
     # 413

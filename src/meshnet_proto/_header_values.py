@@ -24,6 +24,7 @@ from ._limits import Limits
 from ._prefix import H_PREFIX, H_PREFIX_BLOCKS, parse_prefix
 from ._sample import H_SAMPLE, parse_sample
 from ._tenancy import H_CACHE_SALT, H_CLIENT, parse_tenancy
+from ._windows import H_AFTER, H_DRAFT, parse_windows
 
 # Header names as h11 hands them to us (lowercase bytes). Comparisons are done
 # on ASCII-lowercased bytes only: ``str.lower()`` would turn the Kelvin sign
@@ -59,6 +60,8 @@ KNOWN_MESHNET_HEADERS: frozenset[bytes] = frozenset(
         H_KV_CHECKSUM,
         H_KV_FINGERPRINT,
         H_SAMPLE,
+        H_DRAFT,
+        H_AFTER,
         H_CLIENT,
         H_CACHE_SALT,
     }
@@ -474,6 +477,7 @@ GROUPS: tuple[Group, ...] = (
     parse_prefix,
     parse_kv,
     parse_sample,
+    parse_windows,
     parse_tenancy,
 )
 

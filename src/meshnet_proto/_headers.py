@@ -48,6 +48,7 @@ from ._prefix import prefix_pairs, valid_prefix_fields
 from ._sample import SampleSpec, sample_pairs, valid_sample_field
 from ._slots import slot_setters
 from ._tenancy import tenancy_pairs, valid_tenancy_field
+from ._windows import AfterSpec, checked_draft, valid_after_field, window_pairs
 
 __all__ = ["WireHeaders", "is_session_key", "parse_wire_headers", "parse_session_key"]
 
@@ -89,6 +90,11 @@ class WireHeaders:
     # salt of its prefix keys, set by the chain (request-only).
     client: str | None = None
     cache_salt: str | None = None
+    # wire-2 §3.16: a verify window's drafted ids, and the session position
+    # and epoch a chunk follows (request-only, but a KV export's answer
+    # carries ``after``).
+    draft: tuple[int, ...] | None = None
+    after: AfterSpec | None = None
 
     def __post_init__(self) -> None:
         self._validate(_EVERY_CHECK)
@@ -217,6 +223,8 @@ class WireHeaders:
             pairs += sample_pairs(self.sample)
         if self.client is not None or self.cache_salt is not None:
             pairs += tenancy_pairs(self.client, self.cache_salt)
+        if self.draft is not None or self.after is not None:
+            pairs += window_pairs(self.draft, self.after)
         return pairs
 
 
@@ -317,6 +325,15 @@ def _check_sample(h: WireHeaders) -> None:
         raise ValueError(f"sample must be a SampleSpec or None, got {h.sample!r}")
 
 
+def _check_draft(h: WireHeaders) -> None:
+    object.__setattr__(h, "draft", checked_draft(h.draft))  # a list of ids becomes a tuple
+
+
+def _check_after(h: WireHeaders) -> None:
+    if not valid_after_field(h.after):
+        raise ValueError(f"after must be an AfterSpec or None, got {h.after!r}")
+
+
 def _tenancy_check(field: str) -> Callable[[WireHeaders], None]:
     def check(h: WireHeaders) -> None:
         if not valid_tenancy_field(getattr(h, field)):
@@ -350,6 +367,8 @@ _CHECKS: dict[str, Callable[[WireHeaders], None]] = {
     "sample": _check_sample,
     "client": _tenancy_check("client"),
     "cache_salt": _tenancy_check("cache_salt"),
+    "draft": _check_draft,
+    "after": _check_after,
     **{
         name: _uint_check(name)
         for name in ("chunk_index", "chunk_total", "position", "deadline_ms")

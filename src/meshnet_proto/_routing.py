@@ -10,14 +10,17 @@ the verdict.
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Protocol
 
 from ._chunk_record import ChunkRecord
 from ._errors import SequencingError
+from ._windows import AfterSpec
 
 __all__ = [
+    "KEPT_WINDOWS",
     "Headers",
     "Route",
     "RunShape",
@@ -28,6 +31,9 @@ __all__ = [
     "run_shape",
 ]
 
+# Windows of one session a sender may keep in flight (wire-2 §3.16): the
+# runs whose answers a node keeps for their retransmissions.
+KEPT_WINDOWS = 8
 _INDEX = "x-meshnet-chunk-index"
 _TOTAL = "x-meshnet-chunk-total"
 _POSITION = "x-meshnet-position"
@@ -54,6 +60,8 @@ class Headers(Protocol):
     def session_key(self) -> str | None: ...
     @property
     def prefix(self) -> str | None: ...
+    @property
+    def after(self) -> AfterSpec | None: ...
 
 
 class Route(Enum):
@@ -83,6 +91,11 @@ class Session:
     last_total: int = 0
     key: str | None = None  # bound at creation (wire-2 §3.9)
     client: str | None = None  # who created it, for the per-client quota
+    epoch: int = 0  # the rewinds it has had (wire-2 §3.16)
+    # Chunk 0 of the single-chunk runs before the last one, newest last, at
+    # most KEPT_WINDOWS: a sender keeps that many verify windows in flight,
+    # so one may be sent again after later windows ran (wire-2 §3.16).
+    earlier: deque[ChunkRecord] = field(default_factory=deque)
 
 
 def run_shape(h: Headers) -> RunShape:

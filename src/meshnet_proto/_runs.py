@@ -6,14 +6,17 @@ the replay store.
 
 from __future__ import annotations
 
+import itertools
+from collections.abc import Iterator
+
 from ._chunk_record import IN_FLIGHT, ChunkPhase, ChunkRecord
 from ._claims import INDEX
 from ._decisions import Decision, Join, Reforward, Replay, Ticket
 from ._errors import SequencingError
 from ._replay_store import ReplayStore
-from ._routing import Session
+from ._routing import KEPT_WINDOWS, Session
 
-__all__ = ["lookup", "again", "trim"]
+__all__ = ["lookup", "again", "all_records", "keep_window", "trim"]
 
 
 def lookup(sessions: dict[str, Session], ticket: Ticket) -> tuple[Session, ChunkRecord] | None:
@@ -24,8 +27,32 @@ def lookup(sessions: dict[str, Session], ticket: Ticket) -> tuple[Session, Chunk
     records = s.records if ticket.run == s.run else s.last_records
     record = records.get(ticket.index)
     if record is None or record.ticket.serial != ticket.serial:
-        return None  # a stale ticket: its run's records were dropped
+        # An earlier window's (wire-2 §3.16), or a stale ticket: its run's
+        # records were dropped.
+        record = next((r for r in s.earlier if r.ticket.serial == ticket.serial), None)
+        if record is None:
+            return None
     return s, record
+
+
+def all_records(s: Session) -> Iterator[ChunkRecord]:
+    """Every record the session holds: its runs' and its earlier windows'."""
+    return itertools.chain(s.records.values(), s.last_records.values(), s.earlier)
+
+
+def keep_window(s: Session) -> list[ChunkRecord]:
+    """A new run opens: the last run's chunk 0 joins ``s.earlier`` when the
+    run was a window's (one chunk with ``X-Meshnet-After``, wire-2 §3.16),
+    and the records that go are returned (the caller forgets their stored
+    bytes). Plain runs keep §3.5's rule: the last run's records only."""
+    gone = list(s.last_records.values())
+    kept = s.last_records.get(0)
+    if s.last_total == 1 and kept is not None and kept.window:
+        gone.remove(kept)
+        s.earlier.append(kept)
+        while len(s.earlier) > KEPT_WINDOWS:
+            gone.append(s.earlier.popleft())
+    return gone
 
 
 def again(record: ChunkRecord, store: ReplayStore) -> Decision:

@@ -29,14 +29,15 @@ from typing import Any
 from ._capacity import Capacity
 from ._chunk_record import ChunkRecord, move
 from ._claims import check_claims, check_owner, require, unknown
-from ._decisions import Decision, Join, Process, Reforward, Replay, Ticket, Wait, new_ticket
+from ._decisions import Decision, Join, Process, Reforward, Replay, Ticket, Wait
 from ._errors import SequencingError
 from ._fingerprint import tensor_fingerprint
 from ._limits import Limits
 from ._replay_store import ReplayStore
+from ._rewinds import admit, check_unknown_after
+from ._rewinds import route_any as route_chunk
 from ._routing import Headers, Route, Session, check_window, run_shape
-from ._routing import route as route_chunk
-from ._runs import again, lookup, trim
+from ._runs import again, all_records, keep_window, lookup, trim
 from ._waiters import Waiter, WaiterRegistry
 from ._waiting import Waiting
 
@@ -118,6 +119,12 @@ class SessionTable:
         """Tokens the session has taken in, or None if this node does not know it."""
         s = self._sessions.get(session)
         return None if s is None else s.position
+
+    def epoch(self, session: str) -> int | None:
+        """The rewinds the session has had (wire-2 §3.16), or None if this
+        node does not know it."""
+        s = self._sessions.get(session)
+        return None if s is None else s.epoch
 
     # -- a request's chunk -------------------------------------------------------
 
@@ -218,7 +225,9 @@ class SessionTable:
         record.stage_output = stage_output
         s.touched = now
         self._left_stage[s.id] = now
-        s.position += ticket.tokens
+        # Not += tokens: a rewind ran below the session's position (wire-2 §3.16).
+        s.position = ticket.position + ticket.tokens
+        s.epoch = ticket.epoch
         s.next_index += 1
         assert s.shape is not None
         if s.next_index == s.shape.total:  # run finished: the next chunk is a new run's 0
@@ -307,13 +316,15 @@ class SessionTable:
         *,
         key: str | None = None,
         client: str | None = None,
+        epoch: int = 0,
     ) -> None:
-        """Hold ``session`` from here on, between runs at ``position``: its
-        state came in a KV import (wire-2 §3.11). Bound to ``key`` as a first
-        chunk binds it (§3.9). The checks of ``check_adopt`` run again: the
-        table may have changed while the body arrived."""
+        """Hold ``session`` from here on, between runs at ``position``, epoch
+        ``epoch`` (§3.16): its state came in a KV import (wire-2 §3.11). Bound
+        to ``key`` as a first chunk binds it (§3.9). The checks of
+        ``check_adopt`` run again: the table may have changed meanwhile."""
         self.check_adopt(session, now, client=client)
-        self._create(session, now, key, client).position = position
+        s = self._create(session, now, key, client)
+        s.position, s.epoch = position, epoch
 
     # -- ending ----------------------------------------------------------------------
 
@@ -348,6 +359,7 @@ class SessionTable:
     def _route_unknown(
         self, sid: str, index: int, headers: Headers, now: float, client: str | None
     ) -> Route:
+        check_unknown_after(sid, headers)  # wire-2 §3.16: only line 0 starts here
         if index == 0:
             position = headers.position
             # wire-2 §3: never silently start a context anywhere but at 0 —
@@ -371,13 +383,11 @@ class SessionTable:
     def _process(self, s: Session, h: Headers, fp: bytes) -> Process:
         if s.shape is None:  # chunk 0 opens a run; the last run's records go (wire-2 §3)
             s.shape = run_shape(h)
-            self._store.forget(s.last_records.values())
+            self._store.forget(keep_window(s))
             s.last_records = {}
         assert h.chunk_index is not None
-        ticket = new_ticket(
-            s.id, s.run, h.chunk_index, s.position, h.tokens, fp, next(self._serials)
-        )
-        s.records[ticket.index] = ChunkRecord(ticket)
+        ticket = admit(s, h, fp, next(self._serials))  # a rewind runs below S (§3.16)
+        s.records[ticket.index] = ChunkRecord(ticket, window=h.after is not None)
         return Process(ticket)
 
     def _create(self, sid: str, now: float, key: str | None, client: str | None) -> Session:
@@ -392,6 +402,6 @@ class SessionTable:
         self._waiters.drop(sid, known=s is not None)
         if s is not None:
             self._capacity.discharge(s.client, sid)
-            self._store.forget(itertools.chain(s.records.values(), s.last_records.values()))
+            self._store.forget(all_records(s))
             if self._on_forget is not None:
                 self._on_forget(sid)

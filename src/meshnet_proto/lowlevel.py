@@ -19,10 +19,12 @@ from ._headers import parse_session_key
 from ._kv import KV_RANK, kv_checksum
 from ._policy import apply_wire_dtype
 from ._prefix import PREFIX_BLOCK_TOKENS, blocks_ending_in, prefix_block_keys
+from ._routing import KEPT_WINDOWS
 from ._sample import MAX_SAMPLE_LOGPROBS, SampleSpec
 from ._sequencer import Ticket
 from ._server import DEFAULT_MAX_ENDPOINT_BODY, DEFAULT_ROUTES
 from ._topology import ChainProblem, StageIdentity, StageReport, is_deep_health
+from ._windows import MAX_DRAFT, AfterSpec
 
 __all__ = [
     # a server's memory: what a request will hold, reserved from its head
@@ -57,6 +59,10 @@ __all__ = [
     # sampling at the last stage (wire-2 §3.13)
     "SampleSpec",
     "MAX_SAMPLE_LOGPROBS",
+    # verify windows and rewinds (wire-2 §3.16)
+    "AfterSpec",
+    "MAX_DRAFT",
+    "KEPT_WINDOWS",
     # the gateway's chunking
     "plan_chunks",
     "ChunkAssembler",

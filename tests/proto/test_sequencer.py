@@ -977,6 +977,7 @@ def test_on_forget_is_told_every_way_a_session_goes() -> None:
         tokens = 2
         session_key = None
         prefix = None
+        after = None
 
         def __init__(self, session: str) -> None:
             self.session = session
