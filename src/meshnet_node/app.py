@@ -60,7 +60,7 @@ from meshnet_runtime.wire_encoder import WireEncoder
 
 from .backends import StageBackend, make_stage, stage_context
 from .config import NodeConfig
-from .draw import check_sampled_head, draw_answer
+from .draw import check_sampled_head
 from .drawn_answers import DrawnAnswers
 from .forgetting import InFlight
 from .handoff import KVHandoff
@@ -68,6 +68,7 @@ from .identity import StageKey, check_stage, node_identity, stage_key
 from .kv_transfers import KVTransfers
 from .next_hop import next_hop
 from .outgoing import REQUEST_ONLY, outgoing_changes, relayed_headers
+from .windows import SampledAnswers, check_drafted_ids, logit_rows
 
 __all__ = ["NodeApp", "node_identity"]
 
@@ -144,6 +145,7 @@ class NodeApp:
         )
         # The tokens this last stage drew, for the gateway's direct poll (§3.14).
         self.drawn = DrawnAnswers(self.table, config.timeout)
+        self.answers = SampledAnswers(self.codecs, self.metrics.registry)  # §3.13, §3.16
         self.control = ControlEndpoints(
             role="node",
             metrics=self.metrics,
@@ -189,6 +191,7 @@ class NodeApp:
         self._clock = ctx.clock
         if event.kv_import:
             return await self.handoff.import_(headers, event.tensor, ctx)
+        check_drafted_ids(headers, event.tensor)  # a window's ids (§3.16): before anything
         # A replay (docs/failover.md): an upstream hop rebuilds this node's
         # state for a session that failed over to it; nothing goes further.
         # It never rewrites a live session (the table: 409 session_exists).
@@ -270,7 +273,9 @@ class NodeApp:
             # The loop's clock is not the thread's: hand the stage a monotonic one.
             time.monotonic() + (deadline.at - self._clock()),
             headers.prefix, headers.prefix_blocks, headers.cache_salt,
+            logit_rows(headers), ticket.rewind_from,
         )  # fmt: skip
+        self.drawn.rewound(ticket)  # a rewind's: those kept past it were the old line's
         try:
             output = await self.stage(event.tensor, context)
         except BaseException as exc:
@@ -302,14 +307,9 @@ class NodeApp:
     ) -> ActivationReply:
         encoder = self.encoder
         if headers.sample is not None and self.downstream is None:
-            # The answer is the drawn token (wire-2 §3.13), sent as made:
-            # a dtype policy must not round a float32 answer's ids.
-            drawn_at = ticket.position + ticket.tokens  # the drawn token's place
-            # A draw sorts O(vocab): off the loop, unless a plain argmax is
-            # cheaper than the thread's hand-off.
-            plain = headers.sample.greedy and headers.sample.logprobs is None
-            cost = output.nbytes if plain else self.codecs.inline_bytes
-            output = await self.codecs.run(cost, draw_answer, output, headers.sample, drawn_at)
+            # The answer is the drawn token (wire-2 §3.13) or a window's
+            # (§3.16), sent as made: a dtype policy must not round its ids.
+            output = await self.answers.answer(output, headers, ticket)
             encoder = self.answer_encoder
         encoded = encoder.encode_now(output, headers.encoding)
         if encoded is None:

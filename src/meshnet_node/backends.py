@@ -81,13 +81,20 @@ class StageContext:
     prefix_blocks: tuple[str, ...] = ()
     # wire-2 §3.15: the salt the session's block keys start from (its tenant's).
     cache_salt: str | None = None
+    # wire-2 §3.16: the last positions a last stage makes logits of (a verify
+    # window's k + 1), and, for a rewind, the position F the session held:
+    # the stage drops [position, F) before it runs the chunk (a stage with no
+    # KV, a stub, has nothing to drop).
+    logit_rows: int = 1
+    rewind_from: int | None = None
 
 
 _CONTEXT_FIELDS = ("session", "position", "tokens", "index", "total", "run", "deadline",
-                   "prefix", "prefix_blocks", "cache_salt")  # fmt: skip
+                   "prefix", "prefix_blocks", "cache_salt", "logit_rows",
+                   "rewind_from")  # fmt: skip
 (
     _set_session, _set_position, _set_tokens, _set_index, _set_total, _set_run, _set_deadline,
-    _set_prefix, _set_prefix_blocks, _set_cache_salt,
+    _set_prefix, _set_prefix_blocks, _set_cache_salt, _set_logit_rows, _set_rewind_from,
 ) = (StageContext.__dict__[name].__set__ for name in _CONTEXT_FIELDS)  # fmt: skip
 
 
@@ -102,6 +109,8 @@ def stage_context(
     prefix: str | None,
     prefix_blocks: tuple[str, ...],
     cache_salt: str | None = None,
+    logit_rows: int = 1,
+    rewind_from: int | None = None,
 ) -> StageContext:
     """The `StageContext` of these values (a ticket's and its checked
     headers'), equal to constructing it: its slots set directly, past the
@@ -117,6 +126,8 @@ def stage_context(
     _set_prefix(context, prefix)
     _set_prefix_blocks(context, prefix_blocks)
     _set_cache_salt(context, cache_salt)
+    _set_logit_rows(context, logit_rows)
+    _set_rewind_from(context, rewind_from)
     return context
 
 

@@ -13,17 +13,33 @@ The answer (wire-2 §3.13): without ``logprobs``, int32 ``[1, 1]``, the id;
 with ``logprobs=k``, float32 ``[1, 2 + 2k]``: the id, its logprob, then the
 ``k`` most likely (id, logprob) pairs (ids are exact in float32 below 2**24,
 which every vocabulary is: ``draw_answer`` refuses a wider row).
+
+A verify window (wire-2 §3.16, ``verify_answer``): the stage made the
+``k + 1`` rows ``[1, k + 1, vocab]`` of a chunk ``[t, d1 … dk]``; each row
+draws as above at its own position and a draft stands while the draw equals
+it (``meshnet_model.speculative.verify_sampled``), so the tokens are those
+plain decoding draws. The answer: int32 ``[1, n]``, or one logprobs row per
+token, float32 ``[n, 2 + 2k]``.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
 
-from meshnet_model.sampling import Sampler, SamplingParams
+from meshnet_model.sampling import (
+    LOGPROB_FLOOR,
+    Sampler,
+    SamplingParams,
+    log_softmax,
+    top_indices,
+)
+from meshnet_model.speculative import verify_sampled
 from meshnet_proto import ProtocolError
 from meshnet_proto.lowlevel import SampleSpec
 
-__all__ = ["MAX_SAMPLED_VOCAB", "check_sampled_head", "draw_answer"]
+__all__ = ["MAX_SAMPLED_VOCAB", "check_sampled_head", "draw_answer", "verify_answer"]
 
 # Ids travel exactly in a float32 answer up to here.
 MAX_SAMPLED_VOCAB = 2**24
@@ -54,21 +70,64 @@ def draw_answer(logits: np.ndarray, spec: SampleSpec, position: int) -> np.ndarr
         raise _refuse(f"x-meshnet-sample: the stage made shape {logits.shape}, not [1, vocab]")
     if not np.isfinite(logits).any():
         return logits
-    params = SamplingParams(
-        temperature=spec.temperature,
-        top_p=spec.top_p,
-        top_k=spec.top_k,
-        min_p=spec.min_p,
-        logprobs=spec.logprobs,
-    )
-    sampler = Sampler(params, spec.seed)
-    token = sampler(logits[0], position)
+    token = _sampler(spec)(logits[0], position)
     if spec.logprobs is None:
         return np.array([[token]], dtype=np.int32)
-    chosen = sampler.last
-    assert chosen is not None  # params.logprobs is set
-    row = [float(token), chosen.logprob]
-    for alternative, logprob in chosen.top:
-        row += [float(alternative), logprob]
-    row += [-1.0, 0.0] * (spec.logprobs - len(chosen.top))  # a vocabulary smaller than k
-    return np.array([row], dtype=np.float32)
+    return np.array([logprob_row(logits[0], token, spec.logprobs)], dtype=np.float32)
+
+
+def verify_answer(
+    logits: np.ndarray, spec: SampleSpec, draft: Sequence[int], position: int
+) -> np.ndarray:
+    """The answer to a verify window (wire-2 §3.16) whose stage made
+    ``logits``, ``[1, k + 1, vocab]`` for ``k`` drafted ids; ``position`` is
+    the chunk's (its first token's place), so row ``i`` draws at ``position
+    + i + 1``.
+
+    ``ProtocolError`` 400 ``bad_draft`` for an output that is no such rows
+    (a stub's other input) or a draft outside the vocabulary. Rows without a
+    finite logit (a broken stage) are answered as they are, as §3.13 says."""
+    rows = len(draft) + 1
+    if (
+        logits.ndim != 3
+        or logits.dtype.kind in "iub"  # ids or flags, no logits
+        or logits.shape[:2] != (1, rows)
+        or not 0 < logits.shape[2] < MAX_SAMPLED_VOCAB
+    ):
+        raise _refuse_window(f"the stage made shape {logits.shape}, not [1, {rows}, vocab]")
+    if max(draft) >= logits.shape[2]:
+        raise _refuse_window(f"a drafted id is past the vocabulary of {logits.shape[2]}")
+    window = logits[0]
+    if not np.isfinite(window).any(axis=1).all():
+        return logits
+    tokens = verify_sampled(window, draft, _sampler(spec), start_position=position + 1)
+    if spec.logprobs is None:
+        return np.array([tokens], dtype=np.int32)
+    answer = [logprob_row(window[i], token, spec.logprobs) for i, token in enumerate(tokens)]
+    return np.array(answer, dtype=np.float32)
+
+
+def logprob_row(raw: np.ndarray, token: int, k: int) -> list[float]:
+    """One §3.13 logprobs row: ``token``, its logprob, then the ``k`` most
+    likely (id, logprob) pairs of the raw row (log-softmax, floored at
+    ``LOGPROB_FLOOR``), padded with (-1, 0) past a vocabulary smaller than ``k``."""
+    logprobs = log_softmax(raw)
+    top = top_indices(logprobs, min(k, logprobs.size)) if k else ()
+    row = [float(token), max(float(logprobs[token]), LOGPROB_FLOOR)]
+    for alternative in top:
+        row += [float(alternative), max(float(logprobs[alternative]), LOGPROB_FLOOR)]
+    return row + [-1.0, 0.0] * (k - len(top))
+
+
+def _sampler(spec: SampleSpec) -> Sampler:
+    """The stateless sampler of the header's parameters (logprobs: ``logprob_row``)."""
+    params = SamplingParams(
+        temperature=spec.temperature, top_p=spec.top_p, top_k=spec.top_k, min_p=spec.min_p
+    )
+    return Sampler(params, spec.seed)
+
+
+def _refuse_window(message: str) -> ProtocolError:
+    return ProtocolError(
+        f"x-meshnet-draft: {message}", code="bad_draft", status=400, header="x-meshnet-draft"
+    )

@@ -14,7 +14,8 @@ the poller owns (its key, §3.9) and that exists here; per session at most
 ``MAX_KEPT`` drawn answers are kept (4-byte bodies, and their headers) and
 at most ``MAX_WAITED`` positions waited on, each wait at most the node's
 ``--timeout``. A forgotten session's answers go with it, and its pollers
-are woken (404).
+are woken (404). A rewind (wire-2 §3.16) drops the answers at and past
+its position: the direct return keeps one answer per position, the line's.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import re
 import anyio
 
 from meshnet_proto import EndpointRequest, ProtocolError, SessionTable
-from meshnet_proto.lowlevel import parse_session_key
+from meshnet_proto.lowlevel import Ticket, parse_session_key
 from meshnet_runtime.http_server import ActivationReply, RequestContext
 
 __all__ = ["MAX_KEPT", "MAX_WAITED", "DrawnAnswers"]
@@ -62,6 +63,16 @@ class DrawnAnswers:
         waiting = self._waits.get(session)
         if waiting is not None and position in waiting:
             waiting.pop(position).set()
+
+    def rewound(self, ticket: Ticket) -> None:
+        """The chunk of ``ticket`` runs: if it is a rewind (wire-2 §3.16), the
+        answers kept at its position and past it were drawn in the line the
+        session leaves, so a poll no longer finds them (it waits for the new
+        line's instead)."""
+        kept = self._answers.get(ticket.session)
+        if ticket.rewind_from is not None and kept:
+            for stale in [p for p in kept if p >= ticket.position]:
+                del kept[stale]
 
     def forget(self, session: str) -> None:
         """The session ended here: its answers go, its pollers wake (404)."""

@@ -31,7 +31,7 @@ from meshnet_proto import (
     WireHeaders,
     encode_tensor,
 )
-from meshnet_proto.lowlevel import ByteBudget, kv_checksum, parse_session_key
+from meshnet_proto.lowlevel import AfterSpec, ByteBudget, kv_checksum, parse_session_key
 from meshnet_runtime.codec_pool import CodecPool
 from meshnet_runtime.http_server import ActivationReply, Reply, RequestContext
 
@@ -150,9 +150,24 @@ def check_import_head(
             f"{positions} positions is past this stage's context of {layout.max_context}",
             "x-meshnet-position",
         )
+    if headers.after is not None and headers.after.position != headers.position:
+        raise ProtocolError(
+            f"x-meshnet-after: a KV import follows its own {headers.position} positions, "
+            f"not {headers.after.position} (wire-2 §3.16)",
+            code="bad_after",
+            status=400,
+            header="x-meshnet-after",
+        )
     assert headers.session is not None  # a node's parse requires it
     table.check_adopt(headers.session, now, client=client)
     return layout.bytes_per_position * batch * positions
+
+
+def import_epoch(headers: WireHeaders) -> int:
+    """The epoch an import's session goes on in (wire-2 §3.16): the one its
+    export carried, 0 without ``X-Meshnet-After`` (an exporter before
+    §3.16, or a session that never rewound)."""
+    return 0 if headers.after is None else headers.after.epoch
 
 
 def check_checksum(headers: WireHeaders, tensor: np.ndarray) -> None:
@@ -170,18 +185,21 @@ def check_kv_body(headers: WireHeaders, tensor: np.ndarray) -> None:
 
 
 def export_message(
-    session: str, state: np.ndarray, fingerprint: str
+    session: str, state: np.ndarray, fingerprint: str, epoch: int = 0
 ) -> tuple[WireHeaders, bytes | memoryview]:
     """The export's 200: the KV message (identity encoding: KV numbers
-    compress poorly, and a hand-off is one message)."""
+    compress poorly, and a hand-off is one message), with the session's
+    epoch (wire-2 §3.16: ``X-Meshnet-After: position=S,epoch=e``)."""
+    position = int(state.shape[4])
     headers = WireHeaders.for_array(
         state,
         session=session,
         chunk_index=0,
         chunk_total=1,
-        position=int(state.shape[4]),
+        position=position,
         kv_checksum=kv_checksum(state),
         kv_fingerprint=fingerprint,
+        after=AfterSpec(position, epoch),
     )
     return headers, encode_tensor(state, encoding="identity")
 
@@ -285,7 +303,8 @@ class KVHandoff:
             await self.store.import_kv(session, tensor, held.take())
             try:
                 self.table.adopt(session, position, anyio.current_time(),
-                                 key=headers.session_key, client=ctx.peer)  # fmt: skip
+                                 key=headers.session_key, client=ctx.peer,
+                                 epoch=import_epoch(headers))  # fmt: skip
             except BaseException:
                 self.end_session(session)
                 raise
@@ -324,7 +343,8 @@ class KVHandoff:
             raise _busy(session)
         if state.nbytes > expected:
             self._hold_copy(state.nbytes - expected, ctx)
-        headers, body = export_message(session, state, self.fingerprint)
+        epoch = self.table.epoch(session) or 0
+        headers, body = export_message(session, state, self.fingerprint, epoch)
         self.moved.labels("export").inc()
         self.moved_bytes.labels("export").inc(state.nbytes)
         return ActivationReply(headers, body)

@@ -7,7 +7,9 @@ builds one of these. The contract every node of a chain keeps (docs/models.md):
 * a middle stage maps hidden ``[batch, tokens, hidden]`` to hidden (sent in the
   node's ``--wire-dtype``: ``keep`` sends the float32 it computes, exactly);
 * the stage owning the last layer returns the float32 logits of the chunk's
-  last position, ``[batch, vocab]``; one node with every layer maps ids to logits.
+  last position, ``[batch, vocab]`` (a verify window's last ``k + 1``,
+  ``[1, k + 1, vocab]``: wire-2 §3.16); one node with every layer maps ids
+  to logits.
 
 Each session has a KV cache that grows chunk by chunk at the positions the
 node's sequencer hands out, so a run after a finished run continues the
@@ -32,7 +34,10 @@ or scratch than ``--max-chunk-tokens``/``--max-compute-bytes`` allow 413
 deadline spent during the compute 504 ``deadline_exceeded``; a KV budget
 that cannot hold the chunk is 503 ``kv_memory_full`` with ``Retry-After``; a
 cache that lacks the context the chunk follows is 409 ``kv_cache_mismatch``;
-a session ended while its chunk computed is 409 ``session_unknown``.
+a session ended while its chunk computed is 409 ``session_unknown``; a
+rewind into the cached prefix a session attached is 409 ``rewind_refused``
+(wire-2 §3.16: the stage drops ``[position, F)`` before the chunk, between
+steps, and changes nothing when it cannot).
 """
 
 from __future__ import annotations
@@ -65,6 +70,7 @@ from meshnet_model.errors import (
     ContextExceeded,
     PrefixMismatch,
     PrefixUnknown,
+    RewindRefused,
 )
 from meshnet_model.formats.config import ModelConfig
 from meshnet_model.identity import ModelIdentity, load_plan, model_identity
@@ -149,13 +155,17 @@ class ModelStage:
         # exactly this life (see StageRunner.admit).
         life = self.runner.admit(context.session)
         try:
+            if context.rewind_from is not None:  # wire-2 §3.16: before anything else changes
+                await self.scheduler.rewind(life, context.position)
             naming = block_naming(context.cache_salt)
             self.runner.prepare_prefix(
                 life, context.position, tensor, context.prefix, context.prefix_blocks, naming
             )
             # The value checks (ids in the vocabulary, finite hidden states)
             # are O(tensor): in the worker thread with the compute.
-            output = await self.scheduler.run(life, context.position, tensor, context.deadline)
+            output = await self.scheduler.run(
+                life, context.position, tensor, context.deadline, context.logit_rows
+            )
         except StageInputError as exc:
             raise _input_error(exc) from None
         except ComputeDeadlineExceeded as exc:
@@ -170,6 +180,10 @@ class ModelStage:
         except PrefixUnknown as exc:
             raise SequencingError(
                 str(exc), code="prefix_unknown", header="x-meshnet-prefix"
+            ) from None
+        except RewindRefused as exc:
+            raise SequencingError(
+                str(exc), code="rewind_refused", header="x-meshnet-after"
             ) from None
         except CacheMismatch as exc:
             raise SequencingError(

@@ -11,7 +11,8 @@ __all__ = ["REQUEST_ONLY", "outgoing_changes", "relayed_headers"]
 
 # What a request carries and an answer never does: the session's key
 # (wire-2 §3.9), the prefix cache's keys (§3.10), the sampling parameters
-# (§3.13), the stage expected (§3.2) and whom the session serves (§3.15).
+# (§3.13), the stage expected (§3.2), whom the session serves (§3.15) and a
+# window's drafts and place (§3.16).
 REQUEST_ONLY: dict[str, Any] = {
     "session_key": None,
     "prefix": None,
@@ -20,6 +21,8 @@ REQUEST_ONLY: dict[str, Any] = {
     "stage": None,
     "client": None,
     "cache_salt": None,
+    "draft": None,
+    "after": None,
 }
 
 
@@ -69,6 +72,10 @@ def outgoing_changes(
             changes["client"] = None
         if headers.cache_salt is not None:
             changes["cache_salt"] = None
+        if headers.draft is not None:
+            changes["draft"] = None
+        if headers.after is not None:
+            changes["after"] = None
     return changes
 
 
@@ -81,6 +88,16 @@ def relayed_headers(answer: WireHeaders) -> WireHeaders:
         and answer.sample is None
         and answer.client is None
         and answer.cache_salt is None
+        and answer.draft is None
+        and answer.after is None
     ):
         return answer
-    return answer.replace(stage=None, session_key=None, sample=None, client=None, cache_salt=None)
+    return answer.replace(
+        stage=None,
+        session_key=None,
+        sample=None,
+        client=None,
+        cache_salt=None,
+        draft=None,
+        after=None,
+    )

@@ -10,8 +10,10 @@ products are row-invariant (int4pack) each weight read once for the step
 
 Which work a step takes (``plan_step``, pure):
 
-1. Decode steps (chunks of one token) first, oldest first, up to the
-   micro-batch cap (below) and the row budget (``--max-batch-tokens``).
+1. Decode steps (chunks of one token, and verify windows: wire-2 §3.16)
+   first, oldest first, up to the micro-batch cap (below) and the row budget
+   (``--max-batch-tokens``). A window is a stream's step too, and is never
+   cut: the last stage's head needs all its ``k + 1`` rows in one piece.
 2. Prefill: the chunks of prompts, oldest first, in pieces. A chunk may be
    split across steps (chunked prefill, on stages whose products are
    row-invariant: the int4pack quantized ones): its rows then compute a
@@ -60,6 +62,7 @@ from dataclasses import dataclass, field
 import anyio
 import numpy as np
 
+from meshnet_model.errors import SessionBusy
 from meshnet_model.stage.batch import ATTENTION_BLOCK
 from meshnet_model.stage.runner import SessionLife, StageRunner, StageWork
 from meshnet_proto import CapacityError
@@ -107,6 +110,8 @@ class Work:
     # over would have given it (credit_passed_over); taken whole once they
     # add up to it, so it waits a bounded number of steps beside decoders.
     credit: int = 0
+    # The last positions a last stage makes logits of: a verify window's k + 1.
+    logit_rows: int = 1
 
     @property
     def batch(self) -> int:
@@ -122,7 +127,8 @@ class Work:
 
     @property
     def decode(self) -> bool:
-        return self.tokens == 1
+        """A stream's step, taken whole and first: one token, or a window."""
+        return self.tokens == 1 or self.logit_rows > 1
 
     def result(self) -> np.ndarray:
         if self.error is not None:
@@ -155,10 +161,10 @@ def plan_step(
             continue
         if decode_cap is not None and len(taken) >= decode_cap:
             break
-        if rows + work.batch > budget and taken:
+        if rows + work.batch * work.tokens > budget and taken:
             break
-        taken.append((work, 1))
-        rows += work.batch
+        taken.append((work, work.tokens))
+        rows += work.batch * work.tokens
     # Alone, prefill has the budget; beside decode steps, as many rows as they
     # have (never fewer than MIN_PREFILL_ROWS: a prompt always progresses).
     # Sessions decoding but not queued this instant (their group is at another
@@ -257,10 +263,15 @@ class StageScheduler:
         self._step_seconds = 0.0  # a step's time, smoothed: the gather window
 
     async def run(
-        self, life: SessionLife, position: int, tensor: np.ndarray, deadline: float | None
+        self,
+        life: SessionLife,
+        position: int,
+        tensor: np.ndarray,
+        deadline: float | None,
+        logit_rows: int = 1,
     ) -> np.ndarray:
         """Queue one chunk and return its output when its last piece has run."""
-        work = Work(life, position, tensor, deadline)
+        work = Work(life, position, tensor, deadline, logit_rows=logit_rows)
         self._admit(work)
         try:
             while not work.finished:
@@ -273,6 +284,19 @@ class StageScheduler:
                 self._drop(work)
             raise
         return work.result()
+
+    async def rewind(self, life: SessionLife, length: int) -> int:
+        """Keep ``life``'s first ``length`` positions (a rewind chunk, wire-2
+        §3.16) before its chunk is queued, between steps: never while a step
+        computes the session (only a step still finishing a cancelled chunk
+        of it can: the rewind waits for that step's end). How many went."""
+        while True:
+            try:
+                return self.runner.rewind(life.session, length, life)
+            except SessionBusy:
+                if not self._leading:  # busy is set only within a step
+                    raise
+                await self._step_over.wait()
 
     def _admit(self, work: Work) -> None:
         rows = work.batch * work.tokens
@@ -351,7 +375,9 @@ class StageScheduler:
         pieces = []
         for work, tokens in plan:
             rows = work.tensor[:, work.done : work.done + tokens]
-            piece = StageWork(work.life, work.start + work.done, rows, work.deadline)
+            piece = StageWork(
+                work.life, work.start + work.done, rows, work.deadline, logit_rows=work.logit_rows
+            )
             pieces.append(piece)
             if work.done == 0 and tokens < work.tokens:
                 try:  # a chunk in pieces: its values are checked whole, before the first

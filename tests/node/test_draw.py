@@ -190,16 +190,16 @@ async def test_a_seeded_draw_runs_off_the_loop_and_a_greedy_one_on_it(
 ) -> None:
     import threading
 
-    import meshnet_node.app
+    import meshnet_node.windows
 
     threads: list[int] = []
-    real = meshnet_node.app.draw_answer
+    real = meshnet_node.windows.sampled_answer  # draw_answer's (and a window's) caller
 
     def draw(*args: Any) -> np.ndarray:
         threads.append(threading.get_ident())
         return real(*args)
 
-    monkeypatch.setattr(meshnet_node.app, "draw_answer", draw)
+    monkeypatch.setattr(meshnet_node.windows, "sampled_answer", draw)
     async with chain([]) as (node,):
         for sample in ("seed=1,temperature=0.7", "seed=1,temperature=0"):
             fields = sampled_fields(str(uuid.uuid4()), sample)

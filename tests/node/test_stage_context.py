@@ -12,8 +12,8 @@ from meshnet_node.backends import StageContext, stage_context
 @pytest.mark.parametrize(
     "values",
     [
-        ("s", 7, 1, 0, 1, 3, 12.5, None, (), None),
-        ("t", 0, 32, 2, 4, 0, None, "ab" * 16, ("cd" * 16, "ef" * 16), "01" * 16),
+        ("s", 7, 1, 0, 1, 3, 12.5, None, (), None, 1, None),
+        ("t", 0, 32, 2, 4, 0, None, "ab" * 16, ("cd" * 16, "ef" * 16), "01" * 16, 32, 40),
     ],
 )
 def test_equal_to_constructing_it(values: tuple) -> None:  # type: ignore[type-arg]

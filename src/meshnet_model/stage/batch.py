@@ -42,7 +42,7 @@ from typing import Generic, TypeVar
 
 import numpy as np
 
-from ..errors import StageInvariantError
+from ..errors import StageInputError, StageInvariantError
 from .kv_cache import KVCache
 
 __all__ = ["ATTENTION_BLOCK", "BatchEntry", "PackedBatch", "query_blocks"]
@@ -72,7 +72,11 @@ class BatchEntry(Generic[CacheT]):
     """One session's chunk in a step: ``inputs`` (``[batch, tokens]`` ids or
     ``[batch, tokens, hidden]``) at ``position`` of ``cache``; ``stop`` is
     called before each layer and raises to stop this entry alone. After the
-    step exactly one of ``output`` and ``error`` is set."""
+    step exactly one of ``output`` and ``error`` is set.
+
+    ``logit_rows``: how many of each batch row's last positions a last
+    stage's head makes logits of — 1 (``[batch, vocab]``), or a verify
+    window's ``k + 1`` (``[batch, k + 1, vocab]``: wire-2 §3.16)."""
 
     inputs: np.ndarray
     cache: CacheT
@@ -80,6 +84,7 @@ class BatchEntry(Generic[CacheT]):
     stop: Callable[[], None] | None = None
     output: np.ndarray | None = None
     error: BaseException | None = None
+    logit_rows: int = 1
 
     @property
     def batch(self) -> int:
@@ -93,6 +98,23 @@ class BatchEntry(Generic[CacheT]):
     def rows(self) -> int:
         return self.batch * self.tokens
 
+    @property
+    def query_block(self) -> int:
+        """The query rows its attention takes at once: a verify window's rows
+        one by one, each over exactly the keys its decode step would see, so
+        on a row-invariant stage the window's rows are the bits of the
+        one-token steps they stand for (greedy identity: wire-2 §3.16); any
+        other chunk's in aligned blocks (``query_blocks``)."""
+        return 1 if self.logit_rows > 1 else ATTENTION_BLOCK
+
+    def head_output(self, logits: np.ndarray) -> np.ndarray:
+        """The head's ``[batch * logit_rows, vocab]`` rows of this entry (on
+        the host) as its output: ``[batch, vocab]``, or ``[batch,
+        logit_rows, vocab]``."""
+        if self.logit_rows == 1:
+            return logits
+        return logits.reshape(self.batch, self.logit_rows, -1)
+
 
 class PackedBatch(Generic[CacheT]):
     """The running entries of a step and where their rows lie in the packing."""
@@ -101,6 +123,11 @@ class PackedBatch(Generic[CacheT]):
         self.entries = list(entries)
         self.running: list[BatchEntry[CacheT]] = []
         for entry in self.entries:
+            if not 1 <= entry.logit_rows <= entry.tokens:
+                entry.error = StageInputError(
+                    f"{entry.logit_rows} logit rows asked of a chunk of {entry.tokens} tokens"
+                )
+                continue
             if entry.cache.length != entry.position:
                 entry.error = StageInvariantError(
                     f"the KV cache holds {entry.cache.length} positions, the chunk starts at "
@@ -134,18 +161,20 @@ class PackedBatch(Generic[CacheT]):
         return [(lo, hi) for _, lo, hi in self.spans()]
 
     def last_rows(self) -> list[int]:
-        """Where each running entry's last position lies, for each of its batch
-        rows: the rows a last stage's head takes, in ``head_rows`` order."""
+        """Where each running entry's last ``logit_rows`` positions lie, for
+        each of its batch rows: the rows a last stage's head takes, in
+        ``head_rows`` order."""
         return [row for entry, lo, hi in self.spans()
-                for row in range(lo + entry.tokens - 1, hi, entry.tokens)]  # fmt: skip
+                for end in range(lo + entry.tokens, hi + 1, entry.tokens)
+                for row in range(end - entry.logit_rows, end)]  # fmt: skip
 
     def head_rows(self) -> list[tuple[int, int]]:
-        """``entry_rows`` of the ``last_rows`` alone (one row per batch row of
-        each entry): the head's product and output, per entry."""
+        """``entry_rows`` of the ``last_rows`` alone (``logit_rows`` per batch
+        row of each entry): the head's product and output, per entry."""
         rows, lo = [], 0
         for entry in self.running:
-            rows.append((lo, lo + entry.batch))
-            lo += entry.batch
+            rows.append((lo, lo + entry.batch * entry.logit_rows))
+            lo += entry.batch * entry.logit_rows
         return rows
 
     def check_stops(self) -> list[tuple[int, int]] | None:

@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..errors import PrefixMismatch, RewindRefused
+from ..errors import CacheMismatch, PrefixMismatch, RewindRefused, SessionBusy, SessionEnded
 from .kv_cache import KVCache
 from .prefix_store import BlockNaming, PrefixStore, TokenChain
 
@@ -45,8 +45,9 @@ __all__ = ["SessionLife", "StageWork"]
 @dataclass(eq=False, slots=True)
 class StageWork:
     """One chunk of one session for ``run_batch``; ``deadline`` on the
-    ``time.monotonic()`` clock. After the step exactly one of ``output`` and
-    ``error`` is set."""
+    ``time.monotonic()`` clock; ``logit_rows``: the last positions a last
+    stage makes logits of (``BatchEntry``: a verify window's ``k + 1``).
+    After the step exactly one of ``output`` and ``error`` is set."""
 
     life: SessionLife
     position: int
@@ -54,6 +55,7 @@ class StageWork:
     deadline: float | None = None
     output: np.ndarray | None = None
     error: BaseException | None = None
+    logit_rows: int = 1
 
     def result(self) -> np.ndarray:
         if self.error is not None:
@@ -133,6 +135,26 @@ class SessionLife:
         if ready:
             store.file(cache, ready)
             self.pending = [item for item in self.pending if item[1] > cache.length]
+
+    def rewind_chunk(self, length: int, store: PrefixStore) -> int:
+        """A rewind chunk's (wire-2 §3.16) ``rewind`` of the life it was
+        admitted with, under the runner's lock: ``SessionEnded`` if it ended,
+        ``SessionBusy`` while a step computes it, ``CacheMismatch`` when its
+        cache holds fewer than ``length`` positions (context this stage never
+        saw). Any positions past ``length`` go, whatever their number: a
+        rewind whose compute stopped (a spent deadline) left the cache at
+        ``length`` already, and its retransmission must still run."""
+        if self.ended:
+            raise SessionEnded(f"session {self.session} ended before its rewind")
+        if self.busy is not None:
+            raise SessionBusy(f"session {self.session}: a chunk of it is computing")
+        held = 0 if self.cache is None else self.cache.length
+        if held < length:
+            raise CacheMismatch(
+                f"session {self.session}: this stage's KV cache holds {held} positions, "
+                f"the rewind keeps {length}"
+            )
+        return self.rewind(length, store)
 
     def rewind(self, length: int, store: PrefixStore) -> int:
         """Keep positions ``[0, length)`` (see the module's docstring); returns

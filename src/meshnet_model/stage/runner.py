@@ -328,7 +328,8 @@ class StageRunner:
                 f"session {life.session}: this stage's KV cache holds {cache.length} "
                 f"positions, the chunk starts at {position}"
             )
-        return work, BatchEntry(inputs, cache, position, _stopper(life, work.deadline))
+        stop = _stopper(life, work.deadline)
+        return work, BatchEntry(inputs, cache, position, stop, logit_rows=work.logit_rows)
 
     def _attach(self, life: SessionLife, cache: KVCache, position: int) -> None:
         """A prefix-cache hit: the session's first ``position`` positions are a
@@ -357,17 +358,20 @@ class StageRunner:
             life.busy = work
             return life.cache
 
-    def rewind(self, session: str, length: int) -> int:
+    def rewind(self, session: str, length: int, life: SessionLife | None = None) -> int:
         """Keep the session's positions ``[0, length)`` and drop the rest: the
         drafted positions past a verify window's accepted prefix (issue 38;
-        ``stage.life``). Returns how many went (0: a no-op, or a session this
-        stage does not hold and ``length`` 0).
+        ``stage.life``; ``life``: a rewind chunk's, ``SessionLife.rewind_chunk``).
+        Returns how many went (0: a no-op, or a session this stage does not
+        hold and ``length`` 0).
 
         ``RewindRefused`` (a ValueError) for a length outside ``[floor,
         held]``; ``SessionBusy`` while a step computes the session (the
         caller rewinds between its chunks, as its sequencer orders them).
         """
         with self._lock:
+            if life is not None:
+                return life.rewind_chunk(length, self.prefix)
             life = self._lives.get(session)
             if life is None:
                 return SessionLife(session).rewind(length, self.prefix)  # refuses all but 0

@@ -120,6 +120,7 @@ def attend(
     window: int | None,
     *,
     batch: int,
+    block_size: int = ATTENTION_BLOCK,
 ) -> np.ndarray:
     """Grouped-query causal self-attention of one chunk at positions ``past ..``
     from its projected rows (``[batch * t, heads * d]``
@@ -132,6 +133,8 @@ def attend(
     (smollm3). ``window``: a sliding window — the query at position ``p``
     sees keys ``p - window < k <= p``, transformers' sliding mask; the cache
     keeps every key, so chunking and decode see exactly those keys.
+    ``block_size``: the query rows attended at once (a window's: 1,
+    ``BatchEntry.query_block``).
     """
     b = batch
     t = q.shape[0] // b
@@ -154,7 +157,7 @@ def attend(
     out = np.empty((b, kv_heads, groups, t, d), F32)
     # Aligned query blocks (stage.batch.query_blocks): the queries [a, b) see the
     # keys [0, b), so a chunk's numbers do not depend on how it was split.
-    for lo, hi in query_blocks(past, t):
+    for lo, hi in query_blocks(past, t, block_size):
         end = past + hi
         k_all = keys[:, :, None, :end]  # [b, kv, 1, end, d]: broadcast over the group
         v_all = values[:, :, None, :end]
@@ -273,7 +276,8 @@ class StageModel:
         final = rms_norm(x[batch.last_rows()], self.weights.norm, self.config.rms_norm_eps)
         heads = batch.head_rows()
         logits = linear(final, self.weights.lm_head, None, heads)
-        batch.finish([logits[lo:hi] for lo, hi in heads])
+        batch.finish([e.head_output(logits[lo:hi])
+                      for (lo, hi), e in zip(heads, batch.running, strict=True)])  # fmt: skip
         return batch
 
     def score(self, ids: np.ndarray, cache: KVCache) -> np.ndarray:
@@ -312,7 +316,8 @@ class StageModel:
             q, k, v = project_qkv(h, block, blocks)
             heads = [
                 attend(q[lo:hi], k[lo:hi], v[lo:hi], block, c, rope if rotates else None,
-                       e.cache.keys[i], e.cache.values[i], e.position, window, batch=e.batch)
+                       e.cache.keys[i], e.cache.values[i], e.position, window, batch=e.batch,
+                       block_size=e.query_block)
                 for (e, lo, hi), rope in zip(batch.spans(), ropes, strict=True)
             ]  # fmt: skip
             x = x + linear(_pack(heads), block.o, block.o_bias, blocks)

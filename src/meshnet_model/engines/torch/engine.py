@@ -174,7 +174,7 @@ class TorchStageModel:
             final = self.norm(t, x[batch.last_rows()], w.norm, self.config.rms_norm_eps)
             heads = batch.head_rows()
             logits = product(t, final, w.lm_head, None, heads).float()
-            batch.finish([self.transfer.to_host(logits[lo:hi], e.cache.staging)
+            batch.finish([e.head_output(self.transfer.to_host(logits[lo:hi], e.cache.staging))
                           for (lo, hi), e in zip(heads, batch.running, strict=True)])  # fmt: skip
         return batch
 
@@ -231,7 +231,7 @@ class TorchStageModel:
             v = v.reshape(rows, kv_heads, d)
             outs = [
                 attend(t, q[lo:hi], k[lo:hi], v[lo:hi], c, e.cache.keys[i], e.cache.values[i],
-                       e.position, window, batch=e.batch)
+                       e.position, window, batch=e.batch, block_size=e.query_block)
                 for e, lo, hi in batch.spans()
             ]  # fmt: skip
             x = x + product(t, _pack(t, outs), block.o, block.o_bias, blocks)

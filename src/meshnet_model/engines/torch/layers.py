@@ -26,7 +26,7 @@ import numpy as np
 
 from ...formats.config import ModelConfig
 from ...rope import Rope
-from ...stage.batch import query_blocks
+from ...stage.batch import ATTENTION_BLOCK, query_blocks
 from .qlinear import Int4Matrix, linear
 
 __all__ = [
@@ -170,6 +170,7 @@ def attend(
     window: int | None,
     *,
     batch: int,
+    block_size: int = ATTENTION_BLOCK,
 ) -> Any:
     """Causal grouped-query attention of one chunk at positions ``past ..``
     from its rotated rows (``[batch * t, heads, d]`` queries, ``[batch * t,
@@ -177,7 +178,8 @@ def attend(
     cache tensors ``[b, kv_heads, capacity, d]`` at ``past``; returns the
     heads' outputs ``[batch * t, heads * d]``, before ``o``. ``window``: the
     query at ``p`` sees keys ``p - window < k <= p`` (transformers' sliding
-    mask)."""
+    mask). ``block_size``: the query rows attended at once (a window's: 1,
+    ``BatchEntry.query_block``)."""
     b = batch
     t = q.shape[0] // b
     heads, kv_heads, d = config.num_attention_heads, config.num_key_value_heads, config.head_dim
@@ -189,7 +191,7 @@ def attend(
     outs = []
     # Aligned query blocks (stage.batch.query_blocks): the queries [a, b) see the
     # keys up to b, so a chunk's numbers do not depend on how a step split it.
-    for lo, hi in query_blocks(past, t):
+    for lo, hi in query_blocks(past, t, block_size):
         rows, end = hi - lo, past + hi
         first_key = 0 if window is None else max(0, past + lo - window + 1)
         mask = None
