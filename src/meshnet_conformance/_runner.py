@@ -20,6 +20,7 @@ from .s3_kv import CASES as S3_KV
 from .s3_sample import CASES as S3_SAMPLE
 from .s3_sessions import CASES as S3_SESSIONS
 from .s3_tenancy import CASES as S3_TENANCY
+from .s3_windows import CASES as S3_WINDOWS
 from .s4_errors import CASES as S4_ERRORS
 from .s5_codecs import CASES as S5_CODECS
 from .s6_endpoints import CASES as S6_ENDPOINTS
@@ -35,6 +36,7 @@ ALL_CASES: tuple[Case, ...] = (
     *S3_KV,
     *S3_SAMPLE,
     *S3_TENANCY,
+    *S3_WINDOWS,
     *S4_ERRORS,
     *S5_CODECS,
     *S6_ENDPOINTS,

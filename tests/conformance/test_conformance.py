@@ -196,7 +196,31 @@ def test_a_node_that_ignores_the_sample_header_fails_exactly_the_sampling_cases(
     sampling = {case.id for case in ALL_CASES if case.id.startswith("3.sample.")}
     # The direct return's answer and stranger cases start from a sampled chunk too.
     sampling |= {"3.drawn.answer", "3.drawn.stranger"}
+    # A window is a sampled chunk (§3.16): without the sample the node refuses
+    # its draft (400 bad_draft), so the window cases whose chunks are
+    # otherwise valid fail; the draft grammar cases still see bad_draft.
+    windows = {case.id for case in ALL_CASES if case.id.startswith("3.window.")}
+    sampling |= windows - {f"3.window.draft-{name}" for name in DRAFT_GRAMMAR}
     assert len(sampling) >= 12 and failed == sampling
+
+
+DRAFT_GRAMMAR = ("grammar", "zero", "many", "big", "tokens", "unsampled")
+
+
+def test_a_node_that_ignores_the_draft_header_fails_the_window_cases() -> None:
+    """wire-2 §3.16 checked: X-Meshnet-Draft renamed on its way in, our node
+    draws one token after a window's last row as a plain sampled chunk; the
+    cases that verify a window fail, and so do those refusing a bad draft."""
+    with (
+        node() as url,
+        tcp_server(lenient_proxy(url, b"X-Meshnet-Draft", b"X-Meshnet-Other")) as broken,
+    ):
+        status, document, _ = conformance(broken)
+    assert status == 1
+    failed = {case["id"] for case in document["cases"] if case["result"] == "fail"}
+    assert {f"3.window.draft-{name}" for name in DRAFT_GRAMMAR} <= failed
+    assert {"3.window.greedy", "3.window.seeded"} <= failed
+    assert all(case.startswith("3.window.") for case in failed)
 
 
 def always_200(conn: socket.socket) -> None:
