@@ -45,8 +45,8 @@ def test_history_keeps_position_order_and_evicts_whole_sessions() -> None:
     store.add(SESSION, chunk(SESSION, 1, 2), b"b" * 100)
     store.add(SESSION, chunk(SESSION, 0, 0), b"a" * 100)
     store.add(SESSION, chunk(SESSION, 0, 0), b"a" * 100)  # the same chunk: replaced, not doubled
-    assert [c.key for c in store.chunks(SESSION)] == [(0, 0), (2, 1)]
-    assert [c.key for c in store.chunks(SESSION, before=2)] == [(0, 0)]
+    assert [c.key for c in store.chunks(SESSION)] == [(0, 0, 0), (0, 2, 1)]
+    assert [c.key for c in store.chunks(SESSION, before=(0, 2))] == [(0, 0, 0)]
     assert store.nbytes == 2 * (100 + CHUNK_OVERHEAD)
     store.add(OTHER, chunk(OTHER, 0, 0), b"c" * 100)
     store.add(OTHER, chunk(OTHER, 1, 2), b"d" * 100)  # over the bound: the oldest session goes

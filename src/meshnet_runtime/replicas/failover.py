@@ -25,7 +25,7 @@ from meshnet_proto import (
 
 from ..deadlines import Deadline
 from ..downstream import key_headers
-from ..history import HistoryStore, SentChunk
+from ..history import HistoryStore, Order, SentChunk
 from .handoff import HandoffCounts, hand_off
 from .monitor import HealthMonitor
 from .placement import Placement
@@ -249,7 +249,8 @@ class Failover:
             moved = await self._hand_off(session, headers, deadline, failed, excluded)
             if moved is not None:
                 return moved, None
-        past = self.history.chunks(session, before=headers.position)
+        before = self.history.order_of(session, headers)
+        past = self.history.chunks(session, before=before)
         if not past and not headers.starts_session:
             raise self.unrecoverable(session, "no history of it is kept at this hop")
         # Ranked again after each loss: with no healthy replica left, the
@@ -257,7 +258,7 @@ class Failover:
         while candidates := self.placement.ranked(exclude=excluded):
             candidate = candidates[0]
             try:
-                await self._replay_up_to(candidate, session, past, headers.position, deadline)
+                await self._replay_up_to(candidate, session, past, before, deadline)
             except Lost:
                 excluded.append(candidate)
                 continue
@@ -327,7 +328,7 @@ class Failover:
         replica: Replica,
         session: str,
         past: Sequence[SentChunk],
-        before: int | None,
+        before: Order,
         deadline: Deadline,
     ) -> None:
         """Replay ``past``, then the chunks answered meanwhile below ``before``.
@@ -339,7 +340,7 @@ class Failover:
         again until nothing new came: the move is made (with no await
         between) only once the new replica has every chunk answered before
         this one, or later chunks would wait there for it."""
-        sent: set[tuple[int, int]] = set()
+        sent: set[tuple[int, int, int]] = set()
         while pending := [c for c in past if c.key not in sent]:
             await self.replay(replica, session, pending, deadline)
             sent.update(c.key for c in pending)
