@@ -1,8 +1,9 @@
 """wire-2 §3.16: verify windows and rewinds — both headers' grammar (refused
 from the head, nothing changed), a window decided from the rows an identity
-stage answers (float32 ``[1, k + 1, 8]`` as its "logits"), and the rewind's
-routing: a rewind drops positions, a stale window is refused at once, a
-retransmission is replayed, windows sent out of order run in order.
+stage answers (float32 ``[1, k + 1, 8]`` as its "logits") and its answer's
+``X-Meshnet-Accepted`` count, and the rewind's routing: a rewind drops
+positions, a stale window is refused at once, a retransmission is replayed,
+windows sent out of order run in order.
 """
 
 from __future__ import annotations
@@ -74,16 +75,33 @@ def _window(
     return ctx.forward(headers, struct.pack(f"<{len(rows)}f", *rows))
 
 
-def _tokens(response: Response) -> list[int]:
+def _tokens(response: Response, drafts: Sequence[int]) -> list[int]:
+    """The tokens of the answer to a window of ``drafts``, checked against
+    its ``X-Meshnet-Accepted`` as a sender must (§3.16)."""
     shape = response.header("x-meshnet-shape") or ""
     expect_tensor(response, shape=shape, dtype="int32")
     for name in ("x-meshnet-draft", "x-meshnet-after", "x-meshnet-sample"):
         if response.all(name):
             raise CheckFailed(f"an answer to a window never carries {name} (request-only)")
-    got = np.frombuffer(response.body, "<i4").tolist()
+    got = [int(t) for t in np.frombuffer(response.body, "<i4").tolist()]
     if shape != f"1,{len(got)}" or not got:
         raise CheckFailed(f"a window is answered int32 [1, n], got shape {shape!r}")
-    return [int(t) for t in got]
+    accepted = len(got) - 1
+    counts = response.all("x-meshnet-accepted")
+    if counts != [str(accepted)]:
+        raise CheckFailed(
+            f"a window answered {got} carries X-Meshnet-Accepted: {accepted} (n - 1), "
+            f"got {counts or 'none'}"
+        )
+    rejected = accepted < len(drafts) and got[-1] == drafts[accepted]
+    if got[:accepted] != list(drafts[:accepted]) or rejected:
+        raise CheckFailed(f"a window of drafts {list(drafts)} answered {got}: no verification")
+    return got
+
+
+def _verified(ctx: Context, drafts: Sequence[int], **window: Any) -> list[int]:
+    """The tokens a window of ``drafts`` (``_window``'s other fields) is answered."""
+    return _tokens(ctx.send(_window(ctx, drafts, **window)), drafts)
 
 
 def _refused(id: str, header: str, code: str, description: str, **window: Any) -> Case:
@@ -111,12 +129,12 @@ def _refused(id: str, header: str, code: str, description: str, **window: Any) -
 def _greedy(ctx: Context) -> None:
     """Drafts 2, 6 match rows 0 and 1; 5 does not match row 2 (4): the window
     answers the two accepted drafts then the row's own token."""
-    got = _tokens(ctx.send(_window(ctx, [2, 6, 5])))
+    got = _verified(ctx, [2, 6, 5])
     if got != [2, 6, 4]:
         raise CheckFailed(
             f"drafts 2,6,5 over rows whose best are 2,6,4 answer [2, 6, 4], got {got}"
         )
-    whole = _tokens(ctx.send(_window(ctx, [2, 6, 4])))
+    whole = _verified(ctx, [2, 6, 4])
     if whole != [2, 6, 4, 1]:
         raise CheckFailed(
             f"every draft accepted answers them and the bonus [2, 6, 4, 1], got {whole}"
@@ -128,7 +146,7 @@ def _seeded(ctx: Context) -> None:
     reference's verification over the same rows."""
     for seed in (3, 4, 5, 6):
         drafts = [2, 6, 4]
-        got = _tokens(ctx.send(_window(ctx, drafts, sample=f"seed={seed},temperature=1.5")))
+        got = _verified(ctx, drafts, sample=f"seed={seed},temperature=1.5")
         rows = np.array(_rows(4), dtype=np.float32).reshape(4, VOCAB)
         sampler = Sampler(SamplingParams(temperature=1.5), seed)
         want = verify_sampled(rows, drafts, sampler, start_position=1)
@@ -155,12 +173,10 @@ def _rewind(ctx: Context) -> None:
     (epoch 1) runs at 3, so the session is then at 3 + 4 = 7."""
     session = new_session()
     _expect_at(ctx.send(_plain(ctx, session, 0)), 0)
-    _tokens(
-        ctx.send(_window(ctx, [2, 6, 5], session=session, position=2, after="position=2,epoch=0"))
-    )
+    _verified(ctx, [2, 6, 5], session=session, position=2, after="position=2,epoch=0")
     request = _window(ctx, [6, 4, 1], session=session, position=3, after="position=6,epoch=1")
-    first = _tokens(ctx.send(request))
-    if _tokens(ctx.send(request)) != first:
+    first = _tokens(ctx.send(request), [6, 4, 1])
+    if _tokens(ctx.send(request), [6, 4, 1]) != first:
         raise CheckFailed("a retransmission of a rewind answered other tokens (§3.5: replayed)")
     expect_error(ctx.send(_plain(ctx, session, 6)), 409, "position_mismatch")
     _expect_at(ctx.send(_plain(ctx, session, 7)), 7)
@@ -171,13 +187,11 @@ def _stale(ctx: Context) -> None:
     once (no wait: its deadline is long), and the session goes on."""
     session = new_session()
     _expect_at(ctx.send(_plain(ctx, session, 0)), 0)
-    _tokens(
-        ctx.send(_window(ctx, [2, 6, 5], session=session, position=2, after="position=2,epoch=0"))
-    )
-    _tokens(ctx.send(_window(ctx, [6], session=session, position=3, after="position=6,epoch=1")))
+    _verified(ctx, [2, 6, 5], session=session, position=2, after="position=2,epoch=0")
+    _verified(ctx, [6], session=session, position=3, after="position=6,epoch=1")
     stale = _window(ctx, [2], session=session, position=5, after="position=5,epoch=0")
     expect_error(ctx.send(stale), 409, "window_stale")
-    _tokens(ctx.send(_window(ctx, [2], session=session, position=5, after="position=5,epoch=1")))
+    _verified(ctx, [2], session=session, position=5, after="position=5,epoch=1")
 
 
 def _in_order(ctx: Context) -> None:
@@ -191,8 +205,8 @@ def _in_order(ctx: Context) -> None:
         early.send(second)
         answered_first = late.exchange(first)
         answered_second = early.read_response()
-    for response, position in ((answered_first, "2"), (answered_second, "5")):
-        _tokens(response)
+    for response, position, drafts in ((answered_first, "2", [2, 6]), (answered_second, "5", [2])):
+        _tokens(response, drafts)
         if response.header("x-meshnet-position") != position:
             raise CheckFailed(
                 f"a window at {position} answered at {response.header('x-meshnet-position')}"
@@ -251,7 +265,8 @@ CASES: list[Case] = [
         "3.window.greedy",
         SECTION,
         "a window over an identity stage's rows is answered int32 [1, n]: the accepted "
-        "drafts, then the first row's own token that differs, or the bonus after all",
+        "drafts, then the first row's own token that differs, or the bonus after all; "
+        "X-Meshnet-Accepted says n - 1",
         _greedy,
         NODE,
     ),

@@ -7,6 +7,8 @@ from typing import Any
 
 from meshnet_proto import WireHeaders
 
+from .windows import window_accepted
+
 __all__ = ["REQUEST_ONLY", "outgoing_changes", "relayed_headers"]
 
 # What a request carries and an answer never does: the session's key
@@ -40,7 +42,8 @@ def outgoing_changes(
     position; no deadline and no stage (X-Meshnet-Stage is request-only:
     what goes down names the next stage itself) — and, for an ``answer``,
     none of the request-only session key, prefix and sampling
-    parameters (wire-2 §3.9, §3.10, §3.13).
+    parameters (wire-2 §3.9, §3.10, §3.13), and a window's count of
+    accepted drafts (answer-only, §3.16: never sent down).
 
     Only the fields that differ: a decode step's usually none, so that
     ``headers.replace(**changes)`` is the request's own headers, without
@@ -76,12 +79,16 @@ def outgoing_changes(
             changes["draft"] = None
         if headers.after is not None:
             changes["after"] = None
+    accepted = window_accepted(headers, shape, dtype) if answer else None
+    if accepted != headers.accepted:
+        changes["accepted"] = accepted
     return changes
 
 
 def relayed_headers(answer: WireHeaders) -> WireHeaders:
-    """A downstream's answer as this node relays it: unchanged, less any
-    request-only field a careless downstream sent back."""
+    """A downstream's answer as this node relays it: unchanged (a window's
+    ``accepted`` count included: the sender needs it, wire-2 §3.16), less
+    any request-only field a careless downstream sent back."""
     if (
         answer.stage is None
         and answer.session_key is None

@@ -7,8 +7,11 @@ d1,…,dk``. Every stage computes it as one chunk (its ``StageContext`` says
 head makes all ``k + 1`` rows); the node whose input is token ids checks
 that the chunk's ids 1 … k are the drafts (``check_drafted_ids``, before
 its stage runs); the node that answers verifies the rows
-(``draw.verify_answer``, through ``SampledAnswers``) and counts the window
-(``WindowCounts``).
+(``draw.verify_answer``, through ``SampledAnswers``), counts the window
+(``WindowCounts``) and says in its answer how many drafts it accepted
+(``X-Meshnet-Accepted``, ``window_accepted``): without that count a sender
+cannot tell a window's one token from the one token a last stage that
+ignored the drafts drew after the window's last row.
 """
 
 from __future__ import annotations
@@ -26,15 +29,36 @@ from .draw import draw_answer, verify_answer
 __all__ = [
     "SampledAnswers",
     "WindowCounts",
+    "answered_tokens",
     "check_drafted_ids",
     "logit_rows",
     "sampled_answer",
+    "window_accepted",
 ]
 
 
 def logit_rows(headers: WireHeaders) -> int:
     """The rows of logits a last stage makes of the chunk: a window's ``k + 1``, else 1."""
     return 1 if headers.draft is None else len(headers.draft) + 1
+
+
+def answered_tokens(shape: tuple[int, ...], dtype: str) -> int | None:
+    """The tokens of a window's answer of ``shape`` and ``dtype``: int32
+    ``[1, n]``, or one logprobs row per token ``[n, 2 + 2L]``; None for rows
+    of logits (``[1, k + 1, vocab]``, a broken stage's, answered as they are)."""
+    if len(shape) != 2:
+        return None
+    return shape[1] if dtype == "int32" else shape[0]
+
+
+def window_accepted(headers: WireHeaders, shape: tuple[int, ...], dtype: str) -> int | None:
+    """``X-Meshnet-Accepted`` of the answer of ``shape`` and ``dtype`` that the
+    node that answers makes for the request ``headers``: a window's ``n - 1``
+    (wire-2 §3.16), None for any other answer (a plain chunk's, logits)."""
+    if headers.draft is None or headers.sample is None:
+        return None
+    tokens = answered_tokens(shape, dtype)
+    return None if tokens is None else tokens - 1
 
 
 def check_drafted_ids(headers: WireHeaders, tensor: np.ndarray) -> None:
@@ -115,11 +139,8 @@ class WindowCounts:
     def count(self, draft: tuple[int, ...], answer: np.ndarray) -> None:
         """A window's answer: the accepted drafts then one token of the
         target's own (rows of logits, a broken stage's, count nothing)."""
-        if answer.dtype == np.int32:
-            tokens = answer.shape[1]
-        elif answer.ndim == 2:  # one logprobs row per token
-            tokens = answer.shape[0]
-        else:
+        tokens = answered_tokens(answer.shape, answer.dtype.name)
+        if tokens is None:
             return
         self.windows.inc()
         self.drafted.inc(len(draft))

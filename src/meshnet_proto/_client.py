@@ -336,7 +336,9 @@ class ClientConnection(H11Reader[_Answer]):
             # A response mirrors its request's sequencing headers when it has
             # them; hold it to the strict rules then, to the gateway's else.
             strict = all(name in present for name in _SEQUENCING_HEADERS)
-            wire = parse_wire_headers(headers, limits=self._limits, require_sequencing=strict)
+            wire = parse_wire_headers(
+                headers, limits=self._limits, require_sequencing=strict, answer=True
+            )
             kind, limit = _Kind.ACTIVATION, body_bound(wire)
             if length is not None and wire.encoding == "identity" and length != wire.nbytes:
                 raise self._bad(

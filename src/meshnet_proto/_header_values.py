@@ -306,8 +306,11 @@ def _bad_chunk(header: bytes, message: str) -> ProtocolError:
 Group: TypeAlias = Callable[[dict[bytes, bytes], dict[str, Any], Limits, bool], None]
 
 
-def collect(pairs: Iterable[tuple[bytes | str, bytes | str]]) -> dict[bytes, bytes]:
-    """The known wire headers' values, after the content type (415) and
+def collect(
+    pairs: Iterable[tuple[bytes | str, bytes | str]],
+    known: frozenset[bytes] = KNOWN_MESHNET_HEADERS,
+) -> dict[bytes, bytes]:
+    """The ``known`` wire headers' values, after the content type (415) and
     duplicates (400) are checked; every other header is ignored."""
     content_types: list[bytes] = []
     found: dict[bytes, bytes] = {}
@@ -322,7 +325,7 @@ def collect(pairs: Iterable[tuple[bytes | str, bytes | str]]) -> dict[bytes, byt
             name, value = as_bytes(raw_name).lower(), as_bytes(raw_value)
         if name == CONTENT_TYPE:
             content_types.append(value)
-        elif name in KNOWN_MESHNET_HEADERS:
+        elif name in known:
             if name in found:
                 repeated[name] = repeated.get(name, 1) + 1
             else:

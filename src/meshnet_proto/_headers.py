@@ -28,6 +28,7 @@ from ._dtypes import WIRE_DTYPES, WIRE_ENCODINGS, wire_dtype_name
 from ._header_values import (
     GROUPS,
     H_SESSION_KEY,
+    KNOWN_MESHNET_HEADERS,
     MAX_RANK,
     OCTET_STREAM,
     SESSION_KEY,
@@ -48,9 +49,20 @@ from ._prefix import prefix_pairs, valid_prefix_fields
 from ._sample import SampleSpec, sample_pairs, valid_sample_field
 from ._slots import slot_setters
 from ._tenancy import tenancy_pairs, valid_tenancy_field
-from ._windows import AfterSpec, checked_draft, valid_after_field, window_pairs
+from ._windows import (
+    H_ACCEPTED,
+    AfterSpec,
+    checked_draft,
+    parse_accepted,
+    valid_accepted_field,
+    valid_after_field,
+    window_pairs,
+)
 
 __all__ = ["WireHeaders", "is_session_key", "parse_wire_headers", "parse_session_key"]
+
+# What an answer's parse collects: X-Meshnet-Accepted is answer-only (wire-2 §3.16).
+_ANSWER_HEADERS = KNOWN_MESHNET_HEADERS | {H_ACCEPTED}
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -95,6 +107,9 @@ class WireHeaders:
     # carries ``after``).
     draft: tuple[int, ...] | None = None
     after: AfterSpec | None = None
+    # wire-2 §3.16: the drafts a window's answer accepted (answer-only: a
+    # request's is never read, see parse_wire_headers' ``answer``).
+    accepted: int | None = None
 
     def __post_init__(self) -> None:
         self._validate(_EVERY_CHECK)
@@ -223,8 +238,8 @@ class WireHeaders:
             pairs += sample_pairs(self.sample)
         if self.client is not None or self.cache_salt is not None:
             pairs += tenancy_pairs(self.client, self.cache_salt)
-        if self.draft is not None or self.after is not None:
-            pairs += window_pairs(self.draft, self.after)
+        if self.draft is not None or self.after is not None or self.accepted is not None:
+            pairs += window_pairs(self.draft, self.after, self.accepted)
         return pairs
 
 
@@ -334,6 +349,11 @@ def _check_after(h: WireHeaders) -> None:
         raise ValueError(f"after must be an AfterSpec or None, got {h.after!r}")
 
 
+def _check_accepted(h: WireHeaders) -> None:
+    if not valid_accepted_field(h.accepted):
+        raise ValueError(f"accepted must be an int in 0..64 or None, got {h.accepted!r}")
+
+
 def _tenancy_check(field: str) -> Callable[[WireHeaders], None]:
     def check(h: WireHeaders) -> None:
         if not valid_tenancy_field(getattr(h, field)):
@@ -369,6 +389,7 @@ _CHECKS: dict[str, Callable[[WireHeaders], None]] = {
     "cache_salt": _tenancy_check("cache_salt"),
     "draft": _check_draft,
     "after": _check_after,
+    "accepted": _check_accepted,
     **{
         name: _uint_check(name)
         for name in ("chunk_index", "chunk_total", "position", "deadline_ms")
@@ -383,6 +404,7 @@ def parse_wire_headers(
     *,
     limits: Limits = Limits(),  # noqa: B008 - Limits is frozen: sharing one is safe
     require_sequencing: bool = True,
+    answer: bool = False,
 ) -> WireHeaders:
     """Validate a request's (or response's) wire headers, wire-2 §2.
 
@@ -390,13 +412,16 @@ def parse_wire_headers(
     any case). With ``require_sequencing=False`` (the gateway's input) the
     session, chunk index and chunk total may be absent; if given they must be
     valid, and a chunk index must be 0 and a total 1 (the client sends one
-    whole sequence). Raises ``ProtocolError`` with the wire-2 §2 status, a
-    stable code and the offending header.
+    whole sequence). With ``answer=True`` (a 200 to an activation) the
+    answer-only ``X-Meshnet-Accepted`` is read too; a request's is ignored
+    as an unknown header is. Raises ``ProtocolError`` with the wire-2 §2
+    status, a stable code and the offending header.
     """
-    values = collect(pairs)
+    values = collect(pairs, _ANSWER_HEADERS if answer else KNOWN_MESHNET_HEADERS)
     fields: dict[str, Any] = {}
     for group in GROUPS:  # wire-2 §2's order: see _header_values
         group(values, fields, limits, require_sequencing)
+    parse_accepted(values, fields)  # absent from a request's values: None
     headers = WireHeaders._trusted(fields)
     # Python ints: 8 dimensions of 19 digits cannot overflow anything here,
     # and nothing has been allocated for the body yet.

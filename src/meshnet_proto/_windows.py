@@ -10,7 +10,8 @@ at once, and a chunk at ``p < F`` rewinds the session to ``p`` first.
 
 Here are their grammars and what the head alone decides about them (400
 ``bad_draft`` / ``bad_after``); how a node routes a chunk that carries
-``After`` is the sequencer's (``_rewinds``).
+``After`` is the sequencer's (``_rewinds``). And the answer's
+``X-Meshnet-Accepted``: the drafts the window accepted, read on answers only.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ __all__ = ["MAX_DRAFT", "AfterSpec"]
 
 H_DRAFT = b"x-meshnet-draft"
 H_AFTER = b"x-meshnet-after"
+H_ACCEPTED = b"x-meshnet-accepted"
 # At most 64 drafts a window (wire-2 §3.16): what one verify pass is worth.
 MAX_DRAFT = 64
 # A draft is a token id: int32 on the wire, so below 2^31 (10 digits at most).
@@ -39,6 +41,8 @@ _ID = rb"(?:0|[1-9][0-9]{0,9})"
 _DRAFT = re.compile(_ID + rb"(?:," + _ID + rb"){0,%d}" % (MAX_DRAFT - 1))
 _UINT = rb"(0|[1-9][0-9]{0,%d})" % (MAX_UINT_DIGITS - 1)
 _AFTER = re.compile(rb"position=" + _UINT + rb",epoch=" + _UINT)
+# 0 to 64, canonical: at most two digits, no leading zero (the range is checked after).
+_ACCEPTED = re.compile(rb"0|[1-9][0-9]?")
 
 
 @dataclass(frozen=True, slots=True)
@@ -146,14 +150,38 @@ def parse_windows(
     fields["draft"], fields["after"] = draft, after
 
 
+def parse_accepted(values: dict[bytes, bytes], fields: dict[str, Any]) -> None:
+    """An answer's ``X-Meshnet-Accepted`` (wire-2 §3.16): absent, or the
+    drafts its window accepted, a canonical integer 0..64; else 400
+    ``bad_draft`` naming it (a client turns that into 502
+    ``downstream_bad_response``: the answer is the downstream's fault).
+
+    Answer-only: a request's is never collected, so never read here — it is
+    ignored as an unknown header is (§2.2), not even its form checked."""
+    raw = values.get(H_ACCEPTED)
+    if raw is None:
+        fields["accepted"] = None
+        return
+    if _ACCEPTED.fullmatch(raw) is None or int(raw) > MAX_DRAFT:
+        raise ProtocolError(
+            f"x-meshnet-accepted: expected a canonical integer 0..{MAX_DRAFT}",
+            code="bad_draft",
+            status=400,
+            header="x-meshnet-accepted",
+        )
+    fields["accepted"] = int(raw)
+
+
 def window_pairs(
-    draft: tuple[int, ...] | None, after: AfterSpec | None
+    draft: tuple[int, ...] | None, after: AfterSpec | None, accepted: int | None = None
 ) -> list[tuple[bytes, bytes]]:
     pairs = []
     if draft is not None:
         pairs.append((b"X-Meshnet-Draft", ",".join(map(str, draft)).encode("ascii")))
     if after is not None:
         pairs.append((b"X-Meshnet-After", after.to_value()))
+    if accepted is not None:
+        pairs.append((b"X-Meshnet-Accepted", str(accepted).encode("ascii")))
     return pairs
 
 
@@ -182,3 +210,8 @@ def checked_draft(value: object) -> tuple[int, ...] | None:
 def valid_after_field(value: object) -> bool:
     """For hand-built headers: None or an ``AfterSpec`` (which checked itself)."""
     return value is None or isinstance(value, AfterSpec)
+
+
+def valid_accepted_field(value: object) -> bool:
+    """For hand-built headers: None or an int (not a bool) in 0..64."""
+    return value is None or (type(value) is int and 0 <= value <= MAX_DRAFT)

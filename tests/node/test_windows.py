@@ -26,9 +26,10 @@ from meshnet_model.testing import small_config, write_checkpoint
 from meshnet_node.draw import draw_answer, verify_answer
 from meshnet_node.drawn_answers import DrawnAnswers
 from meshnet_node.model_chain import start_model_chain
+from meshnet_node.outgoing import outgoing_changes, relayed_headers
 from meshnet_node.scheduler import Work, plan_step
 from meshnet_node.serving import RunningNode
-from meshnet_node.windows import check_drafted_ids
+from meshnet_node.windows import check_drafted_ids, window_accepted
 from meshnet_proto import (
     ActivationResponse,
     ErrorResponse,
@@ -155,6 +156,27 @@ def test_a_rewind_drops_the_direct_returns_answers_from_its_position() -> None:
     assert drawn._answers["s"] == {3: replies[3]}
 
 
+def test_the_answer_to_a_window_counts_its_accepted_drafts() -> None:
+    """X-Meshnet-Accepted (§3.16): a window's n - 1, on the answer only; a
+    plain sampled chunk's answer, and rows of logits, carry none."""
+    window = WireHeaders(shape=(1, 4), dtype="int32", sample=GREEDY, draft=(5, 6, 7), position=3)
+    assert window_accepted(window, (1, 3), "int32") == 2
+    assert window_accepted(window, (4, 8), "float32") == 3  # logprobs rows: one per token
+    assert window_accepted(window, (1, 4, VOCAB), "float32") is None  # broken rows as they are
+    assert window_accepted(window.replace(draft=None), (1, 1), "int32") is None
+    answer = outgoing_changes(window, (1, 1), "int32", "identity", 3, answer=True)
+    assert answer["accepted"] == 0 and answer["draft"] is None
+    down = outgoing_changes(window, (1, 4, 8), "float32", "identity", 3, answer=False)
+    assert "accepted" not in down
+    # Never sent down, whatever a hand-built request held.
+    counted = window.replace(accepted=2)
+    assert (
+        outgoing_changes(counted, (1, 4), "int32", "identity", 3, answer=False)["accepted"] is None
+    )
+    relayed = WireHeaders(shape=(1, 2), dtype="int32", accepted=1, sample=GREEDY)
+    assert relayed_headers(relayed).accepted == 1
+
+
 # ------------------------------------------------------------------ over sockets
 
 
@@ -173,6 +195,11 @@ async def post(
 def answer_of(response: ActivationResponse | ErrorResponse) -> np.ndarray:
     assert isinstance(response, ActivationResponse), response.error  # type: ignore[union-attr]
     return np.array(decode_tensor(response.headers, response.body))
+
+
+def accepted_of(response: ActivationResponse | ErrorResponse) -> int | None:
+    assert isinstance(response, ActivationResponse), response.error  # type: ignore[union-attr]
+    return response.headers.accepted
 
 
 def error_of(response: ActivationResponse | ErrorResponse) -> tuple[int, str]:
@@ -201,12 +228,19 @@ async def test_a_window_is_verified_on_a_stub_whose_input_is_its_logits() -> Non
             answer = await post(pool, session, None, logits, 0, sample=GREEDY, draft=(5, 6, 7))
             assert answer_of(answer).tolist() == [[5, 6, 9]]
             assert answer.headers.draft is None and answer.headers.after is None
+            # The count the last stage wrote, relayed up by the entry unchanged.
+            assert accepted_of(answer) == 2
+            again = await post(pool, session, None, logits, 0, sample=GREEDY, draft=(5, 6, 7))
+            assert accepted_of(again) == 2  # replayed as kept
+            plain = await post(pool, str(uuid.uuid4()), None, logits[0, :1], 0, sample=GREEDY)
+            assert answer_of(plain).tolist() == [[5]] and accepted_of(plain) is None
             with_logprobs = SampleSpec(seed=1, temperature=0.0, logprobs=2)
             other = str(uuid.uuid4())
             rows = answer_of(await post(pool, other, None, logits, 0, sample=with_logprobs,
                                         draft=(5, 6, 9)))  # fmt: skip
             expected = [draw_answer(logits[:, i], with_logprobs, i + 1)[0] for i in range(4)]
             assert rows.dtype == np.float32 and np.array_equal(rows, np.stack(expected))
+            assert np.array_equal(rows[:, 0], [5, 6, 9, 1])  # every draft, then the bonus
         finally:
             await pool.aclose()
         assert await metric(last, "meshnet_windows_verified_total") == 2
@@ -369,6 +403,7 @@ async def test_windows_of_drafts_some_wrong_give_the_plain_greedy_output() -> No
                                 draft=tuple(drafts), after=AfterSpec(held, epoch))  # fmt: skip
             tokens = answer_of(answer)[0].tolist()
             assert tokens[:-1] == drafts[: len(tokens) - 1]
+            assert accepted_of(answer) == len(tokens) - 1
             out += tokens
             held, windows = at + len(drafts) + 1, windows + 1
         assert out[:steps] == plain

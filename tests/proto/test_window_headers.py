@@ -1,17 +1,26 @@
 """wire-2 §3.16 in the core: ``X-Meshnet-Draft`` and ``X-Meshnet-After`` —
 their grammars, what the head alone decides about them (400 ``bad_draft``,
 ``bad_after``, in §2.7's order after the sample header), their canonical
-form and round trip, and the hand-built headers."""
+form and round trip, and the hand-built headers — and the answer's
+``X-Meshnet-Accepted`` (read on answers only)."""
 
 from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from meshnet_proto import ErrorCode, ProtocolError, ServerConnection, WireHeaders
+from meshnet_proto import (
+    ClientConnection,
+    DownstreamError,
+    ErrorCode,
+    ProtocolError,
+    ServerConnection,
+    WireHeaders,
+)
 from meshnet_proto._headers import parse_wire_headers
 from meshnet_proto._windows import parse_after_value, parse_draft_value
 from meshnet_proto.lowlevel import MAX_DRAFT, AfterSpec, SampleSpec
@@ -363,3 +372,96 @@ def test_hand_built_headers_take_only_an_after_spec() -> None:
         WireHeaders(shape=(1, 3), dtype="int32", after=(8, 0))  # type: ignore[arg-type]
     headers = WireHeaders(shape=(1, 3), dtype="int32", after=AfterSpec(8, 0))
     assert headers.replace(after=None).after is None
+
+
+# -- X-Meshnet-Accepted: the answer's count (answer-only) -----------------------------------------
+
+ANSWER = WireHeaders(
+    shape=(1, 3), dtype="int32", session=S, chunk_index=0, chunk_total=1, position=8
+)
+
+
+def answer_pairs(*values: bytes) -> list[tuple[bytes, bytes]]:
+    return ANSWER.to_pairs() + [(b"X-Meshnet-Accepted", value) for value in values]
+
+
+def test_an_answer_carries_the_count_and_writes_it_canonically() -> None:
+    answer = ANSWER.replace(accepted=2)
+    assert dict(answer.to_pairs())[b"X-Meshnet-Accepted"] == b"2"
+    assert parse_wire_headers(answer.to_pairs(), answer=True) == answer
+    assert parse_wire_headers(ANSWER.to_pairs(), answer=True).accepted is None
+    assert b"X-Meshnet-Accepted" not in dict(ANSWER.to_pairs())
+
+
+@pytest.mark.parametrize("value", [b"", b"00", b"01", b"65", b"99", b"100", b"-1", b"+1", b" 1"])
+def test_a_malformed_count_on_an_answer_is_400_bad_draft(value: bytes) -> None:
+    with pytest.raises(ProtocolError) as err:
+        parse_wire_headers(answer_pairs(value), answer=True)
+    assert (err.value.status, err.value.code) == (400, "bad_draft")
+    assert err.value.header == "x-meshnet-accepted"
+
+
+def test_an_answers_count_given_twice_is_a_duplicate_header() -> None:
+    with pytest.raises(ProtocolError) as err:
+        parse_wire_headers(answer_pairs(b"1", b"1"), answer=True)
+    assert (err.value.code, err.value.header) == ("duplicate_header", "x-meshnet-accepted")
+
+
+@pytest.mark.parametrize("values", [(b"3",), (b"junk",), (b"1", b"2")])
+def test_a_request_s_count_is_ignored_as_an_unknown_header(values: tuple[bytes, ...]) -> None:
+    """Answer-only: on a request neither its value, its form nor a repeat matters."""
+    extra = tuple((b"x-meshnet-accepted", value) for value in values)
+    headers = parse_wire_headers(pairs(shape=b"1,2", extra=extra))
+    assert headers == parse_wire_headers(pairs(shape=b"1,2")) and headers.accepted is None
+    gateway = parse_wire_headers(answer_pairs(*values), require_sequencing=False)
+    assert gateway.accepted is None
+
+
+def test_a_client_answers_a_bad_count_502_naming_it() -> None:
+    """A bad answer header is the downstream's fault, as every other is."""
+    client = ClientConnection(hop="http://last:1")
+    client.send_activation(ANSWER.replace(shape=(1, 2), sample=SampleSpec(seed=1)), b"\0" * 8)
+    head = b"".join(n + b": " + v + b"\r\n" for n, v in answer_pairs(b"65"))
+    client.receive_data(b"HTTP/1.1 200 OK\r\n" + head + b"content-length: 12\r\n\r\n")
+    with pytest.raises(DownstreamError) as err:
+        client.next_event()
+    assert (err.value.status, err.value.code) == (502, "downstream_bad_response")
+    assert err.value.header == "x-meshnet-accepted"
+
+
+def test_a_client_reads_the_count_of_an_answer() -> None:
+    client = ClientConnection()
+    client.send_activation(ANSWER.replace(sample=SampleSpec(seed=1), draft=(4, 5)), b"\0" * 12)
+    head = b"".join(n + b": " + v + b"\r\n" for n, v in answer_pairs(b"1"))
+    body = b"\4\0\0\0\7\0\0\0\2\0\0\0"
+    client.receive_data(b"HTTP/1.1 200 OK\r\n" + head + b"content-length: 12\r\n\r\n" + body)
+    event = client.next_event()
+    assert event.headers.accepted == 1  # type: ignore[union-attr]
+
+
+@given(st.integers(0, MAX_DRAFT))
+def test_every_count_round_trips(count: int) -> None:
+    answer = ANSWER.replace(accepted=count)
+    assert dict(answer.to_pairs())[b"X-Meshnet-Accepted"] == str(count).encode()
+    assert parse_wire_headers(answer.to_pairs(), answer=True) == answer
+    assert parse_wire_headers(answer.to_pairs()) == ANSWER  # a request's: ignored
+
+
+@given(st.one_of(st.binary(max_size=6), st.from_regex(rb"[0-9]{1,3}", fullmatch=True)))
+def test_any_bytes_as_a_count_parse_or_are_400(value: bytes) -> None:
+    try:
+        count = parse_wire_headers(answer_pairs(value), answer=True).accepted
+    except ProtocolError as err:
+        assert (err.status, err.code) == (400, ErrorCode.BAD_DRAFT)
+        return
+    assert count is not None and 0 <= count <= MAX_DRAFT
+    assert str(count).encode() == value  # only the canonical spelling parses
+
+
+@pytest.mark.parametrize("count", [-1, MAX_DRAFT + 1, True, 1.0, "1", np.int64(1)])
+def test_hand_built_counts_check_themselves(count: Any) -> None:
+    with pytest.raises(ValueError, match="accepted"):
+        WireHeaders(shape=(1, 3), dtype="int32", accepted=count)
+    with pytest.raises(ValueError, match="accepted"):
+        ANSWER.replace(accepted=count)
+    assert ANSWER.replace(accepted=0).replace(accepted=None) == ANSWER
