@@ -35,6 +35,7 @@ from meshnet_gateway import open_gateway
 from meshnet_gateway.app import GatewayApp
 from meshnet_gateway.config import GatewayConfig
 from meshnet_gateway.openai import ServedModel
+from meshnet_gateway.openai.draft_model import draft_model_problem
 from meshnet_model.engines.choice import share_cores
 from meshnet_model.engines.footprint import MemoryShortfall, fit_process
 from meshnet_model.errors import CheckpointError, ConfigError
@@ -255,10 +256,16 @@ def _preflight(args: argparse.Namespace) -> list[tuple[int, int]]:
         # The gateway's side (tokenizer, chat template, context), which it would
         # otherwise find wrong only after every stage had loaded; last, as the
         # slowest of the checks (it reads the tokenizer).
-        ServedModel.load(args.model, name=typed(args, "--model-name"),
-                         context=typed(args, "--max-context"))  # fmt: skip
+        served = ServedModel.load(
+            args.model, name=typed(args, "--model-name"), context=typed(args, "--max-context")
+        )
     except (OSError, ValueError) as exc:
         raise Refusal(f"cannot load --model {args.model}: {exc}") from None
+    draft = typed(args, "--draft-model")
+    if draft is not None:  # its path, config and vocabulary against the served tokenizer
+        problem = draft_model_problem(draft, served.tokenizer, typed(args, "--speculate"))
+        if problem is not None:
+            raise Refusal(problem)
     return splits
 
 

@@ -64,6 +64,10 @@ GATEWAY_ONLY = (
     "--allowed-origins",
     "--api-keys",
     "--max-messages",
+    "--speculate",
+    "--speculate-max-draft",
+    "--speculate-windows",
+    "--draft-model",
 )
 # Every server's: access, limits, shutdown, logging — given to the gateway and
 # every node alike (a --token is required and presented on every hop).

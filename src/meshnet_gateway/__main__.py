@@ -17,6 +17,7 @@ from meshnet_runtime.transports import listen
 from .app import ChainMismatch, GatewayApp
 from .config import GatewayConfig
 from .openai import ServedModel
+from .openai.draft_model import draft_model_problem
 from .server import build_server, ready_line
 
 
@@ -45,13 +46,20 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 2
         # Checked before serving, so a bad model directory is one clear line and exit 2.
         try:
-            ServedModel.load(config.model, name=config.model_name, context=config.max_context)
+            served = ServedModel.load(
+                config.model, name=config.model_name, context=config.max_context
+            )
         except (OSError, ValueError) as exc:
             print(f"meshnet-gateway: cannot load --model {config.model}: {exc}", file=sys.stderr)
             return 2
         except KeyboardInterrupt:  # Ctrl-C while the tokenizer loads: nothing to drain
             print("meshnet-gateway: interrupted while loading --model", file=sys.stderr)
             return FORCED_EXIT
+        if config.draft_model is not None:
+            draft = draft_model_problem(config.draft_model, served.tokenizer, config.speculate)
+            if draft is not None:
+                print(f"meshnet-gateway: {draft}", file=sys.stderr)
+                return 2
     mismatch: list[ChainMismatch] = []
 
     async def serve_checked(config: GatewayConfig) -> None:

@@ -5,13 +5,16 @@ asked what, how it ended, how long it took — and for a generation its
 tokens and speed::
 
     127.0.0.1 "POST /v1/completions" 200 prompt_tokens=5 completion_tokens=8 \\
-        ttft=0.041s tok/s=52.3 duration=0.186s        (one line)
+        ttft=0.041s tok/s=52.3 drafted=12 accepted=9 duration=0.186s    (one line)
     127.0.0.1 "GET /health" 200 duration=0.000s
     127.0.0.1 "POST /v1/chat/completions" 200 tenant=acme prompt_tokens=…  (with --api-keys)
 
 ``ttft``: arrival to the first token sampled (queue and prefill included);
 ``tok/s``: the decode rate, tokens after the first per second after the
-first (``-`` under two tokens); ``duration``: arrival to the last byte
+first (``-`` under two tokens); ``drafted``/``accepted``: tokens drafted in
+its verify windows and those the last stage accepted (speculative decoding,
+0 without), ``drafter``: ``lookup`` or ``model`` (``--draft-model``; absent
+with ``--speculate off``); ``duration``: arrival to the last byte
 handed to the connection (a stream: its end). A request whose client left
 before its answer is logged with status 499 (nginx's "client closed
 request"), a stream whose client left with ``client_left``. Written where
@@ -100,7 +103,11 @@ def line(record: AccessRecord, status: int, now: float, *, client_left: bool = F
             f"completion_tokens={timing.completion_tokens}",
             f"ttft={'-' if ttft is None else f'{ttft:.3f}s'}",
             f"tok/s={'-' if rate is None else f'{rate:.1f}'}",
+            f"drafted={timing.drafted}",
+            f"accepted={timing.accepted}",
         ]
+        if timing.drafter is not None:
+            parts.append(f"drafter={timing.drafter}")
     parts.append(f"duration={max(now - record.started, 0.0):.3f}s")
     if client_left:
         parts.append("client_left")

@@ -33,7 +33,7 @@ from meshnet_runtime.endpoints import Endpoint
 
 from .browser import host_list, origin_list
 
-__all__ = ["GATEWAY_FLAGS", "SPECIAL_TOKEN_POLICIES", "GatewayConfig"]
+__all__ = ["GATEWAY_FLAGS", "SPECIAL_TOKEN_POLICIES", "SPECULATE_MODES", "GatewayConfig", "int_in"]
 
 # What the gateway does with special-token text (e.g. "<|im_start|>") inside
 # chat message content: docs/security.md argues the default.
@@ -148,6 +148,36 @@ _SAMPLING = (
         "asked of it directly, not waited for back through every hop (wire-2 §3.14)",
     ),
 )
+SPECULATE_MODES = ("lookup", "off")
+
+
+def int_in(low: int, high: int) -> Callable[[str], int]:
+    """A flag's integer in ``low..high``."""
+
+    def parse(text: str) -> int:
+        if not (text.isascii() and text.isdigit()) or not low <= int(text) <= high:
+            raise argparse.ArgumentTypeError(f"expected an integer in {low}..{high}, got {text!r}")
+        return int(text)
+
+    return parse
+
+
+_SPECULATION = (
+    Flag(
+        "--speculate",
+        choice(SPECULATE_MODES),
+        "speculative decoding: lookup (drafts from the prompt and output so far, verified "
+        "several per trip at the last stage, wire-2 §3.16) or off (one token a trip)",
+    ),
+    Flag("--speculate-max-draft", int_in(1, 64), "most tokens drafted in one verify window"),
+    Flag("--speculate-windows", int_in(1, 8), "verify windows of a generation in flight at once"),
+    Flag(
+        "--draft-model",
+        nonempty,
+        "a small model (.gguf) with --model's tokenizer, run here to draft the windows "
+        "(default: prompt lookup, no model)",
+    ),
+)
 _KEYS = (
     Flag(
         "--api-keys",
@@ -177,6 +207,7 @@ GATEWAY_FLAGS: tuple[Flag, ...] = (
     + _LOGGING
     + _CACHE
     + _SAMPLING
+    + _SPECULATION
     + _BROWSERS
     + _KEYS
 )
@@ -227,6 +258,17 @@ class GatewayConfig(ServerConfig):
     sample_at: str = "last-stage"
     # The last stage, polled for each decode step's token (wire-2 §3.14).
     direct_return: str | None = None
+    # Speculative decoding (docs/openai-api.md#speculative-decoding): prompt
+    # lookup drafts, verified at the last stage. 8 drafts: a copied passage
+    # yields up to 9 tokens a trip, and a rejected window wastes at most 8
+    # rows. 2 windows: the next one travels while the last stage verifies
+    # this one, and a rejection throws away at most one window's work.
+    speculate: str = "lookup"
+    speculate_max_draft: int = 8
+    speculate_windows: int = 2
+    # A draft model run in the gateway (draft_model.py) instead of prompt
+    # lookup: drafts where the prompt holds none, for its compute and memory.
+    draft_model: str | None = None
     # Clients' API keys (docs/security.md): a file of digests, never the keys.
     api_keys: str | None = None
     # Web pages (browser.py, docs/openai-api.md#browsers-host-origin-cors): a

@@ -13,6 +13,12 @@ if TYPE_CHECKING:
 __all__ = ["gateway_info"]
 
 
+def _speculate(app: GatewayApp) -> dict[str, Any] | None:
+    """Speculative decoding's settings and drafter (None: off, or no /v1)."""
+    speculate = None if app.openai is None else app.openai.chain_settings().speculate
+    return None if speculate is None else speculate.describe()
+
+
 def gateway_info(app: GatewayApp) -> dict[str, Any]:
     """The gateway's ``/info`` document."""
     config = app.config
@@ -46,6 +52,7 @@ def gateway_info(app: GatewayApp) -> dict[str, Any]:
         "admission": app.admission.describe() if app.openai is not None else None,
         "sample_at": config.sample_at,
         "direct_return": app.direct.describe() if app.direct is not None else None,
+        "speculate": _speculate(app),
         "chain": {
             "checked": app.chain_problems is not None,
             "problems": [p.to_json() for p in app.chain_problems or []],

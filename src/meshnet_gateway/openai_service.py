@@ -9,9 +9,11 @@ from meshnet_runtime.metrics import ReadAtScrape
 from .entry import last_stage_pool
 from .openai import OpenAIService, ServedModel
 from .openai.direct_return import DirectReturn
+from .openai.draft_model import DraftModel
 from .openai.generation import ChainSettings
 from .openai.metrics import GenerationMetrics, ServingMetrics
 from .openai.prefix_index import PrefixIndex, prefix_index_samples
+from .openai.speculation import Speculate
 
 if TYPE_CHECKING:
     from .app import GatewayApp
@@ -39,6 +41,17 @@ def openai_service(app: GatewayApp) -> OpenAIService:
 
     last = last_stage_pool(config, app.metrics)
     direct = app.direct = None if last is None else DirectReturn(last, app.codecs)
+    speculate = None
+    if config.speculate != "off":
+        draft = None
+        if config.draft_model is not None:  # its KV: --max-running sessions of the context
+            draft = DraftModel.load(
+                config.draft_model,
+                vocab=model.tokenizer.vocab_size,
+                sessions=config.max_running,
+                context=model.context_length,
+            )
+        speculate = Speculate(config.speculate_max_draft, config.speculate_windows, model=draft)
 
     def chain_settings() -> ChainSettings:
         # Read per request: the inflight cap follows the entry's reorder window.
@@ -54,6 +67,7 @@ def openai_service(app: GatewayApp) -> OpenAIService:
             prefix=prefix,
             sample_at=config.sample_at,
             direct=direct,
+            speculate=speculate,
         )
 
     # Prompts the chain can take as one run: no more chunks than a run may have.

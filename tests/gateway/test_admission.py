@@ -460,7 +460,8 @@ async def settled(served: Served) -> None:
 @pytest.mark.anyio
 async def test_beyond_capacity_is_429_with_retry_after_before_any_work(model_dir: Path) -> None:
     stages = slow_chain()
-    flags = ["--max-running", "2", "--max-queued", "1"]
+    # Plain decoding: one chain call per token, which the count below relies on.
+    flags = ["--max-running", "2", "--max-queued", "1", "--speculate", "off"]
     async with serve_openai(model_dir, stages=stages, gateway_flags=flags) as served:
         results: list[tuple[int, dict[str, str], bytes]] = []
 

@@ -267,8 +267,8 @@ def test_all_accepted_converges_up_to_max_draft_and_stays() -> None:
     for _ in range(20):
         ks.append(policy.k)
         policy.observe(policy.k, policy.k)
-    assert ks[:8] == [1, 2, 3, 4, 5, 6, 7, 8]
-    assert ks[8:] == [8] * 12
+    assert ks[:4] == [1, 2, 4, 8]  # doubled by each window accepted whole
+    assert ks[4:] == [8] * 16
     assert policy.drafting and policy.rate == pytest.approx(1.0)
 
 
@@ -313,7 +313,7 @@ def test_off_it_reprobes_and_resumes_when_a_probe_is_accepted() -> None:
         policy.observe(0, 0)
     assert policy.k == 2
     policy.observe(2, 2)  # accepted: the text is draftable again
-    assert policy.drafting and policy.k == 3 and policy.rate == 1.0
+    assert policy.drafting and policy.k == 4 and policy.rate == 1.0
 
 
 def test_a_plain_step_while_drafting_changes_nothing() -> None:

@@ -14,6 +14,7 @@ import functools
 import signal
 import threading
 import time
+import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -81,10 +82,14 @@ def stream_with(
     return "".join(text), gaps
 
 
-def gateway_flags(chain: ReplicaChain, *extra: str) -> list[str]:
+def gateway_flags(chain: ReplicaChain, *extra: str, speculate: str = "off") -> list[str]:
+    """The gateway's flags. Speculation is off unless asked for: most tests
+    here count the tokens each stage computes, once each, and a verify window
+    computes its drafts too (wire-2 §3.16)."""
     return [
         "--port", "0", "--log-level", "warning", "--entry", ",".join(chain.stage1),
-        "--model", str(chain.model_dir), "--chunk-tokens", "4", *HEALTH, *extra,
+        "--model", str(chain.model_dir), "--chunk-tokens", "4", *HEALTH,
+        "--speculate", speculate, *extra,
     ]  # fmt: skip
 
 
@@ -153,11 +158,17 @@ def test_sigkill_of_each_hops_holder_mid_stream_keeps_the_exact_tokens(model_dir
         assert set(gaps) == {3, 8}
 
 
-def test_a_seeded_stream_draws_the_same_tokens_across_a_kill(model_dir: Path) -> None:
+@pytest.mark.parametrize("speculate", ["off", "lookup"])
+def test_a_seeded_stream_draws_the_same_tokens_across_a_kill(
+    model_dir: Path, speculate: str
+) -> None:
     """The last stage draws (wire-2 §3.13) as a function of (seed, position):
     the stage-3 answers come from the same logits after the stage-2 holder is
     killed and its session replayed, so the seeded text is an uninterrupted
-    run's; and the same seed gives the same text again."""
+    run's; and the same seed gives the same text again. With speculation the
+    kill lands among verify windows and rewinds (wire-2 §3.16): the replay
+    runs the session's chunks in the order they ran, stale windows and
+    rewinds included, and the text is still the one plain decoding draws."""
     seeded = {"temperature": 1.0, "top_p": 0.95, "seed": 2024}
     with replica_chain(model_dir) as chain:
 
@@ -165,19 +176,35 @@ def test_a_seeded_stream_draws_the_same_tokens_across_a_kill(model_dir: Path) ->
             entry = [u for u in chain.stage1 if chain.info(u)["replicas"]["history"]["sessions"]]
             chain.kill(chain.holder(entry[0]))
 
-        async def drive() -> tuple[str, str, str]:
+        async def drive() -> tuple[str, str, str, str, float]:
+            run = functools.partial(stream_with, max_tokens=TOKENS, **seeded)
             config = GatewayConfig.load(gateway_flags(chain))
+            async with open_gateway(config) as plain_gateway:  # speculation off
+                plain, _ = await in_thread(run, plain_gateway.url, {})
+            config = GatewayConfig.load(gateway_flags(chain, speculate=speculate))
             async with open_gateway(config) as gateway:
-                run = functools.partial(stream_with, gateway.url, max_tokens=TOKENS, **seeded)
-                calm, _ = await in_thread(run, {})
-                again, _ = await in_thread(run, {})
-                killed, _ = await in_thread(run, {3: kill_stage2_holder})
-                return calm, again, killed
+                calm, _ = await in_thread(run, gateway.url, {})
+                again, _ = await in_thread(run, gateway.url, {})
+                killed, _ = await in_thread(run, gateway.url, {3: kill_stage2_holder})
+                drafted = await in_thread(drafted_tokens, gateway.url)
+            return plain, calm, again, killed, drafted
 
-        calm, again, killed = anyio.run(drive, backend="trio")
+        plain, calm, again, killed, drafted = anyio.run(drive, backend="trio")
     greedy, _ = expected_text(model_dir)
-    assert calm == again == killed
+    assert plain == calm == again == killed  # speculation draws what plain decoding does
     assert calm != greedy  # it did sample
+    # With speculation on, verify windows ran (at temperature 1 over a random
+    # model few drafts are accepted: the windows and rewinds are the point).
+    assert (drafted > 0) == (speculate == "lookup")
+
+
+def drafted_tokens(url: str) -> float:
+    """The gateway's count of tokens drafted in verify windows."""
+    with urllib.request.urlopen(url + "/metrics", timeout=LIMIT) as answer:
+        text = answer.read().decode()
+    name = "meshnet_openai_speculative_drafted_tokens_total "
+    (line,) = [line for line in text.splitlines() if line.startswith(name)]
+    return float(line.removeprefix(name))
 
 
 def test_sigstop_of_the_holder_recovers_within_the_deadline(model_dir: Path) -> None:

@@ -28,6 +28,8 @@ pytestmark = pytest.mark.slow
 PROMPT = "The three primary colours are"
 TOKENS = 12
 QUIET = ["--log-level", "warning"]
+# One chunk a token (the counts below): verify windows are tests/system/test_speculation.py's.
+PLAIN = ["--speculate", "off"]
 
 
 def _post(url: str, document: dict[str, Any]) -> dict[str, Any]:
@@ -65,12 +67,12 @@ async def _compare(stages: int) -> dict[str, Any]:
     model = str(smollm2_gguf())
     name_of_model = smollm2_gguf().stem
     async with serve_local(
-        model, stages, gateway_flags=["--port", "0", *QUIET], node_flags=QUIET
+        model, stages, gateway_flags=["--port", "0", *QUIET, *PLAIN], node_flags=QUIET
     ) as run:
 
         def another_gateway(*flags: str) -> GatewayConfig:
             """A second gateway over the same chain, with ``flags``."""
-            base = ["--port", "0", *QUIET, "--entry", run.node_urls[0], "--model", model]
+            base = ["--port", "0", *QUIET, *PLAIN, "--entry", run.node_urls[0], "--model", model]
             return GatewayConfig.load([*base, *flags])
 
         relaying = another_gateway("--sample-at", "gateway")

@@ -384,7 +384,8 @@ class OpenAIService:
         """One generation on ``chain``; every exit (done, failed, or cancelled
         by a client that left) gives the ticket back, closes the chain session
         and counts the outcome."""
-        self.active.add(chain.session)
+        session = chain.session  # the chain may start over in another (a refused prefix)
+        self.active.add(session)
         outcome = "cancelled"  # unless it ends any other way: the client left
         serving = self.serving
         prompt_counted = None if serving is None else partial(serving.prompt_tokens.inc, len(ids))
@@ -414,6 +415,7 @@ class OpenAIService:
                 on_prefilled=prompt_counted,
                 on_token=on_token,
                 sample_at=chain.settings.sample_at,
+                speculate=chain.settings.speculate,
             )
             outcome = timing.finish_reason = result.finish_reason
             if self.metrics is not None:
@@ -428,7 +430,10 @@ class OpenAIService:
             if ticket is not None:
                 ticket.release()  # before the DELETE: the chain work is over
             await chain.close()
-            self.active.discard(chain.session)
+            timing.drafted, timing.accepted = chain.drafted, chain.accepted
+            if (speculate := chain.settings.speculate) is not None:
+                timing.drafter = speculate.drafter
+            self.active.discard(session)
             if self.metrics is not None:
                 self.metrics.prompt_tokens.inc(len(ids))
                 self.metrics.generations.labels(fmt.endpoint, outcome).inc()

@@ -182,11 +182,13 @@ DEFAULT_THRESHOLD = 0.5
 DEFAULT_SMOOTHING = 0.25
 # Where to start, before any window is measured: half of the default maximum.
 DEFAULT_INITIAL_DRAFT = 4
-# Re-probing while off: one window of one drafted token after 32 plain steps.
-# A failed probe costs one extra row in 33 steps (at most 3 % of the compute
+# Re-probing while off: one window of one drafted token after 8 plain steps.
+# A failed probe costs one extra row in 9 steps (at most 11 % of the compute
 # when c is the whole step, nothing measurable over a link); a fully accepted
-# probe turns drafting back on.
-DEFAULT_PROBE_EVERY = 32
+# probe turns drafting back on. Every 32 steps was measured too slow: a
+# chat answer's copied part (a list the model repeats) began while drafting
+# was off, and a third of it went by plainly before a probe came.
+DEFAULT_PROBE_EVERY = 8
 DEFAULT_PROBE_DRAFT = 1
 
 
@@ -196,7 +198,7 @@ class DraftPolicy:
     The caller asks ``k``, drafts up to that many tokens, verifies them and
     reports ``observe(drafted, accepted)`` (``observe(0, 0)`` for a plain step,
     including one where the drafter had nothing to propose). While drafting,
-    a fully accepted window grows ``k`` by one (up to ``max_draft``) and a
+    a fully accepted window doubles ``k`` (up to ``max_draft``) and a
     rejection shrinks it to one past the accepted prefix (at least one); when
     the smoothed acceptance rate falls below ``threshold`` drafting stops. Off,
     after ``probe_every`` plain steps ``k`` becomes ``probe_draft`` until a
@@ -232,15 +234,18 @@ class DraftPolicy:
         self.probe_every = probe_every
         self.probe_draft = probe_draft
         self.drafting = True
-        self._k = initial_draft
+        self._k = self._initial = initial_draft
         self._plain_steps = 0  # while off: plain steps since drafting stopped or the last probe
         self._reset_estimate()
 
     def _reset_estimate(self) -> None:
-        # A prior of one accepted token of one drafted: optimistic, and light
-        # enough that a few rejected windows outweigh it.
-        self._accepted = 1.0
-        self._drafted = 1.0
+        # A prior of one window of ``initial_draft`` tokens accepted whole:
+        # optimistic, yet a few rejected windows outweigh it (from the
+        # defaults, drafting stops after the fifth window in a row rejected).
+        # Not lighter: a chat answer's first words are rarely in its prompt
+        # ("The list is: …" before the list it copies), and one rejected
+        # window must not turn drafting off for the rest of a short answer.
+        self._accepted = self._drafted = float(self._initial)
 
     @property
     def rate(self) -> float:
@@ -269,12 +274,14 @@ class DraftPolicy:
             self._plain_steps = 0
             if accepted == drafted:
                 self.drafting = True
-                self._k = min(self.max_draft, drafted + 1)
+                self._k = min(self.max_draft, 2 * drafted)
                 self._reset_estimate()
             return
         if accepted == drafted:
-            # The rate cannot fall here: it moves toward 1 (a mediant).
-            self._k = min(self.max_draft, self._k + 1)
+            # The rate cannot fall here: it moves toward 1 (a mediant). Doubled,
+            # not grown by one: a copied block is met at once (1 → 8 in three
+            # windows, not seven), and a rejection halves it back at worst.
+            self._k = min(self.max_draft, 2 * self._k)
             return
         self._k = max(1, min(self._k - 1, accepted + 1))
         if self.rate < self.threshold:

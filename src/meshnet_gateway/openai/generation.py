@@ -17,9 +17,11 @@ the drawn id, not the ``[1, vocab]`` logits; otherwise (``logit_bias``, the
 penalties, a ``min_tokens`` mask in force, ``--sample-at gateway``) the
 logits come up and the gateway draws, with the same function: either way the
 same tokens. A chain that ignores the header (older nodes) answers logits,
-and the gateway draws from them. When the generation ends — finished, failed or cancelled because
-the client left — the session is deleted at the entry node, which passes
-the DELETE down the chain.
+and the gateway draws from them. With ``--speculate lookup`` the decode
+steps become verify windows of several drafted tokens where drafting pays
+(``speculation.py``, wire-2 §3.16). When the generation ends — finished,
+failed or cancelled because the client left — the session is deleted at the
+entry node, which passes the DELETE down the chain.
 """
 
 from __future__ import annotations
@@ -56,11 +58,13 @@ from .chunk_marks import marked, sampling_last
 from .direct_return import DirectReturn, Pipeline, pipelined
 from .drawn import Answer, Drawn, read_answer, spec_for_last_stage
 from .metrics import GenerationMetrics
-from .output import GenerationResult, OnText, Output
+from .output import GenerationResult, OnText, Output, Tokens
 from .pieces import PrefillGate, run_in_pieces
 from .prefix_index import PrefixIndex
+from .session_lines import Lines
+from .speculation import Speculate, decode
 from .stops import StopFilter
-from .tokenizer import ModelTokenizer, TextStream
+from .tokenizer import ModelTokenizer
 
 __all__ = [
     "ChainSession",
@@ -101,6 +105,8 @@ class ChainSettings:
     # The last stage as this gateway reaches it, polled for each decode
     # step's token (wire-2 §3.14); None: every answer comes relayed.
     direct: DirectReturn | None = None
+    # Verify windows of drafted tokens (wire-2 §3.16); None: one token a step.
+    speculate: Speculate | None = None
 
 
 class ChainSession:
@@ -130,6 +136,7 @@ class ChainSession:
         # A generation's relays in flight, while it runs pipelined (§3.14).
         self.pipeline: Pipeline | None = None
         self.gate: PrefillGate | None = None  # set: a prompt goes in pieces (pieces.py)
+        self.drafted = self.accepted = 0  # this generation's window tokens (the access line)
         self._new_session()
 
     def _new_session(self) -> None:
@@ -145,6 +152,22 @@ class ChainSession:
         self.history: list[int] = []
         self.block_keys: list[str] = []
         self.tokens_saved = 0
+        self.lines = Lines()  # what the nodes hold past ``position``, and rewinds
+
+    async def restart(self) -> None:
+        """End this session on the nodes and go on in a new, empty one."""
+        await self.close()
+        self._new_session()
+
+    def keep(self, ids: Sequence[int]) -> None:
+        """A window's accepted part: the session holds ``ids`` (blocks never
+        filed: windows carry no block keys, wire-2 §3.16)."""
+        if self.prefix is not None:
+            start = len(self.block_keys)
+            self._block_keys_for(np.asarray([ids], dtype=np.int32), None)
+            self.lines.unfiled.update(self.block_keys[start:])
+        self.position += len(ids)
+        self.lines.ahead -= len(ids)
 
     @overload
     async def prefill(self, ids: Sequence[int], sample: None = None) -> np.ndarray: ...
@@ -221,6 +244,7 @@ class ChainSession:
             stage=settings.stage,
             session_key=self.key,
             sample=sample,
+            after=self.lines.plain(self.position),
         )
         if self.prefix is not None:
             headers = self._block_keys_for(ids, None)(headers)
@@ -256,10 +280,10 @@ class ChainSession:
             check_response(self.pool, headers, response.headers)
             tensor = await self.codecs.decode(response.headers, response.body)
         except MeshnetError as exc:
-            self._suspect(exc)
+            self.suspect(exc)
             raise
         if self.prefix is not None:
-            self.prefix.add(self.block_keys)
+            self.prefix.add(self.lines.filed(self.block_keys))
         return tensor
 
     async def _step_direct(
@@ -314,7 +338,7 @@ class ChainSession:
             finally:
                 self.pipeline = None
 
-    def _suspect(self, exc: MeshnetError) -> None:
+    def suspect(self, exc: MeshnetError) -> None:
         if exc.code == "stage_mismatch" and self.settings.on_stage_mismatch is not None:
             self.settings.on_stage_mismatch()  # the chain changed under us: re-check it
 
@@ -364,7 +388,7 @@ class ChainSession:
                 annotate=annotate,
             )
         except MeshnetError as exc:
-            self._suspect(exc)
+            self.suspect(exc)
             raise
         finally:
             # Whatever reached the nodes is in their caches now: the position
@@ -372,7 +396,7 @@ class ChainSession:
             self.position += ids.shape[1]
             self.runs += 1
         if self.prefix is not None:  # every chunk answered: the chain holds these
-            self.prefix.add(self.block_keys)
+            self.prefix.add(self.lines.filed(self.block_keys))
         return read_answer(result.output, sample, self.pool.url)
 
     def _block_keys_for(
@@ -432,12 +456,14 @@ async def generate(
     on_prefilled: Callable[[], None] | None = None,
     on_token: Callable[[], None] | None = None,
     sample_at: str = "last-stage",
+    speculate: Speculate | None = None,
 ) -> GenerationResult:
     """Generate up to ``max_tokens`` after ``prompt_ids``; ``on_text`` gets each new piece.
 
     ``sample_at``: "last-stage" asks the chain to draw while the sampler is
     stateless (wire-2 §3.13; a chain that answers logits anyway is drawn
-    from here), "gateway" never does.
+    from here), "gateway" never does. ``speculate``: decode steps become
+    verify windows where drafting pays (``speculation.py``).
 
     Generation ends at the sampler's stop ids (the model's eos ids unless
     ``ignore_eos``, and ``stop_token_ids``), masked by the sampler until
@@ -450,41 +476,19 @@ async def generate(
     result = GenerationResult(prompt_tokens=len(prompt_ids))
     if max_tokens == 0:
         return result
-    stream = TextStream(tokenizer)
-    stops = StopFilter(stop)
     sampler.begin(prompt_ids, tokenizer.stop_ids)
-    stop_ids = sampler.stop_ids
     output = Output(result, on_text, tokenizer, sampler)
-    emit = output.emit
+    tokens = Tokens(output, tokenizer, stop, max_tokens, on_token)
     remote = sample_at == "last-stage"
-
-    def sample() -> SampleSpec | None:
-        return spec_for_last_stage(sampler) if remote else None
-
     async with chain.pipelined():  # the direct return's relays land inside (§3.14)
-        answer = await chain.prefill(prompt_ids, sample())
+        sample = spec_for_last_stage(sampler) if remote else None
+        answer = await chain.prefill(prompt_ids, sample)
         if on_prefilled is not None:
             on_prefilled()
-        stopped = False
-        for produced in range(1, max_tokens + 1):
-            token, entry = await output.choose(answer, chain)
-            result.completion_tokens = produced
-            if on_token is not None:
-                on_token()
-            if token in stop_ids:
-                stopped = True
-                break
-            result.token_ids.append(token)
-            output.add(entry)
-            text, stopped = stops.feed(stream.push(token))
-            await emit(text)
-            if stopped or produced == max_tokens:
-                break  # the last token needs no decode step of its own
-            answer = await chain.step(token, sample())
-    if not stopped:
-        text, stopped = stops.feed(stream.flush())
-        await emit(text)
-        if not stopped:
-            await emit(stops.flush())
-    result.finish_reason = "stop" if stopped else "length"
+        # A chain that answered logits where a token was asked draws nothing
+        # (wire-2 §3.13), so it verifies nothing either (§3.16).
+        if not remote or (sample is not None and not isinstance(answer, Drawn)):
+            speculate = None
+        await decode(chain, output, tokens, answer, prompt_ids, remote, speculate)
+    await tokens.finish()
     return result

@@ -5,7 +5,8 @@ client left), tokens in and out, and the two latencies users feel: the
 prefill (prompt in, first token's logits back) and one decode step; and the
 admission control's state (``meshnet_gateway.admission``): generations
 admitted, requests queued, prompt tokens admitted and still prefilling,
-refusals by reason, and how long admitted requests waited.
+refusals by reason, and how long admitted requests waited; and speculative
+decoding's windows, drafted and accepted tokens (``SpeculationMetrics``).
 
 ``ServingMetrics``: the same story under the names a vLLM user's
 dashboards and alerts query (``vllm:time_to_first_token_seconds`` →
@@ -17,7 +18,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-__all__ = ["GenerationMetrics", "ServingMetrics"]
+__all__ = ["GenerationMetrics", "ServingMetrics", "SpeculationMetrics"]
 
 _LATENCY_BUCKETS = (
     0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
@@ -72,6 +73,42 @@ class GenerationMetrics:
             "Time queued requests waited, admitted or timed out",
             buckets=_LATENCY_BUCKETS, registry=registry,
         )  # fmt: skip
+        self.speculation = SpeculationMetrics(registry)
+
+
+class SpeculationMetrics:
+    """Verify windows (wire-2 §3.16, ``speculation.py``): what was drafted,
+    what the last stage accepted, and the rate, accepted / drafted tokens
+    since the gateway started — the figure that says whether drafting pays
+    (``drafts.DraftPolicy``'s cost model)."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        def counter(name: str, text: str) -> Counter:
+            return Counter(f"meshnet_openai_speculative_{name}", text, registry=registry)
+
+        self.windows = counter("windows", "Verify windows answered and used")
+        self.stale = counter(
+            "stale_windows", "Verify windows sent whose answers were discarded (a rejection before)"
+        )
+        self.drafted_tokens = counter("drafted_tokens", "Tokens drafted in windows used")
+        self.accepted_tokens = counter("accepted_tokens", "Drafted tokens the last stage accepted")
+        self.fallbacks = counter(
+            "fallbacks", "Generations gone on plainly: a window was answered with logits"
+        )
+        self._drafted = self._accepted = 0
+        Gauge(
+            "meshnet_openai_speculative_acceptance_rate",
+            "Accepted / drafted tokens since start (0 before any window)",
+            registry=registry,
+        ).set_function(lambda: self._accepted / self._drafted if self._drafted else 0.0)
+
+    def window(self, drafted: int, accepted: int) -> None:
+        """A window used: ``drafted`` tokens sent, ``accepted`` of them kept."""
+        self.windows.inc()
+        self.drafted_tokens.inc(drafted)
+        self.accepted_tokens.inc(accepted)
+        self._drafted += drafted
+        self._accepted += accepted
 
 
 # vLLM's bucket edges (seconds), so that its dashboards' quantiles read the same.

@@ -1,9 +1,11 @@
 """A generation's output: its result, and its text and logprobs as they come
-(to the result and to the caller's ``on_text``)."""
+(to the result and to the caller's ``on_text``), and where it ends (``Tokens``:
+stop ids, stop strings, ``max_tokens``), token by token whether a token came
+from a plain decode step or from a verify window."""
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -14,12 +16,13 @@ from meshnet_proto import MeshnetError
 
 from .drawn import Answer, Drawn
 from .logprobs import TokenLogprob, TokenTexts
-from .tokenizer import ModelTokenizer
+from .stops import StopFilter
+from .tokenizer import ModelTokenizer, TextStream
 
 if TYPE_CHECKING:
     from .generation import ChainSession
 
-__all__ = ["GenerationResult", "OnText", "Output"]
+__all__ = ["GenerationResult", "OnText", "Output", "Tokens"]
 
 
 @dataclass(slots=True)
@@ -103,3 +106,61 @@ class Output:
         shown, self.pending = self.pending, []
         if (piece or shown) and self.on_text is not None:
             await self.on_text(piece, shown)
+
+
+class Tokens:
+    """The generated tokens, one at a time, until the generation ends: at a
+    stop id (counted, not shown), a stop string, or ``max_tokens``.
+
+    The sampler's stop ids are read here, so ``Sampler.begin`` comes first.
+    ``on_token`` is told of each token as it is taken (the request's timing).
+    """
+
+    def __init__(
+        self,
+        output: Output,
+        tokenizer: ModelTokenizer,
+        stop: Sequence[str],
+        max_tokens: int,
+        on_token: Callable[[], None] | None = None,
+    ) -> None:
+        self.output = output
+        self.max_tokens = max_tokens
+        self.on_token = on_token
+        self.stream = TextStream(tokenizer)
+        self.stops = StopFilter(stop)
+        self.stop_ids = output.sampler.stop_ids
+        self.produced = 0
+        self.stopped = False  # a stop id or a stop string ended it
+
+    @property
+    def remaining(self) -> int:
+        """Tokens the generation may still take."""
+        return self.max_tokens - self.produced
+
+    async def take(self, token: int, entry: TokenLogprob | None) -> bool:
+        """One more token (and its logprobs entry): whether the generation has ended."""
+        result = self.output.result
+        self.produced += 1
+        result.completion_tokens = self.produced
+        if self.on_token is not None:
+            self.on_token()
+        if token in self.stop_ids:
+            self.stopped = True
+            return True
+        result.token_ids.append(token)
+        self.output.add(entry)
+        text, self.stopped = self.stops.feed(self.stream.push(token))
+        await self.output.emit(text)
+        return self.stopped or self.produced >= self.max_tokens
+
+    async def finish(self) -> None:
+        """The text held back (an unfinished character, a stop string's
+        possible start) and the finish reason, once no token comes any more."""
+        emit = self.output.emit
+        if not self.stopped:
+            text, self.stopped = self.stops.feed(self.stream.flush())
+            await emit(text)
+            if not self.stopped:
+                await emit(self.stops.flush())
+        self.output.result.finish_reason = "stop" if self.stopped else "length"

@@ -26,6 +26,9 @@ class RequestTiming:
     prompt_tokens: int | None = None
     completion_tokens: int = 0  # tokens sampled so far (an eos among them, as usage counts)
     finish_reason: str | None = None
+    drafted: int = 0  # verify windows' drafted tokens (wire-2 §3.16), and those accepted
+    accepted: int = 0
+    drafter: str | None = None  # "lookup" or "model" (--draft-model); None: speculation off
 
     def token(self, now: float) -> float | None:
         """A token was sampled at ``now``: the gap since the one before (None for the first)."""
