@@ -370,3 +370,22 @@ def test_bad_policy_arguments_are_refused() -> None:
     for drafted, accepted in ((1, 2), (-1, 0), (2, -1)):
         with pytest.raises(ValueError):
             policy.observe(drafted, accepted)
+
+
+def test_windows_are_pipelined_only_while_acceptance_is_high() -> None:
+    """One window at a time until the rate reaches the pipelining threshold:
+    a window drafted on top of another is thrown away when that one is not
+    accepted whole."""
+    policy = DraftPolicy(initial_draft=4)
+    assert policy.depth(3) == 3  # the optimistic prior
+    policy.observe(4, 1)
+    policy.observe(policy.k, 0)
+    assert policy.rate < 0.8 and policy.drafting
+    assert policy.depth(3) == 1
+    for _ in range(8):
+        policy.observe(policy.k, policy.k)
+    assert policy.rate >= 0.8 and policy.depth(3) == 3 and policy.depth(1) == 1
+    off = DraftPolicy(initial_draft=1)
+    for _ in range(6):
+        off.observe(1, 0)
+    assert not off.drafting and off.depth(4) == 1  # probes go one at a time

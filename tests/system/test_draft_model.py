@@ -12,19 +12,17 @@ drafter, and the draft sessions are gone once the answers are.
 
 from __future__ import annotations
 
-import json
 import re
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from support.gateway import stop
-from support.model_surface import info, post, spawn_logged
-from support.security import get
+from support.model_surface import info, spawn_logged
 from support.smollm2 import smollm2_gguf
+from support.speculation import PREFIX, chat_text, spec_counters
 
 pytestmark = pytest.mark.slow
 
@@ -61,38 +59,18 @@ def gateways(logs: Path) -> Iterator[dict[str, str]]:
         }
 
 
-def _text(url: str, prompt: str) -> str:
-    body = {
-        "model": smollm2_gguf().stem,
-        "messages": [{"role": "user", "content": prompt}],
-        "max_tokens": TOKENS,
-        "temperature": 0,
-    }
-    answer = post(url, "/v1/chat/completions", body)
-    assert answer.status == 200, answer.body[:500]
-    return str(json.loads(answer.body)["choices"][0]["message"]["content"])
-
-
-def _counters(url: str) -> dict[str, float]:
-    answer = get(url, "/metrics")
-    assert answer.status == 200
-    return {
-        sample.name.removeprefix("meshnet_openai_speculative_"): sample.value
-        for family in text_string_to_metric_families(answer.body.decode())
-        for sample in family.samples
-        if sample.name.startswith("meshnet_openai_speculative_")
-    }
-
-
 def test_a_draft_model_drafts_free_prose_and_answers_what_plain_decoding_does(
     tmp_path: Path,
 ) -> None:
     with gateways(tmp_path) as urls:
         for prompt in PROSE:
-            expected = _text(urls["off"], prompt)
-            assert _text(urls["model"], prompt) == expected, prompt
-            assert _text(urls["lookup"], prompt) == expected, prompt
-        model, lookup = _counters(urls["model"]), _counters(urls["lookup"])
+            expected = chat_text(urls["off"], prompt, TOKENS)
+            assert chat_text(urls["model"], prompt, TOKENS) == expected, prompt
+            assert chat_text(urls["lookup"], prompt, TOKENS) == expected, prompt
+        model, lookup = (
+            {k.removeprefix(PREFIX): v for k, v in spec_counters(url).items()}
+            for url in (urls["model"], urls["lookup"])
+        )
         document = info(urls["model"])
         assert info(urls["lookup"])["speculate"]["drafter"] == "lookup"
         assert info(urls["off"])["speculate"] is None

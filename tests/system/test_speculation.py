@@ -10,7 +10,6 @@ answers are equal, character for character; the speculating gateway's
 
 from __future__ import annotations
 
-import json
 import re
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
@@ -18,12 +17,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from support.gateway import stop
-from support.model_surface import post, spawn_logged
-from support.security import get
+from support.model_surface import spawn_logged
 from support.smollm2 import smollm2_gguf
+from support.speculation import chat_text, spec_counters
 
 pytestmark = pytest.mark.slow
 
@@ -63,38 +61,15 @@ def chain(stages: int, logs: Path) -> Iterator[tuple[str, str, Path]]:
         yield plain, start("meshnet_gateway", [*entry, *flags], "spec"), logs / "spec.log"
 
 
-def _text(url: str, prompt: str, sampling: dict[str, Any]) -> str:
-    body = {
-        "model": smollm2_gguf().stem,
-        "messages": [{"role": "user", "content": prompt}],
-        "max_tokens": TOKENS,
-        **sampling,
-    }
-    answer = post(url, "/v1/chat/completions", body)
-    assert answer.status == 200, answer.body[:500]
-    return str(json.loads(answer.body)["choices"][0]["message"]["content"])
-
-
-def _counters(url: str) -> dict[str, float]:
-    answer = get(url, "/metrics")
-    assert answer.status == 200
-    return {
-        sample.name: sample.value
-        for family in text_string_to_metric_families(answer.body.decode())
-        for sample in family.samples
-        if sample.name.startswith("meshnet_openai_speculative_")
-    }
-
-
 @pytest.mark.parametrize("stages", [2, 3])
 def test_speculation_answers_exactly_what_plain_decoding_does(stages: int, tmp_path: Path) -> None:
     with chain(stages, tmp_path) as (plain, spec, log):
         for prompt in PROMPTS:
             for name, sampling in SAMPLING.items():
-                expected = _text(plain, prompt, sampling)
-                assert _text(spec, prompt, sampling) == expected, (name, prompt)
-        figures = _counters(spec)
-        off = _counters(plain)
+                expected = chat_text(plain, prompt, TOKENS, **sampling)
+                assert chat_text(spec, prompt, TOKENS, **sampling) == expected, (name, prompt)
+        figures = spec_counters(spec)
+        off = spec_counters(plain)
     assert figures["meshnet_openai_speculative_drafted_tokens_total"] > 0, figures
     assert figures["meshnet_openai_speculative_accepted_tokens_total"] > 0, figures
     assert figures["meshnet_openai_speculative_fallbacks_total"] == 0

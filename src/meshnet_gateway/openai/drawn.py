@@ -52,7 +52,8 @@ def spec_for_last_stage(sampler: Sampler) -> SampleSpec | None:
     )
 
 
-def _bad(url: str, what: str) -> MeshnetError:
+def bad_answer(url: str, what: str) -> MeshnetError:
+    """502: the last stage's answer is none the sender can use (``what`` says why)."""
     return MeshnetError(
         f"{url}: the last stage answered {what}",
         code="downstream_bad_response",
@@ -65,29 +66,29 @@ def read_answer(tensor: np.ndarray, sample: SampleSpec | None, url: str) -> Answ
     """The answer ``tensor`` to a chunk sent with ``sample`` (or without),
     checked: logits as float32 ``[vocab]``, or the ``Drawn`` token."""
     if tensor.ndim != 2 or tensor.shape[0] != 1:
-        raise _bad(url, f"shape {tensor.shape}, not logits [1, vocab] or a drawn token")
+        raise bad_answer(url, f"shape {tensor.shape}, not logits [1, vocab] or a drawn token")
     if sample is not None and tensor.dtype == np.int32:
         if tensor.shape != (1, 1) or tensor[0, 0] < 0:
-            raise _bad(url, f"an int32 {tensor.shape} with {tensor[0, 0]}, not one token id")
+            raise bad_answer(url, f"an int32 {tensor.shape} with {tensor[0, 0]}, not one token id")
         if sample.logprobs is not None:
-            raise _bad(url, "a token without the logprobs asked for")
+            raise bad_answer(url, "a token without the logprobs asked for")
         return Drawn(int(tensor[0, 0]))
     if (
         sample is not None
         and sample.logprobs is not None
         and tensor.shape[1] == 2 + 2 * sample.logprobs
     ):
-        return _with_logprobs(tensor[0], url)
+        return with_logprobs(tensor[0], url)
     if tensor.dtype == np.int32:
-        raise _bad(url, "int32 values to a chunk that asked for logits")
+        raise bad_answer(url, "int32 values to a chunk that asked for logits")
     return np.asarray(tensor[0], dtype=np.float32)
 
 
-def _with_logprobs(row: np.ndarray, url: str) -> Drawn:
+def with_logprobs(row: np.ndarray, url: str) -> Drawn:
     values = row.astype(np.float64)
     ids = values[0::2]
     if not (np.isfinite(values).all() and (ids == np.floor(ids)).all() and ids[0] >= 0):
-        raise _bad(url, "a drawn token whose ids are not whole numbers")
+        raise bad_answer(url, "a drawn token whose ids are not whole numbers")
     top = tuple(
         (int(token), float(logprob))
         for token, logprob in zip(ids[1:], values[3::2], strict=True)

@@ -303,10 +303,10 @@ class Speculator:
         return token, await self.tokens.take(token, entry)
 
     async def _fill(self, lookup: Drafter, token: int, sample: SampleSpec) -> None:
-        """Send windows until ``windows`` are in flight, while there is
-        something to draft and room before ``max_tokens``."""
+        """Send windows until as many are in flight as the policy's depth
+        allows, while there is something to draft and room for them."""
         chain = self.chain
-        while len(self.flight) < self.settings.windows:
+        while len(self.flight) < self.policy.depth(self.settings.windows):
             # A window of k drafts yields at most k + 1 tokens.
             room = self.tokens.remaining - sum(len(w.drafts) + 1 for w in self.flight)
             k = min(self.policy.k, room - 1)

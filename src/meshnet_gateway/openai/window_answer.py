@@ -27,18 +27,13 @@ import numpy as np
 from meshnet_proto import MeshnetError
 from meshnet_proto.lowlevel import SampleSpec
 
-from .drawn import Drawn, _with_logprobs
+from .drawn import Drawn, bad_answer, with_logprobs
 
 __all__ = ["read_window"]
 
 
 def _bad(url: str, what: str) -> MeshnetError:
-    return MeshnetError(
-        f"{url}: the last stage answered a verify window {what}",
-        code="downstream_bad_response",
-        status=502,
-        hop=url,
-    )
+    return bad_answer(url, f"a verify window {what}")
 
 
 def read_window(
@@ -82,7 +77,7 @@ def _tokens(
             return None
         if tensor.shape[0] > most:
             raise _bad(url, f"{tensor.shape[0]} tokens, more than its {most}")
-        drawn = [_with_logprobs(row, url) for row in tensor]
+        drawn = [with_logprobs(row, url) for row in tensor]
     ids = [one.token for one in drawn]
     if ids[:-1] != list(drafts[: len(ids) - 1]):
         raise _bad(url, f"{ids}, which departs from its drafts {list(drafts)} before its end")
