@@ -45,6 +45,7 @@ SECTIONS: tuple[str, ...] = (
     "pd",
     "link",
     "tenants",
+    "spec",
 )
 
 # key -> (comparison, bound): the issue's floors. Printed next to the figures.
@@ -64,6 +65,11 @@ TARGETS: dict[str, tuple[str, float]] = {
     "link_wifi_bytes_up_per_token_hop": ("<=", 1024),
     "link_wifi_ms_over_floor": ("<=", 1.3),
     "link_loopback_decode_ratio": (">=", 0.95),
+    # issue 38: speculative decoding, the real model over two stages
+    "spec_wifi_draftable_speedup": (">=", 2.5),
+    "spec_wifi_prose_ratio": (">=", 0.95),
+    "spec_loopback_draftable_ratio": (">=", 1.0),
+    "spec_loopback_prose_ratio": (">=", 0.95),
 }
 
 # In the current directory: the committed docs/bench-throughput.png is only
