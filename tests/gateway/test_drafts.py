@@ -307,10 +307,12 @@ def test_off_it_reprobes_and_resumes_when_a_probe_is_accepted() -> None:
     assert policy.k == 2  # the probe is due
     policy.observe(0, 0)  # the drafter had nothing: still due
     assert policy.k == 2
-    policy.observe(2, 1)  # a failed probe: off, and the count restarts
+    policy.observe(2, 1)  # a failed probe: off, and the count restarts, twice as long
     assert not policy.drafting and policy.k == 0
-    for _ in range(4):
+    for _ in range(7):
         policy.observe(0, 0)
+    assert policy.k == 0
+    policy.observe(0, 0)
     assert policy.k == 2
     policy.observe(2, 2)  # accepted: the text is draftable again
     assert policy.drafting and policy.k == 4 and policy.rate == 1.0
@@ -389,3 +391,29 @@ def test_windows_are_pipelined_only_while_acceptance_is_high() -> None:
     for _ in range(6):
         off.observe(1, 0)
     assert not off.drafting and off.depth(4) == 1  # probes go one at a time
+
+
+def test_failed_probes_come_ever_more_rarely_until_one_is_accepted() -> None:
+    policy = DraftPolicy(initial_draft=1, probe_every=2)
+    while policy.drafting:
+        policy.observe(policy.k, 0)
+    waits = []
+    for _ in range(6):  # six probes, all rejected: the plain steps before each
+        steps = 0
+        while policy.k == 0:
+            policy.observe(0, 0)
+            steps += 1
+        waits.append(steps)
+        policy.observe(policy.k, 0)
+    assert waits == [2, 4, 8, 16, 16, 16]  # doubled, up to 8 x probe_every
+    while policy.k == 0:
+        policy.observe(0, 0)
+    policy.observe(policy.k, policy.k)  # accepted: drafting again
+    assert policy.drafting
+    while policy.drafting:
+        policy.observe(policy.k, 0)
+    steps = 0
+    while policy.k == 0:
+        policy.observe(0, 0)
+        steps += 1
+    assert steps == 2  # off afresh: the first probe comes after probe_every again

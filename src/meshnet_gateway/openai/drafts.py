@@ -196,6 +196,10 @@ DEFAULT_INITIAL_DRAFT = 4
 # was off, and a third of it went by plainly before a probe came.
 DEFAULT_PROBE_EVERY = 8
 DEFAULT_PROBE_DRAFT = 1
+# Failed probes in a row double the wait for the next, up to this many times
+# DEFAULT_PROBE_EVERY: a long prose answer pays a probe every 64 steps, and a
+# copied part starting later is still met within 64 tokens.
+PROBE_BACKOFF = 8
 
 
 class DraftPolicy:
@@ -209,7 +213,9 @@ class DraftPolicy:
     the smoothed acceptance rate falls below ``threshold`` drafting stops. Off,
     after ``probe_every`` plain steps ``k`` becomes ``probe_draft`` until a
     window is drafted; if that probe is fully accepted, drafting resumes from a
-    fresh estimate. See the cost model above for the defaults.
+    fresh estimate, and each failed probe doubles the wait for the next (up to
+    ``PROBE_BACKOFF`` times ``probe_every``). See the cost model above for the
+    defaults.
     """
 
     def __init__(
@@ -242,6 +248,7 @@ class DraftPolicy:
         self.drafting = True
         self._k = self._initial = initial_draft
         self._plain_steps = 0  # while off: plain steps since drafting stopped or the last probe
+        self._probe_wait = probe_every  # plain steps before the next probe
         self._reset_estimate()
 
     def _reset_estimate(self) -> None:
@@ -270,7 +277,7 @@ class DraftPolicy:
         """How many tokens to draft for the next window; 0: a plain step."""
         if self.drafting:
             return self._k
-        return self.probe_draft if self._plain_steps >= self.probe_every else 0
+        return self.probe_draft if self._plain_steps >= self._probe_wait else 0
 
     def observe(self, drafted: int, accepted: int) -> None:
         """Report a window: ``drafted`` tokens sent, the first ``accepted`` kept."""
@@ -289,6 +296,10 @@ class DraftPolicy:
                 self.drafting = True
                 self._k = min(self.max_draft, 2 * drafted)
                 self._reset_estimate()
+                return
+            # Free prose: probes keep failing, each one row of compute for
+            # nothing; so they come ever more rarely (8, 16, 32, 64 steps).
+            self._probe_wait = min(2 * self._probe_wait, PROBE_BACKOFF * self.probe_every)
             return
         if accepted == drafted:
             # The rate cannot fall here: it moves toward 1 (a mediant). Doubled,
@@ -300,3 +311,4 @@ class DraftPolicy:
         if self.rate < self.threshold:
             self.drafting = False
             self._plain_steps = 0
+            self._probe_wait = self.probe_every
