@@ -363,7 +363,10 @@ def _trees(env: dict[str, str] | None) -> tuple[Tree, ...]:
     "relayed": it samples, its answers come back through every hop;
     "before": the baseline."""
     before = Tree("before", env=env) if env else Tree("before", ("--sample-at", "gateway"))
-    return (Tree("after", direct=True), Tree("relayed"), before)
+    # Speculation off: this section measures what a trip through the chain
+    # costs, one token a trip (``--only spec`` measures several a trip).
+    plain = ("--speculate", "off")
+    return (Tree("after", plain, direct=True), Tree("relayed", plain), before)
 
 
 def run(options: BenchOptions) -> SectionResult:
