@@ -15,8 +15,11 @@ from ._support import server_process
 
 __all__ = ["GATEWAY_FLAGS", "Chain", "byte_level_gguf", "long_ids", "model_file", "start_chain"]
 
-# meshnet run's gateway flags (its --chunk-tokens and --inflight defaults).
-GATEWAY_FLAGS = ("--chunk-tokens", "128", "--inflight", "4")
+# meshnet run's gateway flags (its --chunk-tokens and --inflight defaults),
+# speculation off: the serve section sets meshnet against llama.cpp's server,
+# which decodes one token a step unless told to draft (--only spec measures
+# speculation against itself off).
+GATEWAY_FLAGS = ("--chunk-tokens", "128", "--inflight", "4", "--speculate", "off")
 
 
 def tiny_model(directory: Path) -> Path:
