@@ -37,7 +37,7 @@ from meshnet_gateway.openai.draft_model import (
     draft_kv_budget,
     draft_model_problem,
 )
-from meshnet_gateway.openai.generation import ChainSession, ChainSettings, generate
+from meshnet_gateway.openai.generation import ChainSession, generate
 from meshnet_gateway.openai.metrics import GenerationMetrics
 from meshnet_gateway.openai.output import GenerationResult
 from meshnet_gateway.openai.speculation import Speculate
@@ -47,7 +47,7 @@ from meshnet_model.testing import random_weights, small_config
 from meshnet_model.testing.gguf import GGUFVocab, write_gguf
 from meshnet_runtime.codec_pool import CodecPool
 from meshnet_runtime.downstream import DownstreamPool
-from support.fake_verifier import FakeVerifier, ScriptModel, fake_verifier
+from support.fake_verifier import FakeVerifier, ScriptModel, fake_verifier, scripted_settings
 from support.gguf import CHAT_TEMPLATE, vocab_for
 from support.openai import VOCAB, write_model_dir
 from support.vocab import byte_level_vocab
@@ -321,14 +321,7 @@ async def _generate(
 ) -> tuple[GenerationResult | None, ChainSession]:
     """The generation over a scripted chain; ``cancel_after``: cancelled as
     that many tokens are taken (the client left; None as its result)."""
-    settings = ChainSettings(
-        chunk_tokens=64,
-        inflight=1,
-        encoding="identity",
-        zstd_level=1,
-        timeout=10.0,
-        speculate=speculate,
-    )
+    settings = scripted_settings(speculate)
     taken, result = 0, None
 
     def on_token() -> None:

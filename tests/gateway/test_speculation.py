@@ -25,7 +25,7 @@ from meshnet_cli.run_flags import GATEWAY_ONLY
 from meshnet_gateway.access import AccessRecord, line
 from meshnet_gateway.config import GatewayConfig
 from meshnet_gateway.openai.drawn import Drawn
-from meshnet_gateway.openai.generation import ChainSession, ChainSettings, generate
+from meshnet_gateway.openai.generation import ChainSession, generate
 from meshnet_gateway.openai.metrics import GenerationMetrics
 from meshnet_gateway.openai.output import GenerationResult
 from meshnet_gateway.openai.prefix_index import PrefixIndex
@@ -38,7 +38,7 @@ from meshnet_proto import MeshnetError, WireHeaders
 from meshnet_proto.lowlevel import SampleSpec
 from meshnet_runtime.codec_pool import CodecPool
 from meshnet_runtime.downstream import DownstreamPool
-from support.fake_verifier import FakeVerifier, ScriptModel, fake_verifier
+from support.fake_verifier import FakeVerifier, ScriptModel, fake_verifier, scripted_settings
 from support.openai import write_model_dir
 
 pytestmark = pytest.mark.anyio
@@ -84,15 +84,7 @@ async def run(
 ) -> Run:
     metrics = GenerationMetrics(CollectorRegistry())
     index = PrefixIndex() if prefix else None
-    settings = ChainSettings(
-        chunk_tokens=64,
-        inflight=1,
-        encoding="identity",
-        zstd_level=1,
-        timeout=10.0,
-        speculate=speculate,
-        prefix=index,
-    )
+    settings = scripted_settings(speculate, index)
     async with fake_verifier(fake) as url:
         pool = DownstreamPool(url)
         chain = ChainSession(pool, CodecPool(), settings, metrics=metrics)

@@ -29,6 +29,9 @@ import anyio
 import anyio.abc
 import numpy as np
 
+from meshnet_gateway.openai.generation import ChainSettings
+from meshnet_gateway.openai.prefix_index import PrefixIndex
+from meshnet_gateway.openai.speculation import Speculate
 from meshnet_node.draw import draw_answer, verify_answer
 from meshnet_node.windows import window_accepted
 from meshnet_proto import WireHeaders
@@ -233,3 +236,19 @@ async def fake_verifier(fake: FakeVerifier) -> AsyncIterator[str]:
 
     async with scripted_peer(handle) as url:
         yield url
+
+
+def scripted_settings(
+    speculate: Speculate | None, prefix: PrefixIndex | None = None
+) -> ChainSettings:
+    """A generation's settings over a ``fake_verifier`` chain: identity
+    bodies, one chunk in flight, ``speculate`` as given."""
+    return ChainSettings(
+        chunk_tokens=64,
+        inflight=1,
+        encoding="identity",
+        zstd_level=1,
+        timeout=10.0,
+        speculate=speculate,
+        prefix=prefix,
+    )
