@@ -375,12 +375,14 @@ def test_bad_policy_arguments_are_refused() -> None:
 
 
 def test_windows_are_pipelined_only_while_acceptance_is_high() -> None:
-    """One window at a time until the rate reaches the pipelining threshold:
-    a window drafted on top of another is thrown away when that one is not
-    accepted whole."""
+    """One window at a time until one is accepted whole, and while the rate is
+    under the pipelining threshold: a window drafted on top of another is
+    thrown away when that one is not accepted whole."""
     policy = DraftPolicy(initial_draft=4)
-    assert policy.depth(3) == 3  # the optimistic prior
-    policy.observe(4, 1)
+    assert policy.rate == 1.0 and policy.depth(3) == 1  # not on the optimistic prior
+    policy.observe(4, 4)
+    assert policy.depth(3) == 3  # a window accepted whole: evidence
+    policy.observe(policy.k, 1)
     policy.observe(policy.k, 0)
     assert policy.rate < 0.8 and policy.drafting
     assert policy.depth(3) == 1

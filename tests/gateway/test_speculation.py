@@ -7,7 +7,8 @@ over a "model" that prefers a repeated pattern (``D`` … ``W``, twenty
 tokens) so that prompt lookup drafts well. Every case compares with the
 same generation with speculation off: the tokens, text, finish reason and
 logprobs are those plain decoding gives — greedy and seeded at temperature
-0.8, one window or several in flight, a rejection in the first window, a
+0.8, one window or several in flight, a rejection in the first window and
+after a whole one, a
 stop id, a stop string or ``max_tokens`` inside a window, a chain that
 answers windows with logits, samplers that need their history.
 """
@@ -143,26 +144,44 @@ async def test_windows_give_exactly_the_plain_tokens(
         assert len(spec.fake.seen) < spec.result.completion_tokens // 2
 
 
-async def test_a_rejection_in_the_first_window_stales_the_next_and_rewinds(
+async def test_one_window_at_a_time_until_one_is_accepted_whole(
     tokenizer: ModelTokenizer,
 ) -> None:
-    """The first window's second draft is wrong; the window sent after it
-    (held back at the node until it arrived: both were in flight) is stale,
-    and the next chunk rewinds after it in epoch 1."""
+    """The first window's second draft is wrong: it went alone (nothing is
+    pipelined on the prior), so the next chunk is its correction, not a
+    window sent behind it and now stale."""
     script = model({P + 2: 210})
-    fake = FakeVerifier(script, hold_first=True)
+    spec = await run(FakeVerifier(script), tokenizer, Speculate(4, 2))
+    same(spec.result, (await plain(tokenizer, script)).result)
+    prompt, first, correction = spec.fake.seen[:3]
+    assert first.position == P and first.draft is not None
+    assert correction.position == P + 2  # t, the accepted draft, then the correction
+    assert correction.after is not None and correction.after.position == P + 5
+
+
+async def test_a_rejection_after_a_whole_window_stales_the_next_and_rewinds(
+    tokenizer: ModelTokenizer,
+) -> None:
+    """The first window is accepted whole, so the next two go pipelined; the
+    second's second draft is wrong: the third (held back at the node until it
+    arrived: both were in flight) is stale, and the next chunk rewinds after
+    it in epoch 1."""
+    script = model({P + 7: 210})
+    fake = FakeVerifier(script, hold_window=2)
     spec = await run(fake, tokenizer, Speculate(4, 2))
     same(spec.result, (await plain(tokenizer, script)).result)
-    first, second = sorted(
-        fake.windows[:2], key=lambda h: h.position or 0
-    )  # either may arrive first
-    assert first.position == P and first.after is not None and first.after.epoch == 0
+    assert fake.windows[0].position == P and fake.windows[0].shape[1] == 5  # t and 4 drafts
+    second, third = sorted(fake.windows[1:3], key=lambda h: h.position or 0)
     assert second.position == P + 5 and second.after is not None
-    assert (second.after.position, second.after.epoch) == (P + 5, 0)
+    assert third.position == (second.position or 0) + second.shape[1]
+    assert third.after is not None and (third.after.position, third.after.epoch) == (
+        third.position,
+        0,
+    )
     rewinds = [h for h in fake.seen if h.after is not None and (h.position or 0) < h.after.position]
-    assert rewinds and rewinds[0].position == P + 2  # t, the accepted draft, then the correction
+    assert rewinds and rewinds[0].position == P + 7  # t, the accepted draft, then the correction
     assert rewinds[0].after is not None and rewinds[0].after.epoch == 1
-    assert rewinds[0].after.position == (second.position or 0) + second.shape[1]
+    assert rewinds[0].after.position == (third.position or 0) + third.shape[1]
     assert value(spec.metrics, "stale") >= 1
 
 
@@ -284,9 +303,11 @@ async def test_a_stale_window_that_failed_fails_the_generation_at_once(
     generation fails at once with the refusal instead."""
 
     def refuse(headers: WireHeaders) -> str | None:
-        return "chunk_conflict" if headers.draft and headers.position == P + 5 else None
+        # The third window: pipelined behind the second (P + 5, t and 8 drafts)
+        # once the first was accepted whole.
+        return "chunk_conflict" if headers.draft and headers.position == P + 14 else None
 
-    fake = FakeVerifier(model({P + 2: 210}), refuse=refuse)
+    fake = FakeVerifier(model({P + 7: 210}), refuse=refuse)
     failed = await run(fake, tokenizer, Speculate(4, 2))
     assert failed.error is not None and failed.error.code == "chunk_conflict"
     assert failed.fake.seen[-1].session in failed.fake.deleted

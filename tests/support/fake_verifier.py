@@ -12,9 +12,9 @@ prompt lookup drafts well and a deviation makes a window fail.
 Knobs for the gateway's tests: ``windows_as_logits`` (a last stage without
 §3.16: a window is run as a plain chunk and answered its logits),
 ``refuse`` (a chunk answered an error of the given code: 400 for a
-``bad_…`` one, else 409), ``hold_first`` (the
-session's first window is answered only once a second window has arrived:
-proof that the gateway keeps windows in flight).
+``bad_…`` one, else 409), ``hold_window`` (the
+session's window of that number, from 1, is answered only once the next
+window has arrived: proof that the gateway keeps windows in flight).
 """
 
 from __future__ import annotations
@@ -76,7 +76,7 @@ class _Session:
     tokens: list[int] = field(default_factory=list)
     epoch: int = 0
     windows: int = 0  # windows received
-    second: anyio.Event = field(default_factory=anyio.Event)
+    next_window: anyio.Event = field(default_factory=anyio.Event)  # the held one's successor
 
 
 class FakeVerifier:
@@ -86,12 +86,12 @@ class FakeVerifier:
         *,
         windows_as_logits: bool = False,
         refuse: Callable[[WireHeaders], str | None] | None = None,
-        hold_first: bool = False,
+        hold_window: int = 0,
     ) -> None:
         self.model = model
         self.windows_as_logits = windows_as_logits
         self.refuse = refuse
-        self.hold_first = hold_first
+        self.hold_window = hold_window  # 1-based; 0: none held
         self.sessions: dict[str, _Session] = {}
         self.changed = anyio.Condition()
         self.seen: list[WireHeaders] = []  # every chunk's head, as it arrived
@@ -106,12 +106,12 @@ class FakeVerifier:
         self.seen.append(headers)
         session = self.sessions.setdefault(headers.session or "", _Session())
         window = headers.draft is not None and not self.windows_as_logits
-        first = False
+        held_back = False
         if window:
             session.windows += 1
-            first = session.windows == 1
-            if session.windows == 2:
-                session.second.set()
+            held_back = session.windows == self.hold_window
+            if session.windows == self.hold_window + 1:
+                session.next_window.set()
         code = self.refuse(headers) if self.refuse is not None else None
         if code is not None:
             return 409, code
@@ -125,9 +125,9 @@ class FakeVerifier:
             session.tokens.extend(int(i) for i in ids.reshape(-1))
             held = list(session.tokens)
             self.changed.notify_all()
-        if first and self.hold_first:
+        if held_back:
             with anyio.fail_after(WAIT):
-                await session.second.wait()
+                await session.next_window.wait()
         return 200, self._answer(headers, held, p, ids.size, window)
 
     def accepted(self, headers: WireHeaders, answer: np.ndarray) -> int | None:
