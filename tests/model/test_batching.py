@@ -7,8 +7,9 @@ Bit for bit, not within a tolerance, because failover replays depend on it:
 a replica that recomputes a session must send exactly what was first sent,
 or the next hop sees a conflicting retransmission (409 chunk_conflict). How
 the engines keep it (``stage.batch``): row-invariant matrix products (the
-int4pack kernel and OpenBLAS's GEMM are; one row goes through numpy as two;
-dense torch products run per block of rows) and attention in query blocks
+int4pack kernel is; dense products share fixed tiles of ``SHARED_ROWS``
+rows among the small entries and run a larger entry alone, on numpy and on
+torch in float32 and bfloat16) and attention in query blocks
 aligned to absolute positions. A failing or stopped entry of a step leaves
 the others' numbers untouched.
 """
@@ -44,14 +45,14 @@ def q4_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def _runner(kind: str, checkpoint: Path, q4_gguf: Path) -> StageRunner:
     if kind == "numpy":
         return StageRunner.load(checkpoint)
-    if kind == "torch-float32":
-        return load_torch_runner(checkpoint, dtype="float32", threads=1)
+    if kind in ("torch-float32", "torch-bfloat16"):
+        return load_torch_runner(checkpoint, dtype=kind.removeprefix("torch-"), threads=1)
     runner = load_torch_runner(q4_gguf, dtype="keep", threads=1)
     assert any("int4pack" in form for form in runner.model.describe()["weights_held"])
     return runner
 
 
-ENGINES = ["numpy", "torch-float32", "torch-q4"]
+ENGINES = ["numpy", "torch-float32", "torch-bfloat16", "torch-q4"]
 
 
 def _ids(tokens: list[int]) -> np.ndarray:

@@ -20,13 +20,21 @@ by replay) must produce the very bits the first computation sent, or the next
 hop sees a conflicting retransmission. So a chunk's numbers must not depend
 on the step it ran in, nor on how the scheduler cut it:
 
-* a matrix product is shared by the entries only where its kernel is
+* a matrix product is shared by all the entries only where its kernel is
   row-invariant — each row's result depends on that row alone: torch's
   int4pack kernel is (a stage holding only such matrices is
-  ``row_invariant``). BLAS and oneDNN are not (their small-matrix and
-  blocked kernels are picked by the number of rows and sum in another order:
-  measured), so a dense product runs per entry, on exactly the rows the
-  entry has alone (``entry_rows``);
+  ``row_invariant``). BLAS and oneDNN are not across row counts (their
+  small-matrix and blocked kernels are picked by the number of rows and sum
+  in another order: measured), but they are within one shape: a product of
+  exactly ``SHARED_ROWS`` rows gives each row the same bits whatever the
+  other rows hold and wherever it sits among them (measured on numpy's
+  OpenBLAS and torch's oneDNN, float32 and bfloat16, one and two threads;
+  ``tests/model/test_shared_rows.py`` checks it on the machine it runs on).
+  So a dense product shares fixed tiles of ``SHARED_ROWS`` rows, zero-padded,
+  among the entries of at most that many rows (decode steps, verify
+  windows: what many streams are made of), and runs each larger entry alone
+  on exactly its own rows (``product_segments``). A chunk is replayed as it
+  was sent (runtime.history), so it takes the same path again;
 * attention runs in query blocks aligned to absolute positions
   (``query_blocks``): the queries ``[a, b)`` attend to keys ``[0, b)``
   whatever chunk or piece they arrived in, so in a row-invariant stage a
@@ -45,11 +53,52 @@ import numpy as np
 from ..errors import StageInputError, StageInvariantError
 from .kv_cache import KVCache
 
-__all__ = ["ATTENTION_BLOCK", "BatchEntry", "PackedBatch", "query_blocks"]
+__all__ = [
+    "ATTENTION_BLOCK",
+    "SHARED_ROWS",
+    "BatchEntry",
+    "PackedBatch",
+    "product_segments",
+    "query_blocks",
+]
 
 # Query rows attended at once, in blocks aligned to multiples of this
 # position; a step splits a chunk only at these boundaries.
 ATTENTION_BLOCK = 8
+
+# The rows of one shared dense product (a tile): entries of at most this many
+# rows share tiles of exactly this many, zero-padded. One decode row padded to
+# 8 costs about what it costs alone (the weights' read dominates), and 16
+# streams take 2 products instead of 16.
+SHARED_ROWS = 8
+
+
+def product_segments(
+    entry_rows: Sequence[tuple[int, int]], tile: int = SHARED_ROWS
+) -> list[tuple[int, int, bool]]:
+    """A dense product's calls over packed rows, as ``(lo, hi, padded)``: runs
+    of consecutive entries of at most ``tile`` rows cut into tiles of
+    ``tile`` rows (the last one padded to ``tile``: ``padded`` true), and
+    each larger entry alone (``padded`` false). The calls cover the rows in
+    order, so their outputs concatenate into the product's."""
+    segments: list[tuple[int, int, bool]] = []
+    run: tuple[int, int] | None = None  # the pending run of small entries' rows
+    for lo, hi in entry_rows:
+        if hi - lo > tile:
+            segments.extend(_tiles(run, tile))
+            run = None
+            segments.append((lo, hi, False))
+        else:
+            run = (lo, hi) if run is None else (run[0], hi)
+    segments.extend(_tiles(run, tile))
+    return segments
+
+
+def _tiles(run: tuple[int, int] | None, tile: int) -> list[tuple[int, int, bool]]:
+    if run is None:
+        return []
+    start, end = run
+    return [(lo, min(lo + tile, end), True) for lo in range(start, end, tile)]
 
 
 def query_blocks(past: int, tokens: int, size: int = ATTENTION_BLOCK) -> list[tuple[int, int]]:

@@ -33,7 +33,14 @@ import numpy as np
 from ...errors import StageInvariantError
 from ...formats.config import ModelConfig
 from ...rope import Rope, apply_rope
-from ...stage.batch import ATTENTION_BLOCK, BatchEntry, PackedBatch, query_blocks
+from ...stage.batch import (
+    ATTENTION_BLOCK,
+    SHARED_ROWS,
+    BatchEntry,
+    PackedBatch,
+    product_segments,
+    query_blocks,
+)
 from ...stage.kv_cache import KVCache
 from ...stage.weights import LayerWeights, StageWeights
 
@@ -71,18 +78,31 @@ def linear(
     blocks: list[tuple[int, int]] | None = None,
 ) -> np.ndarray:
     """``x @ weight.T (+ bias)`` with ``weight`` ``[out, in]``, as 2-D matmuls:
-    one, or one per block of rows (``blocks``: each batched entry's, so its
-    numbers are those it has alone — BLAS is not row-invariant, ``stage.batch``)."""
+    one, or with ``blocks`` (each batched entry's rows) shared tiles of
+    ``SHARED_ROWS`` rows for the small entries and one per larger entry, so
+    each row's numbers do not depend on the step it ran in (BLAS is not
+    row-invariant across row counts, ``stage.batch``)."""
     lead = x.shape[:-1]
     rows = x.reshape(-1, x.shape[-1])
     w = _f32(weight).T
-    if blocks is None or len(blocks) == 1:
+    if blocks is None:
         out = rows @ w
     else:
-        out = np.concatenate([rows[lo:hi] @ w for lo, hi in blocks])
+        segments = product_segments(blocks)
+        outs = [(_segment(rows, lo, hi, padded) @ w)[: hi - lo] for lo, hi, padded in segments]
+        out = outs[0] if len(outs) == 1 else np.concatenate(outs)
     if bias is not None:
         out += bias
     return out.reshape(*lead, weight.shape[0])
+
+
+def _segment(rows: np.ndarray, lo: int, hi: int, padded: bool) -> np.ndarray:
+    """Rows ``[lo, hi)``, zero-padded to ``SHARED_ROWS`` in a shared tile."""
+    if not padded or hi - lo == SHARED_ROWS:
+        return rows[lo:hi]
+    tile = np.zeros((SHARED_ROWS, rows.shape[1]), rows.dtype)
+    tile[: hi - lo] = rows[lo:hi]
+    return tile
 
 
 def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
@@ -188,8 +208,9 @@ class StageModel:
     """The forward pass of one stage's layers, over a session's ``KVCache``."""
 
     query_block: int | None = ATTENTION_BLOCK  # attention scores this many query rows at once
-    # BLAS products are not row-invariant: each batched entry's run apart, and
-    # the scheduler never cuts a chunk into pieces (stage.batch).
+    # BLAS products are not row-invariant: shared fixed tiles for small entries,
+    # larger ones apart, and the scheduler never cuts a chunk into pieces
+    # (stage.batch).
     row_invariant = False
 
     def __init__(self, weights: StageWeights) -> None:

@@ -26,7 +26,7 @@ import numpy as np
 
 from ...formats.config import ModelConfig
 from ...rope import Rope
-from ...stage.batch import ATTENTION_BLOCK, query_blocks
+from ...stage.batch import ATTENTION_BLOCK, SHARED_ROWS, product_segments, query_blocks
 from .qlinear import Int4Matrix, linear
 
 __all__ = [
@@ -104,12 +104,20 @@ def product(torch: Any, x: Any, weight: Any, bias: Any, blocks: RowBlocks = None
     """Packed rows times a dense tensor or a quantized matrix (by its kernel, qlinear).
 
     Row-invariant (``stage.batch``): the int4pack kernel computes each row on
-    its own; a dense product (oneDNN, MKL) picks its kernel by the number of
-    rows and sums in another order, so with ``blocks`` (each batched entry's
-    rows) it runs per entry, on exactly the rows the entry has alone."""
-    if blocks is None or isinstance(weight, Int4Matrix) or len(blocks) == 1:
+    its own, so one call takes every row. A dense product (oneDNN, MKL) picks
+    its kernel by the number of rows and sums in another order, so with
+    ``blocks`` (each batched entry's rows) the small entries share products of
+    exactly ``SHARED_ROWS`` rows, zero-padded, and each larger entry runs
+    alone on its own rows (``product_segments``)."""
+    if blocks is None or isinstance(weight, Int4Matrix):
         return linear(torch, x, weight, bias)
-    return torch.cat([linear(torch, x[lo:hi], weight, bias) for lo, hi in blocks])
+    parts = []
+    for lo, hi, padded in product_segments(blocks):
+        rows = x[lo:hi]
+        if padded and hi - lo < SHARED_ROWS:
+            rows = torch.nn.functional.pad(rows, (0, 0, 0, SHARED_ROWS - (hi - lo)))
+        parts.append(linear(torch, rows, weight, bias)[: hi - lo])
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
 # Each batched entry's rows (PackedBatch.entry_rows), or None: one product.
