@@ -153,7 +153,7 @@ async def test_one_window_at_a_time_until_one_is_accepted_whole(
     script = model({P + 2: 210})
     spec = await run(FakeVerifier(script), tokenizer, Speculate(4, 2))
     same(spec.result, (await plain(tokenizer, script)).result)
-    prompt, first, correction = spec.fake.seen[:3]
+    _prompt, first, correction = spec.fake.seen[:3]
     assert first.position == P and first.draft is not None
     assert correction.position == P + 2  # t, the accepted draft, then the correction
     assert correction.after is not None and correction.after.position == P + 5
