@@ -147,18 +147,23 @@ def test_the_footprint_predicts_the_bytes_the_stage_holds(tmp_path: Path, qtype:
 
 
 def test_the_packing_used_is_the_kernel_s_layout() -> None:
-    """``pack_int4`` writes the layout torch's int4 kernel has on AVX-512
-    CPUs; on others (AVX2: a different tiling) the check says so and torch's
-    own converter packs. Either way, what is used is the kernel's layout."""
-    from meshnet_model.engines.torch.qlinear import _numpy_packing_matches, _torch_pack, pack_int4
+    """``pack_int4`` writes the layout torch's int4 kernel has: 64-row blocks
+    on AVX-512 CPUs, 32-row ones on AVX2; the check finds which, and what is
+    used is the kernel's layout (torch's own converter where neither is)."""
+    from meshnet_model.engines.torch.qlinear import _torch_pack, int4pack_block, pack_int4
 
-    matches = _numpy_packing_matches(torch)
-    if torch.backends.cpu.get_cpu_capability().startswith("AVX512"):
-        assert matches
+    block = int4pack_block(torch)
+    capability = str(torch.backends.cpu.get_cpu_capability())
+    if capability.startswith("AVX512"):
+        assert block == 64
+    elif capability == "AVX2":
+        assert block == 32
     q = np.random.default_rng(5).integers(0, 16, (192, 576)).astype(np.uint8)
     theirs = torch.ops.aten._convert_weight_to_int4pack_for_cpu(
         torch.from_numpy(q.astype(np.int32)), 1
+    ).numpy()
+    used = _torch_pack(torch, q) if block is None else pack_int4(q, block)
+    assert np.array_equal(used, theirs)
+    assert [b for b in (64, 32) if np.array_equal(pack_int4(q, b), theirs)] == (
+        [] if block is None else [block]
     )
-    used = pack_int4(q) if matches else _torch_pack(torch, q)
-    assert np.array_equal(used, theirs.numpy())
-    assert np.array_equal(pack_int4(q), theirs.numpy()) == matches

@@ -45,6 +45,7 @@ __all__ = [
     "pack_int4",
     "held_form",
     "held_matrix_bytes",
+    "int4pack_block",
     "int4pack_supported",
     "linear",
     "quantized_matrix",
@@ -153,7 +154,7 @@ def quantized_matrix(
     if held_form(kind, shape) == "dense":
         return None
     count = INT4_FORMS[kind.name]
-    in_numpy = _numpy_packing_matches(torch)
+    block = int4pack_block(torch)
     # Filled a chunk of rows at a time: the nibbles in numpy (handed to torch
     # without a copy), the (scale, zero) pairs converted to ``compute`` chunk by
     # chunk, so no float32 copy of a whole tensor's pairs is made either.
@@ -161,7 +162,7 @@ def quantized_matrix(
     pairs = [torch.empty((cols // GROUP, rows, 2), dtype=compute) for _ in range(count)]
     for part in row_chunks(rows, _ROWS):
         for i, (q, scale, zero) in enumerate(int4_split(blocks[part], kind)):
-            packed[i][part] = pack_int4(q) if in_numpy else _torch_pack(torch, q)
+            packed[i][part] = _torch_pack(torch, q) if block is None else pack_int4(q, block)
             pair = np.stack([scale.T, zero.T], axis=-1)  # [groups, chunk rows, 2]
             pairs[i][:, part] = torch.from_numpy(pair).to(compute)
     parts = tuple(
@@ -175,26 +176,31 @@ def _torch_pack(torch: Any, q: np.ndarray) -> np.ndarray:
     return torch.ops.aten._convert_weight_to_int4pack_for_cpu(ints, 1).numpy()
 
 
-def pack_int4(q: np.ndarray) -> np.ndarray:
+def pack_int4(q: np.ndarray, block: int = 64) -> np.ndarray:
     """Nibbles ``q`` uint8 ``[rows, cols]`` (rows in 64-row tiles) in the CPU
-    kernel's layout, by byte shuffles: each tile of 64 rows is ``[cols / 2,
-    2, 32]`` bytes, the byte at ``(c // 2, c % 2, r % 32)`` holding row ``r``'s
-    value ``c`` in its low nibble (``r < 32``) or high one. torch's own
-    converter computes the same from int32 inputs, 5x slower (measured: 43 ms
-    against 223 ms for an 8192 x 2048 matrix); ``_numpy_packing_matches``
-    checks the two agree on this torch before this is used."""
+    kernel's layout, by byte shuffles: each block of ``block`` rows is
+    ``[cols / 2, 2, block / 2]`` bytes, the byte at ``(c // 2, c % 2, r %
+    (block / 2))`` holding row ``r``'s value ``c`` in its low nibble (the
+    block's first half of rows) or high one. torch picks the block by the
+    CPU's vector width: 64 rows on AVX-512, 32 on AVX2 (``int4pack_block``).
+    torch's own converter computes the same from int32 inputs, 5x slower
+    (measured: 43 ms against 223 ms for an 8192 x 2048 matrix)."""
     rows, cols = q.shape
-    tiles = q.reshape(rows // 64, 2, 32, cols)
-    byte = tiles[:, 0] | (tiles[:, 1] << np.uint8(4))  # [tiles, 32, cols]
-    shuffled = byte.reshape(rows // 64, 32, cols // 2, 2).transpose(0, 2, 3, 1)
+    half = block // 2
+    tiles = q.reshape(rows // block, 2, half, cols)
+    byte = tiles[:, 0] | (tiles[:, 1] << np.uint8(4))  # [blocks, half, cols]
+    shuffled = byte.reshape(rows // block, half, cols // 2, 2).transpose(0, 2, 3, 1)
     return np.ascontiguousarray(shuffled).reshape(rows, cols // 2)
 
 
 @functools.cache
-def _numpy_packing_matches(torch: Any) -> bool:
-    """Whether ``pack_int4`` gives this torch's layout (else its converter is used)."""
+def int4pack_block(torch: Any) -> int | None:
+    """The rows of this torch's int4pack block on this CPU (the layout
+    ``pack_int4`` writes and ``dense_tiles`` reads), or None when neither
+    known layout is its own (then its converter packs, and no dense tile is
+    used): checked once per process on a random matrix."""
     q = np.random.default_rng(0).integers(0, 16, (128, 256)).astype(np.uint8)
     theirs = torch.ops.aten._convert_weight_to_int4pack_for_cpu(
         torch.from_numpy(q.astype(np.int32)), 1
-    )
-    return bool(np.array_equal(pack_int4(q), theirs.numpy()))
+    ).numpy()
+    return next((b for b in (64, 32) if np.array_equal(pack_int4(q, b), theirs)), None)
