@@ -12,6 +12,16 @@ from collections.abc import Iterator
 import pytest
 
 
+@pytest.fixture(autouse=True, scope="session")
+def _own_cache_home(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """Nodes keep repacked weights under $XDG_CACHE_HOME (``--weights-cache``
+    auto): the suite's processes use a directory of its own, never the user's."""
+    patch = pytest.MonkeyPatch()
+    patch.setenv("XDG_CACHE_HOME", str(tmp_path_factory.mktemp("cache-home")))
+    yield
+    patch.undo()
+
+
 @pytest.fixture(params=["trio", "asyncio"])
 def anyio_backend(request: pytest.FixtureRequest) -> str:
     return request.param

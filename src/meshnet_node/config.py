@@ -103,6 +103,9 @@ _MODEL = (
     Flag("--device", _device, "with --engine torch: cpu, cuda or cuda:N"),
     Flag("--threads", threads_count,
          "with --model: compute threads (BLAS or torch) of this stage"),
+    Flag("--weights-cache", nonempty,
+         "with --model, torch quantized: directory keeping the repacked weights for the "
+         "next start (auto: $XDG_CACHE_HOME/meshnet/weights; off: none)"),
 )  # fmt: skip
 
 
@@ -214,6 +217,8 @@ class NodeConfig(ServerConfig):
     engine: str = "auto"  # what computes the layers: numpy (the reference) or torch
     device: str = "cpu"  # torch engine: cpu, cuda or cuda:N
     threads: int | None = None  # compute threads of the stage (None: the library's default)
+    # torch quantized: where the repacked weights are kept (docs/models.md "Start time")
+    weights_cache: str = "auto"
     prefix_cache_bytes: int | str = "auto"  # auto: half of the KV budget
     kv_budget_bytes: int | str = "auto"  # bytes, or auto: up to 1 GiB of what the stage leaves
     memory_limit: int | str = "auto"  # bytes the node may use; auto: cgroup and MemAvailable

@@ -362,6 +362,7 @@ def load_model_stage(
     max_queued_tokens: int = DEFAULT_MAX_QUEUED_TOKENS,
     micro_batches: int = 0,
     log_level: str | None = None,
+    weights_cache: str = "off",
 ) -> ModelStage:
     """Load the stage's tensors from a checkpoint directory (the node's flags).
 
@@ -371,6 +372,7 @@ def load_model_stage(
     ``max_queued_tokens``, ``micro_batches``: the scheduler's (``scheduler``).
     ``log_level``: the load's progress is reported at info and below
     (``meshnet_model.progress``; None, the default: nothing is said).
+    ``weights_cache``: ``--weights-cache`` (off, auto or a directory).
 
     Raises ``ValueError`` (``ConfigError``, ``CheckpointError`` among them)
     with a message fit for the command line.
@@ -399,7 +401,7 @@ def load_model_stage(
                          threads=threads, kv_budget_bytes=kv_budget_bytes,
                          max_chunk_tokens=max_chunk_tokens,
                          max_compute_bytes=max_compute_bytes,
-                         progress=progress)  # fmt: skip
+                         progress=progress, weights_cache=weights_cache)  # fmt: skip
         identity = pending.result()
     scheduling = {"max_batch_tokens": max_batch_tokens, "max_queued_tokens": max_queued_tokens,
                   "micro_batches": micro_batches}  # fmt: skip
@@ -419,6 +421,7 @@ def _runner(
     max_chunk_tokens: int,
     max_compute_bytes: int,
     progress: LoadProgress,
+    weights_cache: str = "off",
 ) -> StageRunner:
     """The stage's runner on ``engine``, its tensors read."""
     if engine == "torch":
@@ -426,7 +429,7 @@ def _runner(
                              threads=threads, kv_budget_bytes=kv_budget_bytes,
                              max_chunk_tokens=max_chunk_tokens,
                              max_compute_bytes=max_compute_bytes,
-                             progress=progress)  # fmt: skip
+                             progress=progress, weights_cache=weights_cache)  # fmt: skip
     if threads is not None:
         set_blas_threads(threads)  # process-wide: every numpy stage of it shares the pool
     weights = StageWeights.load(model, span, dtype=dtype, config=config, progress=progress)
@@ -447,6 +450,7 @@ def _torch_runner(
     max_chunk_tokens: int,
     max_compute_bytes: int,
     progress: LoadProgress,
+    weights_cache: str = "off",
 ) -> StageRunner:
     """The torch engine's runner; torch is imported only here (an optional extra)."""
     from meshnet_model.engines.torch import load_torch_runner
@@ -455,7 +459,7 @@ def _torch_runner(
                              kv_budget_bytes=kv_budget_bytes, config=config,
                              max_chunk_tokens=max_chunk_tokens,
                              max_compute_bytes=max_compute_bytes,
-                             progress=progress)  # fmt: skip
+                             progress=progress, weights_cache=weights_cache)  # fmt: skip
 
 
 def stage_from_config(config: NodeConfig) -> ModelStage:
@@ -473,7 +477,8 @@ def stage_from_config(config: NodeConfig) -> ModelStage:
                             max_batch_tokens=config.max_batch_tokens,
                             max_queued_tokens=config.max_queued_tokens,
                             micro_batches=config.micro_batches,
-                            log_level=config.log_level)  # fmt: skip
+                            log_level=config.log_level,
+                            weights_cache=config.weights_cache)  # fmt: skip
     if isinstance(config.prefix_cache_bytes, int):  # auto: the runner's half of the budget
         stage.runner.prefix.limit = config.prefix_cache_bytes
     return stage

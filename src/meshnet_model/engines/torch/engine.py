@@ -50,7 +50,8 @@ from .layers import (
 )
 from .qlinear import linear
 from .transfer import Transfer
-from .weights import MappedEmbedding, TorchStageWeights, converted_weights, gguf_weights
+from .weight_cache import cached_gguf_weights
+from .weights import MappedEmbedding, TorchStageWeights, converted_weights
 
 __all__ = ["TorchStageModel", "load_torch_runner"]
 
@@ -261,6 +262,7 @@ class TorchStageModel:
             "weights_held": self.weights.held_forms(),
             "weights_bytes": self.weights.nbytes,
             "weights_mapped_bytes": self.weights.shared_with_file,
+            "weights_cache": self.weights.cache_report(),
             "threads": self.threads or self.torch.get_num_threads(),
             "torch_threads": self.threads or self.torch.get_num_threads(),
         }
@@ -279,10 +281,12 @@ def load_torch_runner(
     config: ModelConfig | None = None,
     transfer: Transfer | None = None,
     progress: LoadProgress = NO_PROGRESS,
+    weights_cache: str = "off",
 ) -> StageRunner:
     """A ``StageRunner`` computing with torch (``meshnet-node --engine torch``).
 
     ``progress``: told the stored bytes of each tensor as it is read.
+    ``weights_cache``: ``--weights-cache`` (``weight_cache``): off, auto or a directory.
 
     Raises ``ValueError`` with one line for the command line: torch missing
     (naming the extra), a CUDA device this machine lacks, a bad checkpoint.
@@ -294,7 +298,8 @@ def load_torch_runner(
     path = Path(directory)
     if is_gguf(path):
         model, mapped = _gguf_model(torch, path, layers, config, dtype=dtype, device=device,
-                                    transfer=transfer, progress=progress)  # fmt: skip
+                                    transfer=transfer, progress=progress,
+                                    weights_cache=weights_cache)  # fmt: skip
     else:
         # Mapping reads nothing yet: its bytes count as read only if the stage
         # keeps the map; a converted stage counts them as it reads them below.
@@ -335,6 +340,7 @@ def _gguf_model(
     device: str,
     transfer: Transfer | None,
     progress: LoadProgress = NO_PROGRESS,
+    weights_cache: str = "off",
 ) -> tuple[TorchStageModel, StageWeights]:
     """A GGUF stage read tensor by tensor from its blocks (``gguf_weights``).
 
@@ -359,8 +365,9 @@ def _gguf_model(
     # stage on the real model, at the same speed: docs/models.md).
     compute = "float32" if dtype == "keep" else dtype
     dev = torch.device(device)
-    held = gguf_weights(torch, ckpt, config, span, dtype=getattr(torch, compute), device=dev,
-                        quantized=dtype == "keep")  # fmt: skip
+    held = cached_gguf_weights(weights_cache, torch, ckpt, config, span,
+                               dtype=getattr(torch, compute), device=dev,
+                               quantized=dtype == "keep")  # fmt: skip
     shape = StageWeights(config=config, layers=span, blocks=[], embed=None, norm=None,
                          lm_head=None, dtype="+".join(sorted(held.held_forms())),
                          tied_head=span.stop == config.num_hidden_layers
