@@ -11,6 +11,9 @@ gateway's port is bound — before any tensor is read — and only then do the
 stages load (in a worker thread, so a Ctrl-C during a load of minutes is
 answered at once). Every refusal is one line on stderr, exit 2.
 
+Cores: the stages share the machine's by who is busy (``core_flags``), and
+torch's idle OpenMP threads sleep instead of spinning (``quiet_idle_threads``).
+
 Ready: one line on stdout naming the URL (its first words are stable:
 ``meshnet run listening on URL``), then a line per node with its URL and
 layers. Shutdown: the first SIGINT/SIGTERM drains the gateway (open OpenAI
@@ -25,9 +28,11 @@ import argparse
 import logging
 import signal
 import sys
+import tempfile
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
+from pathlib import Path
 
 import anyio
 
@@ -36,7 +41,8 @@ from meshnet_gateway.app import GatewayApp
 from meshnet_gateway.config import GatewayConfig
 from meshnet_gateway.openai import ServedModel
 from meshnet_gateway.openai.draft_model import draft_model_problem
-from meshnet_model.engines.choice import share_cores
+from meshnet_model.engines.choice import choose_engine, quiet_idle_threads, share_cores
+from meshnet_model.engines.core_ledger import supported as ledger_supported
 from meshnet_model.engines.footprint import MemoryShortfall, fit_process
 from meshnet_model.errors import CheckpointError, ConfigError
 from meshnet_model.source import load_config as load_model_config
@@ -57,8 +63,8 @@ from meshnet_runtime.transports import BoundListener, listen
 from . import run_flags
 from .run_flags import BOTH, GATEWAY_ONLY, NODE_ONLY, forwarded, typed
 
-__all__ = ["LocalRun", "Refusal", "check_split", "node_lines", "ready_line", "run_local",
-           "serve_local"]  # fmt: skip
+__all__ = ["LocalRun", "Refusal", "check_split", "core_flags", "node_lines", "ready_line",
+           "run_local", "serve_local"]  # fmt: skip
 
 log = logging.getLogger("meshnet.run")
 
@@ -129,18 +135,32 @@ async def serve_local(
         splits = check_split(_num_layers(model), stages, None)
     else:
         splits = list(stages)
-    if "--threads" not in node_flags:
+    with tempfile.TemporaryDirectory(prefix="meshnet-run-") as scratch:
+        flags = [*node_flags, *core_flags(model, node_flags, len(splits), Path(scratch) / "cores")]
+        chain = start_model_chain(model, splits, extra=flags, load_in_thread=load_in_thread)
+        async with chain as nodes:
+            argv = ["--entry", nodes[0].url, "--model", model, *gateway_flags]
+            async with open_gateway(GatewayConfig.load(argv), bound) as gateway:
+                yield LocalRun(gateway.url, [n.url for n in nodes], splits, gateway.app,
+                               gateway.server)  # fmt: skip
+
+
+def core_flags(model: str, node_flags: Sequence[str], stages: int, ledger: Path) -> list[str]:
+    """The nodes' flags for sharing this machine's cores. Torch stages on the
+    CPU: one core ledger (``--share-cores-with``), so the stage computing takes
+    the cores the others leave idle — each at most ``--threads``, default every
+    core. Others (numpy's BLAS pool is one for the whole process): a static
+    share each, unless ``--threads`` is given."""
+    node = NodeConfig.load(["--model", model, *node_flags], {})
+    engine, _ = choose_engine(model, node.engine, node.dtype, node.device)
+    if engine == "torch" and node.device == "cpu" and ledger_supported():
+        return ["--share-cores-with", str(ledger)]
+    if node.threads is None:
         # Every stage lives in this one process: each gets its share of the
         # cores, or their thread pools would oversubscribe them (issue 18:
         # 1.0 tok/s against 15.1 with one BLAS thread per stage on 2 cores).
-        node_flags = [*node_flags, "--threads", str(share_cores(len(splits)))]
-    async with start_model_chain(
-        model, splits, extra=list(node_flags), load_in_thread=load_in_thread
-    ) as nodes:
-        argv = ["--entry", nodes[0].url, "--model", model, *gateway_flags]
-        async with open_gateway(GatewayConfig.load(argv), bound) as gateway:
-            yield LocalRun(gateway.url, [n.url for n in nodes], splits, gateway.app,
-                           gateway.server)  # fmt: skip
+        return ["--threads", str(share_cores(stages))]
+    return []
 
 
 def ready_line(run: LocalRun) -> str:
@@ -213,6 +233,7 @@ async def run_local(
 
 
 def main(args: argparse.Namespace) -> int:
+    quiet_idle_threads()  # before torch loads its OpenMP runtime, which reads it once
     try:
         run_flags.resolve(args)  # MESHNET_* for the flags not given, as the servers read them
         configure_logging(typed(args, "--log-level"))

@@ -95,7 +95,8 @@ RUN_DEFAULTS: dict[str, Any] = {"port": 8000, "inflight": 4, "log_level": "info"
 _HELPS = {
     "--host": "gateway address",
     "--port": "gateway TCP port (0 = a free one, shown in the ready line)",
-    "--threads": "compute threads per node (default: the cores split between the stages)",
+    "--threads": "most compute threads of a node (default: torch on the CPU, every core, "
+    "shared by which stage is busy; numpy, the cores split between the stages)",
     "--kv-budget-bytes": "KV cache per node, e.g. 256MiB (auto: up to 1GiB of what is left)",
     "--memory-limit": "memory all the nodes together may use, e.g. 8GiB (auto: the cgroup's "
     "limit and MemAvailable); more needed exits 2 before loading",

@@ -8,6 +8,7 @@ from collections.abc import Sequence
 
 import anyio
 
+from meshnet_model.engines.choice import quiet_idle_threads
 from meshnet_model.engines.footprint import MemoryShortfall
 from meshnet_proto import WIRE_VERSION
 from meshnet_runtime.config import model_path_problem
@@ -75,6 +76,7 @@ async def run(config: NodeConfig, stage: StageBackend | None = None) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    quiet_idle_threads()  # before torch loads its OpenMP runtime, which reads it once
     config = NodeConfig.load(argv)
     stage = None
     if config.model is not None:

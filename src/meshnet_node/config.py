@@ -103,6 +103,9 @@ _MODEL = (
     Flag("--device", _device, "with --engine torch: cpu, cuda or cuda:N"),
     Flag("--threads", threads_count,
          "with --model: compute threads (BLAS or torch) of this stage"),
+    Flag("--share-cores-with", nonempty,
+         "with --model, torch on the CPU: a file the stages of this machine share; each "
+         "step takes the cores free among the busy stages, at most --threads"),
     Flag("--weights-cache", nonempty,
          "with --model, torch quantized: directory keeping the repacked weights for the "
          "next start (auto: $XDG_CACHE_HOME/meshnet/weights; off: none)"),
@@ -217,6 +220,7 @@ class NodeConfig(ServerConfig):
     engine: str = "auto"  # what computes the layers: numpy (the reference) or torch
     device: str = "cpu"  # torch engine: cpu, cuda or cuda:N
     threads: int | None = None  # compute threads of the stage (None: the library's default)
+    share_cores_with: str | None = None  # a core ledger file (engines.core_ledger); None: none
     # torch quantized: where the repacked weights are kept (docs/models.md "Start time")
     weights_cache: str = "auto"
     prefix_cache_bytes: int | str = "auto"  # auto: half of the KV budget

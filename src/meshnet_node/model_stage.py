@@ -63,6 +63,7 @@ from meshnet_model import (
     parse_layers,
 )
 from meshnet_model.engines.choice import choose_engine, set_blas_threads
+from meshnet_model.engines.core_ledger import ledger_for
 from meshnet_model.engines.footprint import StageFootprint, fit_process
 from meshnet_model.errors import (
     ChunkTooLarge,
@@ -316,7 +317,8 @@ class ModelStage:
 
     def describe(self) -> dict[str, Any]:
         footprint = {"footprint": self.footprint.to_dict()} if self.footprint else {}
-        return {"backend": "model", **self.runner.describe(), **footprint}
+        cores = {"cores": self.scheduler.cores.describe()} if self.scheduler.cores else {}
+        return {"backend": "model", **self.runner.describe(), **footprint, **cores}
 
 
 def _prefix_samples(runner: StageRunner) -> list[Sample]:
@@ -481,4 +483,7 @@ def stage_from_config(config: NodeConfig) -> ModelStage:
                             weights_cache=config.weights_cache)  # fmt: skip
     if isinstance(config.prefix_cache_bytes, int):  # auto: the runner's half of the budget
         stage.runner.prefix.limit = config.prefix_cache_bytes
+    if config.share_cores_with is not None:  # each step's threads by who is busy (core_ledger)
+        engine = stage.runner.model.describe()
+        stage.scheduler.cores = ledger_for(config.share_cores_with, engine, config.threads)
     return stage

@@ -62,6 +62,7 @@ from dataclasses import dataclass, field
 import anyio
 import numpy as np
 
+from meshnet_model.engines.core_ledger import CoreLedger, ledger_step
 from meshnet_model.errors import SessionBusy
 from meshnet_model.stage.batch import ATTENTION_BLOCK
 from meshnet_model.stage.runner import SessionLife, StageRunner, StageWork
@@ -251,6 +252,7 @@ class StageScheduler:
         # Chunks are cut into pieces only where that changes no bit (stage.batch).
         self.split = runner.model.row_invariant
         self.on_step = on_step  # (chunks, rows, seconds) of each step: metrics
+        self.cores: CoreLedger | None = None  # --share-cores-with: each step's threads
         self.queue: deque[Work] = deque()
         self.queued_rows = 0
         self.steps = 0
@@ -385,7 +387,8 @@ class StageScheduler:
                 except Exception as exc:
                     piece.error = exc
         try:
-            self.runner.run_batch([piece for piece in pieces if piece.error is None])
+            with ledger_step(self.cores):  # the step's cores, where stages share them
+                self.runner.run_batch([piece for piece in pieces if piece.error is None])
         except Exception as exc:  # the step itself failed (an engine invariant): all of it
             for piece in pieces:
                 piece.error = piece.error or exc

@@ -1,10 +1,11 @@
-"""Compute threads per stage: ``meshnet run`` splits the cores between its stages.
+"""Compute threads per stage: ``meshnet run`` shares the cores between its stages.
 
-Its stages share one process, so each gets ``cores // stages`` threads unless
-``--threads`` says otherwise; the node reports the count it computes with
-(``/info``), numpy's BLAS pool is set process-wide through threadpoolctl, and
-torch's count is applied in the worker thread that computes (under OpenMP it
-is a setting of the calling thread).
+Its stages share one process: torch stages share the cores by who is busy (a
+core ledger, ``tests/model/test_core_ledger.py``), numpy stages get
+``cores // stages`` threads each unless ``--threads`` says otherwise; the node
+reports the count it computes with (``/info``), numpy's BLAS pool is set
+process-wide through threadpoolctl, and torch's count is applied in the worker
+thread that computes (under OpenMP it is a setting of the calling thread).
 """
 
 from __future__ import annotations
@@ -59,13 +60,15 @@ def _gguf(tmp_path: Path) -> Path:
     return write_model_gguf(tmp_path, build_model("llama", layers=2, hidden=128), "Q4_0")
 
 
-def test_meshnet_run_gives_each_torch_stage_its_share(tmp_path: Path) -> None:
+def test_meshnet_run_s_torch_stages_share_the_cores_by_who_is_busy(tmp_path: Path) -> None:
     stages = anyio.run(_stage_threads, _gguf(tmp_path), 2, [])
     assert [s["engine"] for s in stages] == ["torch", "torch"]
-    assert [s["threads"] for s in stages] == [share_cores(2)] * 2
-    # An operator's --threads wins.
-    stages = anyio.run(_stage_threads, _gguf(tmp_path), 2, ["--threads", "3"])
-    assert [s["threads"] for s in stages] == [3, 3]
+    ledgers = [s["cores"] for s in stages]  # one file; each stage may take every core
+    assert ledgers[0]["file"] == ledgers[1]["file"]
+    assert [(c["members"], c["most"]) for c in ledgers] == [(2, usable_cores())] * 2
+    # An operator's --threads is each stage's most.
+    stages = anyio.run(_stage_threads, _gguf(tmp_path), 2, ["--threads", "1"])
+    assert [(s["threads"], s["cores"]["most"]) for s in stages] == [(1, 1), (1, 1)]
 
 
 def test_meshnet_run_sets_numpy_s_blas_pool_to_the_share(tmp_path: Path) -> None:

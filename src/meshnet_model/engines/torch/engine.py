@@ -35,6 +35,7 @@ from ...stage.runner import (
     StageRunner,
 )
 from ...stage.weights import StageWeights, head_is_tied
+from ..core_ledger import step_threads
 from ._torch import COMPUTE_DTYPES, check_device, import_torch
 from .kv_cache import TorchKVCache
 from .layers import (
@@ -143,8 +144,9 @@ class TorchStageModel:
         each int4pack product over all their rows, a dense one per chunk (not
         row-invariant, ``stage.batch``), attention per chunk."""
         t = self.torch
-        if self.threads is not None:
-            t.set_num_threads(self.threads)
+        threads = step_threads(self.threads)  # a shared core ledger's grant (core_ledger)
+        if threads is not None:
+            t.set_num_threads(threads)
         batch = PackedBatch(entries)
         if not batch.running:
             return batch
