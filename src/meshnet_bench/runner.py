@@ -46,6 +46,7 @@ SECTIONS: tuple[str, ...] = (
     "link",
     "tenants",
     "spec",
+    "compute",  # issue 39: beside llama.cpp where one is found (its own targets)
 )
 
 # key -> (comparison, bound): the issue's floors. Printed next to the figures.

@@ -58,7 +58,7 @@ from typing import Any
 
 import numpy as np
 
-from .gguf import metadata_writer, random_k_quant
+from .gguf import GGUFVocab, metadata_writer, random_k_quant
 
 __all__ = [
     "LLAMA_3_2_1B",
@@ -259,18 +259,20 @@ def write_random_gguf(
     *,
     weight_std: float = WEIGHT_STD,
     name: str = "meshnet random model",
+    vocab: GGUFVocab | None = None,
 ) -> Path:
     """Write a random ``config``-shaped GGUF file in ``qtype`` (module doc);
     returns its path. 2-D tensors are in ``qtype``, norms F32. The same
     ``seed`` gives the same file. ``weight_std``: the projections' std
-    (``TINY_WEIGHT_STD`` for ``TINY``, see there)."""
+    (``TINY_WEIGHT_STD`` for ``TINY``, see there); ``vocab``: a tokenizer to
+    write too (llama.cpp loads no file without one)."""
     std = float(weight_std)
     import gguf
 
     path = Path(path)
     if config.get("model_type", "llama") not in ("llama", "mistral"):
         raise ValueError("write_random_gguf writes llama-architecture files")
-    writer, _, _, _ = metadata_writer(path, config, qtype=qtype, name=name)
+    writer, _, _, _ = metadata_writer(path, config, qtype=qtype, name=name, vocab=vocab)
     rope = llama3_rope_factors(config)
     # The tensor infos first (shapes and types are known without the bytes).
     kinds: list[str] = []
