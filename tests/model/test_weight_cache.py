@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -250,3 +251,22 @@ def test_a_load_gives_the_thread_count_back(gguf_file: Path) -> None:
         assert torch.get_num_threads() == 3
     finally:
         torch.set_num_threads(before)
+
+
+def test_a_writer_stopped_by_the_exit_leaves_no_file(
+    gguf_file: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """At interpreter exit the writer stops at its next piece and is waited
+    for (a daemon thread inside torch during its teardown aborted the node):
+    its unnamed file goes with it, and the next start writes the file."""
+    from meshnet_model.engines.torch import weight_cache
+
+    monkeypatch.setattr(weight_cache, "_EXITING", threading.Event())
+    weight_cache._EXITING.set()
+    status = _load(gguf_file, tmp_path, SPANS[0]).model.weights.cache
+    weight_cache._stop_writers()
+    assert status.finished.is_set()
+    assert (status.state, status.reason) == ("failed", "the process exited first")
+    assert list(tmp_path.iterdir()) == []
+    monkeypatch.setattr(weight_cache, "_EXITING", threading.Event())
+    assert _written(_load(gguf_file, tmp_path, SPANS[0])).exists()

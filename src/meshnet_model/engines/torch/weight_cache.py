@@ -37,6 +37,7 @@ GGUF file is gone or changed are deleted.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import functools
 import hashlib
@@ -77,6 +78,12 @@ SUFFIX = ".weights"
 OFF = "off"
 AUTO = "auto"
 _LOG = logging.getLogger("meshnet.load")
+# Writers still running when the interpreter exits are told to stop and
+# waited for (``_stop_writers``): a daemon thread inside torch while its
+# runtime is torn down aborts the process (SIGABRT, measured).
+_EXITING = threading.Event()
+_WRITERS: set[threading.Thread] = set()
+_EXIT_WAIT_S = 30.0
 _MIB = 1024 * 1024
 # The temporary names ``_write_file`` gives: ``.<name>.<pid>.<random>.tmp``.
 _TEMPORARY = re.compile(r"\.[0-9a-f]{32}\.weights\.(\d+)\.[0-9a-f]{8}\.tmp")
@@ -220,8 +227,10 @@ def cached_gguf_weights(
     held.cache = CacheStatus("writing", str(target))
     source = {"path": str(path.resolve()), "size": key["file"]["size"],
               "mtime_ns": key["file"]["mtime_ns"]}  # fmt: skip
-    writer = threading.Thread(target=_store, args=(torch, held, key, source, target),
-                              name="weights-cache", daemon=True)  # fmt: skip
+    writer = threading.Thread(
+        target=_store, args=(torch, held, key, source, target), name="weights-cache", daemon=True
+    )
+    _WRITERS.add(writer)
     writer.start()
     return held
 
@@ -273,6 +282,10 @@ def _store(torch: Any, held: TorchStageWeights, key: dict[str, Any], source: dic
     started = time.perf_counter()
     try:
         size = _write_file(torch, held, key, source, target)
+    except InterruptedError:  # the process is exiting: the next start writes it
+        status.state, status.reason = "failed", "the process exited first"
+        status.finished.set()
+        return
     except (OSError, ValueError) as exc:
         status.state, status.reason = "failed", str(exc)
         _LOG.warning("weights cache: could not write %s: %s", target, exc)
@@ -303,7 +316,7 @@ def _write_file(torch: Any, held: TorchStageWeights, key: dict[str, Any],
             fd = os.open(temporary, flags, 0o600, dir_fd=directory)
             unnamed = False
         try:
-            size = write_weights(torch, fd, held, key, source)
+            size = write_weights(torch, fd, held, key, source, _EXITING.is_set)
             if unnamed:  # linkat(AT_SYMLINK_FOLLOW): the dir fds make os.link use it
                 os.link(f"/proc/self/fd/{fd}", temporary, follow_symlinks=True, **at)
             os.replace(temporary, target.name, **at)
@@ -316,6 +329,15 @@ def _write_file(torch: Any, held: TorchStageWeights, key: dict[str, Any],
             os.close(fd)
         os.close(directory)
     return size
+
+
+@atexit.register
+def _stop_writers() -> None:
+    """At exit: writers stop at their next piece (their unnamed file goes with
+    them) and are waited for, so none is inside torch while it is torn down."""
+    _EXITING.set()
+    for writer in list(_WRITERS):
+        writer.join(_EXIT_WAIT_S)
 
 
 def _prune(kept: Path) -> None:

@@ -104,10 +104,14 @@ def _bytes(torch: Any, t: Any) -> np.ndarray:
     return t.detach().contiguous().reshape(-1).view(torch.uint8).numpy()
 
 
-def _pieces(torch: Any, header: dict[str, Any], tensors: list[Any]) -> Iterator[memoryview]:
+def _pieces(
+    torch: Any, header: dict[str, Any], tensors: list[Any], stopping: Callable[[], bool]
+) -> Iterator[memoryview]:
     """The data's bytes in order: zeros up to each tensor, then its bytes."""
     at = 0
     for entry, t in zip(header["tensors"], tensors, strict=True):
+        if stopping():
+            raise InterruptedError("the process is exiting")
         if entry["offset"] > at:
             yield memoryview(bytes(entry["offset"] - at))
         data = _bytes(torch, t).data.cast("B")  # a Buffer to mypy (ndarray is one on 3.12+)
@@ -140,15 +144,22 @@ def _header(weights: TorchStageWeights, key: dict[str, Any], source: dict[str, A
     return header, tensors
 
 
-def write_weights(torch: Any, fd: int, weights: TorchStageWeights, key: dict[str, Any],
-                  source: dict[str, Any]) -> int:  # fmt: skip
+def write_weights(
+    torch: Any,
+    fd: int,
+    weights: TorchStageWeights,
+    key: dict[str, Any],
+    source: dict[str, Any],
+    stopping: Callable[[], bool] = lambda: False,
+) -> int:
     """Write the stage to the open file ``fd`` (at its start); its size in bytes.
     ``source``: what the cache's clean-up reads back (the GGUF file's path,
-    size and mtime), outside the key."""
+    size and mtime), outside the key. ``stopping`` is asked between pieces:
+    True raises ``InterruptedError`` (the process is exiting)."""
     header, tensors = _header(weights, key, source)
     digest = xxhash.xxh3_128()
     digest.update(_canonical(header))
-    for piece in _pieces(torch, header, tensors):
+    for piece in _pieces(torch, header, tensors, stopping):
         digest.update(piece)
     header["digest"] = digest.hexdigest()
     text = _canonical(header)
@@ -156,7 +167,7 @@ def write_weights(torch: Any, fd: int, weights: TorchStageWeights, key: dict[str
     if len(head) > header["data_offset"]:
         raise ValueError("the header outgrew its pages")
     _write_all(fd, memoryview(head + bytes(header["data_offset"] - len(head))))
-    for piece in _pieces(torch, header, tensors):
+    for piece in _pieces(torch, header, tensors, stopping):
         _write_all(fd, piece)
     return int(header["data_offset"] + header["data_bytes"])
 
