@@ -41,6 +41,9 @@ GETATTR_ALLOWED = {
     # h11's private reader state (the body bypass reads how much is left).
     ("meshnet_proto/_body_bypass.py", "_reader"),
     ("meshnet_proto/_body_bypass.py", "_remaining"),
+    # fcntl's open-file-description lock commands exist on Linux only.
+    ("meshnet_model/engines/core_ledger.py", "F_OFD_SETLK"),
+    ("meshnet_model/engines/core_ledger.py", "F_OFD_GETLK"),
 }
 
 # isinstance(x, ReplicaSet | DownstreamPool) that is not a server telling its

@@ -57,7 +57,14 @@ _FLOCK = struct.Struct("hhqqi4x")
 _SETLK: int | None = getattr(fcntl, "F_OFD_SETLK", None)
 _GETLK: int | None = getattr(fcntl, "F_OFD_GETLK", None)
 
-_grant = threading.local()
+
+class _Grant(threading.local):
+    """This thread's grant while a step is open (None: no step)."""
+
+    threads: int | None = None
+
+
+_grant = _Grant()
 
 
 def supported() -> bool:
@@ -68,7 +75,7 @@ def supported() -> bool:
 def step_threads(default: int | None) -> int | None:
     """The threads this thread's step computes with: the ledger's grant while a
     step is open in this thread (``CoreLedger.step``), else ``default``."""
-    threads: int | None = getattr(_grant, "threads", None)
+    threads = _grant.threads
     return default if threads is None else threads
 
 
