@@ -41,14 +41,27 @@ def taken_port() -> Iterator[int]:
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Tests marked ``cuda`` run only where torch sees a CUDA device (the GPU
-    machine's ``.ci/gpu-check.sh``). Elsewhere they are deselected, and pytest
-    says how many: a CPU run has nothing to skip."""
-    cuda = [item for item in items if item.get_closest_marker("cuda") is not None]
-    if not cuda:
-        return
+    machine's ``.ci/gpu-check.sh``), and tests marked ``bf16_units`` only on
+    a CPU that multiplies bfloat16 (AVX-512 BF16 or AMX: elsewhere a forced
+    dense tile is 35x slower than int4pack, and auto never takes one).
+    Elsewhere they are deselected, and pytest says how many: nothing is skipped."""
+    for marker, present in (("cuda", _cuda), ("bf16_units", _bf16_units)):
+        marked = [item for item in items if item.get_closest_marker(marker) is not None]
+        if not marked or present():
+            continue
+        config.hook.pytest_deselected(items=marked)
+        items[:] = [item for item in items if item.get_closest_marker(marker) is None]
+
+
+def _cuda() -> bool:
     import torch  # only when a collected test needs it: torch is slow to import
 
-    if torch.cuda.is_available():
-        return
-    config.hook.pytest_deselected(items=cuda)
-    items[:] = [item for item in items if item.get_closest_marker("cuda") is None]
+    return bool(torch.cuda.is_available())
+
+
+def _bf16_units() -> bool:
+    import torch
+
+    from meshnet_model.engines.torch.calibrate import bfloat16_units, cpu_features
+
+    return bfloat16_units(cpu_features(torch))

@@ -147,6 +147,7 @@ def plan_step(
     decoding: int = 0,
     align: int = ATTENTION_BLOCK,
     split: bool = True,
+    tile: int | None = None,
 ) -> list[tuple[Work, int]]:
     """The step's work and how many tokens of each (see the module docstring).
     A piece of a chunk ends at a multiple of ``align`` (or at the chunk's end):
@@ -154,7 +155,9 @@ def plan_step(
     ``split`` False (a stage whose products are not row-invariant) a chunk is
     taken whole or not at all, past the share only when it is the step's
     first piece of work. ``decoding``: the decode steps a step of this node
-    usually has (its micro-batch), queued now or not."""
+    usually has (its micro-batch), queued now or not. ``tile``: no piece
+    ends strictly inside an aligned block of ``tile`` positions that lies
+    wholly in its chunk (an engine's fixed-shape tiles, ``_off_tiles``)."""
     taken: list[tuple[Work, int]] = []
     rows = 0
     for work in queue:
@@ -180,7 +183,7 @@ def plan_step(
             tokens = work.remaining if not taken or owed else 0
         if tokens == 0 and taken:
             break
-        taken.append((work, _aligned(work, tokens, align)))
+        taken.append((work, _aligned(work, tokens, align, tile)))
         share -= taken[-1][1] * work.batch
     return taken
 
@@ -211,7 +214,7 @@ def credit_passed_over(
     waiting.credit += prefill_share(budget, decode_rows, decoding)
 
 
-def _aligned(work: Work, tokens: int, align: int) -> int:
+def _aligned(work: Work, tokens: int, align: int, tile: int | None = None) -> int:
     """``tokens`` cut back to end on an aligned position — at least to the
     next one (or the chunk's end), so the piece is never empty."""
     if tokens >= work.remaining:
@@ -220,7 +223,18 @@ def _aligned(work: Work, tokens: int, align: int) -> int:
     end = (here + tokens) // align * align
     if end <= here:
         end = (here // align + 1) * align
+    if tile is not None:
+        end = _off_tiles(work, here, end, tile)
     return min(end - here, work.remaining)
+
+
+def _off_tiles(work: Work, here: int, end: int, tile: int) -> int:
+    """A piece's ``end`` moved out of a whole tile of its chunk: back to the
+    tile's start, or on to its end when the piece starts there."""
+    start = end // tile * tile
+    if start == end or start < work.start or start + tile > work.start + work.tokens:
+        return end
+    return start if start > here else start + tile
 
 
 def _smoothed(previous: float, value: float) -> float:
@@ -251,6 +265,9 @@ class StageScheduler:
         self.micro_batches = micro_batches
         # Chunks are cut into pieces only where that changes no bit (stage.batch).
         self.split = runner.model.row_invariant
+        # ...and never inside a whole tile of an engine's fixed-shape products
+        # (a quantized torch stage's dense tiles: dense_tiles.TILE_ROWS), or None.
+        self.tile = runner.model.piece_tile
         self.on_step = on_step  # (chunks, rows, seconds) of each step: metrics
         self.cores: CoreLedger | None = None  # --share-cores-with: each step's threads
         self.queue: deque[Work] = deque()
@@ -334,7 +351,7 @@ class StageScheduler:
                 await self._gather(expected)
             plan = plan_step(self.queue, budget=self.max_batch_tokens, decode_cap=cap,
                              decoding=expected,
-                             split=self.split)  # fmt: skip
+                             split=self.split, tile=self.tile)  # fmt: skip
             if not self.split:
                 credit_passed_over(self.queue, plan, budget=self.max_batch_tokens,
                                    decoding=expected)  # fmt: skip

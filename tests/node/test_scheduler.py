@@ -88,6 +88,21 @@ def test_pieces_end_on_aligned_positions() -> None:
     assert plan_step([w], budget=40) == [(w, 5)]  # the chunk's end, 137
 
 
+def test_no_piece_ends_inside_a_whole_tile_of_its_chunk() -> None:
+    """A dense stage's tiles (64 aligned positions wholly in the chunk) are
+    never cut: a piece ends before a tile, or takes it whole; the chunk's
+    partial blocks at its ends are cut as usual."""
+    w = Work(SessionLife("s"), 10, np.zeros((1, 200), np.int32))  # positions 10..210
+    assert plan_step([w], budget=40, tile=64) == [(w, 38)]  # 10..48: no tile before 64
+    w.done = 38
+    assert plan_step([w], budget=40, tile=64) == [(w, 16)]  # 48..64: back to the tile
+    w.done = 54
+    assert plan_step([w], budget=40, tile=64) == [(w, 64)]  # 64..128: the tile whole
+    w.done = 182
+    assert plan_step([w], budget=16, tile=64) == [(w, 16)]  # 192..208: no whole tile
+    assert plan_step([w], budget=16) == [(w, 16)]
+
+
 def test_the_rest_of_a_split_chunk_is_taken_next() -> None:
     w = work(300, done=256)
     assert plan_step([w], budget=256) == [(w, 44)]

@@ -52,3 +52,7 @@ class Engine(Protocol[CacheT]):
     # Whether every product computes each row on its own, so batched entries
     # share them and chunks may be cut into pieces (stage.batch).
     row_invariant: bool
+    # Positions in the aligned blocks its fixed-shape products take whole (a
+    # quantized torch stage's dense tiles): no piece of a chunk ends inside one
+    # that lies wholly in the chunk; None: no such blocks.
+    piece_tile: int | None

@@ -8,7 +8,9 @@ tensor is read, the bytes a node holding ``layers`` keeps resident:
 * ``kv``: the KV cache budget (``--kv-budget-bytes``);
 * ``scratch``: one chunk's compute scratch, ``costs.chunk_cost`` of
   ``--max-chunk-tokens`` rows over the whole context, capped by
-  ``--max-compute-bytes``;
+  ``--max-compute-bytes``; plus, on a quantized torch stage, the buffer its
+  dense tiles decode weights into (``torch.dense_tiles.scratch_bytes``, a
+  few MiB per core);
 * ``runtime``: the process's own baseline (interpreter, libraries).
 
 ``fit_process`` checks stages that share one process (a node: one; ``meshnet
@@ -29,8 +31,9 @@ from typing import Any
 
 from ..formats.config import ModelConfig
 from ..stage.costs import QUERY_BLOCK, chunk_cost, reachable_context
-from .choice import choose_engine, torch_installed
+from .choice import choose_engine, torch_installed, usable_cores
 from .held_bytes import ModelBytes, held_matrix, held_matrix_bytes, model_bytes
+from .torch.dense_tiles import scratch_bytes as tile_scratch_bytes
 
 __all__ = [
     "KV_AUTO_MAX",
@@ -167,6 +170,16 @@ def _scratch(
     return min(max_compute_bytes, cost.total)
 
 
+def _tile_scratch(mb: ModelBytes, layers: range) -> int:
+    """The dense tiles' decode buffers of a stage holding int4pack matrices
+    (whichever kernel its calibration picks: the footprint is planned
+    before), one per worker thread: at most one per usable core."""
+    if not any("int4pack" in form for i in layers for form in mb.forms[i]):
+        return 0
+    cols = max(mb.config.hidden_size, mb.config.intermediate_size)
+    return tile_scratch_bytes(cols, usable_cores())
+
+
 def _footprint(
     mb: ModelBytes, layers: range, kv: int, max_chunk_tokens: int, max_compute_bytes: int
 ) -> StageFootprint:
@@ -179,7 +192,8 @@ def _footprint(
         kv,
         _scratch(
             mb.config, layers, mb.engine, max_chunk_tokens, max_compute_bytes, kv, _kv_itemsize(mb)
-        ),
+        )
+        + _tile_scratch(mb, layers),
         RUNTIME_BYTES[mb.engine],
     )
 
@@ -362,8 +376,19 @@ def _smaller_chunk(
     for tokens in (512, 256, 128):
         if tokens >= max_chunk_tokens:
             continue
-        smaller = sum(_scratch(mb.config, s.layers, mb.engine, tokens, max_compute_bytes,
-                               kv or KV_AUTO_MIN, _kv_itemsize(mb)) for s in stages)  # fmt: skip
+        smaller = sum(
+            _scratch(
+                mb.config,
+                s.layers,
+                mb.engine,
+                tokens,
+                max_compute_bytes,
+                kv or KV_AUTO_MIN,
+                _kv_itemsize(mb),
+            )
+            + _tile_scratch(mb, s.layers)
+            for s in stages
+        )
         if weights + smaller + beside <= limit:
             return [f"--max-chunk-tokens {tokens}"]
     return []
@@ -400,6 +425,7 @@ def _other_engine(
                 kv or KV_AUTO_MIN,
                 _kv_itemsize(alt),
             )
+            + _tile_scratch(alt, s.layers)
             for s in stages
         )
         if alt_fixed + _needs(kv, limit, len(stages)) <= limit:
@@ -429,6 +455,7 @@ def plan_split(
 
     def room(k: int, span: range) -> int:  # weights room of machine k holding span
         scratch = _scratch(mb.config, span, engine, max_chunk_tokens, max_compute_bytes)
+        scratch += _tile_scratch(mb, span)
         return memories[k] - scratch - RUNTIME_BYTES[engine] - _needs(None, memories[k], 1)
 
     def cut(share: float) -> list[int] | None:

@@ -212,6 +212,7 @@ class StageModel:
     # larger ones apart, and the scheduler never cuts a chunk into pieces
     # (stage.batch).
     row_invariant = False
+    piece_tile: int | None = None
 
     def __init__(self, weights: StageWeights) -> None:
         self.weights = weights

@@ -37,6 +37,8 @@ from ...stage.runner import (
 from ...stage.weights import StageWeights, head_is_tied
 from ..core_ledger import step_threads
 from ._torch import COMPUTE_DTYPES, check_device, import_torch
+from .calibrate import choose_kernels
+from .dense_tiles import TILE_ROWS, StepRows, dense_tile_rows
 from .kv_cache import TorchKVCache
 from .layers import (
     RopeTable,
@@ -105,6 +107,12 @@ class TorchStageModel:
         # Every product by the int4pack kernel, which computes each row on its
         # own: batched entries share them, and chunks may be cut into pieces.
         self.row_invariant = self.weights.all_int4()
+        # A quantized CPU stage's prompt tiles: int4pack or the dense GEMM,
+        # timed at load (calibrate); the scheduler then cuts no tile.
+        quantized = held is not None and any("int4pack" in f for f in held.held_forms())
+        self.kernels = choose_kernels(torch) if quantized and self.device.type == "cpu" else None
+        self.dense = None if self.kernels is None else self.kernels.dense_tiles()
+        self.piece_tile: int | None = TILE_ROWS if self.dense is not None else None
         self.transfer = transfer or Transfer(torch, self.device)
 
     @property
@@ -213,7 +221,7 @@ class TorchStageModel:
         c, t = self.config, self.torch
         heads, kv_heads, d = c.num_attention_heads, c.num_key_value_heads, c.head_dim
         rope = self._rope_rows(batch)
-        blocks = batch.entry_rows()
+        blocks = self._step_rows(batch)
         for i, block in enumerate(self.weights.blocks):
             kept = batch.check_stops()
             if kept is not None:
@@ -221,7 +229,7 @@ class TorchStageModel:
                     return x[:0]
                 x = _pack(t, [x[lo:hi] for lo, hi in kept])
                 rope = self._rope_rows(batch)
-                blocks = batch.entry_rows()
+                blocks = self._step_rows(batch)
             layer = self.layers.start + i
             window = c.layer_window(layer)
             h = self.norm(t, x, block.input_norm, c.rms_norm_eps)
@@ -241,6 +249,11 @@ class TorchStageModel:
             h = self.norm(t, x, block.post_norm, c.rms_norm_eps)
             x = x + mlp(t, h, block, blocks)
         return x
+
+    def _step_rows(self, batch: PackedBatch[TorchKVCache]) -> list[tuple[int, int]]:
+        """Each entry's rows, and the step's dense tiles where the stage takes them."""
+        rows = batch.entry_rows()
+        return rows if self.dense is None else StepRows(rows, dense_tile_rows(batch), self.dense)
 
     def _rope_rows(self, batch: PackedBatch[TorchKVCache]) -> tuple[Any, Any]:
         """Each packed row's (cos, sin) ``[rows, 1, d]``: its chunk's positions,
@@ -267,6 +280,7 @@ class TorchStageModel:
             "weights_cache": self.weights.cache_report(),
             "threads": self.threads or self.torch.get_num_threads(),
             "torch_threads": self.threads or self.torch.get_num_threads(),
+            **({"kernels": self.kernels.describe()} if self.kernels is not None else {}),
         }
 
 

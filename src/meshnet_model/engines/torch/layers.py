@@ -109,7 +109,9 @@ def product(torch: Any, x: Any, weight: Any, bias: Any, blocks: RowBlocks = None
     ``blocks`` (each batched entry's rows) the small entries share products of
     exactly ``SHARED_ROWS`` rows, zero-padded, and each larger entry runs
     alone on its own rows (``product_segments``)."""
-    if blocks is None or isinstance(weight, Int4Matrix):
+    if isinstance(weight, Int4Matrix):  # its dense tiles, if any: blocks (dense_tiles.StepRows)
+        return linear(torch, x, weight, bias, blocks)
+    if blocks is None:
         return linear(torch, x, weight, bias)
     parts = []
     for lo, hi, padded in product_segments(blocks):

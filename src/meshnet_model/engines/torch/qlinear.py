@@ -21,6 +21,11 @@ The kernels were chosen by measurement (docs/models.md, "Quantized compute"):
   64-row tiles): dequantized a chunk of rows at a time, 2 bytes a value —
   named ``bfloat16`` in the stage's held forms.
 
+A prompt chunk's whole tiles of 64 positions may instead take the dense
+GEMM on tiles of the weights decoded to bfloat16 (``dense_tiles``, chosen per
+stage at load: ``calibrate``): ``layers.product`` hands ``Int4Matrix.matmul``
+the step's ``StepRows``.
+
 ``linear(torch, x, weight, bias)`` multiplies by any of the three. Every
 conversion runs a chunk of rows at a time (``_ROWS`` rows): no transient
 copy of a whole tensor in a wider type is ever made, so the peak of a load
@@ -37,6 +42,7 @@ import numpy as np
 
 from ...formats.gguf.blocks import GROUP, INT4_FORMS, int4_split, row_chunks
 from ...formats.gguf.quants import GGMLType
+from .dense_tiles import StepRows
 
 __all__ = [
     "KERNEL_DTYPE",
@@ -93,12 +99,27 @@ class Int4Matrix:
     def nbytes(self) -> int:
         return sum(int(p.numel() + sz.numel() * sz.element_size()) for p, sz in self.parts)
 
-    def matmul(self, torch: Any, x: Any) -> Any:
+    def matmul(self, torch: Any, x: Any, rows: Any = None) -> Any:
+        """``x @ W.T`` in ``x``'s dtype; ``rows``: the step's ``StepRows``, whose
+        dense tiles (if any) take the dense GEMM."""
         lead = x.shape[:-1]
-        packed, scale_zero = self.parts[0]
         flat = x.reshape(-1, self.shape[1])
-        if flat.dtype != scale_zero.dtype:
-            flat = flat.to(scale_zero.dtype)
+        if flat.dtype != self.parts[0][1].dtype:
+            flat = flat.to(self.parts[0][1].dtype)
+        if isinstance(rows, StepRows) and rows.tiles:
+            out = rows.kernel.matmul(
+                torch,
+                flat,
+                self.parts,
+                rows.tiles,
+                int4pack=lambda some: self._int4pack(torch, some),
+            )
+            return out.reshape(*lead, self.shape[0]).to(x.dtype)
+        return self._int4pack(torch, flat).reshape(*lead, self.shape[0]).to(x.dtype)
+
+    def _int4pack(self, torch: Any, flat: Any) -> Any:
+        """Rows ``flat`` (the kernels' dtype) by the int4pack kernel, each on its own."""
+        packed, scale_zero = self.parts[0]
         mm = torch.ops.aten._weight_int4pack_mm_for_cpu
         out = mm(flat, packed, GROUP, scale_zero)
         if len(self.parts) > 1:
@@ -107,13 +128,14 @@ class Int4Matrix:
             out = out.float()
             for packed, scale_zero in self.parts[1:]:
                 out += mm(flat, packed, GROUP, scale_zero)
-        return out.reshape(*lead, self.shape[0]).to(x.dtype)
+        return out
 
 
-def linear(torch: Any, x: Any, weight: Any, bias: Any = None) -> Any:
-    """``x @ weight.T (+ bias)`` for a dense tensor or a quantized matrix."""
+def linear(torch: Any, x: Any, weight: Any, bias: Any = None, rows: Any = None) -> Any:
+    """``x @ weight.T (+ bias)`` for a dense tensor or a quantized matrix
+    (``rows``: the step's ``StepRows``, for a quantized one's dense tiles)."""
     if isinstance(weight, Int4Matrix):
-        out = weight.matmul(torch, x)
+        out = weight.matmul(torch, x, rows)
         return out if bias is None else out + bias
     if weight.dtype != x.dtype:
         # A matrix no kernel reads, held dequantized in the kernels' dtype
