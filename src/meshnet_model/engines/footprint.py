@@ -180,6 +180,16 @@ def _tile_scratch(mb: ModelBytes, layers: range) -> int:
     return tile_scratch_bytes(cols, usable_cores())
 
 
+def _stage_scratch(
+    mb: ModelBytes, layers: range, max_chunk_tokens: int, max_compute_bytes: int, kv: int
+) -> int:
+    """A stage's whole scratch: its chunk's (``_scratch``) and its dense tiles'."""
+    chunk = _scratch(
+        mb.config, layers, mb.engine, max_chunk_tokens, max_compute_bytes, kv, _kv_itemsize(mb)
+    )
+    return chunk + _tile_scratch(mb, layers)
+
+
 def _footprint(
     mb: ModelBytes, layers: range, kv: int, max_chunk_tokens: int, max_compute_bytes: int
 ) -> StageFootprint:
@@ -190,10 +200,7 @@ def _footprint(
         mb.form(layers),
         mb.weights(layers),
         kv,
-        _scratch(
-            mb.config, layers, mb.engine, max_chunk_tokens, max_compute_bytes, kv, _kv_itemsize(mb)
-        )
-        + _tile_scratch(mb, layers),
+        _stage_scratch(mb, layers, max_chunk_tokens, max_compute_bytes, kv),
         RUNTIME_BYTES[mb.engine],
     )
 
@@ -377,16 +384,7 @@ def _smaller_chunk(
         if tokens >= max_chunk_tokens:
             continue
         smaller = sum(
-            _scratch(
-                mb.config,
-                s.layers,
-                mb.engine,
-                tokens,
-                max_compute_bytes,
-                kv or KV_AUTO_MIN,
-                _kv_itemsize(mb),
-            )
-            + _tile_scratch(mb, s.layers)
+            _stage_scratch(mb, s.layers, tokens, max_compute_bytes, kv or KV_AUTO_MIN)
             for s in stages
         )
         if weights + smaller + beside <= limit:
@@ -416,16 +414,7 @@ def _other_engine(
         alt = model_bytes(model_path, engine, dtype, mb.config)
         alt_fixed = RUNTIME_BYTES[engine] + sum(
             alt.weights(s.layers)
-            + _scratch(
-                mb.config,
-                s.layers,
-                engine,
-                max_chunk_tokens,
-                max_compute_bytes,
-                kv or KV_AUTO_MIN,
-                _kv_itemsize(alt),
-            )
-            + _tile_scratch(alt, s.layers)
+            + _stage_scratch(alt, s.layers, max_chunk_tokens, max_compute_bytes, kv or KV_AUTO_MIN)
             for s in stages
         )
         if alt_fixed + _needs(kv, limit, len(stages)) <= limit:

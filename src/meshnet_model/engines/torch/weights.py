@@ -28,7 +28,9 @@ model is loaded in that dtype.
 
 from __future__ import annotations
 
+import contextlib
 import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -235,14 +237,27 @@ def gguf_weights(
     torch's pool over them cost twice the time of one thread (measured on
     2 cores: 0.19 against 0.10 s for an 8192 x 2048 Q4_0 matrix).
     """
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        return _gguf_weights(
-            torch, ckpt, config, layers, dtype=dtype, device=device, quantized=quantized
-        )
-    finally:
-        torch.set_num_threads(before)
+    with _one_torch_thread(torch):
+        c = config
+        read = _GGUFTensors(torch, ckpt, dtype=dtype, device=device, quantized=quantized)
+        blocks = [read.layer(c, i) for i in layers]
+        first, last = layers.start == 0, layers.stop == c.num_hidden_layers
+        tied = head_is_tied(c, ckpt)
+        embed_name, embed_shape = "model.embed_tokens.weight", (c.vocab_size, c.hidden_size)
+        embed = norm = lm_head = None
+        if first:
+            embed = mapped_embedding(ckpt, c) if quantized else None
+            if embed is None:
+                embed = read.matrix(embed_name, embed_shape)
+        if last:
+            norm = read.vector("model.norm.weight", (c.hidden_size,))
+            if tied and isinstance(embed, MappedEmbedding | type(None)):
+                lm_head = read.matrix(embed_name, embed_shape)
+            elif tied:
+                lm_head = embed  # one dense tensor for both
+            else:
+                lm_head = read.matrix("lm_head.weight", embed_shape)
+        return TorchStageWeights(blocks, embed, norm, lm_head, dtype, device, 0)
 
 
 def mapped_embedding(ckpt: GGUFCheckpoint, config: ModelConfig) -> MappedEmbedding | None:
@@ -257,36 +272,15 @@ def mapped_embedding(ckpt: GGUFCheckpoint, config: ModelConfig) -> MappedEmbeddi
     return MappedEmbedding(mapped, kind, shape)
 
 
-def _gguf_weights(
-    torch: Any,
-    ckpt: GGUFCheckpoint,
-    config: ModelConfig,
-    layers: range,
-    *,
-    dtype: Any,
-    device: Any,
-    quantized: bool,
-) -> TorchStageWeights:
-    c = config
-    read = _GGUFTensors(torch, ckpt, dtype=dtype, device=device, quantized=quantized)
-    blocks = [read.layer(c, i) for i in layers]
-    first, last = layers.start == 0, layers.stop == c.num_hidden_layers
-    tied = head_is_tied(c, ckpt)
-    embed_name, embed_shape = "model.embed_tokens.weight", (c.vocab_size, c.hidden_size)
-    embed = norm = lm_head = None
-    if first:
-        embed = mapped_embedding(ckpt, c) if quantized else None
-        if embed is None:
-            embed = read.matrix(embed_name, embed_shape)
-    if last:
-        norm = read.vector("model.norm.weight", (c.hidden_size,))
-        if tied and isinstance(embed, MappedEmbedding | type(None)):
-            lm_head = read.matrix(embed_name, embed_shape)
-        elif tied:
-            lm_head = embed  # one dense tensor for both
-        else:
-            lm_head = read.matrix("lm_head.weight", embed_shape)
-    return TorchStageWeights(blocks, embed, norm, lm_head, dtype, device, 0)
+@contextlib.contextmanager
+def _one_torch_thread(torch: Any) -> Iterator[None]:
+    """torch computing on one thread within the block (the load's conversions)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 class _GGUFTensors:
