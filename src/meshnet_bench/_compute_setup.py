@@ -70,8 +70,8 @@ def _node_lines(proc: subprocess.Popen[str], count: int) -> list[str]:
 
 @contextlib.contextmanager
 def meshnet_run(model: Path, stages: int, *flags: str) -> Iterator[MeshnetRun]:
-    """``meshnet run --model model --stages N`` at its defaults (threads: the
-    pinned cores split between the stages) until the block ends."""
+    """``meshnet run --model model --stages N`` at its defaults (torch stages
+    share the pinned cores by who is busy) until the block ends."""
     argv = ["run", "--model", str(model), "--stages", str(stages), *LOOPBACK, *RUN_FLAGS, *flags]
     started = time.perf_counter()
     with server_process("meshnet_cli", *argv, timeout=START_TIMEOUT_S, preexec_fn=pin) as (

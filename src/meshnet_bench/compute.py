@@ -3,8 +3,8 @@ llama.cpp on the same files and the same 2 cores.
 
 Every contender (meshnet's processes, ``llama-bench``, ``llama-server``, the
 busy loops) is pinned to the same 2 cores (``_llama_cpp.shared_cores``);
-meshnet runs at its defaults there (``meshnet run``: the cores split between
-the stages; speculation off, as llama.cpp does not draft). Each figure is a
+meshnet runs at its defaults there (``meshnet run``: its torch stages share
+the cores by who is busy; speculation off, as llama.cpp does not draft). Each figure is a
 ratio of two things measured in the same run, in interleaved rounds (A, B,
 A, B …), the median of each side:
 
