@@ -12,7 +12,7 @@ stages load (in a worker thread, so a Ctrl-C during a load of minutes is
 answered at once). Every refusal is one line on stderr, exit 2.
 
 Cores: the stages share the machine's by who is busy (``core_flags``), and
-torch's idle OpenMP threads sleep instead of spinning (``quiet_idle_threads``).
+torch's idle OpenMP threads spin briefly, then sleep (``quiet_idle_threads``).
 
 Ready: one line on stdout naming the URL (its first words are stable:
 ``meshnet run listening on URL``), then a line per node with its URL and

@@ -18,14 +18,22 @@ from pathlib import Path
 
 import pytest
 
-from meshnet_model.engines.choice import WAIT_POLICY_VARS
-from meshnet_model.engines.core_ledger import CoreLedger, ledger_for, ledger_step, step_threads
+from meshnet_model.engines.choice import SPIN_COUNT, WAIT_POLICY_VARS
+from meshnet_model.engines.core_ledger import (
+    CoreLedger,
+    idle_cpus,
+    ledger_for,
+    ledger_step,
+    step_threads,
+)
 
 CORES = 4
 
 
-def _ledger(path: Path, most: int | None = None) -> CoreLedger:
-    return CoreLedger(path, cores=CORES, most=most)
+def _ledger(path: Path, most: int | None = None, idle: int = CORES) -> CoreLedger:
+    """A member of the ledger at ``path`` on a machine with ``idle`` CPUs idle
+    (a quiet one by default: the suite's own load must not change a grant)."""
+    return CoreLedger(path, cores=CORES, most=most, idle=lambda: idle)
 
 
 def test_a_stage_alone_takes_every_core_and_its_thread_sees_the_grant(tmp_path: Path) -> None:
@@ -88,6 +96,39 @@ def test_more_busy_stages_than_cores_take_one_thread_each(tmp_path: Path) -> Non
     assert ledgers[0].describe()["busy"] == CORES + 1
 
 
+def test_a_step_takes_no_more_threads_than_the_machine_has_idle_cpus(tmp_path: Path) -> None:
+    """Beside other busy processes a step computes on the CPUs left idle —
+    one at least — and a quiet machine's step on every core again."""
+    idle = [1]
+    ledger = CoreLedger(tmp_path / "cores", cores=CORES, idle=lambda: idle[0])
+    with ledger.step() as threads:
+        assert threads == 1
+    idle[0] = -3  # more runnable threads than CPUs
+    with ledger.step() as threads:
+        assert threads == 1
+    idle[0] = 3
+    with ledger.step() as threads:
+        assert threads == 3
+    idle[0] = 64
+    with ledger.step() as threads:
+        assert threads == CORES
+
+
+def test_idle_cpus_counts_other_processes_runnable_threads(tmp_path: Path) -> None:
+    """``/proc/loadavg``'s runnable threads less this process's own in state R."""
+    cpus = os.cpu_count() or 1
+    tasks = tmp_path / "self" / "task"
+    for task, state in ((1, "R"), (2, "S"), (3, "R")):
+        (tasks / str(task)).mkdir(parents=True)
+        (tasks / str(task) / "stat").write_text(f"{task} (a (b) c) {state} 1 2 3\n")
+    (tmp_path / "loadavg").write_text("0.50 0.40 0.30 5/200 4242\n")
+    assert idle_cpus(str(tmp_path)) == cpus - 3  # 5 runnable, 2 of them ours
+    (tmp_path / "loadavg").write_text("0.50 0.40 0.30 2/200 4242\n")
+    assert idle_cpus(str(tmp_path)) == cpus  # only ours
+    assert idle_cpus(str(tmp_path / "absent")) == cpus  # unreadable: every CPU
+    assert idle_cpus() <= cpus  # the real /proc
+
+
 def test_threads_is_a_stage_s_cap(tmp_path: Path) -> None:
     capped = _ledger(tmp_path / "cores", most=3)
     with capped.step() as threads:
@@ -111,7 +152,7 @@ def test_a_killed_holder_leaks_no_core(tmp_path: Path) -> None:
     code = f"""
         import sys
         from meshnet_model.engines.core_ledger import CoreLedger
-        ledger = CoreLedger({str(path)!r}, cores={CORES})
+        ledger = CoreLedger({str(path)!r}, cores={CORES}, idle=lambda: {CORES})
         with ledger.step() as threads:
             print(threads, flush=True)
             sys.stdin.read()  # until killed
@@ -176,19 +217,19 @@ def _fresh(code: str, env: dict[str, str] | None = None) -> dict[str, object]:
     return json.loads(done.stdout.splitlines()[-1])  # type: ignore[no-any-return]
 
 
-def test_idle_threads_sleep_unless_the_operator_chose() -> None:
+def test_idle_threads_spin_briefly_unless_the_operator_chose() -> None:
     code = """
         import json, os
         from meshnet_model.engines.choice import quiet_idle_threads
-        print(json.dumps([quiet_idle_threads(), os.environ.get("OMP_WAIT_POLICY")]))
+        print(json.dumps([quiet_idle_threads(), os.environ.get("GOMP_SPINCOUNT")]))
     """
-    assert _fresh(code) == [True, "passive"]
-    assert _fresh(code, {"OMP_WAIT_POLICY": "active"}) == [False, "active"]
-    assert _fresh(code, {"GOMP_SPINCOUNT": "10000"}) == [False, None]
+    assert _fresh(code) == [True, str(SPIN_COUNT)]
+    assert _fresh(code, {"GOMP_SPINCOUNT": "500"}) == [False, "500"]
+    assert _fresh(code, {"OMP_WAIT_POLICY": "passive"}) == [False, None]
     late = """
         import json, os, torch
         from meshnet_model.engines.choice import quiet_idle_threads
-        print(json.dumps([quiet_idle_threads(), os.environ.get("OMP_WAIT_POLICY")]))
+        print(json.dumps([quiet_idle_threads(), os.environ.get("GOMP_SPINCOUNT")]))
     """
     assert _fresh(late) == [False, None]  # too late: the runtime has read it
 
@@ -201,14 +242,14 @@ def test_the_entry_points_set_it_before_anything_loads(tmp_path: Path) -> None:
             main(["--help"])
         except SystemExit:
             pass
-        print(json.dumps(os.environ.get("OMP_WAIT_POLICY")))
+        print(json.dumps(os.environ.get("GOMP_SPINCOUNT")))
     """
-    assert _fresh(node) == "passive"
+    assert _fresh(node) == str(SPIN_COUNT)
     run = f"""
         import contextlib, io, json, os, sys
         from meshnet_cli.__main__ import main
         with contextlib.redirect_stderr(io.StringIO()):
             status = main(["run", "--model", {str(tmp_path / "absent")!r}])
-        print(json.dumps([status, os.environ.get("OMP_WAIT_POLICY"), "torch" in sys.modules]))
+        print(json.dumps([status, os.environ.get("GOMP_SPINCOUNT"), "torch" in sys.modules]))
     """
-    assert _fresh(run) == [2, "passive", False]
+    assert _fresh(run) == [2, str(SPIN_COUNT), False]

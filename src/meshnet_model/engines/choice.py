@@ -15,8 +15,8 @@ stages, whose BLAS pool is one for the whole process, keep a static share
 (``share_cores``), so stages in one process split the machine instead of
 each running a pool over all of it.
 
-Idle threads: ``quiet_idle_threads`` makes torch's OpenMP workers sleep when
-they have no work instead of spinning (see there).
+Idle threads: ``quiet_idle_threads`` bounds how long torch's OpenMP workers
+spin when they have no work before they sleep (see there).
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ from pathlib import Path
 from ..source import is_gguf
 
 __all__ = [
+    "SPIN_COUNT",
     "WAIT_POLICY_VARS",
     "blas_threads",
     "choose_engine",
@@ -71,26 +72,31 @@ def share_cores(stages: int, cores: int | None = None) -> int:
 
 # libgomp's (torch's OpenMP) and Intel OpenMP's: what an idle worker does.
 WAIT_POLICY_VARS = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "KMP_BLOCKTIME")
+# Iterations an idle libgomp worker spins before it sleeps: tens of
+# microseconds, enough to catch the next parallel region of a step.
+SPIN_COUNT = 10_000
 
 
 def quiet_idle_threads(environ: MutableMapping[str, str] | None = None) -> bool:
-    """``OMP_WAIT_POLICY=passive`` in the environment, for the OpenMP runtime
-    torch loads: its idle workers sleep at once instead of spinning. True if set.
+    """``GOMP_SPINCOUNT`` set to ``SPIN_COUNT`` in the environment, for the
+    OpenMP runtime torch loads: an idle worker spins that long, then sleeps.
+    True if set.
 
     libgomp reads it once, when torch is imported, so a process's entry point
     calls this first (``meshnet-node``, ``meshnet run``); it does nothing once
-    torch is imported, nor where the operator set a wait policy. Why: a worker
-    spins up to ~300,000 iterations at each barrier, taking the core from the
-    thread it waits for whenever the machine has other work — beside other
-    processes, or in ``meshnet run``, whose stages load in a worker thread, at
-    every step: decode at 0.4-8 tok/s against 16-31 passive (SmolLM2, 2 cores,
-    CPU per token 150-440 ms against 22). Sleeping costs a futex wake-up per
-    parallel region, within the noise of a one-stream decode here.
+    torch is imported, nor where the operator set a wait policy. Why, measured
+    on ``meshnet run --stages 1`` (SmolLM2, 2 cores, one stream, decode tok/s
+    quiet and beside two CPU-bound busy loops): libgomp's default spins up to
+    300,000 iterations at each barrier, taking the core from the thread it
+    waits for whenever the machine has other work — 29.0 quiet, 5.0 beside
+    the loops (0.17x); sleeping at once (``OMP_WAIT_POLICY=passive``) pays a
+    futex wake-up at each of a token's ~200 parallel regions — 18.9 quiet,
+    12.4 beside; 10,000 iterations keep both — 28.9 quiet, 14.8 beside.
     """
     environ = os.environ if environ is None else environ
     if "torch" in sys.modules or any(name in environ for name in WAIT_POLICY_VARS):
         return False
-    environ["OMP_WAIT_POLICY"] = "passive"
+    environ["GOMP_SPINCOUNT"] = str(SPIN_COUNT)
     return True
 
 

@@ -25,6 +25,14 @@ process leaks no core. The file's bytes are only names for locks:
 Where the platform has no such locks (not Linux), ``supported()`` is False and
 stages keep a static share (``choice.share_cores``).
 
+A stage also takes no more threads than the machine has idle CPUs at the
+step's start (``idle_cpus``: the CPUs less other processes' threads
+runnable now, from ``/proc``) — at least one. Beside other busy
+processes a two-thread step waits at each of its ~200 barriers for both
+threads to be scheduled; one thread never waits (issue 39 part 6: at two
+busy loops on 2 cores, ``meshnet run --stages 2`` decoded at 0.36x of quiet
+with two-thread steps, and at 0.66x with one; measured).
+
 A step's count reaches torch through this thread's grant (``step_threads``),
 which the engine reads where it sets its thread count; changing torch's count
 per step costs ~0.1-0.3 µs under libgomp (measured), nothing beside a step.
@@ -37,14 +45,14 @@ import os
 import struct
 import threading
 import weakref
-from collections.abc import Iterator
-from contextlib import AbstractContextManager, contextmanager, nullcontext
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager, nullcontext, suppress
 from pathlib import Path
 from typing import Any
 
 from .choice import usable_cores
 
-__all__ = ["CoreLedger", "ledger_for", "ledger_step", "step_threads", "supported"]
+__all__ = ["CoreLedger", "idle_cpus", "ledger_for", "ledger_step", "step_threads", "supported"]
 
 # Far above any machine's cores, so the regions never overlap.
 _MEMBERS = 1 << 24
@@ -65,6 +73,27 @@ class _Grant(threading.local):
 
 
 _grant = _Grant()
+
+
+def idle_cpus(proc: str = "/proc") -> int:
+    """The machine's CPUs less the threads of other processes runnable now
+    (``/proc/loadavg``'s fourth field less this process's threads in state
+    R): this process's own threads — the stage handing work to another, the
+    event loop — are its business, not a neighbour's. Every CPU when
+    unreadable."""
+    cpus = os.cpu_count() or 1
+    try:
+        with open(f"{proc}/loadavg", "rb") as loadavg:
+            runnable = int(loadavg.read().split()[3].split(b"/")[0])
+        own = 0
+        for task in os.listdir(f"{proc}/self/task"):
+            # A thread that ended meanwhile is skipped; "pid (name) S ...":
+            # the state follows the last ")".
+            with suppress(OSError), open(f"{proc}/self/task/{task}/stat", "rb") as stat:
+                own += stat.read().rpartition(b")")[2].split()[0] == b"R"
+    except (OSError, ValueError, IndexError):
+        return cpus
+    return cpus - max(0, runnable - own)
 
 
 def supported() -> bool:
@@ -97,11 +126,17 @@ class CoreLedger:
     """One stage's membership of a core ledger file (one step at a time)."""
 
     def __init__(
-        self, path: str | Path, *, most: int | None = None, cores: int | None = None
+        self,
+        path: str | Path,
+        *,
+        most: int | None = None,
+        cores: int | None = None,
+        idle: Callable[[], int] = idle_cpus,
     ) -> None:
         """Join the ledger at ``path`` (created if absent). ``cores``: the cores
         shared (default: those this process may run on); ``most``: this stage's
-        own cap (``--threads``; default: every core).
+        own cap (``--threads``; default: every core); ``idle``: the machine's
+        idle CPUs now (``idle_cpus``).
 
         Raises ``ValueError`` naming the file when it cannot be used."""
         if not supported():
@@ -110,6 +145,7 @@ class CoreLedger:
         self.path = str(path)
         self.cores = max(1, cores if cores is not None else usable_cores())
         self.most = max(1, min(most or self.cores, self.cores))
+        self._idle = idle
         try:
             self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
         except OSError as exc:
@@ -123,6 +159,7 @@ class CoreLedger:
         self.member = member
         self.steps = 0
         self.last_threads = 0  # the last step's grant (0: no step yet)
+        self.last_idle = 0  # the idle CPUs the last step saw
         self._busy = False  # within a step (GETLK does not report our own lock)
 
     def close(self) -> None:
@@ -142,8 +179,8 @@ class CoreLedger:
             self._give_back()
 
     def describe(self) -> dict[str, Any]:
-        """For ``/info``: the file, the cores, this stage's cap and last grant,
-        and how many stages are members and busy now."""
+        """For ``/info``: the file, the cores, this stage's cap, its last grant
+        and the idle CPUs it saw, and how many stages are members and busy now."""
         return {
             "file": self.path,
             "cores": self.cores,
@@ -152,13 +189,15 @@ class CoreLedger:
             "busy": self._count(_BUSY),
             "steps": self.steps,
             "last_threads": self.last_threads,
+            "last_idle": self.last_idle,
         }
 
     def _take(self) -> int:
         # Busy first, then count: two stages starting together see each other.
         self._lock(_BUSY + self.member)
         self._busy = True
-        share = max(1, min(self.most, self.cores // self._count(_BUSY)))
+        self.last_idle = self._idle()
+        share = max(1, min(self.most, self.cores // self._count(_BUSY), self.last_idle))
         held = 0
         for lo, hi in self._free_cores():
             want = min(hi - lo, share - held)
