@@ -36,7 +36,7 @@ FIGURES: tuple[Figure, ...] = (
            "stages2", "decode"),
     Figure("bf16", "bf16 safetensors 16 sessions / 1, aggregate", "1 session",
            "bf16_16", "bf16_1"),
-    Figure("ready", "1B ready s, exec -> ready line", "llama-server /health",
+    Figure("ready", "1B ready s (weights cache warm)", "llama-server /health",
            "ready", "ready_llama", "ready_s"),
     Figure("busy", "decode beside 2 busy loops / quiet", "quiet decode",
            "busy", "decode"),
@@ -44,6 +44,7 @@ FIGURES: tuple[Figure, ...] = (
 KEYS: tuple[str, ...] = (
     *(f"compute_{f.name}_{side}" for f in FIGURES for side in ("meshnet", "baseline", "ratio")),
     "compute_llama_busy_over_quiet",
+    "compute_ready_cold",
     "compute_amx",
     "compute_llama_cpp",
     "compute_errors",
@@ -121,6 +122,8 @@ def report(samples: Samples, context: Context) -> SectionResult:
     busy, quiet = samples.median("llama_busy"), samples.median("decode_llama")
     if busy is not None and quiet:
         keys["compute_llama_busy_over_quiet"] = round(busy / quiet, 3)
+    cold = samples.median("ready_cold")
+    keys["compute_ready_cold"] = None if cold is None else round(cold, 3)
     keys["compute_amx"] = int(context.amx)
     keys["compute_llama_cpp"] = "measured" if context.measured else "quoted"
     keys["compute_errors"] = ",".join(f"{k}:{v}" for k, v in sorted(samples.errors.items())) or "0"
@@ -156,6 +159,10 @@ def _notes(context: Context, keys: Mapping[str, object], load: tuple[float, floa
         f"the section (1 min, at each step) on {_cpus()} CPUs; it took "
         f"{context.seconds:.0f} s. Read the ratios, not the absolutes.",
     ]
+    cold, theirs = keys["compute_ready_cold"], keys["compute_ready_baseline"]
+    if isinstance(cold, float):
+        against = f" ({cold / theirs:.2f}x)" if isinstance(theirs, float) and theirs else ""
+        notes.append(f"1B ready with the weights cache cold (a first start): {cold} s{against}")
     if keys["compute_llama_busy_over_quiet"] is not None:
         ratio = keys["compute_llama_busy_over_quiet"]
         notes.append(f"llama-bench tg beside the same 2 busy loops / quiet: {ratio}x "

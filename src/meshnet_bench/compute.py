@@ -25,7 +25,9 @@ A, B …), the median of each side:
   ``--engine torch --dtype bfloat16``: 16 sessions decoding at once,
   aggregate ÷ one session (sessions driven directly: the file has no tokenizer);
 * **ready**: the 1B file, exec -> ``meshnet run --stages 1``'s ready line ÷
-  exec -> ``llama-server``'s first ``/health`` 200 (both ``-c 4096``);
+  exec -> ``llama-server``'s first ``/health`` 200 (both ``-c 4096``), with
+  meshnet's weights cache written by a first start (whose own figure, the
+  cache cold, is a note);
 * **busy**: the one-stream decode beside two CPU-bound busy loops (pinned to
   the same cores, killed after the round) ÷ the quiet one; llama-bench's the
   same way where it runs (for reference: no target).
@@ -39,9 +41,11 @@ they measure is under way (``meshnet bench`` would exit 3 on every run).
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import tempfile
 import time
+import urllib.request
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -129,6 +133,18 @@ async def _prefill_rounds(run: MeshnetRun, path: Path, vocab: int, plan: _Plan,
         await pool.aclose()
 
 
+def _cache_written(node: str, limit_s: float = 300.0) -> None:
+    """Until the node's weights cache file is written (a later start maps it)."""
+    deadline = time.monotonic() + limit_s
+    while time.monotonic() < deadline:  # bounded: the writer of a 1B file takes seconds
+        with urllib.request.urlopen(node + "/info", timeout=30) as response:
+            state = json.loads(response.read())["stage"].get("weights_cache", {}).get("state")
+        if state != "writing":
+            return
+        time.sleep(0.5)
+    raise RuntimeError(f"the weights cache of {node} was still being written after {limit_s} s")
+
+
 def _measure_big(path: Path, vocab: int, plan: _Plan, build: llama.LlamaCpp | None,
                  samples: Samples, options: BenchOptions) -> None:  # fmt: skip
     """Ready times (fresh starts, in turns), then prefill on the last start."""
@@ -138,6 +154,10 @@ def _measure_big(path: Path, vocab: int, plan: _Plan, build: llama.LlamaCpp | No
             with llama.llama_server(build, path, ["-c", CONTEXT]) as server:
                 samples.add("ready_llama", server.ready_s)
 
+    options.progress("compute: 1B ready time, the first start (its weights cache cold)")
+    with meshnet_run(path, 1, "--max-context", CONTEXT) as run:
+        samples.add("ready_cold", run.ready_s)
+        _cache_written(run.node_urls[0])
     for round_ in range(plan.rounds):
         options.progress(f"compute: 1B ready time, round {round_ + 1}/{plan.rounds}")
         with meshnet_run(path, 1, "--max-context", CONTEXT) as run:

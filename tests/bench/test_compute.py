@@ -37,6 +37,9 @@ def test_compute_section_tiny_reports_every_figure_against_the_quoted_baseline(
     assert keys["compute_prefill_baseline"] == llama.QUOTED["prefill_tok_s"]
     assert keys["compute_ready_baseline"] == llama.QUOTED["ready_s"]
     assert keys["compute_llama_busy_over_quiet"] is None
+    # The ready figure is a start that maps the cache a first start wrote.
+    assert isinstance(keys["compute_ready_cold"], float) and keys["compute_ready_cold"] > 0
+    assert any("weights cache cold" in note for note in result.notes)
     assert keys["compute_errors"] == "0"
     assert keys["compute_amx"] in (0, 1)
     text = render([result], keys, "header")
