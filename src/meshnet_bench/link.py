@@ -68,7 +68,7 @@ class Plan:
 
 def _plan(options: BenchOptions) -> Plan:
     if options.tiny:
-        return Plan(("tiny",), (2,), ("loopback", "wifi"), 4, 16, 1)
+        return Plan(("tiny",), (2,), ("loopback", "wifi"), 8, 16, 1)
     if options.quick:
         return Plan(("real",), (2,), ("loopback", "wifi"), 16, PROMPT_TOKENS, 3)
     return Plan(("real", "big-vocab"), (1, 2, 3), tuple(PROFILES), 24, PROMPT_TOKENS, 3)
