@@ -24,23 +24,55 @@ class Figure:
 
 
 FIGURES: tuple[Figure, ...] = (
-    Figure("prefill", "1B-shaped Q4_0 prefill pp512 tok/s, 1 stage", "llama-bench pp512",
-           "prefill", "prefill_llama", "prefill_tok_s"),
-    Figure("decode", "SmolLM2 decode tok/s, 1 stage, 1 stream", "llama-bench tg",
-           "decode", "decode_llama", "decode_tok_s"),
-    Figure("streams16", "SmolLM2 16 streams, aggregate tok/s", "llama-server -np 16",
-           "streams16", "streams16_llama", "streams16_tok_s"),
-    Figure("scaling16", "SmolLM2 16 streams / 1 stream, aggregate", "meshnet 1 stream",
-           "streams16", "streams1"),
-    Figure("stages2", "SmolLM2 decode tok/s, --stages 2 / --stages 1", "--stages 1",
-           "stages2", "decode"),
-    Figure("bf16", "bf16 safetensors 16 sessions / 1, aggregate", "1 session",
-           "bf16_16", "bf16_1"),
-    Figure("ready", "1B ready s (weights cache warm)", "llama-server /health",
-           "ready", "ready_llama", "ready_s"),
-    Figure("busy", "decode beside 2 busy loops / quiet", "quiet decode",
-           "busy", "decode"),
-)  # fmt: skip
+    Figure(
+        "prefill",
+        "1B-shaped Q4_0 prefill pp512 tok/s, 1 stage",
+        "llama-bench pp512",
+        "prefill",
+        "prefill_llama",
+        "prefill_tok_s",
+    ),
+    Figure(
+        "decode",
+        "SmolLM2 decode tok/s, 1 stage, 1 stream",
+        "llama-bench tg",
+        "decode",
+        "decode_llama",
+        "decode_tok_s",
+    ),
+    Figure(
+        "streams16",
+        "SmolLM2 16 streams, aggregate tok/s",
+        "llama-server -np 16",
+        "streams16",
+        "streams16_llama",
+        "streams16_tok_s",
+    ),
+    Figure(
+        "scaling16",
+        "SmolLM2 16 streams / 1 stream, aggregate",
+        "meshnet 1 stream",
+        "streams16",
+        "streams1",
+    ),
+    Figure(
+        "stages2",
+        "SmolLM2 decode tok/s, --stages 2 / --stages 1",
+        "--stages 1",
+        "stages2",
+        "decode",
+    ),
+    Figure("bf16", "bf16 safetensors 16 sessions / 1, aggregate", "1 session", "bf16_16", "bf16_1"),
+    Figure(
+        "ready",
+        "1B ready s (weights cache warm)",
+        "llama-server /health",
+        "ready",
+        "ready_llama",
+        "ready_s",
+    ),
+    Figure("busy", "decode beside 2 busy loops / quiet", "quiet decode", "busy", "decode"),
+)
 KEYS: tuple[str, ...] = (
     *(f"compute_{f.name}_{side}" for f in FIGURES for side in ("meshnet", "baseline", "ratio")),
     "compute_llama_busy_over_quiet",
@@ -54,9 +86,16 @@ KEYS: tuple[str, ...] = (
 
 def targets(amx: bool) -> dict[str, tuple[str, float]]:
     """Issue 39's acceptance, on each figure's ratio (the prefill's by the CPU)."""
-    return {"prefill": (">=", 1.5 if amx else 1.0), "decode": (">=", 0.9),
-            "streams16": (">=", 1.0), "scaling16": (">=", 6.0), "stages2": (">=", 0.95),
-            "bf16": (">=", 4.0), "ready": ("<=", 3.0), "busy": (">=", 0.35)}  # fmt: skip
+    return {
+        "prefill": (">=", 1.5 if amx else 1.0),
+        "decode": (">=", 0.9),
+        "streams16": (">=", 1.0),
+        "scaling16": (">=", 6.0),
+        "stages2": (">=", 0.95),
+        "bf16": (">=", 4.0),
+        "ready": ("<=", 3.0),
+        "busy": (">=", 0.35),
+    }
 
 
 @dataclass(slots=True)
@@ -98,8 +137,9 @@ def _number(value: float | None) -> str:
 
 def report(samples: Samples, context: Context) -> SectionResult:
     goals = targets(context.amx)
-    result = SectionResult(title="Compute (issue 39): meshnet beside llama.cpp, the same "
-                                 "files on the same 2 cores")  # fmt: skip
+    result = SectionResult(
+        title="Compute (issue 39): meshnet beside llama.cpp, the same files on the same 2 cores"
+    )
     keys: dict[str, float | int | str | None] = dict.fromkeys(KEYS)
     for figure in FIGURES:
         mine, theirs = samples.median(figure.measured), samples.median(figure.baseline)
@@ -113,12 +153,17 @@ def report(samples: Samples, context: Context) -> SectionResult:
         keys[f"compute_{figure.name}_baseline"] = None if theirs is None else round(theirs, 3)
         keys[f"compute_{figure.name}_ratio"] = ratio
         op, bound = goals[figure.name]
-        result.rows.append({
-            "figure": figure.label, "meshnet": _number(mine),
-            "baseline": f"{_number(theirs)} ({figure.against}{', quoted' if quoted else ''})",
-            "ratio": "-" if ratio is None else f"{ratio:.2f}x", "each round": rounds,
-            "target": f"{op} {bound}", "": _judge(ratio, goals[figure.name]),
-        })  # fmt: skip
+        result.rows.append(
+            {
+                "figure": figure.label,
+                "meshnet": _number(mine),
+                "baseline": f"{_number(theirs)} ({figure.against}{', quoted' if quoted else ''})",
+                "ratio": "-" if ratio is None else f"{ratio:.2f}x",
+                "each round": rounds,
+                "target": f"{op} {bound}",
+                "": _judge(ratio, goals[figure.name]),
+            }
+        )
     busy, quiet = samples.median("llama_busy"), samples.median("decode_llama")
     if busy is not None and quiet:
         keys["compute_llama_busy_over_quiet"] = round(busy / quiet, 3)
@@ -165,8 +210,10 @@ def _notes(context: Context, keys: Mapping[str, object], load: tuple[float, floa
         notes.append(f"1B ready with the weights cache cold (a first start): {cold} s{against}")
     if keys["compute_llama_busy_over_quiet"] is not None:
         ratio = keys["compute_llama_busy_over_quiet"]
-        notes.append(f"llama-bench tg beside the same 2 busy loops / quiet: {ratio}x "
-                     "(a reference, no target)")  # fmt: skip
+        notes.append(
+            f"llama-bench tg beside the same 2 busy loops / quiet: {ratio}x "
+            "(a reference, no target)"
+        )
     return notes
 
 

@@ -40,9 +40,16 @@ def vocab_gguf(path: Path, config: Mapping[str, Any], qtype: str, weight_std: fl
     words = ["Ġt", *(f"Ġw{i}" for i in range(size - 258))]
     tokens = [alphabet[b] for b in range(256)] + words + ["<|endoftext|>"]
     end = len(tokens) - 1
-    vocab = GGUFVocab(model="gpt2", tokens=tokens, token_types=[1] * end + [3],
-                      merges=["Ġ t"], pre="gpt-2", bos_id=end, eos_id=end,
-                      add_bos=False)  # fmt: skip
+    vocab = GGUFVocab(
+        model="gpt2",
+        tokens=tokens,
+        token_types=[1] * end + [3],
+        merges=["Ġ t"],
+        pre="gpt-2",
+        bos_id=end,
+        eos_id=end,
+        add_bos=False,
+    )
     return write_random_gguf(path, config, qtype, weight_std=weight_std, vocab=vocab)
 
 
@@ -100,8 +107,9 @@ def busy_loops(count: int = 2) -> Iterator[list[int]]:
     procs: list[subprocess.Popen[bytes]] = []
     try:
         for _ in range(count):
-            procs.append(subprocess.Popen([sys.executable, "-c", "while True: pass"],
-                                          preexec_fn=pin))  # fmt: skip
+            procs.append(
+                subprocess.Popen([sys.executable, "-c", "while True: pass"], preexec_fn=pin)
+            )
         yield [p.pid for p in procs]
     finally:
         for proc in procs:

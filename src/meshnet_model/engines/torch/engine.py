@@ -313,9 +313,17 @@ def load_torch_runner(
         torch.set_num_threads(threads)  # this thread's; forward() sets its worker's
     path = Path(directory)
     if is_gguf(path):
-        model, mapped = _gguf_model(torch, path, layers, config, dtype=dtype, device=device,
-                                    transfer=transfer, progress=progress,
-                                    weights_cache=weights_cache)  # fmt: skip
+        model, mapped = _gguf_model(
+            torch,
+            path,
+            layers,
+            config,
+            dtype=dtype,
+            device=device,
+            transfer=transfer,
+            progress=progress,
+            weights_cache=weights_cache,
+        )
     else:
         # Mapping reads nothing yet: its bytes count as read only if the stage
         # keeps the map; a converted stage counts them as it reads them below.
@@ -381,9 +389,16 @@ def _gguf_model(
     # stage on the real model, at the same speed: docs/models.md).
     compute = "float32" if dtype == "keep" else dtype
     dev = torch.device(device)
-    held = cached_gguf_weights(weights_cache, torch, ckpt, config, span,
-                               dtype=getattr(torch, compute), device=dev,
-                               quantized=dtype == "keep")  # fmt: skip
+    held = cached_gguf_weights(
+        weights_cache,
+        torch,
+        ckpt,
+        config,
+        span,
+        dtype=getattr(torch, compute),
+        device=dev,
+        quantized=dtype == "keep",
+    )
     shape = StageWeights(config=config, layers=span, blocks=[], embed=None, norm=None,
                          lm_head=None, dtype="+".join(sorted(held.held_forms())),
                          tied_head=span.stop == config.num_hidden_layers

@@ -160,8 +160,9 @@ def _code_digest() -> str:
     return digest.hexdigest()
 
 
-def stage_key(torch: Any, path: Path, config: ModelConfig, layers: range, dtype: Any
-              ) -> dict[str, Any]:  # fmt: skip
+def stage_key(
+    torch: Any, path: Path, config: ModelConfig, layers: range, dtype: Any
+) -> dict[str, Any]:
     """The key of a stage's file (module docstring)."""
     info = path.stat()
     return {
@@ -200,8 +201,9 @@ def cached_gguf_weights(
     """``gguf_weights``, through the cache of ``setting`` (``--weights-cache``:
     ``off``, ``auto`` or a directory) where it applies: a stage held quantized
     on the CPU (the others are dequantized floats, or on a device)."""
-    build = functools.partial(gguf_weights, torch, ckpt, config, layers, dtype=dtype,
-                              device=device, quantized=quantized)  # fmt: skip
+    build = functools.partial(
+        gguf_weights, torch, ckpt, config, layers, dtype=dtype, device=device, quantized=quantized
+    )
     if setting == OFF or not quantized or device.type != "cpu":
         return build()
     try:
@@ -225,8 +227,11 @@ def cached_gguf_weights(
         return mapped
     held = build()
     held.cache = CacheStatus("writing", str(target))
-    source = {"path": str(path.resolve()), "size": key["file"]["size"],
-              "mtime_ns": key["file"]["mtime_ns"]}  # fmt: skip
+    source = {
+        "path": str(path.resolve()),
+        "size": key["file"]["size"],
+        "mtime_ns": key["file"]["mtime_ns"],
+    }
     writer = threading.Thread(
         target=_store, args=(torch, held, key, source, target), name="weights-cache", daemon=True
     )
@@ -235,8 +240,14 @@ def cached_gguf_weights(
     return held
 
 
-def _mapped(torch: Any, ckpt: GGUFCheckpoint, config: ModelConfig, layers: range,
-            key: dict[str, Any], target: Path) -> TorchStageWeights | None:  # fmt: skip
+def _mapped(
+    torch: Any,
+    ckpt: GGUFCheckpoint,
+    config: ModelConfig,
+    layers: range,
+    key: dict[str, Any],
+    target: Path,
+) -> TorchStageWeights | None:
     """The stage mapped from ``target``, or None (absent, or not usable: said)."""
     started = time.perf_counter()
     try:
@@ -248,9 +259,14 @@ def _mapped(torch: Any, ckpt: GGUFCheckpoint, config: ModelConfig, layers: range
         return None
     _count_read(ckpt, config, layers, held)
     held.cache = CacheStatus("mapped", str(target), _size(target))
-    _LOG.info("weights cache: mapped %.1f MiB of layers %d:%d from %s in %.2f s",
-              held.shared_with_file / _MIB, layers.start, layers.stop, target,
-              time.perf_counter() - started)  # fmt: skip
+    _LOG.info(
+        "weights cache: mapped %.1f MiB of layers %d:%d from %s in %.2f s",
+        held.shared_with_file / _MIB,
+        layers.start,
+        layers.stop,
+        target,
+        time.perf_counter() - started,
+    )
     return held
 
 
@@ -261,8 +277,9 @@ def _size(path: Path) -> int:
         return 0
 
 
-def _count_read(ckpt: GGUFCheckpoint, config: ModelConfig, layers: range,
-                held: TorchStageWeights) -> None:  # fmt: skip
+def _count_read(
+    ckpt: GGUFCheckpoint, config: ModelConfig, layers: range, held: TorchStageWeights
+) -> None:
     """Tell the load's progress the stage's stored bytes, as a load from the
     GGUF file would (a mapped embedding counted itself when mapped)."""
     stored = stored_tensors(ckpt.path)
@@ -272,8 +289,9 @@ def _count_read(ckpt: GGUFCheckpoint, config: ModelConfig, layers: range,
     ckpt.progress.on_bytes(sum(stored[n].nbytes for n in names))
 
 
-def _store(torch: Any, held: TorchStageWeights, key: dict[str, Any], source: dict[str, Any],
-           target: Path) -> None:  # fmt: skip
+def _store(
+    torch: Any, held: TorchStageWeights, key: dict[str, Any], source: dict[str, Any], target: Path
+) -> None:
     """The writer thread: the file written and renamed into place, at a low
     priority (the stage is serving meanwhile); a failure is a log line."""
     status: CacheStatus = held.cache
@@ -292,15 +310,20 @@ def _store(torch: Any, held: TorchStageWeights, key: dict[str, Any], source: dic
         status.finished.set()
         return
     status.state, status.bytes = "written", size
-    _LOG.info("weights cache: wrote %.1f MiB to %s in %.1f s", size / _MIB, target,
-              time.perf_counter() - started)  # fmt: skip
+    _LOG.info(
+        "weights cache: wrote %.1f MiB to %s in %.1f s",
+        size / _MIB,
+        target,
+        time.perf_counter() - started,
+    )
     with contextlib.suppress(OSError):
         _prune(target)
     status.finished.set()
 
 
-def _write_file(torch: Any, held: TorchStageWeights, key: dict[str, Any],
-                source: dict[str, Any], target: Path) -> int:  # fmt: skip
+def _write_file(
+    torch: Any, held: TorchStageWeights, key: dict[str, Any], source: dict[str, Any], target: Path
+) -> int:
     """Written unnamed (``O_TMPFILE``), then linked under a temporary name and
     renamed over ``target``: never a partial file under its name."""
     temporary = f".{target.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp"

@@ -91,8 +91,9 @@ def _layout(weights: TorchStageWeights) -> tuple[list[dict[str, Any]], list[Any]
             slots.append({"slot": name, "mapped": True})
         elif isinstance(value, Int4Matrix):
             parts = [[tensor(p), tensor(sz)] for p, sz in value.parts]
-            slots.append({"slot": name, "int4": parts, "shape": list(value.shape),
-                          "source": value.source})  # fmt: skip
+            slots.append(
+                {"slot": name, "int4": parts, "shape": list(value.shape), "source": value.source}
+            )
         else:
             slots.append({"slot": name, "tensor": tensor(value)})
         named[id(value)] = name
@@ -120,8 +121,9 @@ def _pieces(
         at = entry["offset"] + entry["nbytes"]
 
 
-def _header(weights: TorchStageWeights, key: dict[str, Any], source: dict[str, Any]
-            ) -> tuple[dict[str, Any], list[Any]]:  # fmt: skip
+def _header(
+    weights: TorchStageWeights, key: dict[str, Any], source: dict[str, Any]
+) -> tuple[dict[str, Any], list[Any]]:
     """The header (offsets from the data's start) and the tensors it lists."""
     slots, tensors = _layout(weights)
     entries, at = [], 0
@@ -133,9 +135,17 @@ def _header(weights: TorchStageWeights, key: dict[str, Any], source: dict[str, A
         nbytes = t.numel() * _ITEMSIZE[dtype]
         entries.append({"dtype": dtype, "shape": list(t.shape), "offset": at, "nbytes": nbytes})
         at += nbytes
-    header = {"key": key, "source": source, "dtype": str(weights.dtype).removeprefix("torch."),
-              "layers": len(weights.blocks), "slots": slots, "tensors": entries,
-              "data_offset": 0, "data_bytes": at, "digest": "0" * 32}  # fmt: skip
+    header = {
+        "key": key,
+        "source": source,
+        "dtype": str(weights.dtype).removeprefix("torch."),
+        "layers": len(weights.blocks),
+        "slots": slots,
+        "tensors": entries,
+        "data_offset": 0,
+        "data_bytes": at,
+        "digest": "0" * 32,
+    }
     # The data starts on a page boundary after the header; 64 bytes to spare
     # for the digits of data_offset itself.
     length = len(MAGIC) + 8 + len(_canonical(header)) + 64
@@ -195,8 +205,9 @@ def read_header(fd: int) -> dict[str, Any]:
     return header
 
 
-def read_weights(torch: Any, path: Path, key: dict[str, Any],
-                 embedding: Callable[[], MappedEmbedding | None]) -> TorchStageWeights:  # fmt: skip
+def read_weights(
+    torch: Any, path: Path, key: dict[str, Any], embedding: Callable[[], MappedEmbedding | None]
+) -> TorchStageWeights:
     """The stage in ``path`` written under ``key``, its tensors views of the
     file's mapping; ``embedding`` gives the mapped file-form embedding where the
     stage has one. ``StaleWeights`` for a file that cannot be used (absent,
@@ -228,8 +239,12 @@ def read_weights(torch: Any, path: Path, key: dict[str, Any],
         raise StaleWeights(f"an inconsistent header ({type(exc).__name__}: {exc})") from None
 
 
-def _rebuild(torch: Any, header: dict[str, Any], data: np.ndarray,
-             embedding: Callable[[], MappedEmbedding | None]) -> TorchStageWeights:  # fmt: skip
+def _rebuild(
+    torch: Any,
+    header: dict[str, Any],
+    data: np.ndarray,
+    embedding: Callable[[], MappedEmbedding | None],
+) -> TorchStageWeights:
     claimed = header.pop("digest", None)
     digest = xxhash.xxh3_128()
     digest.update(_canonical(header))
@@ -269,6 +284,12 @@ def _rebuild(torch: Any, header: dict[str, Any], data: np.ndarray,
     if header["dtype"] not in _ITEMSIZE or header["dtype"] == "uint8":
         raise ValueError(f"a stage computing in {header['dtype']}")
     mapped_bytes = sum(int(e["nbytes"]) for e in header["tensors"])
-    return TorchStageWeights(blocks, held.get("embed"), held.get("norm"), held.get("lm_head"),
-                             getattr(torch, header["dtype"]), torch.device("cpu"),
-                             mapped_bytes)  # fmt: skip
+    return TorchStageWeights(
+        blocks,
+        held.get("embed"),
+        held.get("norm"),
+        held.get("lm_head"),
+        getattr(torch, header["dtype"]),
+        torch.device("cpu"),
+        mapped_bytes,
+    )
