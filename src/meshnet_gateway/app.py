@@ -153,6 +153,7 @@ class GatewayApp:
         # (``ChainMismatch``) instead (meshnet-gateway).
         self.chain = ChainCheck(self.control, self.pool.url, config.health_interval)
         self.pool.on_change = self.chain.changed  # a replica set's changes (a node has none)
+        self.control.readiness = self.chain.readiness  # /health?ready=1: the check's verdict
         # /info's "stages": the chain walked by each hop's /info (bounded).
         self.chain_view = ChainView(self.pool, token=config.token, tls_ca=config.tls_ca)
 

@@ -19,7 +19,7 @@ import anyio.abc
 
 from meshnet_proto import CapacityError, MeshnetError
 from meshnet_proto.lowlevel import ChainProblem
-from meshnet_runtime.control import ControlEndpoints
+from meshnet_runtime.control import ControlEndpoints, not_ready
 
 from .config import GatewayConfig
 from .entry import STARTUP_INFO_ATTEMPTS, STARTUP_INFO_RETRY_S
@@ -113,6 +113,15 @@ class ChainCheck:
                 code="chain_mismatch",
                 retry_after=max(1, math.ceil(self.health_interval)),
             )
+
+    async def readiness(self, started: float) -> None:
+        """``GET /health?ready=1``: ready while the last check found no
+        problem — what every ``/v1`` and ``/forward`` request is refused by
+        (``refuse_if_mismatched``), so a ready gateway is one that serves."""
+        if self.problems is None:
+            raise not_ready("gateway", "its chain has not answered a check yet")
+        if self.problems:
+            raise not_ready("gateway", ", ".join(sorted({p.code for p in self.problems})))
 
     def _fail_fast(self) -> None:
         if self.fail_fast and self.problems:

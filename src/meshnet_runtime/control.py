@@ -1,6 +1,7 @@
 """The control endpoints of every server, one behaviour (wire-2 §6).
 
-``GET /health`` (``?deep=1`` asks the downstream too), ``GET /info``,
+``GET /health`` (``?deep=1`` asks the downstream too, ``?ready=1`` says
+whether this server can serve now), ``GET /info``,
 ``GET /metrics`` and ``DELETE /sessions/{id}`` mean the same on a node and
 on a gateway; only what the server *is* differs, and the application says
 that: its role, its ``/info`` document, and what ending a session here
@@ -18,10 +19,12 @@ import logging
 import secrets
 from collections.abc import Awaitable, Callable
 from typing import Any
+from urllib.parse import parse_qs
 
 import anyio
 
 from meshnet_proto import (
+    CapacityError,
     DownstreamError,
     EndpointRequest,
     ErrorResponse,
@@ -43,7 +46,7 @@ from .downstream import Downstream, key_headers
 from .http_server import ActivationReply, Reply, RequestContext
 from .metrics import METRICS_CONTENT_TYPE, ServerMetrics
 
-__all__ = ["HEALTH_CACHE", "HEALTH_TIMEOUT", "ControlEndpoints"]
+__all__ = ["HEALTH_CACHE", "HEALTH_TIMEOUT", "ControlEndpoints", "is_ready_query", "not_ready"]
 
 log = logging.getLogger("meshnet.control")
 
@@ -60,6 +63,26 @@ HEALTH_CACHE = 2.0
 INSTANCE = secrets.token_hex(8)
 
 Handler = Callable[[EndpointRequest, RequestContext], Awaitable[Reply | ActivationReply]]
+# Raises ``not_ready(...)`` unless the server can serve now (``GET /health?ready=1``).
+Readiness = Callable[[float], Awaitable[None]]
+
+
+def is_ready_query(query: str) -> bool:
+    """Whether a ``/health`` query asks for readiness (``ready=1``/``true``)."""
+    return parse_qs(query).get("ready", ["0"])[-1] in ("1", "true")
+
+
+def not_ready(role: str, why: str) -> CapacityError:
+    """A readiness probe's refusal: 503 ``chain_mismatch``. ``why`` names
+    problem codes only: ``?ready=1`` needs no token (an orchestrator's probe
+    carries none), so the answer shows no URL and no identity (wire-2 §7);
+    ``/health?deep=1`` with the token says where."""
+    return CapacityError(
+        f"this {role} cannot serve now: {why} (GET /health?deep=1 with the chain's token "
+        "says where)",
+        code="chain_mismatch",
+        retry_after=1,
+    )
 
 
 class ControlEndpoints:
@@ -89,6 +112,7 @@ class ControlEndpoints:
         | None = None,
         drawn: Callable[[EndpointRequest, RequestContext], Awaitable[ActivationReply]]
         | None = None,
+        readiness: Readiness | None = None,
     ) -> None:
         self.role = role
         self.metrics = metrics
@@ -109,6 +133,9 @@ class ControlEndpoints:
         self.hops: list[list[StageReport]] = []
         self.problems: list[ChainProblem] | None = None
         self.owner = owner
+        # ``GET /health?ready=1``: a node asks the chain below (its deep
+        # health, cached); a gateway sets its chain check's verdict here.
+        self.readiness: Readiness = readiness or self.chain_below_serves
         self.handlers: dict[str, Handler] = {
             "/health": self.health,
             "/info": self.describe,
@@ -139,9 +166,25 @@ class ControlEndpoints:
         )
 
     async def health(self, event: EndpointRequest, ctx: RequestContext) -> Reply:
-        if not is_deep_health(event.query):
-            return Reply.json(200, {"status": "ok", "role": self.role, "instance": INSTANCE})
-        return Reply.json(200, await self.deep_health(ctx.started))
+        if is_deep_health(event.query):
+            return Reply.json(200, await self.deep_health(ctx.started))
+        if is_ready_query(event.query):
+            await self.readiness(ctx.started)
+        # Answered at all: the process's loop runs, and a node listens only
+        # once its model is loaded and its identity computed.
+        return Reply.json(200, {"status": "ok", "role": self.role, "instance": INSTANCE})
+
+    async def chain_below_serves(self, started: float) -> None:
+        """Readiness by the chain check of the hops below (the deep health,
+        from its cache): a hop whose chain below cannot serve is not ready.
+        A replica down below, with another up, is ``degraded``: ready."""
+        try:
+            document = await self.deep_health(started)
+        except MeshnetError as exc:  # no replica below answered, or garbage
+            raise not_ready(self.role, exc.code) from None
+        if document.get("status") == "cannot_serve":
+            codes = sorted({str(p.get("code")) for p in document.get("problems", [])})
+            raise not_ready(self.role, ", ".join(codes) or "cannot_serve")
 
     async def deep_health(self, started: float) -> dict[str, Any]:
         """The deep health document (wire-2 §6.2), from a short cache.
