@@ -22,7 +22,7 @@ from meshnet_gateway.config import GatewayConfig
 from meshnet_node import serve_node
 from meshnet_node.config import NodeConfig
 
-__all__ = ["run_demo"]
+__all__ = ["run_demo", "wire_check"]
 DATA_DESCRIPTION = (
     "synthetic hidden states (seed {seed}): N(0,1) x a log-normal per-channel\n"
     "      scale (median 0.5), 4 outlier channels x 30, cast to bfloat16 (round to nearest even)"
@@ -91,9 +91,12 @@ def _chunk_table(result: ForwardResult, wire1: Callable[[int], int]) -> list[str
     return _table(rows, right={1, 5, 6, 7, 8, 9, 10})
 
 
-async def _demo(
+async def wire_check(
     tokens: int, hidden: int, chunk_tokens: int, inflight: int, out: Callable[[str], None]
 ) -> bool:
+    """The stub activation through two echo nodes, straight and via the
+    gateway, each answer told chunk by chunk; True when both are bit-exact.
+    (``meshnet demo --no-model``, and the second half of ``meshnet demo``.)"""
     array = make_activation(tokens, hidden)
     raw = array.nbytes
     out(f"meshnet demo: wire 2 end to end in one process (Python {platform.python_version()})")
@@ -204,7 +207,7 @@ def run_demo(
         print(line, flush=True)
 
     try:
-        ok = anyio.run(_demo, tokens, hidden, chunk_tokens, inflight, out, backend=backend)
+        ok = anyio.run(wire_check, tokens, hidden, chunk_tokens, inflight, out, backend=backend)
     except Exception as exc:  # a clear message, not a traceback, on a fresh machine
         print(f"meshnet demo failed: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 1
