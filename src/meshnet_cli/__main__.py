@@ -1,7 +1,8 @@
 """``meshnet``: ``demo`` (a chain in one process), ``send`` (one .npy through a gateway),
 ``generate`` (text from a gateway's OpenAI API), ``run`` (a model's nodes and gateway in
 one process), ``status`` (a gateway's chain as a table), ``bench`` (wire 2 measured
-against its baselines), ``conformance`` (a wire-2 server checked against the spec)."""
+against its baselines), ``conformance`` (a wire-2 server checked against the spec),
+``deploy`` (Kubernetes manifests for a chain)."""
 
 from __future__ import annotations
 
@@ -34,6 +35,7 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for add in (_add_demo, _add_send, _add_bench, _add_generate, _add_conformance, _add_run):
         add(commands)
+    _add_deploy(commands)
     status.add_parser(commands)  # meshnet status URL: a gateway's chain
     keys.add_parser(commands)  # meshnet keys new TENANT --file F: a client's API key
     return parser
@@ -233,6 +235,13 @@ def _add_run(commands: _Commands) -> None:
     add_parser(commands)
 
 
+def _add_deploy(commands: _Commands) -> None:
+    """``meshnet deploy``: Kubernetes manifests from a model's plan (deploy)."""
+    from .deploy import add_parser
+
+    add_parser(commands)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
@@ -255,6 +264,10 @@ def _dispatch(args: argparse.Namespace) -> int:
         from .run import main as run_main
 
         return run_main(args)
+    if args.command == "deploy":
+        from .deploy import main as deploy_main
+
+        return deploy_main(args)
     if args.command == "conformance":
         from meshnet_conformance import main as conformance_main
 
