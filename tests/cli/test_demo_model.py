@@ -19,6 +19,7 @@ from meshnet_cli.__main__ import main
 from meshnet_cli.demo_model import ModelDemo, WireDemo, run_model_demo
 from meshnet_cli.demo_reference import Reference
 from meshnet_cli.run import LocalRun
+from support.openai import write_model_dir
 from support.smollm2 import smollm2_gguf
 
 pytestmark = pytest.mark.slow
@@ -49,6 +50,22 @@ def test_the_demo_answers_through_the_split_model_and_checks_the_wire(
     assert "check: split answer == whole-model answer: yes" in out
     assert "check: gateway output == input, bit for bit: yes" in out
     assert out.rstrip().endswith("the split answer equals the whole model's, and the wire is exact")
+
+
+def test_another_model_by_path_runs_on_numpy_as_the_base_install_does(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``--model DIR``: a checkpoint directory (a tiny random Llama), which the
+    nodes compute with numpy whether or not torch is installed — the base
+    install's engine, checked against its own whole-model run."""
+    model = write_model_dir(tmp_path)
+    argv = ["demo", "--model", str(model), "--question", "hello there", "--max-tokens", "6"]
+    assert main([*argv, *SMALL_WIRE]) == 0
+    out = capsys.readouterr().out
+    assert "(engine numpy, computed in float32: the nodes' default)" in out
+    assert "layers 0:2" in out and "layers 2:4" in out
+    assert "reference: the same file whole in this process (engine numpy" in out
+    assert "check: split answer == whole-model answer: yes" in out
 
 
 def _disagreeing(*args: object, **kwargs: object) -> Reference:
