@@ -56,6 +56,9 @@ class ChainCheck:
         self.url = url
         self.health_interval = health_interval
         self.problems: list[ChainProblem] | None = None
+        # The code of the last walk's failure when it got no answer (the
+        # chain below the entry down, say): None once one answers again.
+        self.unanswered: str | None = None
         self.fail_fast = False
         self.expected_entry: str | None = None
         self._recheck: anyio.Event | None = None
@@ -83,7 +86,9 @@ class ChainCheck:
         except MeshnetError as exc:
             level = logging.DEBUG if quiet else logging.WARNING
             log.log(level, "cannot check the chain at %s: %s", self.url, exc)
+            self.unanswered = exc.code
             return None
+        self.unanswered = None
         problems = self.control.problems
         assert problems is not None
         if problems and problems != self.problems and not self.fail_fast:
@@ -115,11 +120,14 @@ class ChainCheck:
             )
 
     async def readiness(self, started: float) -> None:
-        """``GET /health?ready=1``: ready while the last check found no
-        problem — what every ``/v1`` and ``/forward`` request is refused by
-        (``refuse_if_mismatched``), so a ready gateway is one that serves."""
+        """``GET /health?ready=1``: ready while the last check got an answer
+        and found no problem — problems are what every ``/v1`` and
+        ``/forward`` request is refused by (``refuse_if_mismatched``), and a
+        check unanswered is a chain that would fail them below."""
         if self.problems is None:
             raise not_ready("gateway", "its chain has not answered a check yet")
+        if self.unanswered is not None:  # what a request would meet too
+            raise not_ready("gateway", f"its last check got no answer ({self.unanswered})")
         if self.problems:
             raise not_ready("gateway", ", ".join(sorted({p.code for p in self.problems})))
 

@@ -9,8 +9,10 @@ URL, no identity (wire-2 §7).
 
 from __future__ import annotations
 
+import contextlib
 import json
 
+import anyio
 import pytest
 
 from meshnet_gateway import open_gateway
@@ -83,3 +85,25 @@ async def test_a_gateway_whose_chain_never_answered_is_not_ready() -> None:
         error = _refusal(answer.body)
         assert error["code"] == "chain_mismatch"
         assert "has not answered a check yet" in str(error["message"])
+
+
+async def test_a_gateway_whose_chain_below_its_entry_went_down_is_not_ready() -> None:
+    """The entry answers, the stage below it does not: the gateway's check
+    gets no answer (502 from its entry), so it is not ready — its requests
+    would meet the same 502."""
+    fast = ["--health-interval", "0.2"]
+    async with contextlib.AsyncExitStack() as stack:
+        last = await stack.enter_async_context(serve_node(NodeConfig.load([*QUIET, *fast])))
+        entry_flags = [*QUIET, *fast, "--next", last.url]
+        first = await stack.enter_async_context(serve_node(NodeConfig.load(entry_flags)))
+        config = GatewayConfig.load([*QUIET, *fast, "--entry", first.url])
+        gateway = await stack.enter_async_context(open_gateway(config))
+        ready = await exchange(gateway.url, http_request("GET", "/health?ready=1"))
+        assert ready.status == 200, ready.body
+        last.server.request_shutdown()  # it stops; the node above it stays
+        probe = http_request("GET", "/health?ready=1")
+        with anyio.fail_after(30):  # a bound: the check runs every 0.2 s
+            while (answer := await exchange(gateway.url, probe)).status == 200:
+                await anyio.sleep(0.05)
+        assert answer.status == 503
+        assert "got no answer" in str(_refusal(answer.body)["message"])
