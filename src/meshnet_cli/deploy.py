@@ -69,6 +69,12 @@ def _image(text: str) -> str:
     return text
 
 
+def _host_name(text: str) -> str:
+    if not _SUBDOMAIN.fullmatch(text):
+        raise argparse.ArgumentTypeError(f"expected a DNS name, got {text!r}")
+    return text
+
+
 def _host_path(text: str) -> str:
     if not text.startswith("/"):
         raise argparse.ArgumentTypeError(f"expected an absolute directory, got {text!r}")
@@ -107,6 +113,15 @@ def add_parser(commands: _Commands) -> None:
     deploy.add_argument("--port", type=_port, default=8080, help="every container's port [8080]")
     deploy.add_argument(
         "--gateway-memory", type=parse_bytes, default=512 * 1024**2, help="[512MiB]"
+    )
+    deploy.add_argument(
+        "--gateway-host",
+        type=_host_name,
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="another name clients reach the gateway by (a Service or Ingress of yours; "
+        "repeatable): the gateway refuses a Host it does not know",
     )
     deploy.add_argument(
         "--token-secret", type=_object_name, default=None, help="the token's Secret [NAME-token]"
@@ -206,6 +221,7 @@ def build_spec(args: argparse.Namespace) -> DeploySpec:
         model_claim=args.model_claim or "",
         model_host_path=args.model_host_path or "",
         startup_seconds=args.startup_seconds,
+        gateway_hosts=tuple(args.gateway_host),
     )
 
 

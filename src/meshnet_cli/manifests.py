@@ -63,6 +63,7 @@ class DeploySpec:
     model_claim: str = ""  # a PersistentVolumeClaim (default: <name>-model) ...
     model_host_path: str = ""  # ... or a directory of the machine
     startup_seconds: int = 600  # the longest a model's load may take
+    gateway_hosts: tuple[str, ...] = ()  # more names clients reach the gateway by
 
     @property
     def secret(self) -> str:
@@ -198,6 +199,7 @@ def _gateway(spec: DeploySpec) -> list[Document]:
     hosts = [name] + [
         f"{name}.$(POD_NAMESPACE){suffix}" for suffix in ("", ".svc", ".svc.cluster.local")
     ]
+    hosts += spec.gateway_hosts
     flags = {
         "--host": "0.0.0.0",
         "--port": str(spec.port),

@@ -256,3 +256,16 @@ def test_a_missing_model_is_one_line(tmp_path: Path, capsys: pytest.CaptureFixtu
     assert main(["deploy", str(tmp_path / "nothing.gguf"), "--memory", "1GiB"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("meshnet deploy: cannot load --model") and err.count("\n") == 1
+
+
+def test_the_gateway_serves_its_service_names_and_the_ones_given(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    argv = ["deploy", str(smollm2_gguf()), "--memory", "1GiB", "--gateway-host", "llm"]
+    assert main([*argv, "--gateway-host", "llm.example.com"]) == 0
+    (gateway,) = [
+        d for d in yaml.safe_load_all(capsys.readouterr().out) if d["kind"] == "Deployment"
+    ]
+    hosts = str(flag(container(gateway)["args"], "--allowed-hosts")).split(",")
+    assert hosts[0] == "meshnet-gateway" and hosts[-2:] == ["llm", "llm.example.com"]
+    assert "meshnet-gateway.$(POD_NAMESPACE).svc" in hosts  # the kubelet expands it
