@@ -259,7 +259,7 @@ async def test_invalid_requests_get_openai_error_bodies(model_dir: Path) -> None
              "context_length_exceeded"),
             ({**base, "temperature": "hot"}, openai.BadRequestError, "temperature",
              "invalid_type"),
-            ({**base, "n": 3}, openai.BadRequestError, "n", "unsupported_value"),
+            ({**base, "n": 17}, openai.BadRequestError, "n", "invalid_value"),
             ({**base, "prompt": [5, 9999]}, openai.BadRequestError, "prompt", "invalid_value"),
         ]  # fmt: skip
         for body, error, param, code in cases:

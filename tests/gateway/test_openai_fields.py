@@ -344,7 +344,7 @@ def test_each_known_unimplemented_field_is_refused_by_name(field: str, value: ob
     [
         ({"best_of": 3}, "best_of", "unsupported_value"),
         ({"best_of": 0}, "best_of", "invalid_value"),
-        ({"n": 2}, "n", "unsupported_value"),
+        ({"n": 17}, "n", "invalid_value"),  # above MAX_CHOICES
         ({"response_format": {"type": "json_object"}}, "response_format", "unsupported_value"),
         (
             {"response_format": {"type": "json_schema", "json_schema": {}}},

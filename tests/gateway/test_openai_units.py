@@ -292,7 +292,8 @@ def error_of(fn, document: object) -> OpenAIError:  # type: ignore[no-untyped-de
         ("seed", -4),
         ("stop", 5),
         ("stop", ["a", "b", "c", "d", "e"]),
-        ("n", 2),
+        ("n", 17),  # above MAX_CHOICES
+        ("n", 0),
         ("stream", "yes"),
         ("logprobs", 6),
         ("logprobs", True),

@@ -42,6 +42,7 @@ from meshnet_runtime.http_server import Reply, StreamReply, StreamSend
 from ..admission import Admission, Ticket
 from ..tenancy import Tenancy
 from .admitted import admission_gate, admit
+from .choices import choice_seed, run_choices
 from .errors import OpenAIError, from_meshnet, invalid
 from .formats import ChatFormat as _ChatFormat
 from .formats import CompletionFormat as _CompletionFormat
@@ -288,55 +289,73 @@ class OpenAIService:
     ) -> Reply | StreamReply:
         max_tokens = self._budget(ids, options)  # checked in _prepare: cheap now
         sampling = self.model.defaults.sampling(options.sampling, options.explicit)
-        sampler = Sampler(sampling, options.seed)
         if tenancy is not None:
             tenancy = tenancy.salted(options.cache_salt)
-        chain = ChainSession(
-            self.pool, self.codecs, self.chain_settings(), metrics=self.metrics, tenancy=tenancy
-        )
+        settings = self.chain_settings()
         timing.prompt_tokens = len(ids)
         timing.queued = anyio.current_time()
         # Last before the work: nothing between here and run()'s (or
         # produce()'s) ``finally`` can fail or be cancelled without the
-        # ticket going back.
+        # ticket going back. One ticket for all n choices: one request.
         ticket = await admit(self.admission, len(ids), None if tenancy is None else tenancy.name)
         timing.admitted = anyio.current_time()
-        chain.gate = None if ticket is None else admission_gate(ticket)
+        gate = None if ticket is None else admission_gate(ticket)
         if self.serving is not None:
             self.serving.queue_time.observe(timing.admitted - timing.queued)
 
-        async def run(on_text: OnText | None) -> GenerationResult:
-            return await self._run(
-                chain, ids, ticket, fmt, max_tokens, sampler, options, on_text, timing
-            )
+        async def run(on_text: Callable[[int], OnText] | None) -> list[GenerationResult]:
+            async def one(index: int, prefilled: Callable[[], None] | None) -> GenerationResult:
+                chain = ChainSession(
+                    self.pool, self.codecs, settings, metrics=self.metrics, tenancy=tenancy
+                )
+                chain.gate = gate
+                sampler = Sampler(sampling, choice_seed(options.seed, index))
+                text = None if on_text is None else on_text(index)
+                # A single choice gives its ticket back before its DELETE.
+                held = ticket if options.n == 1 else None
+                args = (ids, held, fmt, max_tokens, sampler, options, text, timing)
+                return await self._run(chain, *args, prefilled)
+
+            try:
+                return await run_choices(options.n, one)
+            finally:
+                if ticket is not None:
+                    ticket.release()
 
         if not options.stream:
             try:
-                result = await run(None)
+                results = await run(None)
             except MeshnetError as exc:
                 raise from_meshnet(exc) from None
-            return Reply.json(200, fmt.whole(result))
+            return Reply.json(200, fmt.whole(results))
 
         started = anyio.Event()
 
         async def produce(send: StreamSend) -> None:
             started.set()
 
-            async def event(document: dict[str, Any]) -> None:
-                await send(b"data: " + json.dumps(document).encode() + b"\n\n")
+            sending = anyio.Lock()  # n choices stream at once: one event at a time
 
-            async def on_text(piece: str, logprobs: list[TokenLogprob] | None) -> None:
-                await event(fmt.chunk(piece, logprobs))
+            async def event(document: dict[str, Any]) -> None:
+                async with sending:
+                    await send(b"data: " + json.dumps(document).encode() + b"\n\n")
+
+            def on_text(index: int) -> OnText:
+                async def text(piece: str, logprobs: list[TokenLogprob] | None) -> None:
+                    await event(fmt.chunk(piece, logprobs, index))
+
+                return text
 
             try:
-                first = fmt.first_chunk()
-                if first is not None:
-                    await event(first)  # may be cancelled: the client left
+                for index in range(options.n):
+                    first = fmt.first_chunk(index)
+                    if first is not None:
+                        await event(first)  # may be cancelled: the client left
                 try:
                     with anyio.CancelScope(deadline=self._streams_end or math.inf) as scope:
                         self._streams.add(scope)
                         try:
-                            result = await run(on_text)
+                            results = await run(on_text)
                         finally:
                             self._streams.discard(scope)
                     if scope.cancelled_caught:  # the server is shutting down
@@ -350,9 +369,10 @@ class OpenAIService:
             finally:
                 if ticket is not None:
                     ticket.release()  # run() did, unless it never started
-            await event(fmt.last_chunk(result))
+            for index, result in enumerate(results):
+                await event(fmt.last_chunk(result, index))
             if options.include_usage:
-                await event(fmt.usage_chunk(result))
+                await event(fmt.usage_chunk(results))
             await send(b"data: [DONE]\n\n")
 
         if ticket is not None and self.spawn is not None:
@@ -380,15 +400,21 @@ class OpenAIService:
         options: GenerationOptions,
         on_text: OnText | None,
         timing: RequestTiming,
+        prefilled: Callable[[], None] | None = None,
     ) -> GenerationResult:
         """One generation on ``chain``; every exit (done, failed, or cancelled
         by a client that left) gives the ticket back, closes the chain session
-        and counts the outcome."""
+        and counts the outcome. ``prefilled``: called once the prompt is in."""
         session = chain.session  # the chain may start over in another (a refused prefix)
         self.active.add(session)
         outcome = "cancelled"  # unless it ends any other way: the client left
         serving = self.serving
-        prompt_counted = None if serving is None else partial(serving.prompt_tokens.inc, len(ids))
+        counted = None if serving is None else partial(serving.prompt_tokens.inc, len(ids))
+
+        def on_prefilled() -> None:
+            for call in (counted, prefilled):
+                if call is not None:
+                    call()
 
         def on_token() -> None:
             gap = timing.token(anyio.current_time())
@@ -412,7 +438,7 @@ class OpenAIService:
                 sampler=sampler,
                 stop=options.stop,
                 on_text=on_text,
-                on_prefilled=prompt_counted,
+                on_prefilled=on_prefilled,
                 on_token=on_token,
                 sample_at=chain.settings.sample_at,
                 speculate=chain.settings.speculate,

@@ -37,6 +37,9 @@ MAX_LOGIT_BIAS = 300  # OpenAI's limit on entries
 MAX_STOP_TOKEN_IDS = 64
 MAX_TOKEN_ID = 2**31 - 1  # ids travel as int32
 MAX_MIN_TOKENS = 2**31 - 1
+# Choices of one request (n): each is a generation on the chain, admitted as
+# one request; vLLM sets no bound, OpenAI 128. A few cover what clients ask.
+MAX_CHOICES = 16
 
 # Known fields refused unless absent, null or one of the values that ask for
 # nothing (the values listed): name -> (neutral values, why refused).
@@ -100,6 +103,7 @@ class GenerationOptions:
     # vLLM's per-request prefix-cache salt: a cached prefix is shared only
     # with requests of the same tenant that give the same salt (§3.15).
     cache_salt: str | None = None
+    n: int = 1  # choices to generate (choices.py)
 
     def check_vocab(self, vocab: int) -> None:
         """Token ids the request names (logit_bias, stop_token_ids) must exist."""
@@ -187,9 +191,7 @@ def _options(
         value = _integer(document, name, 0)
         if value is not None:
             max_tokens = value
-    n = _integer(document, "n", 1)
-    if n is not None and n != 1:
-        raise invalid("n", "only n=1 is supported", "unsupported_value")
+    n = _integer(document, "n", 1, MAX_CHOICES) or 1
     stop = document.get("stop")
     if stop is None:
         stops: tuple[str, ...] = ()
@@ -246,6 +248,7 @@ def _options(
         include_usage=include_usage,
         explicit=frozenset(n for n in DEFAULTED if document.get(n) is not None),
         cache_salt=_cache_salt(document.get("cache_salt")),
+        n=n,
     )
 
 
