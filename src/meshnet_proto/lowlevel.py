@@ -17,6 +17,7 @@ from ._credentials import CLIENT_PATHS, TENANT_NAME, Credentials, HeadCheck, Pri
 from ._dtypes import WIRE_DTYPES, wire_dtype_name
 from ._headers import parse_session_key
 from ._kv import KV_RANK, kv_checksum
+from ._node_control import NodeControl, answer_headers, stub_identity
 from ._policy import apply_wire_dtype
 from ._prefix import PREFIX_BLOCK_TOKENS, blocks_ending_in, prefix_block_keys
 from ._routing import KEPT_WINDOWS
@@ -63,6 +64,10 @@ __all__ = [
     "AfterSpec",
     "MAX_DRAFT",
     "KEPT_WINDOWS",
+    # what a node answers beside its stage: head checks, answer headers, endpoints
+    "NodeControl",
+    "answer_headers",
+    "stub_identity",
     # the gateway's chunking
     "plan_chunks",
     "ChunkAssembler",

@@ -194,6 +194,7 @@ _SECTION_CLASSES = {
     "Policies": ("WireDtypePolicy", "EncodingPolicy"),
     "Chunking": ("ChunkAssembler", "Chunk"),
     "The `SessionTable` contract": ("SessionTable", "SequencedTable", "Wait", "Ticket"),
+    "What a node answers beside its stage": ("NodeControl",),
     "The gateway's sessions": ("ClientSessionTable", "Lease"),
     "The chain check": ("StageIdentity", "StageReport", "ChainProblem"),
     "Events and connections": (
