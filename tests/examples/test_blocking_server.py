@@ -3,6 +3,7 @@
 The one test file with sockets: it starts the example as a subprocess,
 sends activations through a ClientConnection on a raw socket, and checks
 the echo bit for bit, keep-alive, and a wire-2 §4 error for a bad request.
+That it is a whole node is test_blocking_server_conformance.py's.
 """
 
 from __future__ import annotations
@@ -68,13 +69,19 @@ def test_activation_echo_is_bit_exact_with_keep_alive(server_port: int) -> None:
             # Bit patterns a lossy path would not keep: -0.0 and a NaN payload.
             array[0, 0, 0] = -0.0
             array.view(np.uint32)[0, 0, 1] = 0x7FC01234
+            # A node needs the position of every chunk but a session's first (§3.1).
             wire = WireHeaders.for_array(
-                array, session=SESSION, chunk_index=index, chunk_total=3, encoding=encoding
+                array,
+                session=SESSION,
+                chunk_index=index,
+                chunk_total=3,
+                encoding=encoding,
+                position=33 * index,
             )
             body = encode_tensor(array, encoding=encoding)
             response = exchange(sock, client, client.send_activation(wire, body))
             assert isinstance(response, ActivationResponse)
-            assert response.headers == wire
+            assert response.headers == wire  # the answer says the chunk's position
             assert response.tensor.tobytes() == array.tobytes()
             assert client.reusable
         health = exchange(sock, client, client.send_request("GET", "/health"))
