@@ -8,6 +8,13 @@ toy "layer" — y = x * 2 + 1 in float32, computed in a worker thread so the
 event loop keeps serving other sessions while it runs — standing in for the
 real model layers a stage will hold. The program pushes a 300-token
 activation through the node in chunks of 128 and checks the answer.
+
+The node is meshnet's own (``serve_node``: the conformant node that
+tests/conformance checks with the echo stage), here with a stage of this
+program's; the program exits once its activation is checked. It is not a
+server to run ``meshnet conformance`` against: the checker's sampling and
+window cases read a stage's answer as the identity's. For the core alone in
+a server of your own, see examples/blocking_server.py.
 """
 
 from __future__ import annotations
