@@ -19,6 +19,7 @@ from meshnet_runtime.application import ActivationReply, Reply, RequestContext, 
 from .access import access_record
 from .browser import BrowserPolicy, cors_headers, header_values, is_json, preflight_headers
 from .openai.errors import OpenAIError
+from .openai.unknown import UNKNOWN_ROUTE
 
 if TYPE_CHECKING:
     from .app import GatewayApp
@@ -39,11 +40,12 @@ class BrowserGuard:
         self.app = app
         self.policy = policy
         self.routes = routes
-        # The OpenAI POST endpoints: where a body is a request to generate.
+        # The OpenAI POST endpoints: where a body is a request to generate
+        # (an unknown /v1 path is a 404 whatever its body).
         self.json_routes = frozenset(
             pattern
             for pattern, methods in routes.items()
-            if pattern.startswith("/v1/") and "POST" in methods
+            if pattern.startswith("/v1/") and "POST" in methods and pattern != UNKNOWN_ROUTE
         )
 
     async def handle_activation_head(self, event: ActivationHead, ctx: RequestContext) -> None:

@@ -104,8 +104,13 @@ async def test_streamed_choices_are_indexed_and_usage_counts_them_all(model_dir:
     messages = [{"role": "user", "content": "tell me about foxes"}]
     async with serve_openai(model_dir) as served:
         client = client_for(served)
-        args: dict[str, Any] = {"model": "tiny-model", "messages": messages, "max_tokens": 12,
-                                "seed": 9, "n": 2}  # fmt: skip
+        args: dict[str, Any] = {
+            "model": "tiny-model",
+            "messages": messages,
+            "max_tokens": 12,
+            "seed": 9,
+            "n": 2,
+        }
         whole = await in_thread(client.chat.completions.create, **args)
         chunks = await in_thread(
             lambda: list(

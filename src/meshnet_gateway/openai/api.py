@@ -24,9 +24,7 @@ Its ticket is given back on every way the generation ends.
 
 from __future__ import annotations
 
-import json
 import logging
-import math
 from collections.abc import Callable
 from functools import partial
 from typing import Any
@@ -49,7 +47,7 @@ from .formats import CompletionFormat as _CompletionFormat
 from .formats import Format as _Format
 from .generation import ChainSession, ChainSettings, GenerationResult, OnText, generate
 from .limits import MAX_MESSAGES, PromptLimits, checked_text, shown
-from .logprobs import TokenLogprob
+from .messages import check_names
 from .metrics import GenerationMetrics, ServingMetrics
 from .requests import (
     ChatRequest,
@@ -61,8 +59,10 @@ from .requests import (
 )
 from .served_model import ServedModel
 from .special_tokens import ChatEncoder
+from .streamed import SSE_HEADERS, SSE_HEARTBEAT, OpenStreams, stream_events
 from .timing import RequestTiming
 from .tokenizer import ChatTemplateError
+from .unknown import UNKNOWN_METHODS, UNKNOWN_ROUTE, unknown_path
 
 __all__ = ["OPENAI_ROUTES", "OpenAIService", "ServedModel"]
 
@@ -73,19 +73,13 @@ OPENAI_ROUTES: dict[str, tuple[str, ...]] = {
     "/v1/models/*": ("GET",),
     "/v1/completions": ("POST",),
     "/v1/chat/completions": ("POST",),
+    UNKNOWN_ROUTE: UNKNOWN_METHODS,
 }
 # A chat request carries the conversation: far more than a control body.
 MAX_REQUEST_BODY = 4 * 1024 * 1024
 # Requests parsed and tokenized at once: each may hold a 4 MiB body's worth of
 # Python objects; more wait (they are bounded by the connection limit).
 PREPARE_THREADS = 2
-SSE_HEADERS = [
-    (b"content-type", b"text/event-stream; charset=utf-8"),
-    (b"cache-control", b"no-cache"),
-]
-# An SSE comment: every client skips it. The server writes it to learn
-# whether a client that half-closed its side is still there to read.
-SSE_HEARTBEAT = b": still generating\n\n"
 # A streamed answer is admitted before its 200 head is written and its
 # producer runs after: if the driver never starts the producer (the head
 # could not be written, the client being gone), the ticket is reclaimed this
@@ -131,8 +125,7 @@ class OpenAIService:
         self.active: set[str] = set()  # chain sessions of requests in progress
         # Shutdown: each open stream's generation scope, and when they must end
         # (None until the server drains): see end_streams_by.
-        self._streams: set[anyio.CancelScope] = set()
-        self._streams_end: float | None = None
+        self.streams = OpenStreams()
         self.metrics = metrics
         # None: every request starts at once (tests of the surface alone).
         self.admission = admission
@@ -168,6 +161,8 @@ class OpenAIService:
         if timing is None:
             timing = RequestTiming(arrived=anyio.current_time())
         try:
+            if event.route == UNKNOWN_ROUTE:
+                raise unknown_path(event.method, event.path)
             if event.path == "/v1/models":
                 return Reply.json(200, {"object": "list", "data": [self._model_card()]})
             if event.path.startswith("/v1/models/"):
@@ -247,6 +242,7 @@ class OpenAIService:
         for index, message in enumerate(messages):
             checked_text(f"messages.[{index}].role", message["role"])
             checked_text(f"messages.[{index}].content", message["content"])
+        check_names(self.model.tokenizer, messages)
         try:
             return self.chat_encoder.encode(messages)
         except ChatTemplateError as exc:
@@ -333,47 +329,12 @@ class OpenAIService:
 
         async def produce(send: StreamSend) -> None:
             started.set()
-
-            sending = anyio.Lock()  # n choices stream at once: one event at a time
-
-            async def event(document: dict[str, Any]) -> None:
-                async with sending:
-                    await send(b"data: " + json.dumps(document).encode() + b"\n\n")
-
-            def on_text(index: int) -> OnText:
-                async def text(piece: str, logprobs: list[TokenLogprob] | None) -> None:
-                    await event(fmt.chunk(piece, logprobs, index))
-
-                return text
-
             try:
-                for index in range(options.n):
-                    first = fmt.first_chunk(index)
-                    if first is not None:
-                        await event(first)  # may be cancelled: the client left
-                try:
-                    with anyio.CancelScope(deadline=self._streams_end or math.inf) as scope:
-                        self._streams.add(scope)
-                        try:
-                            results = await run(on_text)
-                        finally:
-                            self._streams.discard(scope)
-                    if scope.cancelled_caught:  # the server is shutting down
-                        await event(_SHUTTING_DOWN.body())
-                        await send(b"data: [DONE]\n\n")
-                        return
-                except MeshnetError as exc:
-                    # The 200 head is out: the failure travels as an error event.
-                    await event(from_meshnet(exc).body())
-                    return
+                args = (options.n, options.include_usage, run, self.streams)
+                await stream_events(send, fmt, *args)
             finally:
                 if ticket is not None:
                     ticket.release()  # run() did, unless it never started
-            for index, result in enumerate(results):
-                await event(fmt.last_chunk(result, index))
-            if options.include_usage:
-                await event(fmt.usage_chunk(results))
-            await send(b"data: [DONE]\n\n")
 
         if ticket is not None and self.spawn is not None:
             self.spawn(_reclaim_unstarted, ticket, started)
@@ -384,10 +345,7 @@ class OpenAIService:
         ``deadline`` (anyio's clock) with an error event and ``data: [DONE]``,
         rather than running on until the drain cuts it mid-answer; how many
         are open."""
-        self._streams_end = deadline
-        for scope in self._streams:
-            scope.deadline = min(scope.deadline, deadline)
-        return len(self._streams)
+        return self.streams.end_by(deadline)
 
     async def _run(
         self,
@@ -447,7 +405,7 @@ class OpenAIService:
             if self.metrics is not None:
                 self.metrics.completion_tokens.inc(result.completion_tokens)
             if serving is not None:
-                _observe_finished(serving, timing, result)
+                serving.finished(timing, result, anyio.current_time())
             return result
         except Exception:
             outcome = "error"
@@ -463,29 +421,6 @@ class OpenAIService:
             if self.metrics is not None:
                 self.metrics.prompt_tokens.inc(len(ids))
                 self.metrics.generations.labels(fmt.endpoint, outcome).inc()
-
-
-def _observe_finished(
-    serving: ServingMetrics, timing: RequestTiming, result: GenerationResult
-) -> None:
-    """A generation that finished (stop or length): its whole-request figures."""
-    now = anyio.current_time()
-    serving.success(result.finish_reason)
-    serving.e2e.observe(now - timing.arrived)
-    serving.request_prompt_tokens.observe(result.prompt_tokens)
-    serving.request_generation_tokens.observe(result.completion_tokens)
-    if timing.first_token is not None and timing.last_token is not None:
-        serving.decode_time.observe(timing.last_token - timing.first_token)
-
-
-# The last event of a stream the server's shutdown ended (then data: [DONE]).
-_SHUTTING_DOWN = OpenAIError(
-    "the server is shutting down: this completion ended before it finished; "
-    "retry it when the server is back (or on another replica)",
-    status=503,
-    type="server_error",
-    code="shutting_down",
-)
 
 
 async def _reclaim_unstarted(ticket: Ticket, started: anyio.Event) -> None:

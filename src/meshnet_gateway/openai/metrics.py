@@ -16,7 +16,13 @@ docs/gateway.md, "Serving metrics"), labelled ``model_name`` as vLLM's are.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+if TYPE_CHECKING:
+    from .output import GenerationResult
+    from .timing import RequestTiming
 
 __all__ = ["GenerationMetrics", "ServingMetrics", "SpeculationMetrics"]
 
@@ -224,3 +230,12 @@ class ServingMetrics:
 
     def success(self, finished_reason: str) -> None:
         self._success.labels(self.model_name, finished_reason).inc()
+
+    def finished(self, timing: RequestTiming, result: GenerationResult, now: float) -> None:
+        """A generation that finished (stop or length): its whole-request figures."""
+        self.success(result.finish_reason)
+        self.e2e.observe(now - timing.arrived)
+        self.request_prompt_tokens.observe(result.prompt_tokens)
+        self.request_generation_tokens.observe(result.completion_tokens)
+        if timing.first_token is not None and timing.last_token is not None:
+            self.decode_time.observe(timing.last_token - timing.first_token)

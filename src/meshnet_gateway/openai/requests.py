@@ -23,6 +23,7 @@ from meshnet_model.sampling import REPETITION_PENALTY, SamplingParams
 
 from .errors import OpenAIError, invalid
 from .limits import PromptLimits, checked_text, shown
+from .messages import checked_message
 
 __all__ = ["ChatRequest", "CompletionRequest", "GenerationOptions", "parse_json_object"]
 
@@ -217,7 +218,11 @@ def _options(
         if not isinstance(stream_options, dict):
             raise invalid("stream_options", "stream_options must be an object", "invalid_type")
         if not stream:
-            raise invalid("stream_options", "stream_options is only allowed with stream: true")
+            raise invalid(
+                "stream_options",
+                "stream_options is only allowed with stream: true",
+                "invalid_value",
+            )
         include_usage = _bool(stream_options, "include_usage")
     min_tokens = _integer(document, "min_tokens", 0, MAX_MIN_TOKENS) or 0
     if max_tokens is not None and min_tokens > max_tokens:
@@ -258,7 +263,9 @@ def _cache_salt(value: Any) -> str | None:
     if not isinstance(value, str):
         raise invalid("cache_salt", "cache_salt must be a string", "invalid_type")
     if not 0 < len(value) <= MAX_CACHE_SALT:
-        raise invalid("cache_salt", f"cache_salt: 1 to {MAX_CACHE_SALT} characters")
+        raise invalid(
+            "cache_salt", f"cache_salt: 1 to {MAX_CACHE_SALT} characters", "invalid_value"
+        )
     return checked_text("cache_salt", value)  # it is hashed as UTF-8
 
 
@@ -362,25 +369,6 @@ def parse_completion(document: dict[str, Any]) -> CompletionRequest:
     raise invalid("prompt", "prompt must be a string or a list of token ids", "invalid_type")
 
 
-def _content_text(content: Any, index: int) -> str:
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        parts = []
-        for part in content:
-            if not isinstance(part, dict) or part.get("type") != "text":
-                raise invalid(f"messages.[{index}].content",
-                              "only text content parts are supported", "invalid_type")  # fmt: skip
-            text = part.get("text")
-            if not isinstance(text, str):
-                raise invalid(f"messages.[{index}].content", "a text part needs 'text'",
-                              "invalid_type")  # fmt: skip
-            parts.append(text)
-        return "".join(parts)
-    raise invalid(f"messages.[{index}].content", "content must be a string or text parts",
-                  "invalid_type")  # fmt: skip
-
-
 def parse_chat(document: dict[str, Any], limits: PromptLimits | None = None) -> ChatRequest:
     """``limits``: their message count is checked before any message is (issue 37)."""
     options = _options(
@@ -393,12 +381,5 @@ def parse_chat(document: dict[str, Any], limits: PromptLimits | None = None) -> 
         raise invalid("messages", "messages must be a non-empty list", "invalid_type")
     if limits is not None:
         limits.check_messages(messages)
-    checked: list[dict[str, Any]] = []
-    for index, message in enumerate(messages):
-        if not isinstance(message, dict):
-            raise invalid(f"messages.[{index}]", "each message must be an object", "invalid_type")
-        role = message.get("role")
-        if not isinstance(role, str) or not role:
-            raise invalid(f"messages.[{index}].role", "a message needs a role", "invalid_type")
-        checked.append({"role": role, "content": _content_text(message.get("content"), index)})
+    checked = [checked_message(message, index) for index, message in enumerate(messages)]
     return ChatRequest(options=options, messages=checked)
