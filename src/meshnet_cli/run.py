@@ -61,7 +61,7 @@ from meshnet_runtime.memory import limit_from_flag
 from meshnet_runtime.transports import BoundListener, listen
 
 from . import run_flags
-from .run_flags import BOTH, GATEWAY_ONLY, NODE_ONLY, forwarded, typed
+from .run_flags import BOTH, GATEWAY_ONLY, NODE_ONLY, RUN_NODE_FIXED, forwarded, typed
 
 __all__ = [
     "LocalRun",
@@ -144,7 +144,8 @@ async def serve_local(
     else:
         splits = list(stages)
     with tempfile.TemporaryDirectory(prefix="meshnet-run-") as scratch:
-        flags = [*node_flags, *core_flags(model, node_flags, len(splits), Path(scratch) / "cores")]
+        cores = core_flags(model, node_flags, len(splits), Path(scratch) / "cores")
+        flags = [*RUN_NODE_FIXED, *node_flags, *cores]
         chain = start_model_chain(model, splits, extra=flags, load_in_thread=load_in_thread)
         async with chain as nodes:
             argv = ["--entry", nodes[0].url, "--model", model, *gateway_flags]

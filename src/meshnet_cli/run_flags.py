@@ -87,6 +87,11 @@ BOTH = (
     "--async-backend",
 )
 
+# A `meshnet run` chain lives in one process: when it shuts down no other
+# replica can take its sessions over, so its nodes keep none for a KV
+# hand-off (a node's default waits up to 10 s for one after SIGTERM).
+RUN_NODE_FIXED = ("--handoff-window", "0")
+
 # Where one machine's run differs from a server's default: the port people
 # expect of a local OpenAI server, chunks in flight for pipelined prefill,
 # and a quiet log (the ready line says what matters).
