@@ -104,10 +104,37 @@ def test_every_python_line_of_the_readme_uses_the_venv() -> None:
     assert bare == []
 
 
+def readme_sections() -> dict[str, list[str]]:
+    """Every README section (any heading level) and its indented shell lines."""
+    sections: dict[str, list[str]] = {}
+    heading = ""
+    for line in README.read_text(encoding="utf-8").splitlines():
+        if line.startswith("#"):
+            heading = line
+        elif line.startswith("    "):
+            sections.setdefault(heading, []).append(line.strip())
+    return sections
+
+
+def test_every_readme_wait_gives_up_and_each_block_has_its_own_ports() -> None:
+    """Issue 43, point 3: an ``until`` loop with no bound spins for ever when
+    a server fails to start; blocks sharing a port talk to whichever server
+    another block left running."""
+    sections = readme_sections()
+    loops = [line for lines in sections.values() for line in lines if "until " in line]
+    assert loops and all(line.startswith("timeout ") for line in loops), loops
+    owners: dict[str, str] = {}
+    for heading, lines in sections.items():
+        if not any(line.rstrip().split("#")[0].rstrip().endswith("&") for line in lines):
+            continue  # no server started in the background here
+        for port in set(re.findall(r"(?:127\.0\.0\.1:|--port )(\d+)", "\n".join(lines))):
+            assert owners.setdefault(port, heading) == heading, (port, owners[port], heading)
+
+
 def test_the_readme_pipeline_runs_as_pasted_and_leaves_only_ignored_files(
     tmp_path: Path,
 ) -> None:
-    ports = dict(zip(("8000", "8001", "8002"), free_ports(3), strict=True))
+    ports = dict(zip(("8100", "8101", "8102"), free_ports(3), strict=True))
     done = run_readme("Running a pipeline by hand", tmp_path, ports)
     assert done.returncode == 0, (done.stdout, done.stderr)
     # Started together, the gateway learnt the entry's window without a warning.
@@ -126,7 +153,7 @@ def test_the_readme_pipeline_runs_as_pasted_and_leaves_only_ignored_files(
 
 
 def test_the_readme_model_lines_run_as_pasted(tmp_path: Path) -> None:
-    ports = {"8000": free_ports(1)[0]}
+    ports = {"8200": free_ports(1)[0]}
     done = run_readme("A model split over nodes, and the benchmark", tmp_path, ports)
     assert done.returncode == 0, (done.stdout, done.stderr)
     assert re.search(
