@@ -7,7 +7,6 @@ against its baselines), ``conformance`` (a wire-2 server checked against the spe
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
@@ -22,6 +21,7 @@ from meshnet_runtime.config import (
 )
 
 from . import keys, status
+from .client_env import add_gateway, add_token
 
 if TYPE_CHECKING:  # what build_parser hands each subcommand's _add_* to add its parser to
     _Commands = argparse._SubParsersAction[OneLineParser]
@@ -97,11 +97,7 @@ def _add_send(commands: _Commands) -> None:
         description="Read IN.npy, POST it to a gateway as one sequence, write OUT.npy. "
         "A 2-byte void array (how numpy saves bfloat16) is sent as bfloat16.",
     )
-    send.add_argument(
-        "--gateway",
-        default=os.environ.get("MESHNET_GATEWAY"),
-        help="gateway URL, e.g. http://127.0.0.1:8000 [env MESHNET_GATEWAY]",
-    )
+    add_gateway(send)
     send.add_argument("input", metavar="IN.npy")
     send.add_argument("output", metavar="OUT.npy")
     send.add_argument("--session", help="continue this session (default: a new one)")
@@ -123,11 +119,7 @@ def _add_send(commands: _Commands) -> None:
         help="OUT.npy: float32 widens a bfloat16 answer (exactly) so np.load reads numbers; "
         "wire keeps it as sent (bfloat16 saved as 2-byte void) [float32]",
     )
-    send.add_argument(
-        "--token",
-        default=os.environ.get("MESHNET_TOKEN"),
-        help="bearer token [env MESHNET_TOKEN]",
-    )
+    add_token(send)
     send.add_argument("--tls-ca", default=None, help="CA bundle for an https gateway")
     send.add_argument("--timeout", type=positive_seconds, default=60.0, help="seconds [60]")
 
@@ -179,11 +171,7 @@ def _add_generate(commands: _Commands) -> None:
         "completion as it streams; a summary line goes to stderr.",
     )
     generate.add_argument("--prompt", required=True, help="the prompt text")
-    generate.add_argument(
-        "--gateway",
-        default=os.environ.get("MESHNET_GATEWAY", "http://127.0.0.1:8000"),
-        help="gateway URL [env MESHNET_GATEWAY, default http://127.0.0.1:8000]",
-    )
+    add_gateway(generate, "http://127.0.0.1:8000")
     generate.add_argument("--chat", action="store_true", help="send as a user chat message")
     generate.add_argument("--model", help="model id (default: the gateway's first)")
     generate.add_argument("--max-tokens", type=nonnegative_int, default=64, help="[64]")
@@ -194,9 +182,7 @@ def _add_generate(commands: _Commands) -> None:
         "--seed", type=nonnegative_int, default=None, help="reproducible sampling"
     )
     generate.add_argument("--stop", action="append", help="stop sequence (repeatable)")
-    generate.add_argument(
-        "--token", default=os.environ.get("MESHNET_TOKEN"), help="bearer token [env MESHNET_TOKEN]"
-    )
+    add_token(generate)
     generate.add_argument("--tls-ca", default=None, help="CA bundle for an https gateway")
     generate.add_argument("--timeout", type=positive_seconds, default=300.0, help="seconds [300]")
 
@@ -212,9 +198,7 @@ def _add_conformance(commands: _Commands) -> None:
         "float32 [1, tokens, 4] (an echo stage).",
     )
     conformance.add_argument("url", metavar="URL", help="http://host:port, https://… or unix:/path")
-    conformance.add_argument(
-        "--token", default=None, help="the server's bearer token: also runs the §7 cases"
-    )
+    add_token(conformance, "the server's bearer token: also runs the §7 cases")
     conformance.add_argument(
         "--role", choices=("node", "gateway"), default=None, help="[from GET /info]"
     )

@@ -28,6 +28,8 @@ import anyio
 
 from meshnet_runtime.config import positive_seconds
 
+from .client_env import GATEWAY_ENV, add_gateway, add_token, unauthorized_hint
+
 if TYPE_CHECKING:
     from meshnet_runtime.config import OneLineParser
 
@@ -46,9 +48,9 @@ def add_parser(commands: _Commands) -> None:
         help="a gateway's chain: every stage, its replicas, health and load",
         description="Print the chain behind a gateway (its /info), one row per replica.",
     )
-    status.add_argument("url", help="the gateway: http://host:port, https://…, unix:/path.sock")
+    add_gateway(status, positional=True)
     status.add_argument("--json", action="store_true", help="print the /info document")
-    status.add_argument("--token", default=None, help="bearer token, if the gateway needs one")
+    add_token(status, "bearer token, if the gateway needs one")
     status.add_argument("--tls-ca", default=None, help="CA bundle for an https gateway")
     status.add_argument("--timeout", type=positive_seconds, default=30.0, help="seconds [30]")
 
@@ -58,6 +60,9 @@ class StatusError(Exception):
 
 
 def main(args: argparse.Namespace, out: TextIO = sys.stdout) -> int:
+    if args.url is None:
+        print(f"meshnet status: give the gateway's URL (or set {GATEWAY_ENV})", file=sys.stderr)
+        return 2
     try:
         document = anyio.run(_read, args.url, args.token, args.tls_ca, args.timeout)
     except StatusError as exc:
@@ -84,6 +89,8 @@ async def _read(url: str, token: str | None, tls_ca: str | None, timeout: float)
     except TimeoutError:
         raise StatusError(f"no answer within {timeout:g} s; is the gateway up?") from None
     except MeshnetError as exc:
+        if exc.status == 401:  # someone answered: a gateway asking for a token
+            raise StatusError(f"401 on /info: {unauthorized_hint(token)}") from None
         first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         first = first.removeprefix(f"{url}: ")  # the line names the URL already
         raise StatusError(f"cannot read /info: {first}; is a gateway listening there?") from None
