@@ -33,6 +33,7 @@ import numpy as np
 
 from meshnet_bench._result import BenchOptions, SectionResult
 from meshnet_bench._support import current_rss_bytes, server_process
+from meshnet_model.engines.choice import TORCH_INSTALL
 from meshnet_model.testing import small_config, smollm_135m_config, write_checkpoint
 from meshnet_node.model_chain import ModelSession, even_splits
 from meshnet_runtime.downstream import DownstreamPool
@@ -297,7 +298,7 @@ def run(options: BenchOptions) -> SectionResult:
     keys = _keys(rate, bandwidth, limits, load, reference)
     if ("torch float32", 1) not in rate:
         result.notes.append(
-            "torch is not installed: pip install -e '.[torch]' in the checkout for its rows."
+            f"torch is not installed: {TORCH_INSTALL} in this environment for its rows."
         )
     result.keys = keys
     result.notes.append(

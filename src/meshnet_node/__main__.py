@@ -8,7 +8,7 @@ from collections.abc import Sequence
 
 import anyio
 
-from meshnet_model.engines.choice import quiet_idle_threads
+from meshnet_model.engines.choice import engine_advice, quiet_idle_threads
 from meshnet_model.engines.footprint import MemoryShortfall
 from meshnet_proto import WIRE_VERSION
 from meshnet_runtime.config import model_path_problem
@@ -31,12 +31,12 @@ def ready_line(config: NodeConfig, url: str, stage: StageBackend | None = None) 
     name = stage.name if stage is not None else config.backend
     return (
         f"meshnet-node listening on {url} (wire {WIRE_VERSION}, stage {name}, next: {downstream})"
-        + _model_summary(stage)
+        + _model_summary(stage, config.model)
         + rss_suffix()
     )
 
 
-def _model_summary(stage: StageBackend | None) -> str:
+def _model_summary(stage: StageBackend | None, model: str | None) -> str:
     """What a model stage computes with and holds: engine, held forms, bytes, threads."""
     info = stage.describe() if stage is not None else {}
     if info.get("backend") != "model":
@@ -54,6 +54,7 @@ def _model_summary(stage: StageBackend | None) -> str:
     return (
         f" engine {engine}, compute {info.get('compute_dtype')}, weights {forms}"
         f" {mib:,.1f} MiB{resident}, threads {info.get('threads') or 'default'}"
+        + (engine_advice(model, str(info.get("engine"))) if model else "")
     )
 
 
