@@ -41,9 +41,15 @@ from meshnet_gateway.app import GatewayApp
 from meshnet_gateway.config import GatewayConfig
 from meshnet_gateway.openai import ServedModel
 from meshnet_gateway.openai.draft_model import draft_model_problem
-from meshnet_model.engines.choice import choose_engine, quiet_idle_threads, share_cores
+from meshnet_model.engines.choice import (
+    TORCH_INSTALL,
+    choose_engine,
+    quiet_idle_threads,
+    share_cores,
+)
 from meshnet_model.engines.core_ledger import supported as ledger_supported
-from meshnet_model.engines.footprint import MemoryShortfall, fit_process
+from meshnet_model.engines.fit import fit_process
+from meshnet_model.engines.footprint import MemoryShortfall
 from meshnet_model.errors import CheckpointError, ConfigError
 from meshnet_model.source import load_config as load_model_config
 from meshnet_node.config import NodeConfig
@@ -309,7 +315,7 @@ def _check_device(device: str) -> None:
     try:
         import torch
     except ImportError:
-        raise Refusal(f"--device {device} needs torch: pip install -e '.[torch]'; {fix}") from None
+        raise Refusal(f"--device {device} needs torch: {TORCH_INSTALL}; {fix}") from None
     if not torch.cuda.is_available():
         build = torch.version.cuda or "none"
         raise Refusal(f"--device {device}: no CUDA device is available here (torch "

@@ -1,38 +1,43 @@
-"""``python -m meshnet_model plan DIR|FILE.gguf --stages N``: how to split a checkpoint.
+"""``python -m meshnet_model plan MODEL --stages N | --memory M1,M2,...``: how to split a model.
 
-Prints, for N contiguous stages holding about equal checkpoint bytes, each
-node's ``--layers A:B``, the checkpoint bytes it maps (the embedding counts on
-the first stage, the norm and head — the embedding again when tied — on the
-last) and its KV cache bytes per token: what each machine needs, before
-starting any node. It balances memory, not compute (an embedding costs bytes
-but almost no time). Reads only ``config.json`` and the safetensors headers, or
-a GGUF file's header (its bytes are the quantized ones).
+Prints each node's ``--layers A:B`` and what it needs, before starting any
+node: its weights as the engine holds them, its scratch, the process's
+runtime and the least KV budget — the figure the node's own memory check
+(``--memory-limit``) compares, independent of any limit — and the KV budget
+it may grow to (``auto``: what the machine leaves, up to 1 GiB); with the
+checkpoint bytes it maps and its KV bytes per token. ``--stages N`` splits
+as ``meshnet run --stages N`` does (``split.even_splits``: the same
+function); ``--memory`` keeps that split where it fits every machine and
+moves layers where it does not (``split.plan_split``). Reads only
+``config.json`` and the safetensors headers, or a GGUF file's header.
 """
 
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
 import math
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from .engines.fit import fit_process
 from .engines.footprint import (
+    KV_AUTO_MIN,
     MemoryShortfall,
+    StageFootprint,
     default_engine,
-    fit_process,
     format_bytes,
-    model_bytes,
+    least_need,
     parse_size,
-    plan_split,
 )
 from .errors import CheckpointError, ConfigError
+from .formats.config import ModelConfig
 from .formats.gguf.checkpoint import hf_name, is_gguf
 from .formats.gguf.file import GGUFFile
 from .formats.safetensors import Checkpoint
 from .source import load_config
+from .split import even_splits, plan_split
 from .stage.runner import DEFAULT_MAX_CHUNK_TOKENS, DEFAULT_MAX_COMPUTE_BYTES
 
 __all__ = ["main", "plan_stages"]
@@ -57,93 +62,87 @@ def _tensor_sizes(path: str | Path) -> dict[str, int]:
 
 
 def plan_stages(
-    directory: str | Path,
+    model: str | Path,
     stages: int,
     *,
     engine: str | None = None,
     dtype: str | None = None,
     memories: list[int] | None = None,
 ) -> list[dict[str, object]]:
-    """``stages`` layer ranges balancing checkpoint bytes, with what each holds
-    (``footprint``: resident bytes as ``engine``/``dtype`` hold them, KV ``auto``);
-    ``memories``: one range per machine of those bytes, each fitting it."""
-    if engine is None or dtype is None:
-        engine, dtype = (
-            engine or default_engine(directory)[0],
-            dtype or default_engine(directory)[1],
-        )
+    """The stages of ``model`` (module doc): ``stages`` even ranges, or one range
+    per machine of ``memories`` bytes. Each entry: ``layers``, ``need`` (bytes,
+    the node's memory check), ``footprint`` (``footprint.StageFootprint``, its
+    KV the ``auto`` budget: the machine's, else the most), ``kv_bytes_per_token``,
+    and ``checkpoint_bytes`` or ``memory``."""
+    default = default_engine(model)
+    engine, dtype = engine or default[0], dtype or default[1]
     if memories is not None:
         split = plan_split(
-            directory,
+            model,
             memories,
             engine=engine,
             dtype=dtype,
             max_chunk_tokens=DEFAULT_MAX_CHUNK_TOKENS,
             max_compute_bytes=DEFAULT_MAX_COMPUTE_BYTES,
         )
-        return [_entry(directory, fp, memory) for fp, memory in zip(split, memories, strict=True)]
-    config = load_config(directory)
+        return [
+            {**_entry(model, fp, engine, dtype), "memory": memory}
+            for fp, memory in zip(split, memories, strict=True)
+        ]
+    config = load_config(model)
     if not 1 <= stages <= config.num_hidden_layers:
         raise ValueError(f"stages must be 1..{config.num_hidden_layers}, got {stages}")
-    sizes = _tensor_sizes(directory)
-    layer_bytes = []
-    for i in range(config.num_hidden_layers):
-        prefix = f"model.layers.{i}."
-        layer_bytes.append(sum(size for n, size in sizes.items() if n.startswith(prefix)))
-    embed = sizes["model.embed_tokens.weight"]
-    head = sizes["model.norm.weight"] + (
-        sizes["lm_head.weight"]
-        if "lm_head.weight" in sizes and not config.tie_word_embeddings
-        else embed  # a tied head maps the embedding on the last stage too
-    )
-    # Greedy cut: close a stage once the stages so far hold their share of the
-    # total, keeping at least one layer for every stage still to come; the
-    # shares are of the bytes held (footprint), not of the file.
-    mb = model_bytes(directory, engine, dtype, config)
-    total = mb.embed + sum(mb.layers) + mb.head
-    bounds, held = [0], mb.embed
-    for i, size in enumerate(mb.layers[:-1]):
-        held += size
-        stages_left = stages - len(bounds)
-        layers_left = config.num_hidden_layers - (i + 1)
-        if stages_left and (held >= total * len(bounds) / stages or layers_left == stages_left):
-            bounds.append(i + 1)
-    bounds.append(config.num_hidden_layers)
-    kv_per_layer = 2 * config.num_key_value_heads * config.head_dim * 4  # K and V, float32
-    fps = fit_process(
-        directory,
-        [range(a, b) for a, b in itertools.pairwise(bounds)],
+    ranges = [range(a, b) for a, b in even_splits(config.num_hidden_layers, stages)]
+    fps = _fit(model, ranges, engine, dtype, "auto")
+    sizes = _tensor_sizes(model)
+    return [
+        {**_entry(model, fp, engine, dtype), "checkpoint_bytes": _mapped(sizes, config, fp.layers)}
+        for fp in fps
+    ]
+
+
+def _fit(
+    model: str | Path, ranges: list[range], engine: str, dtype: str, kv: int | str
+) -> list[StageFootprint]:
+    """The footprints with the node's default chunk and compute limits, no machine's limit."""
+    return fit_process(
+        model,
+        ranges,
         engine=engine,
         dtype=dtype,
-        kv_budget_bytes="auto",
+        kv_budget_bytes=kv,
         max_chunk_tokens=DEFAULT_MAX_CHUNK_TOKENS,
         max_compute_bytes=DEFAULT_MAX_COMPUTE_BYTES,
         limit=None,
     )
-    plan: list[dict[str, object]] = []
-    for k, (a, b) in enumerate(itertools.pairwise(bounds)):
-        mapped = sum(layer_bytes[a:b]) + (embed if k == 0 else 0)
-        mapped += head if b == config.num_hidden_layers else 0
-        plan.append(
-            {
-                "layers": f"{a}:{b}",
-                "checkpoint_bytes": mapped,
-                "kv_bytes_per_token": (b - a) * kv_per_layer,
-                "footprint": fps[k].to_dict(),
-            }
-        )
-    return plan
 
 
-def _entry(directory: str | Path, fp: object, memory: int) -> dict[str, object]:
-    config = load_config(directory)
-    kv_per_layer = 2 * config.num_key_value_heads * config.head_dim * 4
-    a, b = fp.layers.start, fp.layers.stop  # type: ignore[attr-defined]
+def _mapped(sizes: dict[str, int], config: ModelConfig, span: range) -> int:
+    """Checkpoint bytes a stage of ``span`` maps: its layers, the embedding on
+    the first, the norm and head on the last (a tied head: the embedding again)."""
+    total = sum(
+        size
+        for name, size in sizes.items()
+        if name.startswith("model.layers.") and int(name.split(".")[2]) in span
+    )
+    embed = sizes["model.embed_tokens.weight"]
+    total += embed if span.start == 0 else 0
+    if span.stop == config.num_hidden_layers:
+        untied = "lm_head.weight" in sizes and not config.tie_word_embeddings
+        total += sizes["model.norm.weight"] + (sizes["lm_head.weight"] if untied else embed)
+    return total
+
+
+def _entry(model: str | Path, fp: StageFootprint, engine: str, dtype: str) -> dict[str, object]:
+    """What a stage needs as the node's check counts it: its least KV budget, not the most."""
+    config = load_config(model)
+    kv_per_layer = 2 * config.num_key_value_heads * config.head_dim * 4  # K and V, float32
+    (least,) = _fit(model, [fp.layers], engine, dtype, KV_AUTO_MIN)
     return {
-        "layers": f"{a}:{b}",
-        "kv_bytes_per_token": (b - a) * kv_per_layer,
-        "footprint": fp.to_dict(),  # type: ignore[attr-defined]
-        "memory": memory,
+        "layers": f"{fp.layers.start}:{fp.layers.stop}",
+        "need": least_need([least], KV_AUTO_MIN),
+        "kv_bytes_per_token": len(fp.layers) * kv_per_layer,
+        "footprint": fp.to_dict(),
     }
 
 
@@ -152,9 +151,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         prog="python -m meshnet_model", description=__doc__.split("\n")[0]
     )
     sub = parser.add_subparsers(dest="command", required=True)
-    plan = sub.add_parser("plan", help="split a checkpoint into N stages (--layers per node)")
-    plan.add_argument("directory")
-    plan.add_argument("--stages", type=int, default=None, help="[2, or one per --memory]")
+    plan = sub.add_parser("plan", help="split a model into stages (--layers per node)")
+    plan.add_argument(
+        "model",
+        metavar="MODEL",
+        help="a GGUF file or a checkpoint directory (config.json and safetensors)",
+    )
+    plan.add_argument(
+        "--stages", type=int, default=None, help="[2, or one per --memory] as meshnet run splits"
+    )
     plan.add_argument(
         "--engine",
         choices=("numpy", "torch"),
@@ -172,12 +177,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.memory is not None and args.stages not in (None, len(args.memory)):
         parser.error(f"--stages {args.stages} but --memory names {len(args.memory)} machines")
-    engine, dtype = args.engine, args.dtype
-    if args.engine == "numpy" and dtype is None:
-        dtype = "float32"  # numpy's own default
+    dtype = "float32" if args.engine == "numpy" and args.dtype is None else args.dtype
     try:
         stages = plan_stages(
-            args.directory, args.stages or 2, engine=engine, dtype=dtype, memories=args.memory
+            args.model, args.stages or 2, engine=args.engine, dtype=dtype, memories=args.memory
         )
     except MemoryShortfall as exc:
         print(f"meshnet_model: {exc}", file=sys.stderr)
@@ -185,23 +188,30 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ConfigError, CheckpointError, ValueError) as exc:
         print(f"meshnet_model: {exc}", file=sys.stderr)
         return 2
-    if args.json:
-        print(json.dumps(stages, indent=2))
-        return 0
-    for k, stage in enumerate(stages):
-        fp = stage["footprint"]
-        assert isinstance(fp, dict)
-        machine = f" of {format_bytes(int(stage['memory']))}" if "memory" in stage else ""  # type: ignore[call-overload]
-        file_share = ""
-        if "checkpoint_bytes" in stage:
-            file_share = f"  checkpoint {int(stage['checkpoint_bytes']) / 2**20:.1f} MiB"  # type: ignore[call-overload]
-        print(
-            f"stage {k}: --layers {stage['layers']}  resident {format_bytes(fp['total'])}{machine}"
-            f" (weights {format_bytes(fp['weights'])} {fp['form']}, KV {format_bytes(fp['kv'])},"
-            f" scratch {format_bytes(fp['scratch'])}, runtime {format_bytes(fp['runtime'])};"
-            f" {fp['engine']} {fp['dtype']}){file_share}  KV {stage['kv_bytes_per_token']} B/token"
-        )
+    print(json.dumps(stages, indent=2) if args.json else "\n".join(map(_line, enumerate(stages))))
     return 0
+
+
+def _line(numbered: tuple[int, dict[str, object]]) -> str:
+    """One stage as a reader wants it: the flag, what it needs, what the KV may grow to."""
+    k, stage = numbered
+    fp = stage["footprint"]
+    assert isinstance(fp, dict)
+    machine = stage.get("memory")
+    where = (
+        f" of {format_bytes(int(machine))}"
+        if isinstance(machine, int)
+        else " as the machine allows"
+    )
+    mapped = stage.get("checkpoint_bytes")
+    file_share = f", checkpoint {format_bytes(mapped)}" if isinstance(mapped, int) else ""
+    return (
+        f"stage {k}: --layers {stage['layers']}  needs {format_bytes(int(str(stage['need'])))}"
+        f" (weights {format_bytes(fp['weights'])} {fp['form']}, scratch"
+        f" {format_bytes(fp['scratch'])}, runtime {format_bytes(fp['runtime'])}, KV"
+        f" {format_bytes(KV_AUTO_MIN)} at least; {fp['engine']} {fp['dtype']}), KV budget up to"
+        f" {format_bytes(fp['kv'])}{where}  ({stage['kv_bytes_per_token']} B/token{file_share})"
+    )
 
 
 def _memories(text: str) -> list[int]:

@@ -9,7 +9,6 @@ in front; this is the bare contract, for checking it.
 
 from __future__ import annotations
 
-import itertools
 import secrets
 import uuid
 from collections.abc import AsyncIterator, Sequence
@@ -19,6 +18,7 @@ from pathlib import Path
 import anyio
 import numpy as np
 
+from meshnet_model.split import even_splits  # re-exported: the one split (meshnet_model.split)
 from meshnet_proto import ActivationResponse, WireHeaders, encode_for_wire
 from meshnet_proto.lowlevel import decode_tensor
 from meshnet_runtime.deadlines import Deadline
@@ -39,12 +39,6 @@ class ChainError(Exception):
     ) -> None:
         super().__init__(f"{status} {code}: {message}")
         self.status, self.code, self.retry_after = status, code, retry_after
-
-
-def even_splits(num_layers: int, stages: int) -> list[tuple[int, int]]:
-    """``stages`` contiguous layer ranges covering ``0..num_layers``, sizes within one."""
-    bounds = [round(k * num_layers / stages) for k in range(stages + 1)]
-    return list(itertools.pairwise(bounds))
 
 
 @asynccontextmanager

@@ -64,7 +64,8 @@ from meshnet_model import (
 )
 from meshnet_model.engines.choice import choose_engine, set_blas_threads
 from meshnet_model.engines.core_ledger import ledger_for
-from meshnet_model.engines.footprint import StageFootprint, fit_process
+from meshnet_model.engines.fit import fit_process
+from meshnet_model.engines.footprint import StageFootprint
 from meshnet_model.errors import (
     ChunkTooLarge,
     ComputeDeadlineExceeded,

@@ -14,17 +14,17 @@ from pathlib import Path
 import pytest
 
 from meshnet_model.engines.choice import usable_cores
+from meshnet_model.engines.fit import fit_process
 from meshnet_model.engines.footprint import (
     KV_AUTO_MAX,
     RUNTIME_BYTES,
     MemoryShortfall,
-    fit_process,
     held_matrix_bytes,
     parse_size,
-    plan_split,
     stage_footprint,
 )
 from meshnet_model.engines.torch.dense_tiles import scratch_bytes
+from meshnet_model.split import plan_split
 from meshnet_model.stage.costs import QUERY_BLOCK, chunk_cost
 from meshnet_model.testing import random_weights, small_config, write_checkpoint
 from meshnet_model.testing.gguf import write_gguf
@@ -153,8 +153,18 @@ def test_auto_kv_takes_what_is_left_up_to_1gib_and_refuses_under_64mib(tmp_path:
     (tight,) = fit_process(path, [range(4)], kv_budget_bytes="auto", limit=limit, **args)
     fixed = tight.weights + tight.scratch + tight.runtime
     assert tight.kv == limit - fixed - int(limit * 0.05)
-    with pytest.raises(MemoryShortfall, match="KV 64 MiB at least"):
-        fit_process(path, [range(4)], kv_budget_bytes="auto", limit=fixed + 64 * MiB, **args)
+    # The need is the least budget beside the rest, whatever the limit: a limit
+    # of exactly that fits (the margin comes out of what is above it), one byte
+    # less is refused, and the figure named is the same at any limit.
+    least = fit_process(path, [range(4)], kv_budget_bytes="auto", limit=None, **args)
+    (edge,) = fit_process(path, [range(4)], kv_budget_bytes="auto", limit=fixed + 64 * MiB, **args)
+    assert edge.kv == 64 * MiB
+    needs = set()
+    for under in (MiB, fixed // 2, fixed + 64 * MiB - 1):
+        with pytest.raises(MemoryShortfall, match="KV 64 MiB at least") as short:
+            fit_process(path, [range(4)], kv_budget_bytes="auto", limit=under, **args)
+        needs.add(str(short.value).split(" need ")[1].split(" (")[0])
+    assert len(needs) == 1 and least
     # An explicit budget is checked as given, without the margin.
     (exact,) = fit_process(path, [range(4)], kv_budget_bytes=limit - fixed, limit=limit, **args)
     assert exact.total == limit
@@ -216,7 +226,7 @@ def test_plan_split_fits_each_machine_or_says_none_does(
     assert "no split of the 8 layers" in capsys.readouterr().err
     assert main(["plan", str(path), "--engine", "numpy", "--stages", "2"]) == 0
     out = capsys.readouterr().out
-    assert "resident" in out and "numpy float32" in out
+    assert "needs" in out and "numpy float32" in out
     assert parse_size("16GiB") == 16 * GiB and parse_size("1GB") == 10**9
     with pytest.raises(ValueError):
         parse_size("lots")

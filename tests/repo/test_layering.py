@@ -90,6 +90,7 @@ _LAYERS = {
     "engines": 4,
     "identity": 4,  # digests over formats and stage.weights' rule of what a stage holds
     "plan": 5,
+    "split": 5,  # the one split of plan and meshnet run, over engines.footprint
     "testing": 5,
     "__main__": 5,
     "": 5,  # meshnet_model/__init__.py, the public names

