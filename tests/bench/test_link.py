@@ -43,8 +43,11 @@ def test_tiny_link_section_runs_both_chains_and_the_answers_shrink() -> None:
 
     # The tiny model's logits are 260 float32 (1,040 bytes) a token and hop.
     for profile in ("loopback", "wifi"):
-        # Relayed: the same hops, the logits row gone from each answer.
-        assert up(profile, "before") - up(profile, "relayed") >= 1000
+        # Relayed: the same hops, the logits row gone from each answer: the
+        # tree before carries it (1,040 bytes and its head), the relayed tree
+        # less than the row alone. (Not their difference: on a loaded machine
+        # the relayed tree's polls add a few hundred bytes a token.)
+        assert up(profile, "relayed") < 1040 <= up(profile, "before")
         # After: no logits either, but its per-hop mean also spreads the
         # polls' own link over the steps, as many as were polled (a probe a
         # generation on loopback, all of them on a loaded machine): held to

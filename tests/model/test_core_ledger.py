@@ -199,7 +199,9 @@ def test_only_torch_on_the_cpu_joins(tmp_path: Path) -> None:
     with ledger_step(None) as nothing:
         assert nothing is None
     with ledger_step(joined) as threads:
-        assert threads == joined.most
+        # Its cap, unless other processes leave fewer CPUs idle now (a busy
+        # machine, or another test worker beside this one).
+        assert threads == min(joined.most, max(1, joined.last_idle))
 
 
 def _fresh(code: str, env: dict[str, str] | None = None) -> dict[str, object]:
