@@ -39,9 +39,7 @@ def test_absent_is_none_and_sends_nothing() -> None:
 def test_every_parameter_parses() -> None:
     value = b"seed=42,temperature=0.7,top_p=0.9,top_k=40,min_p=0.05,logprobs=5"
     spec = parse_wire_headers(pairs(value)).sample
-    assert spec == SampleSpec(
-        seed=42, temperature=0.7, top_p=0.9, top_k=40, min_p=0.05, logprobs=5
-    )
+    assert spec == SampleSpec(seed=42, temperature=0.7, top_p=0.9, top_k=40, min_p=0.05, logprobs=5)
     assert spec is not None and not spec.greedy
     assert spec.to_value() == value
 
@@ -50,7 +48,11 @@ def test_defaults_and_the_greedy_case() -> None:
     spec = parse_wire_headers(pairs(b"seed=0")).sample
     assert spec == SampleSpec(seed=0)
     assert (spec.temperature, spec.top_p, spec.top_k, spec.min_p, spec.logprobs) == (
-        1.0, 1.0, 0, 0.0, None,
+        1.0,
+        1.0,
+        0,
+        0.0,
+        None,
     )
     greedy = parse_wire_headers(pairs(b"temperature=0,seed=1,logprobs=0")).sample
     assert greedy is not None and greedy.greedy and greedy.logprobs == 0
