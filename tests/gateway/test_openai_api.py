@@ -8,13 +8,11 @@ the test's event loop (trio or asyncio).
 
 from __future__ import annotations
 
-import functools
 import http.client
 import json
 import math
-from collections.abc import Callable
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import anyio
 import numpy as np
@@ -34,34 +32,17 @@ from support.openai import (
     serve_openai,
     write_model_dir,
 )
+from support.openai_client import LIMIT, client_for, in_thread
 from support.wire import http_request
 
 pytestmark = pytest.mark.anyio
 
-LIMIT = 30  # every test's wait is bounded: a hang fails the test, not the run
 JSON = {"Content-Type": "application/json"}
-T = TypeVar("T")
 
 
 @pytest.fixture
 def model_dir(tmp_path: Path) -> Path:
     return write_model_dir(tmp_path / "tiny-model", context=256)
-
-
-def client_for(served: Served) -> openai.OpenAI:
-    return openai.OpenAI(
-        base_url=served.url + "/v1",
-        api_key="unused",
-        max_retries=0,
-        timeout=LIMIT,
-        # No proxy between the test and loopback, whatever the environment says.
-        http_client=openai.DefaultHttpxClient(trust_env=False),
-    )
-
-
-async def in_thread(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
-    with anyio.fail_after(LIMIT):
-        return await anyio.to_thread.run_sync(functools.partial(fn, *args, **kwargs))
 
 
 def sample(served: Served, name: str, **labels: str) -> float | None:
@@ -80,7 +61,7 @@ async def sessions_freed(served: Served) -> None:
 
 async def test_models_lists_the_served_checkpoint(model_dir: Path) -> None:
     async with serve_openai(model_dir) as served:
-        client = client_for(served)
+        client = client_for(served.url)
         models = await in_thread(client.models.list)
         assert [m.id for m in models.data] == ["tiny-model"]
         assert (await in_thread(client.models.retrieve, "tiny-model")).id == "tiny-model"
@@ -103,7 +84,7 @@ async def test_greedy_completion_is_the_chains_output_chunked_and_freed(model_di
     prompt_ids = tokenizer.encode(prompt)
     flags = ["--chunk-tokens", "4", "--inflight", "3"]
     async with serve_openai(model_dir, stages=3, gateway_flags=flags) as served:
-        client = client_for(served)
+        client = client_for(served.url)
         result = await in_thread(
             client.completions.create, model="tiny-model", prompt=prompt, max_tokens=12,
             temperature=0,
@@ -146,7 +127,7 @@ async def test_lost_answers_are_retried_without_recomputing_a_token(model_dir: P
         model_dir, gateway_flags=flags, entry_drop=drop_first_attempts(1)
     ) as served:
         result = await in_thread(
-            client_for(served).completions.create, model="tiny-model", prompt=prompt,
+            client_for(served.url).completions.create, model="tiny-model", prompt=prompt,
             max_tokens=6, temperature=0,
         )  # fmt: skip
         await sessions_freed(served)
@@ -157,7 +138,7 @@ async def test_lost_answers_are_retried_without_recomputing_a_token(model_dir: P
 
 async def test_streaming_matches_non_streaming_for_the_same_seed(model_dir: Path) -> None:
     async with serve_openai(model_dir) as served:
-        client = client_for(served)
+        client = client_for(served.url)
         args = {"model": "tiny-model", "prompt": "hello world", "max_tokens": 20, "seed": 11,
                 "temperature": 0.9, "top_p": 0.95, "extra_body": {"top_k": 40}}  # fmt: skip
         whole = await in_thread(client.completions.create, **args)
@@ -182,7 +163,7 @@ async def test_chat_whole_and_streamed(model_dir: Path) -> None:
     messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
     prompt_ids = tokenizer.encode(tokenizer.render_chat(messages), chat=True)
     async with serve_openai(model_dir) as served:
-        client = client_for(served)
+        client = client_for(served.url)
         whole = await in_thread(
             client.chat.completions.create, model="tiny-model", messages=messages,
             max_tokens=8, temperature=0,
@@ -211,7 +192,7 @@ async def test_chat_whole_and_streamed(model_dir: Path) -> None:
 
 async def test_seeds_reproduce_and_differ(model_dir: Path) -> None:
     async with serve_openai(model_dir) as served:
-        client = client_for(served)
+        client = client_for(served.url)
 
         async def text(**kwargs: Any) -> str:
             result = await in_thread(
@@ -227,7 +208,7 @@ async def test_seeds_reproduce_and_differ(model_dir: Path) -> None:
 
 async def test_stop_sequence_cuts_the_text(model_dir: Path) -> None:
     async with serve_openai(model_dir) as served:
-        client = client_for(served)
+        client = client_for(served.url)
         args = {"model": "tiny-model", "prompt": "the lazy dog", "temperature": 0}
         full = (await in_thread(client.completions.create, max_tokens=30, **args)).choices[0]
         # A stop sequence from the middle of what the model writes.
@@ -248,7 +229,7 @@ async def test_stop_sequence_cuts_the_text(model_dir: Path) -> None:
 
 async def test_invalid_requests_get_openai_error_bodies(model_dir: Path) -> None:
     async with serve_openai(model_dir, gateway_flags=["--max-context", "64"]) as served:
-        client = client_for(served)
+        client = client_for(served.url)
         base = {"model": "tiny-model", "prompt": "hi"}
         cases: list[tuple[dict[str, Any], type[Exception], str | None, str | None]] = [
             ({**base, "model": "gpt-4"}, openai.NotFoundError, "model", "model_not_found"),
@@ -296,7 +277,7 @@ async def test_invalid_requests_get_openai_error_bodies(model_dir: Path) -> None
 async def test_refused_requests_never_reach_a_node(model_dir: Path) -> None:
     async with serve_openai(model_dir) as served:
         stages = [node.stage for node in served.nodes]
-        client = client_for(served)
+        client = client_for(served.url)
         for body in ({"model": "x", "prompt": "hi"}, {"model": "tiny-model", "prompt": "hi",
                                                        "top_p": 7}):  # fmt: skip
             with pytest.raises(openai.APIStatusError):
@@ -395,7 +376,7 @@ async def test_chain_failure_is_an_openai_error_and_frees_the_session(model_dir:
     # No retries: this is about how a failure is answered (a 503 would
     # otherwise be sent again after its Retry-After; see the lost-answer test).
     async with serve_openai(model_dir, stages=stages, gateway_flags=["--retries", "0"]) as served:
-        client = client_for(served)
+        client = client_for(served.url)
         args = {"model": "tiny-model", "prompt": "hello", "max_tokens": 10, "temperature": 0}
         with pytest.raises(openai.APIStatusError) as caught:
             await in_thread(client.completions.create, **args)
@@ -429,7 +410,7 @@ async def test_bearer_token_is_the_api_key(model_dir: Path) -> None:
     async with serve_openai(model_dir, stages=fake_stages(1),
                             gateway_flags=["--token", "s3cret"],
                             node_flags=["--token", "s3cret"]) as served:  # fmt: skip
-        client = client_for(served)
+        client = client_for(served.url)
         with pytest.raises(openai.AuthenticationError):
             await in_thread(client.models.list)
         good = client.with_options(api_key="s3cret")
@@ -442,7 +423,7 @@ async def test_concurrent_streams_do_not_mix(model_dir: Path) -> None:
     """Two generations at once on one chain, each its own session: each gets
     exactly the text it gets alone."""
     async with serve_openai(model_dir) as served:
-        client = client_for(served)
+        client = client_for(served.url)
 
         def streamed(prompt: str) -> str:
             events = client.completions.create(model="tiny-model", prompt=prompt, max_tokens=16,
@@ -468,7 +449,7 @@ async def test_logits_that_cannot_be_sampled_are_a_502_naming_the_chain(model_di
 
     stages = [fake_stages(2)[0], Stage("nan-head", nan_head)]
     async with serve_openai(model_dir, stages=stages) as served:
-        client = client_for(served)
+        client = client_for(served.url)
         with pytest.raises(openai.APIStatusError) as caught:
             await in_thread(client.completions.create, model="tiny-model", prompt="hi")
         assert caught.value.status_code == 502

@@ -5,11 +5,9 @@ streamed choices indexed, usage counting every choice, a bound by name."""
 
 from __future__ import annotations
 
-import functools
 from collections import defaultdict
-from collections.abc import Callable
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import anyio
 import openai
@@ -18,31 +16,14 @@ import pytest
 from meshnet_gateway.openai.requests import MAX_CHOICES
 from meshnet_gateway.openai.tokenizer import ModelTokenizer
 from support.openai import Served, reference_greedy, serve_openai, write_model_dir
+from support.openai_client import LIMIT, client_for, in_thread
 
 pytestmark = pytest.mark.anyio
-
-LIMIT = 30  # every wait is bounded: a hang fails the test, not the run
-T = TypeVar("T")
 
 
 @pytest.fixture
 def model_dir(tmp_path: Path) -> Path:
     return write_model_dir(tmp_path / "tiny-model", context=256)
-
-
-def client_for(served: Served) -> openai.OpenAI:
-    return openai.OpenAI(
-        base_url=served.url + "/v1",
-        api_key="unused",
-        max_retries=0,
-        timeout=LIMIT,
-        http_client=openai.DefaultHttpxClient(trust_env=False),
-    )
-
-
-async def in_thread(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
-    with anyio.fail_after(LIMIT):
-        return await anyio.to_thread.run_sync(functools.partial(fn, *args, **kwargs))
 
 
 async def sessions_freed(served: Served) -> None:
@@ -59,7 +40,7 @@ async def test_greedy_choices_are_all_the_chains_greedy_output(model_dir: Path) 
     prompt_ids = tokenizer.encode(prompt)
     async with serve_openai(model_dir) as served:
         result = await in_thread(
-            client_for(served).completions.create,
+            client_for(served.url).completions.create,
             model="tiny-model",
             prompt=prompt,
             max_tokens=10,
@@ -79,7 +60,7 @@ async def test_greedy_choices_are_all_the_chains_greedy_output(model_dir: Path) 
 
 async def test_sampled_choices_each_draw_their_own_seed_stream(model_dir: Path) -> None:
     async with serve_openai(model_dir) as served:
-        client = client_for(served)
+        client = client_for(served.url)
 
         async def texts(n: int, seed: int) -> list[str]:
             result = await in_thread(
@@ -103,7 +84,7 @@ async def test_sampled_choices_each_draw_their_own_seed_stream(model_dir: Path) 
 async def test_streamed_choices_are_indexed_and_usage_counts_them_all(model_dir: Path) -> None:
     messages = [{"role": "user", "content": "tell me about foxes"}]
     async with serve_openai(model_dir) as served:
-        client = client_for(served)
+        client = client_for(served.url)
         args: dict[str, Any] = {
             "model": "tiny-model",
             "messages": messages,
@@ -142,7 +123,7 @@ async def test_n_above_the_bound_is_refused_by_name(model_dir: Path) -> None:
     async with serve_openai(model_dir) as served:
         with pytest.raises(openai.BadRequestError) as caught:
             await in_thread(
-                client_for(served).completions.create,
+                client_for(served.url).completions.create,
                 model="tiny-model",
                 prompt="hi",
                 n=MAX_CHOICES + 1,
