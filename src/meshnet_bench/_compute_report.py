@@ -128,7 +128,7 @@ def _judge(value: float | None, target: tuple[str, float]) -> str:
     if value is None:
         return "n/a"
     op, bound = target
-    return "ok" if (value >= bound if op == ">=" else value <= bound) else "MISS"
+    return "met" if (value >= bound if op == ">=" else value <= bound) else "not met"
 
 
 def _number(value: float | None) -> str:
@@ -138,7 +138,7 @@ def _number(value: float | None) -> str:
 def report(samples: Samples, context: Context) -> SectionResult:
     goals = targets(context.amx)
     result = SectionResult(
-        title="Compute (issue 39): meshnet beside llama.cpp, the same files on the same 2 cores"
+        title="Compute: meshnet beside llama.cpp, the same files on the same 2 cores"
     )
     keys: dict[str, float | int | str | None] = dict.fromkeys(KEYS)
     for figure in FIGURES:
@@ -193,7 +193,8 @@ def _notes(context: Context, keys: Mapping[str, object], load: tuple[float, floa
     where = (
         f"llama.cpp measured here ({context.found})"
         if context.measured
-        else f"llama.cpp not run ({context.found}): its figures are issue 39's, quoted"
+        else f"llama.cpp not run ({context.found}): its figures are quoted from a run on "
+        "this machine kind"
     )
     notes = [
         f"This CPU {amx}: the prefill target is {targets(context.amx)['prefill'][1]}x. {where}.",

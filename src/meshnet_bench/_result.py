@@ -34,10 +34,13 @@ class SectionResult:
     ``keys`` are the JSON keys this section owns (``meshnet bench --json``
     merges every section's keys into one flat object). ``rows`` are the
     printed table's rows, each a mapping column -> cell text, in order.
-    ``notes`` are one-line readings printed under the table.
+    ``notes`` are one-line readings printed under the table. ``skipped``: the
+    section did not run for want of torch or the model (its keys are null and
+    no target of theirs is judged).
     """
 
     title: str
     keys: dict[str, float | int | str | None] = field(default_factory=dict)
     rows: list[dict[str, str]] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    skipped: bool = False

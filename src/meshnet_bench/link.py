@@ -39,11 +39,12 @@ from pathlib import Path
 
 import anyio
 
+from ._needs import Need
 from ._result import BenchOptions, SectionResult
 from ._support import QUIET, server_process
 from .emulated_link import PROFILES, EmulatedLink
 
-__all__ = ["KEYS", "run"]
+__all__ = ["KEYS", "needs", "run"]
 
 KEYS: tuple[str, ...] = (
     "link_wifi_decode_speedup",
@@ -367,6 +368,11 @@ def _trees(env: dict[str, str] | None) -> tuple[Tree, ...]:
     # costs, one token a trip (``--only spec`` measures several a trip).
     plain = ("--speculate", "off")
     return (Tree("after", plain, direct=True), Tree("relayed", plain), before)
+
+
+def needs(options: BenchOptions) -> tuple[Need, ...]:
+    """The real model, but for the tiny file the test suite writes."""
+    return () if options.tiny else (Need.MODEL,)
 
 
 def run(options: BenchOptions) -> SectionResult:

