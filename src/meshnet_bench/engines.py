@@ -306,7 +306,7 @@ def run(options: BenchOptions) -> SectionResult:
         "read the ratios (measured side by side), not the absolute figures."
     )
     result.notes.append(
-        "llama.cpp on this machine kind, 2 threads (issue 15, quoted, not measured here): "
+        "llama.cpp, 2 threads (quoted from a run on this machine kind, not measured here): "
         + "; ".join(f"{d} pp512 {p:.0f} / decode {t:.1f} tok/s" for d, (p, t) in LLAMA_CPP.items())
     )
     return result
