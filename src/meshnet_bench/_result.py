@@ -13,8 +13,8 @@ def _stderr(line: str) -> None:
 
 @dataclass(frozen=True, slots=True)
 class BenchOptions:
-    """How big and how long: ``quick`` must keep the whole bench under 60 s on
-    an idle machine (the runner says when a run took longer).
+    """How big and how long: ``quick`` keeps the whole bench to a few minutes
+    (see ``runner.QUICK_BUDGET_S``; the runner says when a run took longer).
 
     ``tiny`` is for the test suite's smoke test: the smallest sizes that still
     exercise every code path, with no claim to mean anything.

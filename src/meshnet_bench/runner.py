@@ -79,8 +79,10 @@ TARGETS: dict[str, tuple[str, float]] = {
 # In the current directory: the committed docs/bench-throughput.png is only
 # replaced when asked for by name (--plot docs/bench-throughput.png).
 DEFAULT_PLOT = Path("bench-throughput.png")
-# What --quick promises (on an idle machine; a loaded one is told it ran over).
-QUICK_BUDGET_S = 60.0
+# What --quick is documented to take, from measurement (2 vCPUs, shared:
+# 174 s on a plain install, over 480 s with torch and the model); a run past
+# it is told so, with the load average, since a loaded machine is the usual cause.
+QUICK_BUDGET_S = 600.0
 # Exit status when every section ran but a figure missed its target.
 EXIT_TARGET_MISSED = 3
 # A failed section is one line; set this to see where it failed as well.
@@ -314,8 +316,8 @@ def main(
     options.progress(f"bench done in {elapsed:.1f} s")
     if quick and elapsed > QUICK_BUDGET_S:
         load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
-        options.progress(f"note: --quick took {elapsed:.0f} s, over its {QUICK_BUDGET_S:.0f} s "
-                         f"budget (an idle machine's); load average now {load}")  # fmt: skip
+        options.progress(f"note: --quick took {elapsed:.0f} s, over the {QUICK_BUDGET_S:.0f} s "
+                         f"it usually takes; load average now {load}")  # fmt: skip
     if as_json:
         out(json.dumps(keys))
     else:

@@ -137,7 +137,10 @@ def _add_bench(commands: _Commands) -> None:
         "'not met'), 1 when a section failed.",
     )
     bench.add_argument(
-        "--quick", action="store_true", help="smaller repeats: under 60 s on an idle machine"
+        "--quick",
+        action="store_true",
+        help="smaller sizes: ~3 min on a plain install, over 8 min with torch and the model "
+        "(2 shared vCPUs)",
     )
     # The smallest sizes that run every code path (the test suite's smoke run).
     bench.add_argument("--tiny", action="store_true", help=argparse.SUPPRESS)
