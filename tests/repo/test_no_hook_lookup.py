@@ -36,6 +36,10 @@ GETATTR_ALLOWED = {
     # A benchmark section module's optional KEYS constant (what a failed
     # section still lists).
     ("meshnet_bench/runner.py", "KEYS"),
+    # Its optional needs(options): what it requires beyond the base install
+    # (torch, the model package), checked before it starts. Sections are
+    # modules, not objects of a Protocol, as KEYS above.
+    ("meshnet_bench/runner.py", "needs"),
     # A flag kind's choices: an enum-like kind has them, int/float/str do not.
     ("meshnet_runtime/config.py", "choices"),
     # h11's private reader state (the body bypass reads how much is left).
