@@ -90,7 +90,12 @@ def is_preflight(method: str, path: str, routes: Mapping[str, Collection[str]]) 
 
 
 def _route_matches(pattern: str, path: str) -> bool:
-    # A key ending in "/*" matches exactly one non-empty path segment there.
+    # A key ending in "/*" matches exactly one non-empty path segment there;
+    # one ending in "/**" any non-empty rest (a surface that answers every
+    # path under its prefix itself, as the gateway's OpenAI 404s).
+    if pattern.endswith("/**"):
+        prefix = pattern[:-2]
+        return path.startswith(prefix) and len(path) > len(prefix)
     if pattern.endswith("/*"):
         prefix = pattern[:-1]
         rest = path[len(prefix) :]

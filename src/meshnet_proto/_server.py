@@ -63,7 +63,8 @@ __all__ = ["DEFAULT_MAX_ENDPOINT_BODY", "DEFAULT_ROUTES", "ServerConnection"]
 
 # wire-2 §6. A key ending in "/*" matches exactly one non-empty path segment in
 # its place, which is all `DELETE /sessions/{id}`, `GET /kv/{id}` and
-# `GET /drawn/{id}` (§3.14) need.
+# `GET /drawn/{id}` (§3.14) need; one ending in "/**" (a server's own routes
+# only) any non-empty rest of the path. The first key that matches is the route.
 DEFAULT_ROUTES: Mapping[str, Collection[str]] = {
     "/health": ("GET",),
     "/info": ("GET",),

@@ -40,7 +40,12 @@ def request(url: str, method: str, path: str, body: bytes = b"") -> tuple[int, A
 async def test_unknown_v1_paths_are_openai_shaped_404s(tmp_path: Path) -> None:
     model_dir = write_model_dir(tmp_path / "tiny-model")
     async with serve_openai(model_dir, stages=fake_stages(1)) as served:
-        for method, path in (("POST", "/v1/embeddings"), ("GET", "/v1/responses")):
+        unknown = (
+            ("POST", "/v1/embeddings"),
+            ("GET", "/v1/responses"),
+            ("POST", "/v1/audio/speech"),
+        )
+        for method, path in unknown:
             status, document = await anyio.to_thread.run_sync(
                 request, served.url, method, path, b"{}" if method == "POST" else b""
             )

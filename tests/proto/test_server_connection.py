@@ -583,6 +583,29 @@ def test_custom_activation_path_and_routes() -> None:
     assert events[0].error.code == "not_found"
 
 
+@pytest.mark.parametrize(
+    ("target", "route"),
+    [
+        (b"/v1/models", "/v1/models"),  # an exact key before the catch-all
+        (b"/v1/embeddings", "/v1/**"),
+        (b"/v1/audio/speech", "/v1/**"),  # any depth
+        (b"/v1/a/", "/v1/**"),
+    ],
+)
+def test_a_double_star_route_takes_every_path_under_its_prefix(target: bytes, route: str) -> None:
+    routes = {"/v1/models": ("GET",), "/v1/**": ("GET",)}
+    conn = ServerConnection(routes=routes)
+    events = feed(conn, b"GET " + target + b" HTTP/1.1\r\nHost: n\r\n\r\n")
+    assert isinstance(events[0], EndpointRequest) and events[0].route == route
+
+
+@pytest.mark.parametrize("target", [b"/v1/", b"/v1", b"/v2/x"])
+def test_a_double_star_route_needs_a_rest_under_its_prefix(target: bytes) -> None:
+    conn = ServerConnection(routes={"/v1/**": ("GET",)})
+    events = feed(conn, b"GET " + target + b" HTTP/1.1\r\nHost: n\r\n\r\n")
+    assert events[0].error.code == "not_found"
+
+
 def test_endpoint_body_cap() -> None:
     conn = ServerConnection(max_endpoint_body=4)
     events = feed(conn, b"DELETE /sessions/x HTTP/1.1\r\nHost: n\r\nContent-Length: 4\r\n\r\nabcd")

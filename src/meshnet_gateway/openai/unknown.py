@@ -3,8 +3,8 @@
 The wire-2 core answers an unknown path with its own 404 body (wire-2 §4),
 which an OpenAI client cannot read: it looks for ``{"error": {"message",
 "type", "param", "code"}}``. So the OpenAI surface routes every other path
-one segment under /v1 (``/v1/embeddings``, ``/v1/responses``, …) to itself
-and refuses it in that shape, naming the path.
+under /v1 (``/v1/embeddings``, ``/v1/audio/speech``, …) to itself and
+refuses it in that shape, naming the path.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from .errors import OpenAIError
 __all__ = ["UNKNOWN_METHODS", "UNKNOWN_ROUTE", "unknown_path"]
 
 # Last in the route table: the served /v1 paths match before it.
-UNKNOWN_ROUTE = "/v1/*"
+UNKNOWN_ROUTE = "/v1/**"
 UNKNOWN_METHODS = ("GET", "POST", "PUT", "PATCH", "DELETE")
 # An HTTP path is printable ASCII (h11 checks it); a long one is cut.
 _SHOWN_PATH = 200
