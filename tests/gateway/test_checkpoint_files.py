@@ -17,7 +17,7 @@ from meshnet_gateway.openai.tokenizer import FALLBACK_TEMPLATE, ModelTokenizer
 from meshnet_model.sampling import SamplingParams
 from meshnet_node.__main__ import main as node_main
 from support.openai import VOCAB, reference_greedy, serve_openai, write_model_dir
-from tests.gateway.test_openai_api import client_for, in_thread
+from support.openai_client import client_for, in_thread
 
 
 def _set_config(directory: Path, **values: object) -> None:
@@ -81,7 +81,7 @@ async def test_generation_config_greedy_and_length_apply_to_a_bare_request(
     tokenizer = ModelTokenizer.load(model_dir)
     prompt = "a b c d"
     async with serve_openai(model_dir, stages=2) as served:
-        client = client_for(served)
+        client = client_for(served.url)
         # No temperature, no max_tokens, no seed: greedy and 6 tokens, from the file.
         first = await in_thread(client.completions.create, model="tiny-model", prompt=prompt)
         again = await in_thread(client.completions.create, model="tiny-model", prompt=prompt)

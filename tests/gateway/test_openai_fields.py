@@ -14,12 +14,10 @@ against a direct reference, each refused one by name.
 from __future__ import annotations
 
 import contextlib
-import functools
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
-import anyio
 import numpy as np
 import openai
 import pytest
@@ -35,9 +33,8 @@ from meshnet_gateway.openai.testing import write_tokenizer
 from meshnet_gateway.openai.tokenizer import ModelTokenizer
 from meshnet_model.sampling import Sampler, SamplingParams, log_softmax
 from support.openai import BIGRAM, fake_stages, greedy_continuation, serve_openai, write_model_dir
+from support.openai_client import client_for, in_thread
 
-T = TypeVar("T")
-LIMIT = 30
 # Logprobs the last stage drew travel as float32 (wire-2 §3.13): the budget
 # against the float64 reference is float32's rounding, 2**-24 relative.
 DRAWN_AT_LAST_STAGE = {"rel": 1e-7, "abs": 1e-9}
@@ -423,21 +420,6 @@ def test_generation_config_gives_min_p_and_repetition_penalty_defaults() -> None
 @pytest.fixture
 def model_dir(tmp_path: Path) -> Path:
     return write_model_dir(tmp_path / "tiny-model", context=256)
-
-
-async def in_thread(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
-    with anyio.fail_after(LIMIT):
-        return await anyio.to_thread.run_sync(functools.partial(fn, *args, **kwargs))
-
-
-def client_for(url: str) -> openai.OpenAI:
-    return openai.OpenAI(
-        base_url=url + "/v1",
-        api_key="unused",
-        max_retries=0,
-        timeout=LIMIT,
-        http_client=openai.DefaultHttpxClient(trust_env=False),
-    )
 
 
 def expected_logprobs(prompt_ids: list[int], ids: list[int]) -> tuple[list[float], list[list[int]]]:

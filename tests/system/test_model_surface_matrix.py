@@ -188,7 +188,7 @@ def openai_rows() -> list[Row]:
         ("seed", -1, "invalid_value"),
         ("seed", 2**64, "invalid_value"),
         ("seed", "1", "invalid_type"),
-        ("n", 2, "unsupported_value"),
+        ("n", 17, "invalid_value"),  # above MAX_CHOICES (16)
         ("logprobs", True, "invalid_type"),
         ("echo", True, "unsupported_parameter"),
         ("logit_bias", {"99999": 5}, "invalid_value"),
@@ -208,8 +208,13 @@ def openai_rows() -> list[Row]:
         raw(f"max_tokens_{name}", f'{{"model": {m}, "prompt": "x", "max_tokens": {literal}}}',
             400, "invalid_type")  # fmt: skip
     row("top_k_huge_is_no_cut", C, _doc(top_k=10**30, temperature=0.5, seed=1), 200, None)
-    row("stream_options_without_stream", C, _doc(stream_options={"include_usage": True}),
-        400, None)  # fmt: skip
+    row(
+        "stream_options_without_stream",
+        C,
+        _doc(stream_options={"include_usage": True}),
+        400,
+        "invalid_value",
+    )
     row("stream_options_list", C, _doc(stream=True, stream_options=[]), 400, "invalid_type")
     # chat
     for name, messages, code in [
