@@ -27,6 +27,7 @@ import contextlib
 import importlib.util
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import anyio
@@ -166,6 +167,22 @@ def decode_tokens_per_s(stamps: list[float]) -> float | None:
     return (len(stamps) - 1) / interval
 
 
+def _reference(
+    directory: str, plan: _Plan, vocab: int, progress: Callable[[str], None]
+) -> tuple[float, float | None] | None:
+    """transformers' ``generate`` on the same checkpoint where torch and
+    transformers are installed. '.[torch]' does not install transformers (the
+    test extra does): measured where it is, said in one line where not."""
+    if not _torch_available():
+        return None
+    if importlib.util.find_spec("transformers") is None:
+        progress("engines: transformers' generate skipped: pip install transformers")
+        return None
+    progress("engines: transformers' generate on the same checkpoint")
+    ids = np.random.default_rng(0).integers(0, vocab, (1, plan.prompt))
+    return _transformers_reference(directory, plan, ids)
+
+
 def _transformers_reference(
     directory: str, plan: _Plan, ids: np.ndarray
 ) -> tuple[float, float | None]:
@@ -253,16 +270,7 @@ def run(options: BenchOptions) -> SectionResult:
                     chains.append(_start_chain(stack, directory, plan, label, flags, n))
             anyio.run(_measure, chains, plan, config.vocab_size, options.progress,
                       backend=options.async_backend)  # fmt: skip
-        reference: tuple[float, float | None] | None = None
-        # The reference needs transformers too, which '.[torch]' does not
-        # install (the test extra does): measured where it is, said where not.
-        has_transformers = importlib.util.find_spec("transformers") is not None
-        if _torch_available() and not has_transformers:
-            options.progress("engines: transformers' generate skipped: pip install transformers")
-        if _torch_available() and has_transformers:
-            options.progress("engines: transformers' generate on the same checkpoint")
-            ids = np.random.default_rng(0).integers(0, config.vocab_size, (1, plan.prompt))
-            reference = _transformers_reference(directory, plan, ids)
+        reference = _reference(directory, plan, config.vocab_size, options.progress)
     options.progress("engines: memory bandwidth (numpy copy)")
     bandwidth = memory_bandwidth_gb_s(64 * 1024 * 1024 if options.tiny else 256 * 1024 * 1024)
     load = max(load_before, _load_average())

@@ -139,8 +139,7 @@ def _add_bench(commands: _Commands) -> None:
     bench.add_argument(
         "--quick",
         action="store_true",
-        help="smaller sizes: ~3 min on a plain install, ~10 min with torch and the model "
-        "(2 vCPUs)",
+        help="smaller sizes: ~3 min on a plain install, ~10 min with torch and the model (2 vCPUs)",
     )
     # The smallest sizes that run every code path (the test suite's smoke run).
     bench.add_argument("--tiny", action="store_true", help=argparse.SUPPRESS)
