@@ -17,7 +17,7 @@ from enum import Enum
 
 from meshnet_model.source import packaged_model_path
 
-__all__ = ["Need", "installed", "missing", "real_model_path", "skip_line"]
+__all__ = ["Need", "installed", "missing", "skip_line"]
 
 
 class Need(Enum):
@@ -41,14 +41,10 @@ class Need(Enum):
         return self.value[1]
 
 
-# The packaged model's file (meshnet_model.source), as the sections call it.
-real_model_path = packaged_model_path
-
-
 def installed(need: Need) -> bool:
     if need is Need.TORCH:
         return importlib.util.find_spec("torch") is not None
-    return real_model_path() is not None
+    return packaged_model_path() is not None
 
 
 def missing(wanted: Iterable[Need], have: Callable[[Need], bool] = installed) -> list[Need]:

@@ -72,9 +72,11 @@ def model_file(model: str, directory: Path) -> Path:
     """The file the section serves: the tiny one, or the real model (``model``: a plan's)."""
     if model == "tiny":
         return tiny_model(directory)
-    from ._needs import Need, real_model_path
+    from meshnet_model.source import packaged_model_path
 
-    path = real_model_path()
+    from ._needs import Need
+
+    path = packaged_model_path()
     if path is None:
         raise RuntimeError(f"the serve section needs the real model: {Need.MODEL.install}")
     return path

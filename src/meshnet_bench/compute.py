@@ -366,9 +366,9 @@ def _files(plan: _Plan, directory: Path, progress: Callable[[str], None]) -> tup
     if plan.tiny:
         toy = vocab_gguf(directory / "toy-q4_0.gguf", TINY, "Q4_0", TINY_WEIGHT_STD)
         return toy, toy
-    from ._needs import real_model_path
+    from meshnet_model.source import packaged_model_path
 
-    chat = real_model_path()
+    chat = packaged_model_path()
     if chat is None:
         raise RuntimeError(f"the compute section needs the real model: {Need.MODEL.install}")
     progress("compute: writing a random Llama-3.2-1B-shaped Q4_0 file with a vocabulary")

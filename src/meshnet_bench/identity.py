@@ -39,9 +39,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from meshnet_bench._needs import Need, real_model_path, skip_line
+from meshnet_bench._needs import Need, skip_line
 from meshnet_bench._result import BenchOptions, SectionResult
 from meshnet_bench._support import current_rss_bytes, peak_rss_bytes
+from meshnet_model.source import packaged_model_path
 
 __all__ = ["KEYS", "run"]
 
@@ -160,7 +161,7 @@ def run(options: BenchOptions) -> SectionResult:
             tiny = write_random_gguf(Path(tmp) / "tiny.gguf", TINY, "Q4_0")
             _case(result, "tiny", tiny, ["all"], options)
             return result
-        real = real_model_path()
+        real = packaged_model_path()
         if real is None:
             options.progress(skip_line("identity", [Need.MODEL], "the real model's cases skipped"))
         else:

