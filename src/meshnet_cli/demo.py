@@ -22,7 +22,7 @@ from meshnet_gateway.config import GatewayConfig
 from meshnet_node import serve_node
 from meshnet_node.config import NodeConfig
 
-__all__ = ["run_demo", "wire_check"]
+__all__ = ["run_demo", "table", "wire_check"]
 DATA_DESCRIPTION = (
     "synthetic hidden states (seed {seed}): N(0,1) x a log-normal per-channel\n"
     "      scale (median 0.5), 4 outlier channels x 30, cast to bfloat16 (round to nearest even)"
@@ -41,7 +41,9 @@ def _mib(n: int) -> str:
     return f"{n / 2**20:.2f} MiB"
 
 
-def _table(rows: list[list[str]], right: set[int]) -> list[str]:
+def table(rows: list[list[str]], right: set[int], *, rule: bool = True) -> list[str]:
+    """``rows`` (the first the header) as aligned text lines, the columns in
+    ``right`` right-aligned; ``rule``: a line of dashes under the header."""
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     lines = []
     for n, row in enumerate(rows):
@@ -50,7 +52,7 @@ def _table(rows: list[list[str]], right: set[int]) -> list[str]:
             for i, cell in enumerate(row)
         ]
         lines.append("  " + "  ".join(cells).rstrip())
-        if n == 0:
+        if n == 0 and rule:
             lines.append("  " + "  ".join("-" * w for w in widths))
     return lines
 
@@ -88,7 +90,7 @@ def _chunk_table(result: ForwardResult, wire1: Callable[[int], int]) -> list[str
                 f"{chunk.seconds * 1000:.1f} ms",
             ]
         )
-    return _table(rows, right={1, 5, 6, 7, 8, 9, 10})
+    return table(rows, right={1, 5, 6, 7, 8, 9, 10})
 
 
 async def wire_check(
@@ -171,7 +173,7 @@ def _summary(
         ["wire 2, zstd level 1", f"{wire2:,}", f"{wire2 / raw:.2f}x"],
         ["wire 1, base64 in JSON", f"{wire1:,}", f"{wire1 / raw:.2f}x"],
     ]
-    for line in _table(rows, right={1, 2}):
+    for line in table(rows, right={1, 2}):
         out(line)
     out(
         f"  wire 2 zstd sends {wire1 / wire2:.2f}x fewer bytes than wire 1 "

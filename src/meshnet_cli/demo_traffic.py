@@ -20,6 +20,8 @@ from dataclasses import dataclass
 import anyio
 from prometheus_client.parser import text_string_to_metric_families
 
+from .demo import table
+
 __all__ = ["Snapshot", "Traffic", "hop_lines", "rate_line", "snapshot"]
 
 # One sample: its name and its labels, sorted (a hashable key).
@@ -73,17 +75,6 @@ class Traffic:
         return _total(self.after.gateway, name) - _total(self.before.gateway, name)
 
 
-def _table(rows: list[list[str]]) -> list[str]:
-    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-    return [
-        "  "
-        + "  ".join(
-            cell.ljust(widths[i]) if i == 0 else cell.rjust(widths[i]) for i, cell in enumerate(row)
-        ).rstrip()
-        for row in rows
-    ]
-
-
 def hop_lines(traffic: Traffic, splits: Sequence[tuple[int, int]]) -> list[str]:
     """A row a hop: who sent to whom, the chunks the receiving node answered,
     the bytes each way and the node's compute time (per chunk too)."""
@@ -102,7 +93,7 @@ def hop_lines(traffic: Traffic, splits: Sequence[tuple[int, int]]) -> list[str]:
                 f"{seconds / chunks * 1000:.1f} ms" if chunks else "-",
             ]
         )
-    return _table(rows)
+    return table(rows, right=set(range(1, len(rows[0]))), rule=False)
 
 
 def rate_line(traffic: Traffic) -> str:
