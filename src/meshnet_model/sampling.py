@@ -20,6 +20,12 @@ replays the session after a failover. (Until issue 36 the gateway drew from
 one ``numpy.random.Generator`` stream per request: a seed's text changed once,
 then.)
 
+A ``TokenConstraint`` (structured output, a forced tool call: the
+gateway's grammar, ``meshnet_gateway.openai.grammar``) masks the ids its
+grammar does not allow next, after the penalties, and is told every token
+chosen; its state is a function of the tokens so far, so a replay that
+chooses the same tokens leaves it in the same state.
+
 ``logprobs`` are the log-softmax of the *raw* logits, before any of that
 (vLLM's default ``logprobs_mode``): the model's own distribution.
 
@@ -47,6 +53,7 @@ import math
 import secrets
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 
@@ -54,6 +61,7 @@ __all__ = [
     "REPETITION_PENALTY",
     "Logprobs",
     "Sampler",
+    "TokenConstraint",
     "SamplingParams",
     "distribution",
     "draw_generator",
@@ -119,6 +127,19 @@ class SamplingParams:
                 or self.frequency_penalty != 0.0)  # fmt: skip
 
 
+class TokenConstraint(Protocol):
+    """What may come next, by a grammar over the tokens chosen so far."""
+
+    def allowed(self, size: int) -> np.ndarray:
+        """A bool mask over ``size`` ids: those the grammar allows next (at
+        least one; an id past the tokenizer's vocabulary never is)."""
+        ...
+
+    def accept(self, token: int) -> None:
+        """``token`` was chosen (always one ``allowed`` gave)."""
+        ...
+
+
 @dataclass(frozen=True, slots=True)
 class Logprobs:
     """One chosen token's logprob and its ``top`` alternatives (id, logprob),
@@ -174,8 +195,14 @@ class Sampler:
     """One request's sampler: its parameters, its own random stream and the
     token history the penalties and ``min_tokens`` need."""
 
-    def __init__(self, params: SamplingParams, seed: int | None) -> None:
+    def __init__(
+        self,
+        params: SamplingParams,
+        seed: int | None,
+        constraint: TokenConstraint | None = None,
+    ) -> None:
         self.params = params
+        self.constraint = constraint
         # No seed: fresh entropy, as OpenAI does; with one, the same draws.
         self.seed = new_seed() if seed is None else seed
         self._prompt: list[int] = []
@@ -229,6 +256,8 @@ class Sampler:
         carries (< 10**19)."""
         params = self.params
         masking = self.generated < params.min_tokens and self._stops.size > 0
+        if self.constraint is not None:  # its grammar state is here, at the sender
+            return False
         return not (params.logit_bias or params.penalised or masking) and self.seed < 10**19
 
     def record(self, logprobs: Logprobs | None) -> None:
@@ -264,8 +293,10 @@ class Sampler:
                 row -= params.frequency_penalty * counts
             if params.presence_penalty != 0.0:
                 row -= params.presence_penalty * (counts > 0)
+        if self.constraint is not None:
+            row[~self.constraint.allowed(size)] = -np.inf
         if not np.isfinite(row).any():
-            raise ValueError("every id is masked (min_tokens with nothing but stop ids)")
+            raise ValueError("every id is masked (min_tokens or a grammar left nothing)")
         return row
 
     def _history(self, size: int) -> tuple[np.ndarray, np.ndarray]:
@@ -282,6 +313,8 @@ class Sampler:
         penalty history; ``__call__`` does this, and so does a verified
         speculative window (meshnet_model.speculative) for each token it emits."""
         self.generated += 1
+        if self.constraint is not None:
+            self.constraint.accept(token)
         if self.params.penalised:
             counts, seen = self._history(size)
             counts[token] += 1

@@ -99,6 +99,7 @@ def test_the_fuzzer_mutates_every_field_the_api_implements_or_refuses() -> None:
     of them is tried against the no-500 invariants."""
     implemented = {"top_logprobs", "min_p", "repetition_penalty", "min_tokens", "ignore_eos",
                    "stop_token_ids", "response_format", "best_of", "metadata",
-                   "prompt_cache_key", "safety_identifier"}  # fmt: skip
+                   "prompt_cache_key", "safety_identifier", "tools", "tool_choice",
+                   "parallel_tool_calls"}  # fmt: skip
     missing = (implemented | set(REFUSED)) - set(harness.FIELDS)
     assert not missing, sorted(missing)

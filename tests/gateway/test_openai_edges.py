@@ -90,8 +90,8 @@ def test_stream_options_without_stream_has_a_code() -> None:
         ({"name": "bad name!"}, "messages.[0].name", "invalid_value"),
         ({"name": "x" * 65}, "messages.[0].name", "invalid_value"),
         ({"name": 3}, "messages.[0].name", "invalid_value"),
-        ({"tool_calls": [{"id": "1"}]}, "messages.[0].tool_calls", "unsupported_parameter"),
-        ({"tool_call_id": "1"}, "messages.[0].tool_call_id", "unsupported_parameter"),
+        ({"tool_calls": [{"id": "1"}]}, "messages.[0].tool_calls", "invalid_value"),
+        ({"function_call": {"name": "f"}}, "messages.[0].function_call", "unsupported_parameter"),
         ({"audio": {"id": "a"}}, "messages.[0].audio", "unsupported_parameter"),
     ],
 )

@@ -46,6 +46,7 @@ from .formats import ChatFormat as _ChatFormat
 from .formats import CompletionFormat as _CompletionFormat
 from .formats import Format as _Format
 from .generation import ChainSession, ChainSettings, GenerationResult, OnText, generate
+from .grammar import Grammar, GrammarCompiler
 from .limits import MAX_MESSAGES, PromptLimits, checked_text, shown
 from .messages import check_names
 from .metrics import GenerationMetrics, ServingMetrics
@@ -62,6 +63,7 @@ from .special_tokens import ChatEncoder
 from .streamed import SSE_HEADERS, SSE_HEARTBEAT, OpenStreams, stream_events
 from .timing import RequestTiming
 from .tokenizer import ChatTemplateError
+from .tool_prompt import ToolPrompt
 from .unknown import UNKNOWN_METHODS, UNKNOWN_ROUTE, unknown_path
 
 __all__ = ["OPENAI_ROUTES", "OpenAIService", "ServedModel"]
@@ -116,6 +118,8 @@ class OpenAIService:
             model.context_length, max_prompt_chars, max_messages
         )
         self.chat_encoder = ChatEncoder(model.tokenizer, special_tokens_in_content)
+        self.tool_prompt = ToolPrompt(self.chat_encoder)
+        self.grammars = GrammarCompiler(model.tokenizer)
         self._preparing: anyio.CapacityLimiter | None = None  # made on the loop
         self.pool = pool
         self.codecs = codecs
@@ -170,10 +174,10 @@ class OpenAIService:
                 return Reply.json(200, self._model_card())
             if self._preparing is None:
                 self._preparing = anyio.CapacityLimiter(PREPARE_THREADS)
-            ids, options, fmt = await anyio.to_thread.run_sync(
+            ids, options, fmt, grammar = await anyio.to_thread.run_sync(
                 self._prepare, event.path, event.body, limiter=self._preparing
             )
-            return await self._serve(ids, options, fmt, timing, tenancy)
+            return await self._serve(ids, options, fmt, timing, tenancy, grammar)
         except OpenAIError as exc:
             # One line, no traceback, no client text: a refused request must
             # not become a log flood.
@@ -181,8 +185,11 @@ class OpenAIService:
                      exc.code, exc.param)  # fmt: skip
             return exc.reply()
 
-    def _prepare(self, path: str, body: bytes) -> tuple[list[int], GenerationOptions, _Format]:
-        """Body → checked request → prompt ids; in a worker thread (user-sized work)."""
+    def _prepare(
+        self, path: str, body: bytes
+    ) -> tuple[list[int], GenerationOptions, _Format, Grammar | None]:
+        """Body → checked request → prompt ids and the grammar the answer
+        must follow; in a worker thread (user-sized work)."""
         document = parse_json_object(body)
         if path == "/v1/completions":
             completion = parse_completion(document)
@@ -195,10 +202,26 @@ class OpenAIService:
             options = chat.options
             self._check_model(options.model)
             ids = self._chat_ids(chat)
-            fmt = _ChatFormat(self.model.name)
+            tools = options.tools
+            if tools is not None and tools.offered:
+                names = tuple(t.name for t in tools.tools)
+                fmt = _ChatFormat(self.model.name, self.tool_prompt.syntax, names)
+            else:
+                fmt = _ChatFormat(self.model.name)
         self._budget(ids, options)  # refused here, before any chain work
         options.check_vocab(self.model.tokenizer.vocab_size)
-        return ids, options, fmt
+        return ids, options, fmt, self._grammar(options)
+
+    def _grammar(self, options: GenerationOptions) -> Grammar | None:
+        """The grammar of a forced tool call or of response_format, compiled
+        and validated within grammar.LIMITS (a 400 naming the parameter)."""
+        tools = options.tools
+        if tools is not None and tools.forced:
+            syntax = self.tool_prompt.syntax
+            return self.grammars.lark(syntax.grammar(tools.forced, tools.parallel), "tools")
+        if options.schema is not None:
+            return self.grammars.json_schema(options.schema, "response_format")
+        return None
 
     def _model_card(self) -> dict[str, Any]:
         return {
@@ -244,7 +267,7 @@ class OpenAIService:
             checked_text(f"messages.[{index}].content", message["content"])
         check_names(self.model.tokenizer, messages)
         try:
-            return self.chat_encoder.encode(messages)
+            return self.tool_prompt.encode(messages, request.options.tools)
         except ChatTemplateError as exc:
             raise invalid("messages", str(exc), "invalid_messages") from None
 
@@ -282,6 +305,7 @@ class OpenAIService:
         fmt: _Format,
         timing: RequestTiming,
         tenancy: Tenancy | None = None,
+        grammar: Grammar | None = None,
     ) -> Reply | StreamReply:
         max_tokens = self._budget(ids, options)  # checked in _prepare: cheap now
         sampling = self.model.defaults.sampling(options.sampling, options.explicit)
@@ -305,7 +329,8 @@ class OpenAIService:
                     self.pool, self.codecs, settings, metrics=self.metrics, tenancy=tenancy
                 )
                 chain.gate = gate
-                sampler = Sampler(sampling, choice_seed(options.seed, index))
+                constraint = None if grammar is None else grammar.constraint()
+                sampler = Sampler(sampling, choice_seed(options.seed, index), constraint)
                 text = None if on_text is None else on_text(index)
                 # A single choice gives its ticket back before its DELETE.
                 held = ticket if options.n == 1 else None

@@ -6,12 +6,15 @@ digits, ``_`` and ``-``, at most 64) reaches the chat template, which is
 where a model learns who speaks; a template that never writes it (most do
 not, SmolLM2's among them) would drop it without a word, so then it is
 refused by name (``check_names``), the client told to fold it into the
-content instead. The message fields of tool calling and audio are refused
-by name, as the request's ``tools`` are.
+content instead. An assistant's ``tool_calls`` and a ``tool`` message's
+``tool_call_id`` are checked and kept for the template (tool_prompt.py);
+the fields of the deprecated function calling and of audio are refused by
+name.
 """
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Sequence
 from typing import Any
@@ -26,8 +29,6 @@ __all__ = ["check_names", "checked_message"]
 _NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 # Fields of a message asking for what is not done here: name -> why.
 _REFUSED = {
-    "tool_calls": "tool calling is not supported",
-    "tool_call_id": "tool calling is not supported",
     "function_call": "function calling is not supported",
     "audio": "audio is not supported",
 }
@@ -46,13 +47,53 @@ def checked_message(message: Any, index: int) -> dict[str, Any]:
     for field, why in _REFUSED.items():
         if message.get(field) is not None:
             raise invalid(f"{where}.{field}", f"{field}: {why}", "unsupported_parameter")
-    checked = {"role": role, "content": _content_text(message.get("content"), where)}
+    calls = message.get("tool_calls")
+    content = message.get("content")
+    if calls is not None and role != "assistant":
+        raise invalid(f"{where}.tool_calls", "only an assistant message has tool_calls",
+                      "invalid_value")  # fmt: skip
+    text = "" if content is None and calls else _content_text(content, where)
+    checked: dict[str, Any] = {"role": role, "content": text}
+    if calls is not None:
+        checked["tool_calls"] = _tool_calls(calls, f"{where}.tool_calls")
+    if role == "tool":
+        call_id = message.get("tool_call_id")
+        if not isinstance(call_id, str) or not 0 < len(call_id) <= 256:
+            why = "a tool message needs the tool_call_id it answers (a string)"
+            raise invalid(f"{where}.tool_call_id", why, "invalid_type")
+        checked["tool_call_id"] = call_id
     name = message.get("name")
     if name is not None:
         if not isinstance(name, str) or _NAME.fullmatch(name) is None:
             why = "a name is 1 to 64 letters, digits, '_' or '-'"
             raise invalid(f"{where}.name", why, "invalid_value")
         checked["name"] = name
+    return checked
+
+
+def _tool_calls(calls: Any, where: str) -> list[dict[str, Any]]:
+    """An assistant's past calls, their arguments parsed (templates write
+    them as JSON objects)."""
+    if not isinstance(calls, list) or not calls:
+        raise invalid(where, "tool_calls must be a non-empty array", "invalid_type")
+    checked = []
+    for index, call in enumerate(calls):
+        at = f"{where}.[{index}]"
+        function = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+            raise invalid(at, "a tool call is {'id', 'type': 'function', 'function': "
+                          "{'name', 'arguments'}}", "invalid_type")  # fmt: skip
+        arguments = function.get("arguments", "{}")
+        try:
+            parsed = json.loads(arguments) if isinstance(arguments, str) else None
+        except ValueError:
+            parsed = None
+        if not isinstance(parsed, dict):
+            why = "a tool call's arguments must be a JSON object, as a string"
+            raise invalid(f"{at}.function.arguments", why, "invalid_value")
+        call_id = call.get("id")
+        entry = {"type": "function", "function": {"name": function["name"], "arguments": parsed}}
+        checked.append(entry if not isinstance(call_id, str) else {"id": call_id, **entry})
     return checked
 
 

@@ -15,6 +15,7 @@ from meshnet_model.sampling import Sampler
 from meshnet_proto import MeshnetError
 
 from .drawn import Answer, Drawn
+from .grammar import GrammarFailed
 from .logprobs import TokenLogprob, TokenTexts
 from .stops import StopFilter
 from .tokenizer import ModelTokenizer, TextStream
@@ -83,6 +84,13 @@ class Output:
             if isinstance(answer, Drawn):  # nothing to compute: no thread hop
                 return self.pick(answer)
             return await anyio.to_thread.run_sync(self.pick, answer)
+        except GrammarFailed as exc:
+            # The request's grammar, not the chain: out of its per-step fuel.
+            raise MeshnetError(
+                f"the response_format or tool grammar failed: {exc}",
+                code="grammar_failed",
+                status=400,
+            ) from None
         except ValueError as exc:  # e.g. every logit NaN: the last stage is broken
             url = chain.pool.url
             raise MeshnetError(

@@ -7,7 +7,7 @@ naming the parameter, as OpenAI answers it.
 A field this module does not know is ignored, as OpenAI's own server and
 vLLM ignore one (clients add fields of their own). But a field of OpenAI's
 API, or a common vLLM/llama.cpp extension, that asks for something this
-gateway does not do (tools, structured output, beam search, …) is refused by
+gateway does not do (beam search, audio, …) is refused by
 name (``REFUSED``) — never accepted and silently ignored. The table in
 docs/openai-api.md lists every field.
 """
@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from meshnet_model.sampling import REPETITION_PENALTY, SamplingParams
@@ -24,6 +24,8 @@ from meshnet_model.sampling import REPETITION_PENALTY, SamplingParams
 from .errors import OpenAIError, invalid
 from .limits import PromptLimits, checked_text, shown
 from .messages import checked_message
+from .schemas import response_schema
+from .tools import Tools, parse_tools
 
 __all__ = ["ChatRequest", "CompletionRequest", "GenerationOptions", "parse_json_object"]
 
@@ -45,11 +47,8 @@ MAX_CHOICES = 16
 # Known fields refused unless absent, null or one of the values that ask for
 # nothing (the values listed): name -> (neutral values, why refused).
 REFUSED: dict[str, tuple[tuple[object, ...], str]] = {
-    "tools": ((), "tool calling is not supported"),
-    "tool_choice": ((), "tool calling is not supported"),
-    "functions": ((), "function calling is not supported"),
-    "function_call": ((), "function calling is not supported"),
-    "parallel_tool_calls": ((), "tool calling is not supported"),
+    "functions": ((), "functions (deprecated) are not supported: use tools"),
+    "function_call": ((), "function_call (deprecated) is not supported: use tool_choice"),
     "suffix": (("",), "suffix (insertion) is not supported"),
     "echo": ((False,), "echo is not supported"),
     "audio": ((), "audio output is not supported"),
@@ -69,11 +68,11 @@ REFUSED: dict[str, tuple[tuple[object, ...], str]] = {
     "allowed_token_ids": ((), "allowed_token_ids is not supported"),
     "bad_words": (([],), "bad_words is not supported"),
     "truncate_prompt_tokens": ((), "prompt truncation is not supported"),
-    "guided_json": ((), "structured output is not supported"),
-    "guided_regex": ((), "structured output is not supported"),
-    "guided_choice": ((), "structured output is not supported"),
-    "guided_grammar": ((), "structured output is not supported"),
-    "structured_outputs": ((), "structured output is not supported"),
+    "guided_json": ((), "use response_format (json_object or json_schema)"),
+    "guided_regex": ((), "use response_format (json_object or json_schema)"),
+    "guided_choice": ((), "use response_format (json_object or json_schema)"),
+    "guided_grammar": ((), "use response_format (json_object or json_schema)"),
+    "structured_outputs": ((), "use response_format (json_object or json_schema)"),
     "typical_p": ((1, 1.0), "typical_p is not supported"),
     "chat_template": ((), "the checkpoint's chat template is the only one"),
     "chat_template_kwargs": (({},), "chat_template_kwargs is not supported"),
@@ -84,8 +83,8 @@ REFUSED: dict[str, tuple[tuple[object, ...], str]] = {
     # llama.cpp's names for what is here under vLLM's names
     "repeat_penalty": ((), "use repetition_penalty"),
     "n_probs": ((), "use logprobs / top_logprobs"),
-    "grammar": ((), "grammars are not supported"),
-    "json_schema": ((), "structured output is not supported"),
+    "grammar": ((), "grammars are not supported: use response_format"),
+    "json_schema": ((), "use response_format (json_schema)"),
 }
 
 
@@ -105,6 +104,9 @@ class GenerationOptions:
     # with requests of the same tenant that give the same salt (§3.15).
     cache_salt: str | None = None
     n: int = 1  # choices to generate (choices.py)
+    # The JSON schema the answer must validate against (response_format).
+    schema: dict[str, Any] | bool | None = None
+    tools: Tools | None = None  # chat only
 
     def check_vocab(self, vocab: int) -> None:
         """Token ids the request names (logit_bias, stop_token_ids) must exist."""
@@ -210,7 +212,6 @@ def _options(
     _refused(document)
     if _integer(document, "best_of", 1) not in (None, 1):
         raise invalid("best_of", "only best_of=1 is supported", "unsupported_value")
-    _response_format(document.get("response_format"))
     stream = _bool(document, "stream")
     stream_options = document.get("stream_options")
     include_usage = False
@@ -228,6 +229,12 @@ def _options(
     if max_tokens is not None and min_tokens > max_tokens:
         raise invalid("min_tokens", f"min_tokens ({min_tokens}) must be <= max_tokens "
                       f"({max_tokens})", "invalid_value")  # fmt: skip
+    schema = response_schema(document.get("response_format"))
+    if schema is not None and (min_tokens or _bool(document, "ignore_eos")):
+        # The grammar ends the answer where the schema does: nothing may
+        # hold back (min_tokens) or run past (ignore_eos) that end.
+        why = "response_format cannot be combined with min_tokens or ignore_eos"
+        raise invalid("response_format", why, "invalid_value")
     repetition = _number(document, "repetition_penalty", 1.0, *REPETITION_PENALTY)
     sampling = SamplingParams(
         temperature=_number(document, "temperature", 1.0, 0.0, 2.0),
@@ -254,6 +261,7 @@ def _options(
         explicit=frozenset(n for n in DEFAULTED if document.get(n) is not None),
         cache_salt=_cache_salt(document.get("cache_salt")),
         n=n,
+        schema=schema,
     )
 
 
@@ -282,21 +290,6 @@ def _refused(document: dict[str, Any]) -> None:
         if value is None or any(type(value) is type(n) and value == n for n in neutral):
             continue
         raise invalid(name, f"{name}: {why}", "unsupported_parameter")
-
-
-def _response_format(value: Any) -> None:
-    if value is None:
-        return
-    if not isinstance(value, dict):
-        raise invalid("response_format", "response_format must be an object", "invalid_type")
-    kind = value.get("type")
-    if not isinstance(kind, str):
-        raise invalid("response_format", "response_format needs a 'type'", "invalid_type")
-    if kind != "text":
-        # json_object / json_schema need constrained decoding, not done here:
-        # refused rather than answered with text that may not parse.
-        raise invalid("response_format", f"response_format {shown(kind)} is not supported "
-                      "(only 'text')", "unsupported_value")  # fmt: skip
 
 
 def _token_id(name: str, value: Any) -> int:
@@ -354,6 +347,10 @@ def _chat_logprobs(document: dict[str, Any]) -> int | None:
 
 
 def parse_completion(document: dict[str, Any]) -> CompletionRequest:
+    for name in ("tools", "tool_choice", "parallel_tool_calls"):
+        if document.get(name) is not None:
+            why = f"{name}: tools are a chat field (/v1/chat/completions)"
+            raise invalid(name, why, "unsupported_parameter")
     options = _options(
         document, max_tokens_names=("max_tokens",), logprobs=_completion_logprobs(document)
     )
@@ -382,4 +379,25 @@ def parse_chat(document: dict[str, Any], limits: PromptLimits | None = None) -> 
     if limits is not None:
         limits.check_messages(messages)
     checked = [checked_message(message, index) for index, message in enumerate(messages)]
+    tools = parse_tools(document)
+    if tools is not None:
+        _check_with_tools(tools, options)
+        options = replace(options, tools=tools)
     return ChatRequest(options=options, messages=checked)
+
+
+def _check_with_tools(tools: Tools, options: GenerationOptions) -> None:
+    """What a tool conversation cannot be asked together with."""
+    if not tools.offered:
+        return
+    if options.sampling.logprobs is not None:
+        # A call's text is not streamed as content: its tokens have no chunk
+        # to carry their logprobs.
+        raise invalid("logprobs", "logprobs with tools is not supported (tool_choice "
+                      "'none' allows it)", "unsupported_parameter")  # fmt: skip
+    if tools.forced and (options.sampling.min_tokens or options.sampling.ignore_eos):
+        why = "a forced tool call cannot be combined with min_tokens or ignore_eos"
+        raise invalid("tool_choice", why, "invalid_value")
+    if tools.forced and options.schema is not None:
+        why = "response_format applies to a text answer; tool_choice forces a tool call"
+        raise invalid("response_format", why, "invalid_value")

@@ -87,11 +87,14 @@ class ChatEncoder:
         plain.encode_special_tokens = True
         return plain
 
-    def encode(self, messages: Sequence[Mapping[str, Any]]) -> list[int]:
-        """The ids of the rendered conversation (``ChatTemplateError`` from the template)."""
+    def encode(
+        self, messages: Sequence[Mapping[str, Any]], tools: list[dict[str, Any]] | None = None
+    ) -> list[int]:
+        """The ids of the rendered conversation (``ChatTemplateError`` from
+        the template); ``tools`` for a template that writes them (tool_prompt.py)."""
         tok = self.tokenizer
         if self.policy == "keep":
-            return tok.encode(tok.render_chat(messages), chat=True)
+            return tok.encode(tok.render_chat(messages, tools=tools), chat=True)
         for index, message in enumerate(messages):
             token = self.find_special(message["role"])
             if token is not None:
@@ -102,16 +105,18 @@ class ChatEncoder:
             if (token := self.find_special(m["content"])) is not None
         ]
         if not forged:
-            return tok.encode(tok.render_chat(messages), chat=True)
+            return tok.encode(tok.render_chat(messages, tools=tools), chat=True)
         if self.policy == "refuse":
             index, token = forged[0]
             raise _refused(f"the content of message {index}", token)
-        return self._escaped(messages)
+        return self._escaped(messages, tools)
 
-    def _escaped(self, messages: Sequence[Mapping[str, Any]]) -> list[int]:
+    def _escaped(
+        self, messages: Sequence[Mapping[str, Any]], tools: list[dict[str, Any]] | None
+    ) -> list[int]:
         tok = self.tokenizer
         marked = [{**m, "content": _MARK.format(i)} for i, m in enumerate(messages)]
-        rendered = tok.render_chat(marked)
+        rendered = tok.render_chat(marked, tools=tools)
         pieces = _MARK_RE.split(rendered)  # text, index, text, index, ..., text
         seen = [int(i) for i in pieces[1::2]]
         if sorted(seen) != list(range(len(messages))) or any("\U000f0000" in m["content"]

@@ -82,7 +82,8 @@ async def stream_events(
 
     def on_text(index: int) -> OnText:
         async def text(piece: str, logprobs: list[TokenLogprob] | None) -> None:
-            await event(fmt.chunk(piece, logprobs, index))
+            for document in fmt.chunks(piece, logprobs, index):
+                await event(document)
 
         return text
 
@@ -105,7 +106,8 @@ async def stream_events(
         await send(b"data: [DONE]\n\n")
         return
     for index, result in enumerate(results):
-        await event(fmt.last_chunk(result, index))
+        for document in fmt.last_chunks(result, index):
+            await event(document)
     if include_usage:
         await event(fmt.usage_chunk(results))
     await send(b"data: [DONE]\n\n")

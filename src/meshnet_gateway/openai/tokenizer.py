@@ -197,15 +197,21 @@ class ModelTokenizer:
         return env.from_string(self.chat_template)
 
     def render_chat(
-        self, messages: Sequence[Mapping[str, Any]], *, add_generation_prompt: bool = True
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        *,
+        add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
     ) -> str:
-        """The prompt text of a conversation, per the checkpoint's template."""
+        """The prompt text of a conversation, per the checkpoint's template;
+        ``tools`` as transformers passes them (templates test ``if tools``)."""
         try:
             return self._template.render(
                 messages=list(messages),
                 add_generation_prompt=add_generation_prompt,
                 bos_token=self.bos_token or "",
                 eos_token=self.eos_token or "",
+                tools=tools,
             )
         except ChatTemplateError:
             raise
