@@ -50,6 +50,7 @@ SECTIONS: tuple[str, ...] = (
     "tenants",
     "spec",
     "compute",  # issue 39: beside llama.cpp where one is found (its own targets)
+    "structured",  # response_format json_schema against none, the real model
 )
 
 # key -> (comparison, bound): the issue's floors. Printed next to the figures.
@@ -74,6 +75,8 @@ TARGETS: dict[str, tuple[str, float]] = {
     "spec_wifi_prose_ratio": (">=", 0.95),
     "spec_loopback_draftable_ratio": (">=", 1.0),
     "spec_loopback_prose_ratio": (">=", 0.95),
+    # Structured output: schema decode within 1.3x of plain (1 / 1.3 = 0.77).
+    "structured_schema_over_plain": (">=", 0.77),
 }
 
 # In the current directory: the committed docs/bench-throughput.png is only
