@@ -75,7 +75,12 @@ _CORPUS: list[tuple[str, Schema]] = [
             y={"type": "number", "minimum": -10, "maximum": 10},
         ),
     ),
-    ("probability", _obj(p={"type": "number", "exclusiveMinimum": 0, "exclusiveMaximum": 1})),
+    (
+        "probability",
+        _obj(
+            p={"type": "number", "exclusiveMinimum": 0, "exclusiveMaximum": 1, "multipleOf": 0.01}
+        ),
+    ),
     ("event", _obj(title=_s(20), date=DATE)),
     ("contact", _obj(email=EMAIL, phone=_s(14, pattern=r"^\+?[0-9]{7,12}$"))),
     ("address", _obj(street=_s(), city=_s(), zip=_s(5, pattern="^[0-9]{5}$"))),
@@ -237,11 +242,13 @@ HOSTILE: list[Hostile] = [
     Hostile("ref_remote", _obj(a={"$ref": "https://example.com/s.json"}), "refused", "refused"),
     Hostile("regex_nested_plus", _pattern("(a+)+$"), "bounded", "bounded"),
     Hostile("regex_alternation", _pattern("(a|aa)*b"), "bounded", "bounded"),
+    # A tool's parameters are written into the prompt as well: one this
+    # large passes the model's context (8,192 tokens) before any grammar.
     Hostile(
         "regex_10k_chars",
         _pattern("(" + "|".join(f"w{i:04d}" for i in range(1700)) + ")"),
         "bounded",
-        "bounded",
+        "refused",
     ),
     Hostile("regex_repeat_1e6", _pattern("a{1000000}"), "bounded", "bounded"),
     Hostile("regex_dfa_blowup", _pattern("^[ab]*a[ab]{30}$"), "bounded", "bounded"),
@@ -258,12 +265,12 @@ HOSTILE: list[Hostile] = [
         "bounded",
         "bounded",
     ),
-    Hostile("wide_1000", _obj(**{f"p{i}": BOOL for i in range(1000)}), "bounded", "bounded"),
+    Hostile("wide_1000", _obj(**{f"p{i}": BOOL for i in range(1000)}), "bounded", "refused"),
     Hostile(
         "any_of_2000",
         _obj(v={"anyOf": [{"const": f"c{i}"} for i in range(2000)]}),
         "bounded",
-        "bounded",
+        "refused",
     ),
     Hostile("minimum_over_maximum", _obj(v=_int(10, 1)), "refused", "refused"),
     Hostile("integer_range_1e30", _obj(v=_int(-(10**30), 10**30)), "refused", "refused"),
@@ -291,10 +298,12 @@ HOSTILE: list[Hostile] = [
     Hostile("unknown_format", _obj(v=_s(8, format="frobnicate")), "refused", "refused"),
     Hostile("unknown_type", {"type": "frobnicate"}, "refused", "refused"),
     Hostile("false_schema", False, "refused", "refused"),
+    Hostile("true_schema", True, "bounded", "bounded"),
     Hostile("schema_a_list", [1, 2, 3], "refused", "refused"),
     Hostile("schema_a_string", "an object, please", "refused", "refused"),
     Hostile("schema_null", None, "refused", "refused"),
-    Hostile("missing_schema", MISSING, "refused", "bounded"),
+    # OpenAI's default in both places: any JSON object.
+    Hostile("missing_schema", MISSING, "bounded", "bounded"),
     Hostile("json_schema_a_string", "schema", "refused", "refused", whole=True),
     Hostile("json_schema_a_list", [{"type": "object"}], "refused", "refused", whole=True),
 ]
