@@ -90,18 +90,20 @@ def model_chain(
     *,
     node_flags: Sequence[str] = (),
     gateway_flags: Sequence[str] = (),
+    layers: tuple[str, str] = ("0:2", "2:4"),
 ) -> Iterator[ModelChain]:
-    """node2 (layers 2:4), node1 (0:2, --next node2) and a gateway, as processes."""
+    """node2 (layers 2:4), node1 (0:2, --next node2) and a gateway, as
+    processes; ``layers``: another model's split (node1's, node2's)."""
     procs: dict[str, subprocess.Popen[str]] = {}
     paths = {name: logs / f"{name}.log" for name in ("node2", "node1", "gateway")}
     try:
         model = ["--model", str(model_dir), *node_flags]
         procs["node2"], url2 = spawn_logged(
-            "meshnet_node", [*model, "--layers", "2:4", "--log-level", "info"], paths["node2"]
+            "meshnet_node", [*model, "--layers", layers[1], "--log-level", "info"], paths["node2"]
         )
         procs["node1"], url1 = spawn_logged(
             "meshnet_node",
-            [*model, "--layers", "0:2", "--next", url2, "--log-level", "info"],
+            [*model, "--layers", layers[0], "--next", url2, "--log-level", "info"],
             paths["node1"],
         )
         procs["gateway"], gateway = spawn_logged(

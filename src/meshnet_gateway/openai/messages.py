@@ -52,7 +52,7 @@ def checked_message(message: Any, index: int) -> dict[str, Any]:
     if calls is not None and role != "assistant":
         raise invalid(f"{where}.tool_calls", "only an assistant message has tool_calls",
                       "invalid_value")  # fmt: skip
-    text = "" if content is None and calls else _content_text(content, where)
+    text = "" if content is None and calls is not None else _content_text(content, where)
     checked: dict[str, Any] = {"role": role, "content": text}
     if calls is not None:
         checked["tool_calls"] = _tool_calls(calls, f"{where}.tool_calls")
