@@ -285,7 +285,7 @@ async def test_refused_requests_never_reach_a_node(model_dir: Path) -> None:
     assert [stage.calls for stage in stages] == [0, 0]
 
 
-async def leave_mid_stream(served: Served, max_tokens: int) -> None:
+async def leave_mid_stream(served: Served, max_tokens: int, **fields: Any) -> None:
     """Start a streamed completion over a raw socket, read 3 events, hang up."""
     host, port = served.url.removeprefix("http://").rsplit(":", 1)
     body = json.dumps(
@@ -295,6 +295,7 @@ async def leave_mid_stream(served: Served, max_tokens: int) -> None:
             "max_tokens": max_tokens,
             "stream": True,
             "seed": 1,
+            **fields,
         }
     ).encode()
     request = http_request("POST", "/v1/completions", JSON, body)
@@ -345,13 +346,24 @@ async def test_client_leaving_a_non_streamed_request_cancels_it(model_dir: Path)
         assert stages[-1].calls == calls_when_freed
 
 
-async def test_client_disconnect_cancels_the_generation_at_once(model_dir: Path) -> None:
+STRINGS = {"name": "s", "schema": {"type": "array", "items": {"type": "string"}}}
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [{}, {"response_format": {"type": "json_schema", "json_schema": STRINGS}}],
+    ids=["plain", "json-schema"],
+)
+async def test_client_disconnect_cancels_the_generation_at_once(
+    model_dir: Path, fields: dict[str, Any]
+) -> None:
     """With a slow last stage (fake, 2 ms a step) the generation is cut
-    short, not run to its 200 tokens, and nothing runs after the DELETE."""
+    short, not run to its 200 tokens, and nothing runs after the DELETE;
+    a constrained one (its tokens drawn at the gateway) too."""
     stages = fake_stages(3)
     stages[-1].delay_ms = 2.0
     async with serve_openai(model_dir, stages=stages) as served:
-        await leave_mid_stream(served, max_tokens=200)
+        await leave_mid_stream(served, max_tokens=200, **fields)
         await sessions_freed(served)
         calls_when_freed = stages[-1].calls
         assert calls_when_freed < 100

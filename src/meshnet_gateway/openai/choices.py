@@ -18,7 +18,7 @@ import numpy as np
 
 from .output import GenerationResult
 
-__all__ = ["RunChoice", "choice_seed", "run_choices"]
+__all__ = ["RunChoice", "choice_seed", "first_failure", "run_choices"]
 
 # The seed a wire-2 sample spec carries is below 10**19 (§3.13): a derived
 # seed stays under it, so a choice can still be drawn at the last stage.
@@ -64,17 +64,17 @@ async def run_choices(count: int, run_one: RunChoice) -> list[GenerationResult]:
             for index in range(1, count):
                 group.start_soon(later, index)
     except BaseExceptionGroup as failures:
-        raise _first_failure(failures) from None
+        raise first_failure(failures) from None
     return [results[index] for index in range(count)]
 
 
-def _first_failure(group: BaseExceptionGroup) -> BaseException:
+def first_failure(group: BaseExceptionGroup) -> BaseException:
     """The failure that ended the choices, rather than the cancellations it
     caused in the others; the group itself if it holds nothing else."""
     cancelled = anyio.get_cancelled_exc_class()
     for failure in group.exceptions:
         if isinstance(failure, BaseExceptionGroup):
-            failure = _first_failure(failure)
+            failure = first_failure(failure)
         if not isinstance(failure, cancelled) and not isinstance(failure, BaseExceptionGroup):
             return failure
     return group
