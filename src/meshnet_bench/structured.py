@@ -24,7 +24,6 @@ JSON, of those that finished).
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import tempfile
 from collections.abc import Callable
@@ -50,9 +49,6 @@ KEYS = (
 # The acceptance bound: schema decode within 1.3x of plain, as a floor on
 # schema tok/s / plain tok/s (runner.TARGETS judges the key).
 TARGET = 1.3
-LLGUIDANCE_INSTALL = (
-    "pip install -e . in the meshnet checkout (or pip install 'llguidance>=1.2,<2')"
-)
 
 
 def _text(limit: int) -> dict[str, Any]:
@@ -219,11 +215,6 @@ def needs(options: BenchOptions) -> tuple[Need, ...]:
 
 
 def run(options: BenchOptions) -> SectionResult:
-    if importlib.util.find_spec("llguidance") is None:
-        # A base dependency, but an install from before it may lack it.
-        line = f"structured: skipped: needs llguidance: {LLGUIDANCE_INSTALL}"
-        options.progress(line)
-        return SectionResult(title=line, keys=dict.fromkeys(KEYS), skipped=True)
     plan = _plan(options)
     with tempfile.TemporaryDirectory(prefix="meshnet-bench-structured-") as directory:
         path = model_file(plan.model, Path(directory))
