@@ -29,10 +29,13 @@ from tests.gateway.data.schemas import HOSTILE, MISSING, Hostile, Raw, raw_json
 pytestmark = pytest.mark.slow
 
 MAX_TOKENS = 16
-# Every answer within this (a refusal takes milliseconds; a bounded answer
-# is a prompt and 16 tokens of a 135M model on a shared CPU): a worker held
-# by a schema fails the test instead of hanging the run.
+# Every answer within this (a bounded answer is a prompt and 16 tokens of a
+# 135M model on a shared CPU): a worker held by a schema fails the test
+# instead of hanging the run. A refusal comes before any generation, so
+# within far less whatever the schema (llguidance alone takes 2.5 s to give
+# up on a 100,000-value enum; the gateway's size bound refuses it first).
 BOUND_S = 90.0
+REFUSAL_S = 15.0
 ASK = [{"role": "user", "content": "Reply with JSON about the weather in Paris."}]
 PLAIN = {"prompt": "The capital of France is", "temperature": 0, "max_tokens": 8}
 # Stands for a Raw value in the body until it is spliced in.
@@ -87,12 +90,13 @@ def _plain_answer(chain: ModelChain) -> str:
     return text
 
 
-def _bounded_post(chain: ModelChain, body: bytes, path: str = "/v1/chat/completions") -> Answer:
-    """POST ``path`` from a worker thread, failing after ``BOUND_S``."""
+def _bounded_post(chain: ModelChain, body: bytes, path: str = "/v1/chat/completions",
+                  bound: float = BOUND_S) -> Answer:  # fmt: skip
+    """POST ``path`` from a worker thread, failing after ``bound`` seconds."""
 
     async def bounded() -> Answer:
-        with anyio.fail_after(BOUND_S):
-            call = functools.partial(post, chain.gateway, path, body, timeout=BOUND_S + 5)
+        with anyio.fail_after(bound):
+            call = functools.partial(post, chain.gateway, path, body, timeout=bound + 5)
             return await anyio.to_thread.run_sync(call, abandon_on_cancel=True)
 
     return anyio.run(bounded)
@@ -176,8 +180,9 @@ CASES = [_case(case, place) for case in HOSTILE for place in ("response_format",
 def test_a_hostile_schema_is_refused_or_answered_within_bounds(
     chain: ModelChain, case: Hostile, place: str
 ) -> None:
-    answer = _bounded_post(chain, _body(chain, case, place))
     expected = case.as_format if place == "response_format" else case.as_tool
+    bound = REFUSAL_S if expected == "refused" else BOUND_S
+    answer = _bounded_post(chain, _body(chain, case, place), bound=bound)
     if expected == "refused":
         _check_refused(answer, case, place)
     else:
@@ -189,7 +194,7 @@ def test_more_than_128_tools_are_refused(chain: ModelChain) -> None:
              for i in range(129)]  # fmt: skip
     document = {"model": chain.model, "messages": ASK, "max_tokens": MAX_TOKENS, "tools": tools,
                 "tool_choice": "required"}  # fmt: skip
-    answer = _bounded_post(chain, json.dumps(document).encode())
+    answer = _bounded_post(chain, json.dumps(document).encode(), bound=REFUSAL_S)
     assert answer.status == 400, answer.body[:400]
     assert (answer.error["param"], answer.error["code"]) == ("tools", "invalid_value")
 
