@@ -1,15 +1,19 @@
 """wire-2 §3.13: sampling at the last stage — the header's grammar and ranges
 (both roles: refused from the head, nothing changed), and the draw a node
 answers with (one float32 row ``[1, 8]`` as the "logits" of an identity
-stage), held to the reference draw: the token, its logprobs, its replay.
+stage), held to the reference draw: the token, its logprobs, its replay;
+and a mask (``X-Meshnet-Allow``): refused when malformed, the draw held to
+the ids it sets, a mask of another width not used.
 """
 
 from __future__ import annotations
 
+import base64
 import math
 import struct
 
 import numpy as np
+import zstandard
 
 from meshnet_model.sampling import Sampler, SamplingParams
 
@@ -34,7 +38,13 @@ ROW = [0.5, -1.25, 2.0, 0.75, 1.5, -0.5, 1.75, 0.25]
 
 
 def _sampled(
-    ctx: Context, value: str, *, session: str | None = None, shape: str = "", key: str = ""
+    ctx: Context,
+    value: str | None,
+    *,
+    session: str | None = None,
+    shape: str = "",
+    key: str = "",
+    allow: str = "",
 ) -> bytes:
     """A float32 "logits" chunk (``[1, VOCAB]`` unless ``shape``) asking for a draw."""
     shape = shape or f"1,{VOCAB}"
@@ -44,9 +54,60 @@ def _sampled(
     )
     if key:
         headers.append(("X-Meshnet-Session-Key", key))
+    if value is not None:
+        headers.append((SAMPLE, value))
+    if allow:
+        headers.append(("X-Meshnet-Allow", allow))
     count = math.prod(int(d) for d in shape.split(","))
     body = struct.pack(f"<{count}f", *(ROW * (count // VOCAB + 1))[:count])
-    return ctx.forward([*headers, (SAMPLE, value)], body)
+    return ctx.forward(headers, body)
+
+
+def _mask(*ids: int, width: int = VOCAB) -> str:
+    """The X-Meshnet-Allow value setting ``ids`` of ``width``."""
+    bits = np.zeros(width, dtype=bool)
+    bits[list(ids)] = True
+    mask = np.packbits(bits, bitorder="little").tobytes()
+    frame = zstandard.ZstdCompressor(write_content_size=True).compress(mask)
+    return base64.urlsafe_b64encode(frame).rstrip(b"=").decode()
+
+
+def _allow_refused_case(id: str, value: str | None, allow: str, description: str) -> Case:
+    def check(ctx: Context) -> None:
+        refused_from_head(
+            ctx,
+            lambda session: _sampled(ctx, value, session=session, allow=allow),
+            "bad_sample",
+            "x-meshnet-allow",
+        )
+
+    return Case(
+        f"3.sample.allow-{id}",
+        SECTION,
+        f"X-Meshnet-Allow {description} is 400 bad_sample naming it, and changes nothing",
+        check,
+        BOTH,
+    )
+
+
+def _allowed(ctx: Context) -> None:
+    """Greedy among the ids the mask sets: ids 1 and 5 (-1.25, -0.5) give 5,
+    though 2 holds the row's highest logit; seeded, only those ids come."""
+    response = ctx.send(_sampled(ctx, "seed=1,temperature=0", allow=_mask(1, 5)))
+    token = int(_drawn(response, "1,1", "int32")[0])
+    if token != 5:
+        raise CheckFailed(f"temperature 0 under a mask of ids 1 and 5 draws 5, got {token}")
+    for seed in (21, 22, 23, 24):
+        response = ctx.send(_sampled(ctx, f"seed={seed},temperature=2", allow=_mask(0, 3, 7)))
+        token = int(_drawn(response, "1,1", "int32")[0])
+        if token not in (0, 3, 7):
+            raise CheckFailed(f"a mask of ids 0, 3 and 7 drew id {token}")
+
+
+def _allow_other_width(ctx: Context) -> None:
+    """A mask of another width than the row is not used: the logits come back."""
+    response = ctx.send(_sampled(ctx, "seed=1,temperature=0", allow=_mask(1, width=16)))
+    expect_tensor(response, shape=f"1,{VOCAB}", dtype="float32")
 
 
 def _refused_case(id: str, value: str, description: str, shape: str = "") -> Case:
@@ -160,6 +221,25 @@ CASES: list[Case] = [
     _refused_case("logprobs-21", "seed=1,logprobs=21", "asking for 21 logprobs (at most 20)"),
     _refused_case("overflow", "seed=1,min_p=1e999", "with a decimal that overflows"),
     _refused_case("batch", "seed=1", "on a chunk of batch 2", shape=f"2,{VOCAB}"),
+    _allow_refused_case("base64", "seed=1", "abc=", "that is not unpadded base64url"),
+    _allow_refused_case("frame", "seed=1", "bm90IGEgZnJhbWU", "that is not a zstd frame"),
+    _allow_refused_case("alone", None, _mask(1), "without X-Meshnet-Sample"),
+    Case(
+        "3.sample.allow",
+        SECTION,
+        "with X-Meshnet-Allow a node draws among the ids the mask sets: temperature 0 the "
+        "highest allowed logit, seeded draws only allowed ids",
+        _allowed,
+        NODE,
+    ),
+    Case(
+        "3.sample.allow-width",
+        SECTION,
+        "a mask that is not one bit per id of the row is not used: the chunk is answered "
+        "with its logits, float32 [1, 8]",
+        _allow_other_width,
+        NODE,
+    ),
     Case(
         "3.sample.greedy",
         SECTION,

@@ -130,6 +130,9 @@ class SamplingParams:
 class TokenConstraint(Protocol):
     """What may come next, by a grammar over the tokens chosen so far."""
 
+    # The ids of the logits row a mask sent to the last stage covers.
+    width: int
+
     def allowed(self, size: int) -> np.ndarray:
         """A bool mask over ``size`` ids: those the grammar allows next (at
         least one; an id past the tokenizer's vocabulary never is)."""
@@ -254,18 +257,37 @@ class Sampler:
         draw it (wire-2 §3.13): no ``logit_bias``, no penalty (they need the
         history), no ``min_tokens`` mask still in force, a seed the wire
         carries (< 10**19)."""
+        return self.constraint is None and self._history_free
+
+    @property
+    def masked_stateless(self) -> bool:
+        """Whether the next draw needs nothing but the logits, the parameters,
+        ``(seed, position)`` and this step's mask of the constraint (``mask``):
+        the stage that made the logits can draw it, sent the mask (wire-2
+        §3.13, ``X-Meshnet-Allow``); the grammar's state stays here."""
+        return self.constraint is not None and self._history_free
+
+    @property
+    def _history_free(self) -> bool:
         params = self.params
         masking = self.generated < params.min_tokens and self._stops.size > 0
-        if self.constraint is not None:  # its grammar state is here, at the sender
-            return False
         return not (params.logit_bias or params.penalised or masking) and self.seed < 10**19
 
-    def record(self, logprobs: Logprobs | None) -> None:
+    def mask(self, size: int) -> bytes:
+        """The constraint's mask of the next draw over ``size`` ids, one bit
+        each, little-endian within a byte (wire-2 §3.13's ``X-Meshnet-Allow``)."""
+        assert self.constraint is not None
+        allowed = self.constraint.allowed(size)
+        return np.packbits(allowed, bitorder="little").tobytes()
+
+    def record(self, logprobs: Logprobs | None, token: int) -> None:
         """A token drawn elsewhere with this sampler's parameters while it was
-        ``stateless`` (the last stage, wire-2 §3.13), counted as if drawn
-        here: no penalty history to update, only the count."""
+        ``stateless`` or ``masked_stateless`` (the last stage, wire-2 §3.13),
+        counted as if drawn here: the constraint told, no penalty history."""
         self.last = logprobs
         self.generated += 1
+        if self.constraint is not None:
+            self.constraint.accept(token)
 
     def adjusted(self, logits: np.ndarray) -> np.ndarray:
         """The logits the next choice is made from (float64; non-finite ones

@@ -14,6 +14,13 @@ with ``logprobs=k``, float32 ``[1, 2 + 2k]``: the id, its logprob, then the
 ``k`` most likely (id, logprob) pairs (ids are exact in float32 below 2**24,
 which every vocabulary is: ``draw_answer`` refuses a wider row).
 
+With ``X-Meshnet-Allow`` (the sender's grammar: structured output, a
+forced tool call) the draw chooses among the ids its mask sets, exactly as
+the sender's own sampler would with the same mask: the logits still never
+leave this node. A mask that is not one bit per id of the row, or that
+leaves no finite logit, is answered with the logits as they are, and the
+sender draws (it holds the grammar: §3.13).
+
 A verify window (wire-2 §3.16, ``verify_answer``): the stage made the
 ``k + 1`` rows ``[1, k + 1, vocab]`` of a chunk ``[t, d1 … dk]``; each row
 draws as above at its own position and a draft stands while the draw equals
@@ -39,7 +46,7 @@ from meshnet_model.speculative import verify_sampled
 from meshnet_proto import ProtocolError
 from meshnet_proto.lowlevel import SampleSpec
 
-__all__ = ["MAX_SAMPLED_VOCAB", "check_sampled_head", "draw_answer", "verify_answer"]
+__all__ = ["MAX_SAMPLED_VOCAB", "check_sampled_head", "draw_answer", "mask_of", "verify_answer"]
 
 # Ids travel exactly in a float32 answer up to here.
 MAX_SAMPLED_VOCAB = 2**24
@@ -70,10 +77,27 @@ def draw_answer(logits: np.ndarray, spec: SampleSpec, position: int) -> np.ndarr
         raise _refuse(f"x-meshnet-sample: the stage made shape {logits.shape}, not [1, vocab]")
     if not np.isfinite(logits).any():
         return logits
-    token = _sampler(spec)(logits[0], position)
+    row = logits[0]
+    if spec.allow is not None:
+        allowed = mask_of(spec.allow, row.size)
+        if allowed is None or not np.isfinite(row[allowed]).any():
+            return logits
+        row = np.where(allowed, row, -np.inf)
+    token = _sampler(spec)(row, position)
     if spec.logprobs is None:
         return np.array([[token]], dtype=np.int32)
     return np.array([logprob_row(logits[0], token, spec.logprobs)], dtype=np.float32)
+
+
+def mask_of(allow: bytes, vocab: int) -> np.ndarray | None:
+    """The bool mask of ``vocab`` ids a §3.13 mask sets, or None unless it
+    is exactly one bit per id (the bits past ``vocab`` in its last byte clear)."""
+    if len(allow) != (vocab + 7) // 8:
+        return None
+    bits = np.unpackbits(np.frombuffer(allow, dtype=np.uint8), bitorder="little")
+    if bits[vocab:].any():
+        return None
+    return bits[:vocab].astype(bool)
 
 
 def verify_answer(

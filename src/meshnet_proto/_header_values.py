@@ -22,7 +22,7 @@ from ._integers import MAX_UINT_DIGITS, parse_canonical_uint
 from ._kv import H_KV_CHECKSUM, H_KV_FINGERPRINT, parse_kv
 from ._limits import Limits
 from ._prefix import H_PREFIX, H_PREFIX_BLOCKS, parse_prefix
-from ._sample import H_SAMPLE, parse_sample
+from ._sample import H_ALLOW, H_SAMPLE, parse_sample
 from ._tenancy import H_CACHE_SALT, H_CLIENT, parse_tenancy
 from ._windows import H_AFTER, H_DRAFT, parse_windows
 
@@ -60,6 +60,7 @@ KNOWN_MESHNET_HEADERS: frozenset[bytes] = frozenset(
         H_KV_CHECKSUM,
         H_KV_FINGERPRINT,
         H_SAMPLE,
+        H_ALLOW,
         H_DRAFT,
         H_AFTER,
         H_CLIENT,

@@ -103,6 +103,9 @@ def _check_window_shape(draft: tuple[int, ...], fields: dict[str, Any]) -> None:
     int32 ids ``[1, k + 1]`` or hidden states ``[1, k + 1, hidden]``."""
     if fields["sample"] is None:
         raise _bad_draft("a window is a sampled chunk: X-Meshnet-Sample is required with it")
+    if fields["sample"].allow is not None:
+        # One mask fits one row; a window's rows would each need their own.
+        raise _bad_draft("a window carries no X-Meshnet-Allow (a mask is for one draw)")
     shape, dtype = fields["shape"], fields["dtype"]
     ids = len(shape) == 2 and dtype == "int32"
     hidden = len(shape) == 3 and dtype != "int32"

@@ -21,7 +21,7 @@ from ._node_control import NodeControl, answer_headers, stub_identity
 from ._policy import apply_wire_dtype
 from ._prefix import PREFIX_BLOCK_TOKENS, blocks_ending_in, prefix_block_keys
 from ._routing import KEPT_WINDOWS
-from ._sample import MAX_SAMPLE_LOGPROBS, SampleSpec
+from ._sample import MAX_ALLOW_MASK_BYTES, MAX_ALLOW_VALUE, MAX_SAMPLE_LOGPROBS, SampleSpec
 from ._sequencer import Ticket
 from ._server import DEFAULT_MAX_ENDPOINT_BODY, DEFAULT_ROUTES
 from ._topology import ChainProblem, StageIdentity, StageReport, is_deep_health
@@ -59,6 +59,8 @@ __all__ = [
     "kv_checksum",
     # sampling at the last stage (wire-2 §3.13)
     "SampleSpec",
+    "MAX_ALLOW_MASK_BYTES",
+    "MAX_ALLOW_VALUE",
     "MAX_SAMPLE_LOGPROBS",
     # verify windows and rewinds (wire-2 §3.16)
     "AfterSpec",

@@ -211,14 +211,17 @@ def test_every_stateless_request_the_api_takes_becomes_a_spec() -> None:
     2**31 is no cut, sent as 0 — the same draw."""
     from meshnet_gateway.openai.drawn import spec_for_last_stage
 
+    def spec(sampler: Sampler) -> object:
+        return anyio.run(spec_for_last_stage, sampler)
+
     huge = Sampler(SamplingParams(temperature=0.5, top_k=2**40), 3)
-    spec = spec_for_last_stage(huge)
-    assert spec is not None and spec.top_k == 0
+    drawn = spec(huge)
+    assert isinstance(drawn, SampleSpec) and drawn.top_k == 0
     logits = np.random.default_rng(1).standard_normal(50)
     plain = Sampler(SamplingParams(temperature=0.5), 3)
     assert [huge(logits, p) for p in range(20)] == [plain(logits, p) for p in range(20)]
-    assert spec_for_last_stage(Sampler(SamplingParams(repetition_penalty=1.2), 3)) is None
-    assert spec_for_last_stage(Sampler(SamplingParams(), 10**19)) is None  # past the wire's seed
+    assert spec(Sampler(SamplingParams(repetition_penalty=1.2), 3)) is None
+    assert spec(Sampler(SamplingParams(), 10**19)) is None  # past the wire's seed
 
 
 async def _direct_generation(

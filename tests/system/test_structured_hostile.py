@@ -60,17 +60,6 @@ UNPARSED = {"deep_1000"}
 # A tool's parameters are written into the prompt: these pass the context.
 TOO_LONG = {"regex_10k_chars", "wide_1000", "any_of_2000"}
 # What the gateway gets wrong today (strict: a fix fails the mark, which then goes).
-KNOWN = {
-    ("false_schema", "response_format"): "500: llguidance's grammar_from_json_schema raises "
-    "ValueError for a boolean schema when given overrides (grammar.py)",
-    ("true_schema", "response_format"): "500: the same ValueError for the schema true",
-    ("recursive_defs", "tool"): "a tool's parameters are nested in the call's schema, so "
-    "their '#/$defs/…' refs point at a root without $defs (an $id on them would fix it)",
-    ("ref_loop", "response_format"): "400 grammar_failed with param null, at the first mask, "
-    "its message llguidance's internal parser state",
-}
-
-
 @pytest.fixture(scope="module")
 def chain(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ModelChain]:
     gguf = smollm2_gguf()
@@ -168,9 +157,7 @@ def _check_bounded(answer: Answer, case: Hostile, place: str) -> None:
 
 
 def _case(case: Hostile, place: str) -> Any:
-    bug = KNOWN.get((case.name, place))
-    marks = [pytest.mark.xfail(strict=True, reason=bug)] if bug else []
-    return pytest.param(case, place, id=f"{case.name}-{place}", marks=marks)
+    return pytest.param(case, place, id=f"{case.name}-{place}")
 
 
 CASES = [_case(case, place) for case in HOSTILE for place in ("response_format", "tool")]

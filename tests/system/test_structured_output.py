@@ -11,11 +11,13 @@ from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+import anyio
 import jsonschema
 import openai
 import pytest
 
 from gateway.data.schemas import CORPUS
+from meshnet_cli.demo_traffic import Traffic, snapshot
 from support.model_surface import ModelChain, model_chain
 from support.openai_client import client_for
 from support.smollm2 import smollm2_gguf
@@ -101,6 +103,24 @@ def test_fifty_json_schema_answers_parse_and_validate(
     assert not unfinished
     for entry, (content, _) in zip(CORPUS, answers, strict=True):
         jsonschema.validate(json.loads(content), entry["schema"])
+
+
+def test_constrained_tokens_are_drawn_at_the_last_stage(
+    client: openai.OpenAI, chain: ModelChain
+) -> None:
+    """The grammar's mask goes down with each step and the token comes up:
+    the logits (49,152 float32, 192 KiB a token) never leave the last stage."""
+    before = anyio.run(snapshot, chain.gateway, chain.nodes)
+    content, finish = _schema_answer(client, chain.model, CORPUS[0])
+    after = anyio.run(snapshot, chain.gateway, chain.nodes)
+    assert finish == "stop"
+    jsonschema.validate(json.loads(content), CORPUS[0]["schema"])
+    traffic = Traffic(before, after)
+    tokens = traffic.gateway("meshnet_openai_completion_tokens_total")
+    assert tokens > 5
+    for hop in range(len(chain.nodes)):
+        answered = traffic.node(hop, "meshnet_body_bytes_out_total", peer="upstream")
+        assert answered < 64 * tokens + 4 * 4096  # ids (and the prompt's chunks), no rows
 
 
 def test_json_object_answers_are_objects(client: openai.OpenAI, chain: ModelChain) -> None:

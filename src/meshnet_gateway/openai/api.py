@@ -50,6 +50,7 @@ from .grammar import Grammar, GrammarCompiler
 from .limits import MAX_MESSAGES, PromptLimits, checked_text, shown
 from .messages import check_names
 from .metrics import GenerationMetrics, ServingMetrics
+from .request_grammar import request_grammar
 from .requests import (
     ChatRequest,
     CompletionRequest,
@@ -119,7 +120,7 @@ class OpenAIService:
         )
         self.chat_encoder = ChatEncoder(model.tokenizer, special_tokens_in_content)
         self.tool_prompt = ToolPrompt(self.chat_encoder)
-        self.grammars = GrammarCompiler(model.tokenizer)
+        self.grammars = GrammarCompiler(model.tokenizer, model.vocab_size)
         self._preparing: anyio.CapacityLimiter | None = None  # made on the loop
         self.pool = pool
         self.codecs = codecs
@@ -210,18 +211,7 @@ class OpenAIService:
                 fmt = _ChatFormat(self.model.name)
         self._budget(ids, options)  # refused here, before any chain work
         options.check_vocab(self.model.tokenizer.vocab_size)
-        return ids, options, fmt, self._grammar(options)
-
-    def _grammar(self, options: GenerationOptions) -> Grammar | None:
-        """The grammar of a forced tool call or of response_format, compiled
-        and validated within grammar.LIMITS (a 400 naming the parameter)."""
-        tools = options.tools
-        if tools is not None and tools.forced:
-            syntax = self.tool_prompt.syntax
-            return self.grammars.lark(syntax.grammar(tools.forced, tools.parallel), "tools")
-        if options.schema is not None:
-            return self.grammars.json_schema(options.schema, "response_format")
-        return None
+        return ids, options, fmt, request_grammar(self.grammars, self.tool_prompt.syntax, options)
 
     def _model_card(self) -> dict[str, Any]:
         return {

@@ -3,7 +3,10 @@
 With ``X-Meshnet-Sample`` (wire-2 §3.13) the answer is the token the last
 stage drew — int32 ``[1, 1]``, or with ``logprobs=k`` float32 ``[1, 2 + 2k]``
 (the id, its logprob, then ``k`` (id, logprob) pairs, padded with id -1 when
-the vocabulary is smaller than ``k``). A chain whose last stage ignores the
+the vocabulary is smaller than ``k``). A constrained generation's chunk
+carries its grammar's mask of the step too (``X-Meshnet-Allow``), so the
+last stage draws it where the logits are; the grammar's state stays here
+and advances with the drawn token. A chain whose last stage ignores the
 header answers the logits ``[1, vocab]`` instead, and the gateway draws from
 them with the same function (a float32 row exactly ``2 + 2k`` wide reads as
 the logprobs answer: no real vocabulary has 42 ids or fewer). Anything else
@@ -12,13 +15,16 @@ is the last stage's fault: 502.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
+import anyio
 import numpy as np
 
 from meshnet_model.sampling import Logprobs, Sampler
 from meshnet_proto import MeshnetError
-from meshnet_proto.lowlevel import SampleSpec
+from meshnet_proto.lowlevel import MAX_ALLOW_VALUE, SampleSpec
+
+from .grammar import GrammarFailed, grammar_error
 
 __all__ = ["Answer", "Drawn", "read_answer", "spec_for_last_stage"]
 
@@ -35,10 +41,27 @@ class Drawn:
 Answer = np.ndarray | Drawn
 
 
-def spec_for_last_stage(sampler: Sampler) -> SampleSpec | None:
+async def spec_for_last_stage(sampler: Sampler) -> SampleSpec | None:
     """The draw the last stage can make next for ``sampler``, or None while
-    it needs more than the logits (``Sampler.stateless``)."""
-    if not sampler.stateless:
+    it needs more than the logits and a mask (``Sampler.stateless``,
+    ``Sampler.masked_stateless``). The mask is computed in a worker thread
+    (a grammar's first step may take milliseconds); one that compresses
+    past ``MAX_ALLOW_VALUE`` is not sent, and the logits come up instead."""
+    spec = _plain_spec(sampler)
+    if spec is None or not sampler.masked_stateless:
+        return spec
+    assert sampler.constraint is not None
+    try:
+        mask = await anyio.to_thread.run_sync(sampler.mask, sampler.constraint.width)
+    except GrammarFailed as exc:
+        raise grammar_error(exc) from None
+    masked = replace(spec, allow=mask)
+    value = masked.allow_value()
+    return masked if value is not None and len(value) <= MAX_ALLOW_VALUE else None
+
+
+def _plain_spec(sampler: Sampler) -> SampleSpec | None:
+    if not (sampler.stateless or sampler.masked_stateless):
         return None
     params = sampler.params
     return SampleSpec(

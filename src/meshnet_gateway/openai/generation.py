@@ -481,7 +481,7 @@ async def generate(
     tokens = Tokens(output, tokenizer, stop, max_tokens, on_token)
     remote = sample_at == "last-stage"
     async with chain.pipelined():  # the direct return's relays land inside (§3.14)
-        sample = spec_for_last_stage(sampler) if remote else None
+        sample = await spec_for_last_stage(sampler) if remote else None
         answer = await chain.prefill(prompt_ids, sample)
         if on_prefilled is not None:
             on_prefilled()

@@ -27,6 +27,8 @@ from typing import Any
 import llguidance
 import numpy as np
 
+from meshnet_proto import MeshnetError
+
 from .errors import invalid
 from .tokenizer import ModelTokenizer
 
@@ -42,6 +44,8 @@ LIMITS = llguidance.LLParserLimits(
     step_max_items=50_000,
     max_lexer_states=50_000,
     max_grammar_size=200_000,
+    # Errors name the schema's problem, not the parser's internal state.
+    verbose_errors=False,
 )
 
 
@@ -61,8 +65,11 @@ class GrammarCompiler:
     """The served model's vocabulary as llguidance sees it, built once (about
     two seconds for 49k tokens) on first use, and the grammars of requests."""
 
-    def __init__(self, tokenizer: ModelTokenizer) -> None:
+    def __init__(self, tokenizer: ModelTokenizer, width: int | None = None) -> None:
+        """``width``: the ids of the model's logits row (its config's
+        ``vocab_size``, which may pad the tokenizer's); the tokenizer's by default."""
         self._tokenizer = tokenizer
+        self.width = max(width or 0, tokenizer.vocab_size)
         self._built: llguidance.LLTokenizer | None = None
         self._lock = threading.Lock()  # two first requests build it once
 
@@ -87,6 +94,10 @@ class GrammarCompiler:
         written compactly (no whitespace between tokens: a model reading its
         own output never needs it, and a free-whitespace grammar lets a
         small model wander in blank lines until ``max_tokens``)."""
+        if schema is False:
+            raise invalid(param, f"{param}: the schema false allows no answer", "invalid_schema")
+        if schema is True:
+            schema = {}  # any JSON value, as true says
         text = llguidance.LLMatcher.grammar_from_json_schema(json.dumps(schema), overrides=_COMPACT)
         return self._checked(text, param)
 
@@ -95,12 +106,20 @@ class GrammarCompiler:
         return self._checked(llguidance.LLMatcher.grammar_from_lark(grammar), param)
 
     def _checked(self, text: str, param: str) -> Grammar:
+        """Validated, and its first step taken: a grammar that only fails
+        once it runs (a ``$ref`` loop) is refused here, not mid-answer."""
         error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(
             text, self.tokenizer, limits=LIMITS
         )
         if error:
             raise invalid(param, f"{param}: {_first_line(messages)}", "invalid_schema")
-        return Grammar(text, self)
+        grammar = Grammar(text, self)
+        try:
+            grammar.constraint().allowed(self.width)
+        except GrammarFailed as exc:
+            why = f"{param}: no value can be generated from the schema ({_first_line([str(exc)])})"
+            raise invalid(param, why, "invalid_schema") from None
+        return grammar
 
 
 # Compact JSON: "," and ":" without spaces, no free whitespace.
@@ -118,6 +137,7 @@ class Constraint:
 
     def __init__(self, compiler: GrammarCompiler, grammar: str) -> None:
         tokenizer = compiler.tokenizer
+        self.width = compiler.width  # the masks the wire carries cover this many ids
         self._matcher = llguidance.LLMatcher(tokenizer, grammar, log_level=0, limits=LIMITS)
         self._vocab = tokenizer.vocab_size
         words = (self._vocab + 31) // 32
@@ -148,3 +168,10 @@ class Constraint:
 class GrammarFailed(RuntimeError):
     """The grammar reached a state it cannot leave (a step out of fuel, or a
     token it refused): the generation fails instead of going on unconstrained."""
+
+
+def grammar_error(exc: GrammarFailed) -> MeshnetError:
+    """The request's failure (its grammar, not the chain's): 400."""
+    return MeshnetError(
+        f"the response_format or tool grammar failed: {exc}", code="grammar_failed", status=400
+    )

@@ -15,7 +15,7 @@ from meshnet_model.sampling import Sampler
 from meshnet_proto import MeshnetError
 
 from .drawn import Answer, Drawn
-from .grammar import GrammarFailed
+from .grammar import GrammarFailed, grammar_error
 from .logprobs import TokenLogprob, TokenTexts
 from .stops import StopFilter
 from .tokenizer import ModelTokenizer, TextStream
@@ -71,7 +71,10 @@ class Output:
             token = answer.token
             if token >= self.vocab:  # a forged id would decode to nothing, silently
                 raise ValueError(f"the drawn id {token} is past the vocabulary ({self.vocab})")
-            sampler.record(answer.logprobs)
+            try:
+                sampler.record(answer.logprobs, token)
+            except GrammarFailed:  # the mask it was sent did not allow it
+                raise ValueError(f"the drawn id {token} is not one the mask allowed") from None
         else:
             token = sampler(answer)
         if self.texts is None or sampler.last is None or token in sampler.stop_ids:
@@ -86,11 +89,7 @@ class Output:
             return await anyio.to_thread.run_sync(self.pick, answer)
         except GrammarFailed as exc:
             # The request's grammar, not the chain: out of its per-step fuel.
-            raise MeshnetError(
-                f"the response_format or tool grammar failed: {exc}",
-                code="grammar_failed",
-                status=400,
-            ) from None
+            raise grammar_error(exc) from None
         except ValueError as exc:  # e.g. every logit NaN: the last stage is broken
             url = chain.pool.url
             raise MeshnetError(

@@ -25,6 +25,9 @@ class ServedModel:
     context_length: int
     created: int
     defaults: GenerationDefaults = field(default_factory=GenerationDefaults)
+    # The width of the logits row (config's vocab_size: it may pad the
+    # tokenizer's), which a grammar's mask sent to the last stage covers.
+    vocab_size: int | None = None
 
     @classmethod
     def load(cls, directory: str, *, name: str | None = None, context: int = 0) -> ServedModel:
@@ -43,4 +46,5 @@ class ServedModel:
             context_length=context,
             created=int(stat.st_mtime),
             defaults=GenerationDefaults.load(root),
+            vocab_size=config.vocab_size if config else None,
         )

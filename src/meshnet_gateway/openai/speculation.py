@@ -172,7 +172,7 @@ async def decode(
         if await tokens.take(token, entry):
             return
     while True:
-        sample = spec_for_last_stage(output.sampler) if remote else None
+        sample = await spec_for_last_stage(output.sampler) if remote else None
         answer = await chain.step(token, sample)
         token, entry = await output.choose(answer, chain)
         if await tokens.take(token, entry):
@@ -256,8 +256,8 @@ class Speculator:
         go on from plainly, in a new session."""
         while True:
             self._raise_failure()
-            sample = spec_for_last_stage(self.output.sampler)
-            if sample is not None:
+            sample = await spec_for_last_stage(self.output.sampler)
+            if sample is not None and sample.allow is None:  # a mask is for one draw
                 await self._fill(await self._drafter(), token, sample)
             if not self.flight:
                 token, ended = await self._plain_step(token, sample)

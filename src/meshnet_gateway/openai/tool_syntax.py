@@ -66,9 +66,14 @@ class ToolSyntax:
 
 
 def _call_schema(tool: Tool, arguments_key: str) -> dict[str, Any]:
+    # The parameters are a schema of their own inside the call's: an $id makes
+    # their "#/$defs/…" (and "#") refs resolve against them, not the call.
+    parameters = tool.parameters
+    if isinstance(parameters, dict) and "$id" not in parameters:
+        parameters = {"$id": f"urn:meshnet:tool:{tool.name}", **parameters}
     return {
         "type": "object",
-        "properties": {"name": {"const": tool.name}, arguments_key: tool.parameters},
+        "properties": {"name": {"const": tool.name}, arguments_key: parameters},
         "required": ["name", arguments_key],
         "additionalProperties": False,
     }
