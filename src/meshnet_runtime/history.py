@@ -49,7 +49,10 @@ class SentChunk:
 
     @property
     def cost(self) -> int:
-        return memoryview(self.body).nbytes + CHUNK_OVERHEAD
+        # A grammar's mask (wire-2 §3.13) rides in the headers: up to 2 MiB.
+        sample = self.headers.sample
+        mask = 0 if sample is None or sample.allow is None else len(sample.allow)
+        return memoryview(self.body).nbytes + CHUNK_OVERHEAD + mask
 
     @property
     def order(self) -> Order:

@@ -62,6 +62,16 @@ def test_history_keeps_position_order_and_evicts_whole_sessions() -> None:
         HistoryStore(-1)
 
 
+def test_a_kept_chunk_costs_its_grammar_mask_too() -> None:
+    """A sampled chunk's mask (wire-2 §3.13) is held with its headers: in the budget."""
+    from meshnet_proto.lowlevel import SampleSpec
+
+    masked = chunk(SESSION, 0, 0).replace(sample=SampleSpec(seed=1, allow=b"\xff" * 6144))
+    store = HistoryStore(max_bytes=10**6)
+    store.add(SESSION, masked, b"a" * 100)
+    assert store.nbytes == 100 + CHUNK_OVERHEAD + 6144
+
+
 def test_a_replay_query_reaches_the_application() -> None:
     head = ActivationHead(headers=chunk(SESSION, 0, 0), expects_continue=False, query="replay=1")
     assert head.query == "replay=1"
