@@ -182,8 +182,9 @@ class OpenAIService:
         except OpenAIError as exc:
             # One line, no traceback, no client text: a refused request must
             # not become a log flood.
-            log.info("%s %s: %d %s (param %s)", event.method, event.path, exc.status,
-                     exc.code, exc.param)  # fmt: skip
+            log.info(
+                "%s %s: %d %s (param %s)", event.method, event.path, exc.status, exc.code, exc.param
+            )
             return exc.reply()
 
     def _prepare(

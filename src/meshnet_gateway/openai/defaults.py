@@ -79,9 +79,14 @@ class GenerationDefaults:
             # transformers ignores temperature/top_p/top_k/min_p when do_sample
             # is off (its repetition_penalty still applies to greedy search).
             temperature, top_p, top_k, min_p = 0.0, None, None, None
-        return cls(temperature=temperature, top_p=top_p or None, top_k=top_k, min_p=min_p,
-                   repetition_penalty=repetition,
-                   max_new_tokens=count("max_new_tokens") or None)  # fmt: skip
+        return cls(
+            temperature=temperature,
+            top_p=top_p or None,
+            top_k=top_k,
+            min_p=min_p,
+            repetition_penalty=repetition,
+            max_new_tokens=count("max_new_tokens") or None,
+        )
 
     def sampling(self, given: SamplingParams, explicit: frozenset[str]) -> SamplingParams:
         """``given`` (the request's, with the API's defaults filled in) with each

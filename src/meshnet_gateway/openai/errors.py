@@ -59,5 +59,6 @@ def from_meshnet(exc: MeshnetError) -> OpenAIError:
     hop = f" (hop {exc.hop})" if exc.hop else ""
     kind = "server_error" if exc.status >= 500 else "invalid_request_error"
     retry = int(exc.retry_after) if exc.retry_after is not None else None
-    return OpenAIError(f"{exc.message}{hop}", status=exc.status, type=kind, code=exc.code,
-                       retry_after=retry)  # fmt: skip
+    return OpenAIError(
+        f"{exc.message}{hop}", status=exc.status, type=kind, code=exc.code, retry_after=retry
+    )

@@ -50,8 +50,9 @@ def checked_message(message: Any, index: int) -> dict[str, Any]:
     calls = message.get("tool_calls")
     content = message.get("content")
     if calls is not None and role != "assistant":
-        raise invalid(f"{where}.tool_calls", "only an assistant message has tool_calls",
-                      "invalid_value")  # fmt: skip
+        raise invalid(
+            f"{where}.tool_calls", "only an assistant message has tool_calls", "invalid_value"
+        )
     text = "" if content is None and calls is not None else _content_text(content, where)
     checked: dict[str, Any] = {"role": role, "content": text}
     if calls is not None:
@@ -81,8 +82,11 @@ def _tool_calls(calls: Any, where: str) -> list[dict[str, Any]]:
         at = f"{where}.[{index}]"
         function = call.get("function") if isinstance(call, dict) else None
         if not isinstance(function, dict) or not isinstance(function.get("name"), str):
-            raise invalid(at, "a tool call is {'id', 'type': 'function', 'function': "
-                          "{'name', 'arguments'}}", "invalid_type")  # fmt: skip
+            raise invalid(
+                at,
+                "a tool call is {'id', 'type': 'function', 'function': {'name', 'arguments'}}",
+                "invalid_type",
+            )
         arguments = function.get("arguments", "{}")
         try:
             parsed = json.loads(arguments) if isinstance(arguments, str) else None

@@ -27,16 +27,32 @@ if TYPE_CHECKING:
 __all__ = ["GenerationMetrics", "ServingMetrics", "SpeculationMetrics"]
 
 _LATENCY_BUCKETS = (
-    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
-)  # fmt: skip
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    30.0,
+    60.0,
+)
 
 
 class GenerationMetrics:
     def __init__(self, registry: CollectorRegistry) -> None:
         self.generations = Counter(
-            "meshnet_openai_generations", "Generations ended, by endpoint and outcome",
-            ["endpoint", "outcome"], registry=registry,
-        )  # fmt: skip
+            "meshnet_openai_generations",
+            "Generations ended, by endpoint and outcome",
+            ["endpoint", "outcome"],
+            registry=registry,
+        )
         self.prompt_tokens = Counter(
             "meshnet_openai_prompt_tokens", "Prompt tokens sent down the chain", registry=registry
         )
@@ -47,39 +63,50 @@ class GenerationMetrics:
             "meshnet_openai_active_generations", "Generations in progress", registry=registry
         )
         self.prefill_seconds = Histogram(
-            "meshnet_openai_prefill_seconds", "Prompt through the chain to the first logits",
-            buckets=_LATENCY_BUCKETS, registry=registry,
-        )  # fmt: skip
+            "meshnet_openai_prefill_seconds",
+            "Prompt through the chain to the first logits",
+            buckets=_LATENCY_BUCKETS,
+            registry=registry,
+        )
         self.step_seconds = Histogram(
-            "meshnet_openai_decode_step_seconds", "One generated token through the chain",
-            buckets=_LATENCY_BUCKETS, registry=registry,
-        )  # fmt: skip
+            "meshnet_openai_decode_step_seconds",
+            "One generated token through the chain",
+            buckets=_LATENCY_BUCKETS,
+            registry=registry,
+        )
+        self._admission(registry)
+        self.speculation = SpeculationMetrics(registry)
+
+    def _admission(self, registry: CollectorRegistry) -> None:
         # Admission (docs/openai-api.md#admission): the gauges read the
         # Admission object itself (bound in OpenAIService), never a copy.
         self.admitted = Gauge(
             "meshnet_openai_admission_running",
-            "Generations admitted and not yet ended (--max-running)", registry=registry,
-        )  # fmt: skip
+            "Generations admitted and not yet ended (--max-running)",
+            registry=registry,
+        )
         self.queued = Gauge(
             "meshnet_openai_admission_queued",
-            "Requests waiting for admission (--max-queued)", registry=registry,
-        )  # fmt: skip
+            "Requests waiting for admission (--max-queued)",
+            registry=registry,
+        )
         self.prefill_tokens_admitted = Gauge(
             "meshnet_openai_admission_prefill_tokens",
             "Prompt tokens granted and on the chain now (--max-prefill-tokens)",
             registry=registry,
-        )  # fmt: skip
+        )
         self.refused = Counter(
             "meshnet_openai_admission_refused",
             "Requests refused before any work: queue_full (429), queue_timeout (503)",
-            ["reason"], registry=registry,
-        )  # fmt: skip
+            ["reason"],
+            registry=registry,
+        )
         self.queue_wait_seconds = Histogram(
             "meshnet_openai_admission_wait_seconds",
             "Time queued requests waited, admitted or timed out",
-            buckets=_LATENCY_BUCKETS, registry=registry,
-        )  # fmt: skip
-        self.speculation = SpeculationMetrics(registry)
+            buckets=_LATENCY_BUCKETS,
+            registry=registry,
+        )
 
 
 class SpeculationMetrics:
@@ -119,17 +146,73 @@ class SpeculationMetrics:
 
 # vLLM's bucket edges (seconds), so that its dashboards' quantiles read the same.
 _TTFT_BUCKETS = (
-    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
-    10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0,
-)  # fmt: skip
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+    160.0,
+    640.0,
+    2560.0,
+)
 _TPOT_BUCKETS = (
-    0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
-    10.0, 20.0, 40.0, 80.0,
-)  # fmt: skip
+    0.01,
+    0.025,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.4,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+)
 _REQUEST_BUCKETS = (
-    0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
-    120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0,
-)  # fmt: skip
+    0.3,
+    0.5,
+    0.8,
+    1.0,
+    1.5,
+    2.0,
+    2.5,
+    5.0,
+    10.0,
+    15.0,
+    20.0,
+    30.0,
+    40.0,
+    50.0,
+    60.0,
+    120.0,
+    240.0,
+    480.0,
+    960.0,
+    1920.0,
+    7680.0,
+)
 
 
 def _token_buckets(context: int) -> tuple[float, ...]:
@@ -159,30 +242,33 @@ class ServingMetrics:
         def histogram(name: str, text: str, buckets: tuple[float, ...]) -> Histogram:
             return Histogram(name, text, labels, buckets=buckets, registry=registry)
 
-        self.running = Gauge(
+        def gauge(name: str, text: str) -> Gauge:
+            return Gauge(name, text, labels, registry=registry).labels(model_name)
+
+        def counter(name: str, text: str) -> Counter:
+            return Counter(name, text, labels, registry=registry).labels(model_name)
+
+        self.running = gauge(
             "meshnet_num_requests_running",
             "Generations admitted and not yet ended (vllm:num_requests_running)",
-            labels, registry=registry,
-        ).labels(model_name)  # fmt: skip
-        self.waiting = Gauge(
+        )
+        self.waiting = gauge(
             "meshnet_num_requests_waiting",
             "Requests queued for admission (vllm:num_requests_waiting)",
-            labels, registry=registry,
-        ).labels(model_name)  # fmt: skip
-        self.prompt_tokens = Counter(
-            "meshnet_prompt_tokens", "Prompt tokens prefilled (vllm:prompt_tokens_total)",
-            labels, registry=registry,
-        ).labels(model_name)  # fmt: skip
-        self.generation_tokens = Counter(
+        )
+        self.prompt_tokens = counter(
+            "meshnet_prompt_tokens", "Prompt tokens prefilled (vllm:prompt_tokens_total)"
+        )
+        self.generation_tokens = counter(
             "meshnet_generation_tokens",
             "Tokens generated, an eos included (vllm:generation_tokens_total)",
-            labels, registry=registry,
-        ).labels(model_name)  # fmt: skip
+        )
         self._success = Counter(
             "meshnet_request_success",
             "Generations finished, by finished_reason (vllm:request_success_total)",
-            [*labels, "finished_reason"], registry=registry,
-        )  # fmt: skip
+            [*labels, "finished_reason"],
+            registry=registry,
+        )
         self.ttft = histogram(
             "meshnet_time_to_first_token_seconds",
             "Arrival to the first token sampled, queue and prefill included",

@@ -62,14 +62,34 @@ class PrefixIndex:
 def prefix_index_samples(index: PrefixIndex) -> list[Sample]:
     """The gateway's prefix-cache counts, for ``/metrics`` (``ReadAtScrape``)."""
     return [
-        ("counter", "meshnet_gateway_prefix_hits", "Prompts started after a prefix the chain held",
-         index.hits),
-        ("counter", "meshnet_gateway_prefix_misses",
-         "Prompts with a whole block and none of it held", index.misses),
-        ("counter", "meshnet_gateway_prefix_refused",
-         "Prompts rerun cold: a node no longer held the prefix", index.refused),
-        ("counter", "meshnet_gateway_prefix_tokens_saved",
-         "Prompt tokens the chain did not compute", index.tokens_saved),
-        ("gauge", "meshnet_gateway_prefix_keys", "Block keys the chain is believed to hold",
-         len(index)),
-    ]  # fmt: skip
+        (
+            "counter",
+            "meshnet_gateway_prefix_hits",
+            "Prompts started after a prefix the chain held",
+            index.hits,
+        ),
+        (
+            "counter",
+            "meshnet_gateway_prefix_misses",
+            "Prompts with a whole block and none of it held",
+            index.misses,
+        ),
+        (
+            "counter",
+            "meshnet_gateway_prefix_refused",
+            "Prompts rerun cold: a node no longer held the prefix",
+            index.refused,
+        ),
+        (
+            "counter",
+            "meshnet_gateway_prefix_tokens_saved",
+            "Prompt tokens the chain did not compute",
+            index.tokens_saved,
+        ),
+        (
+            "gauge",
+            "meshnet_gateway_prefix_keys",
+            "Block keys the chain is believed to hold",
+            len(index),
+        ),
+    ]

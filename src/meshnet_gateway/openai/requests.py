@@ -110,8 +110,10 @@ class GenerationOptions:
 
     def check_vocab(self, vocab: int) -> None:
         """Token ids the request names (logit_bias, stop_token_ids) must exist."""
-        for name, ids in (("logit_bias", [i for i, _ in self.sampling.logit_bias]),
-                          ("stop_token_ids", self.sampling.stop_token_ids)):  # fmt: skip
+        for name, ids in (
+            ("logit_bias", [i for i, _ in self.sampling.logit_bias]),
+            ("stop_token_ids", self.sampling.stop_token_ids),
+        ):
             if any(i >= vocab for i in ids):
                 raise invalid(name, f"{name}: token ids must be in [0, {vocab})", "invalid_value")
 
@@ -157,8 +159,9 @@ def _number(document: dict[str, Any], name: str, default: float, low: float, hig
     if not (_is_int(value) or (isinstance(value, float) and math.isfinite(value))):
         raise invalid(name, f"{shown(value)} is not of type 'number' - '{name}'", "invalid_type")
     if not low <= value <= high:
-        raise invalid(name, f"{name} must be between {low} and {high}, got {shown(value)}",
-                      "invalid_value")  # fmt: skip
+        raise invalid(
+            name, f"{name} must be between {low} and {high}, got {shown(value)}", "invalid_value"
+        )
     return float(value)
 
 
@@ -195,40 +198,19 @@ def _options(
         if value is not None:
             max_tokens = value
     n = _integer(document, "n", 1, MAX_CHOICES) or 1
-    stop = document.get("stop")
-    if stop is None:
-        stops: tuple[str, ...] = ()
-    elif isinstance(stop, str):
-        stops = (stop,)
-    elif isinstance(stop, list) and all(isinstance(s, str) for s in stop):
-        if len(stop) > MAX_STOP_SEQUENCES:
-            raise invalid("stop", f"at most {MAX_STOP_SEQUENCES} stop sequences", "invalid_value")
-        stops = tuple(stop)
-    else:
-        raise invalid("stop", "stop must be a string or a list of strings", "invalid_type")
-    if any(len(s) > MAX_STOP_CHARS for s in stops):
-        raise invalid("stop", f"a stop sequence may have at most {MAX_STOP_CHARS} characters",
-                      "invalid_value")  # fmt: skip
+    stops = _stops(document.get("stop"))
     _refused(document)
     if _integer(document, "best_of", 1) not in (None, 1):
         raise invalid("best_of", "only best_of=1 is supported", "unsupported_value")
     stream = _bool(document, "stream")
-    stream_options = document.get("stream_options")
-    include_usage = False
-    if stream_options is not None:
-        if not isinstance(stream_options, dict):
-            raise invalid("stream_options", "stream_options must be an object", "invalid_type")
-        if not stream:
-            raise invalid(
-                "stream_options",
-                "stream_options is only allowed with stream: true",
-                "invalid_value",
-            )
-        include_usage = _bool(stream_options, "include_usage")
+    include_usage = _include_usage(document.get("stream_options"), stream)
     min_tokens = _integer(document, "min_tokens", 0, MAX_MIN_TOKENS) or 0
     if max_tokens is not None and min_tokens > max_tokens:
-        raise invalid("min_tokens", f"min_tokens ({min_tokens}) must be <= max_tokens "
-                      f"({max_tokens})", "invalid_value")  # fmt: skip
+        raise invalid(
+            "min_tokens",
+            f"min_tokens ({min_tokens}) must be <= max_tokens ({max_tokens})",
+            "invalid_value",
+        )
     schema = response_schema(document.get("response_format"))
     if schema is not None and (min_tokens or _bool(document, "ignore_eos")):
         # The grammar ends the answer where the schema does: nothing may
@@ -263,6 +245,34 @@ def _options(
         n=n,
         schema=schema,
     )
+
+
+def _stops(stop: Any) -> tuple[str, ...]:
+    if stop is None:
+        return ()
+    if isinstance(stop, str):
+        stops: tuple[str, ...] = (stop,)
+    elif isinstance(stop, list) and all(isinstance(s, str) for s in stop):
+        if len(stop) > MAX_STOP_SEQUENCES:
+            raise invalid("stop", f"at most {MAX_STOP_SEQUENCES} stop sequences", "invalid_value")
+        stops = tuple(stop)
+    else:
+        raise invalid("stop", "stop must be a string or a list of strings", "invalid_type")
+    if any(len(s) > MAX_STOP_CHARS for s in stops):
+        why = f"a stop sequence may have at most {MAX_STOP_CHARS} characters"
+        raise invalid("stop", why, "invalid_value")
+    return stops
+
+
+def _include_usage(stream_options: Any, stream: bool) -> bool:
+    if stream_options is None:
+        return False
+    if not isinstance(stream_options, dict):
+        raise invalid("stream_options", "stream_options must be an object", "invalid_type")
+    if not stream:
+        why = "stream_options is only allowed with stream: true"
+        raise invalid("stream_options", why, "invalid_value")
+    return _bool(stream_options, "include_usage")
 
 
 def _cache_salt(value: Any) -> str | None:
@@ -308,8 +318,7 @@ def _logit_bias(value: Any) -> tuple[tuple[int, float], ...]:
     if not isinstance(value, dict):
         raise invalid("logit_bias", "logit_bias must be an object", "invalid_type")
     if len(value) > MAX_LOGIT_BIAS:
-        raise invalid("logit_bias", f"at most {MAX_LOGIT_BIAS} logit_bias entries",
-                      "invalid_value")  # fmt: skip
+        raise invalid("logit_bias", f"at most {MAX_LOGIT_BIAS} logit_bias entries", "invalid_value")
     pairs = {}
     for key, bias in value.items():
         token = _token_id("logit_bias", key)
@@ -323,18 +332,23 @@ def _stop_token_ids(value: Any) -> frozenset[int]:
     if value is None:
         return frozenset()
     if not isinstance(value, list):
-        raise invalid("stop_token_ids", "stop_token_ids must be a list of token ids",
-                      "invalid_type")  # fmt: skip
+        raise invalid(
+            "stop_token_ids", "stop_token_ids must be a list of token ids", "invalid_type"
+        )
     if len(value) > MAX_STOP_TOKEN_IDS:
-        raise invalid("stop_token_ids", f"at most {MAX_STOP_TOKEN_IDS} stop_token_ids",
-                      "invalid_value")  # fmt: skip
+        raise invalid(
+            "stop_token_ids", f"at most {MAX_STOP_TOKEN_IDS} stop_token_ids", "invalid_value"
+        )
     return frozenset(_token_id("stop_token_ids", v) for v in value)
 
 
 def _completion_logprobs(document: dict[str, Any]) -> int | None:
     if document.get("top_logprobs") is not None:
-        raise invalid("top_logprobs", "top_logprobs is a chat field; completions take "
-                      "logprobs: N", "unsupported_parameter")  # fmt: skip
+        raise invalid(
+            "top_logprobs",
+            "top_logprobs is a chat field; completions take logprobs: N",
+            "unsupported_parameter",
+        )
     return _integer(document, "logprobs", 0, MAX_COMPLETION_LOGPROBS)
 
 
@@ -393,8 +407,11 @@ def _check_with_tools(tools: Tools, options: GenerationOptions) -> None:
     if options.sampling.logprobs is not None:
         # A call's text is not streamed as content: its tokens have no chunk
         # to carry their logprobs.
-        raise invalid("logprobs", "logprobs with tools is not supported (tool_choice "
-                      "'none' allows it)", "unsupported_parameter")  # fmt: skip
+        raise invalid(
+            "logprobs",
+            "logprobs with tools is not supported (tool_choice 'none' allows it)",
+            "unsupported_parameter",
+        )
     if tools.forced and (options.sampling.min_tokens or options.sampling.ignore_eos):
         why = "a forced tool call cannot be combined with min_tokens or ignore_eos"
         raise invalid("tool_choice", why, "invalid_value")

@@ -119,8 +119,9 @@ class ChatEncoder:
         rendered = tok.render_chat(marked, tools=tools)
         pieces = _MARK_RE.split(rendered)  # text, index, text, index, ..., text
         seen = [int(i) for i in pieces[1::2]]
-        if sorted(seen) != list(range(len(messages))) or any("\U000f0000" in m["content"]
-                                                             for m in messages):  # fmt: skip
+        if sorted(seen) != list(range(len(messages))) or any(
+            "\U000f0000" in m["content"] for m in messages
+        ):
             # The template dropped, repeated or rewrote a message's content:
             # it cannot be escaped faithfully, so it is refused instead.
             index, token = next(
