@@ -67,10 +67,25 @@ class Hosts:
         """``python -m module args`` inside ``host``; returns it and its URL from the ready line."""
         clean = {k: v for k, v in (env or os.environ).items() if not k.startswith("MESHNET_")}
         proc = subprocess.Popen(
-            ["ip", "netns", "exec", self.namespace[host], sys.executable, "-m", module,
-             "--host", self.address[host], "--log-level", "warning", *args],
-            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=clean,
-        )  # fmt: skip
+            [
+                "ip",
+                "netns",
+                "exec",
+                self.namespace[host],
+                sys.executable,
+                "-m",
+                module,
+                "--host",
+                self.address[host],
+                "--log-level",
+                "warning",
+                *args,
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            text=True,
+            env=clean,
+        )
         self.procs.append(proc)
         assert proc.stdout is not None
         ready, _, _ = select.select([proc.stdout], [], [], READY_TIMEOUT)
@@ -82,14 +97,37 @@ class Hosts:
     def shape(self, host: str, *, rate: str, burst: str = "256kb", latency: str = "50ms") -> None:
         """Token-bucket ``host``'s link in both directions (tc tbf on each veth end)."""
         tbf = ["root", "tbf", "rate", rate, "burst", burst, "latency", latency]
-        _ip("netns", "exec", self.namespace[host], "tc", "qdisc", "replace", "dev",
-            self.inside[host], *tbf)  # fmt: skip
-        subprocess.run(["tc", "qdisc", "replace", "dev", self.outside[host], *tbf],
-                       check=True, capture_output=True, timeout=20)  # fmt: skip
+        _ip(
+            "netns",
+            "exec",
+            self.namespace[host],
+            "tc",
+            "qdisc",
+            "replace",
+            "dev",
+            self.inside[host],
+            *tbf,
+        )
+        subprocess.run(
+            ["tc", "qdisc", "replace", "dev", self.outside[host], *tbf],
+            check=True,
+            capture_output=True,
+            timeout=20,
+        )
 
     def unshape(self, host: str) -> None:
-        _quiet("ip", "netns", "exec", self.namespace[host], "tc", "qdisc", "del", "dev",
-               self.inside[host], "root")  # fmt: skip
+        _quiet(
+            "ip",
+            "netns",
+            "exec",
+            self.namespace[host],
+            "tc",
+            "qdisc",
+            "del",
+            "dev",
+            self.inside[host],
+            "root",
+        )
         _quiet("tc", "qdisc", "del", "dev", self.outside[host], "root")
 
     def cut(self, host: str) -> None:

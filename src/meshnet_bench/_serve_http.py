@@ -65,8 +65,9 @@ class Stream:
         return len(self.times)
 
 
-async def http(url: str, method: str, target: str, body: bytes = b"",
-                stream: Stream | None = None) -> tuple[int, bytes]:  # fmt: skip
+async def http(
+    url: str, method: str, target: str, body: bytes = b"", stream: Stream | None = None
+) -> tuple[int, bytes]:
     """One request on its own connection (``Connection: close``): the status
     and the body; a 200 body goes to ``stream.feed`` as it arrives instead."""
     parts = urlsplit(url)
@@ -104,8 +105,7 @@ async def post_stream(url: str, payload: dict[str, Any], stream: Stream) -> None
     """One streaming completion into ``stream``; never raises but cancellation."""
     stream.sent = time.perf_counter()
     try:
-        status, _ = await http(url, "POST", "/v1/completions", json.dumps(payload).encode(),
-                                stream)  # fmt: skip
+        status, _ = await http(url, "POST", "/v1/completions", json.dumps(payload).encode(), stream)
     except Exception as exc:  # the bench counts it and goes on
         stream.error = f"conn:{type(exc).__name__}"
         return
@@ -131,8 +131,11 @@ async def busy(urls: Sequence[str]) -> tuple[list[float | None], str | None]:
     for name in BUSY_METRICS:
         values: list[float | None] = []
         for text in texts:
-            found = [line.split()[-1] for line in text.splitlines()
-                     if line.startswith(name + " ") or line.startswith(name + "{")]  # fmt: skip
+            found = [
+                line.split()[-1]
+                for line in text.splitlines()
+                if line.startswith(name + " ") or line.startswith(name + "{")
+            ]
             values.append(sum(map(float, found)) if found else None)
         if any(v is not None for v in values):
             return values, name

@@ -71,8 +71,12 @@ async def _read_body(
             raise ValueError(f"unexpected {type(event).__name__} in a body")
 
 
-async def _send(stream: ByteStream, conn: h11.Connection, head: h11.Request | h11.Response,
-                body: bytes | bytearray) -> None:  # fmt: skip
+async def _send(
+    stream: ByteStream,
+    conn: h11.Connection,
+    head: h11.Request | h11.Response,
+    body: bytes | bytearray,
+) -> None:
     await stream.send(conn.send(head))  # type: ignore[arg-type]
     await stream.send(conn.send(h11.Data(data=body)))  # type: ignore[arg-type]
     await stream.send(conn.send(h11.EndOfMessage()))  # type: ignore[arg-type]
@@ -100,8 +104,11 @@ class Wire1Client:
         async with self._lock:
             if self._stream is None:
                 self._stream = await anyio.connect_tcp(self.host, self.port)
-            request = h11.Request(method="POST", target="/forward",
-                                  headers=[("Host", self.host), *_json_headers(body)])  # fmt: skip
+            request = h11.Request(
+                method="POST",
+                target="/forward",
+                headers=[("Host", self.host), *_json_headers(body)],
+            )
             await _send(self._stream, self._conn, request, body)
             while True:
                 event = self._conn.next_event()
@@ -161,8 +168,12 @@ async def serve_wire1(
                     )
                     if downstream is not None:
                         body = await downstream.post(body)
-                    await _send(stream, conn, h11.Response(status_code=200,
-                                headers=_json_headers(body)), body)  # fmt: skip
+                    await _send(
+                        stream,
+                        conn,
+                        h11.Response(status_code=200, headers=_json_headers(body)),
+                        body,
+                    )
                     conn.start_next_cycle()
 
     listener = await anyio.create_tcp_listener(local_host="127.0.0.1")

@@ -73,15 +73,19 @@ def run(options: BenchOptions) -> SectionResult:
     timings = {
         "numpy copy (baseline)": copy,
         "identity encode": _best(repeat, lambda: encode_tensor(array, encoding="identity")),
-        "identity decode": _best(repeat, lambda: decode_tensor(
-            headers.replace(encoding="identity"), array.reshape(-1).view(np.uint8).data)),
+        "identity decode": _best(
+            repeat,
+            lambda: decode_tensor(
+                headers.replace(encoding="identity"), array.reshape(-1).view(np.uint8).data
+            ),
+        ),
         "zstd encode (level 1)": _best(
             repeat, lambda: encode_tensor(array, encoding="zstd", compressor=compressor)
         ),
         "zstd decode": _best(
             repeat, lambda: decode_tensor(headers, packed, decompressor=decompressor)
         ),
-    }  # fmt: skip
+    }
     ratio_bf16 = len(packed) / array.nbytes
     ratio_zeros = len(zeros_packed) / zeros.nbytes
     result = SectionResult(
@@ -93,11 +97,14 @@ def run(options: BenchOptions) -> SectionResult:
         },
     )
     for name, seconds in timings.items():
-        result.rows.append({
-            "operation": name, "time": us(seconds),
-            "MB/s": f"{rate_mb_s(array.nbytes, seconds):,.0f}",
-            "vs numpy copy": f"{copy / seconds:.2f}x",
-        })  # fmt: skip
+        result.rows.append(
+            {
+                "operation": name,
+                "time": us(seconds),
+                "MB/s": f"{rate_mb_s(array.nbytes, seconds):,.0f}",
+                "vs numpy copy": f"{copy / seconds:.2f}x",
+            }
+        )
     result.notes += [
         f"identity decode: {identity_small * 1e6:.1f} us at 1 MiB, {identity_big * 1e6:.1f} us at "
         f"{mib(big)} (a view: does not grow with the size)",

@@ -47,9 +47,13 @@ def run(options: BenchOptions) -> SectionResult:
                 f"of {request_bytes / 2**20:.2f} MiB"
             )
             stats = anyio.run(
-                _drive, chain.gateway_url, sessions, inputs, per_session,
+                _drive,
+                chain.gateway_url,
+                sessions,
+                inputs,
+                per_session,
                 backend=options.async_backend,
-            )  # fmt: skip
+            )
             if stats.errors or stats.mismatches:
                 raise RuntimeError(
                     f"{sessions} sessions: {stats.errors} errors, {stats.mismatches} "

@@ -59,14 +59,21 @@ async def _bare_echo(stream: ByteStream) -> None:
                         conn.receive_data(await stream.receive(READ_SIZE))
                     elif isinstance(event, h11.Data):
                         body += event.data
-                head = h11.Response(status_code=200, headers=[
-                    (b"Content-Type", b"application/octet-stream"),
-                    (b"Content-Length", str(len(body)).encode()), *wire,
-                ])  # fmt: skip
+                head = h11.Response(
+                    status_code=200,
+                    headers=[
+                        (b"Content-Type", b"application/octet-stream"),
+                        (b"Content-Length", str(len(body)).encode()),
+                        *wire,
+                    ],
+                )
                 # h11's send() may return None (typed Optional) and its Data
                 # is typed bytes; it sends a bytearray as it is.
-                await stream.send(conn.send(head) + conn.send(h11.Data(data=body)) +  # type: ignore[operator, arg-type]
-                                  conn.send(h11.EndOfMessage()))  # fmt: skip
+                await stream.send(
+                    conn.send(head)
+                    + conn.send(h11.Data(data=body))  # type: ignore[operator, arg-type]
+                    + conn.send(h11.EndOfMessage())
+                )
                 conn.start_next_cycle()
 
 
@@ -92,14 +99,22 @@ async def measure(steps: int, backend_flags: list[str]) -> dict[str, list[float]
         serve_node(NodeConfig.load([*QUIET, *backend_flags])) as node,
         serve_bare_echo() as bare_url,
     ):
-        pools = {"node": DownstreamPool(node.url, max_connections=1),
-                 "bare h11": DownstreamPool(bare_url, max_connections=1)}  # fmt: skip
+        pools = {
+            "node": DownstreamPool(node.url, max_connections=1),
+            "bare h11": DownstreamPool(bare_url, max_connections=1),
+        }
         try:
             for position in range(steps + 1):  # the first trip of each opens its connection
                 # Each step is a one-chunk run continuing the session.
-                headers = WireHeaders(shape=array.shape, dtype="bfloat16", session=session,
-                                      chunk_index=0, chunk_total=1, encoding="identity",
-                                      position=position)  # fmt: skip
+                headers = WireHeaders(
+                    shape=array.shape,
+                    dtype="bfloat16",
+                    session=session,
+                    chunk_index=0,
+                    chunk_total=1,
+                    encoding="identity",
+                    position=position,
+                )
                 for name, pool in pools.items():
                     start = time.perf_counter()
                     response = await pool.forward(headers, body, Deadline.after(30.0))
@@ -133,9 +148,12 @@ def run(options: BenchOptions) -> SectionResult:
         },
     )
     for name in times:
-        result.rows.append({
-            "server": "echo node" if name == "node" else "bare trio + h11 echo",
-            "p50": us(p50[name]), "p99": us(p99[name]),
-            "p50 vs bare": f"{p50[name] / p50['bare h11']:.2f}x",
-        })  # fmt: skip
+        result.rows.append(
+            {
+                "server": "echo node" if name == "node" else "bare trio + h11 echo",
+                "p50": us(p50[name]),
+                "p99": us(p99[name]),
+                "p50 vs bare": f"{p50[name] / p50['bare h11']:.2f}x",
+            }
+        )
     return result

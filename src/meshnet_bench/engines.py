@@ -36,6 +36,7 @@ import numpy as np
 from meshnet_bench._result import BenchOptions, SectionResult
 from meshnet_bench._support import current_rss_bytes, server_process
 from meshnet_model.engines.choice import TORCH_INSTALL
+from meshnet_model.formats.config import ModelConfig
 from meshnet_model.testing import small_config, smollm_135m_config, write_checkpoint
 from meshnet_node.model_chain import ModelSession, even_splits
 from meshnet_runtime.downstream import DownstreamPool
@@ -78,13 +79,12 @@ class _Plan:
 def _plan(options: BenchOptions) -> _Plan:
     if options.tiny:
         # One node per engine: the smoke test's time goes to process start-up.
-        return _Plan(layers=4, prompt=16, decode=3, repeats=1, label="toy 4-layer model",
-                     nodes=(1,))  # fmt: skip
+        return _Plan(
+            layers=4, prompt=16, decode=3, repeats=1, label="toy 4-layer model", nodes=(1,)
+        )
     if options.quick:
-        return _Plan(layers=4, prompt=64, decode=6, repeats=1,
-                     label="SmolLM-135M shape, 4 layers")  # fmt: skip
-    return _Plan(layers=30, prompt=128, decode=16, repeats=2,
-                 label="SmolLM-135M shape, 30 layers")  # fmt: skip
+        return _Plan(layers=4, prompt=64, decode=6, repeats=1, label="SmolLM-135M shape, 4 layers")
+    return _Plan(layers=30, prompt=128, decode=16, repeats=2, label="SmolLM-135M shape, 30 layers")
 
 
 @dataclass(slots=True)
@@ -203,8 +203,14 @@ def _transformers_reference(
 
     def generate(new: int) -> _TokenClock:
         clock = _TokenClock()
-        model.generate(prompt, max_new_tokens=new, min_new_tokens=new, do_sample=False,
-                       pad_token_id=0, streamer=clock)  # fmt: skip
+        model.generate(
+            prompt,
+            max_new_tokens=new,
+            min_new_tokens=new,
+            do_sample=False,
+            pad_token_id=0,
+            streamer=clock,
+        )
         return clock
 
     generate(2)  # warm-up
@@ -268,47 +274,39 @@ def run(options: BenchOptions) -> SectionResult:
                 for n in plan.nodes:
                     options.progress(f"engines: starting {label} on {n} node(s)")
                     chains.append(_start_chain(stack, directory, plan, label, flags, n))
-            anyio.run(_measure, chains, plan, config.vocab_size, options.progress,
-                      backend=options.async_backend)  # fmt: skip
+            anyio.run(
+                _measure,
+                chains,
+                plan,
+                config.vocab_size,
+                options.progress,
+                backend=options.async_backend,
+            )
         reference = _reference(directory, plan, config.vocab_size, options.progress)
     options.progress("engines: memory bandwidth (numpy copy)")
     bandwidth = memory_bandwidth_gb_s(64 * 1024 * 1024 if options.tiny else 256 * 1024 * 1024)
     load = max(load_before, _load_average())
     by = {(c.label, c.nodes): c for c in chains}
-    rate = {key: (plan.prompt * plan.repeats / c.prefill, plan.decode * plan.repeats / c.decode)
-            for key, c in by.items()}  # fmt: skip
+    rate = {
+        key: (plan.prompt * plan.repeats / c.prefill, plan.decode * plan.repeats / c.decode)
+        for key, c in by.items()
+    }
     numpy_single = rate[("numpy float32", 1)]
     for (label, n), (prefill, decode) in rate.items():
         rss = by[(label, n)].rss or []
-        result.rows.append({
-            "engine": label, "nodes": str(n),
-            "prefill tok/s": f"{prefill:.1f}", "decode tok/s": f"{decode:.1f}",
-            "decode vs numpy 1 node": f"{decode / numpy_single[1]:.2f}",
-            "RSS per stage MiB": " + ".join(f"{r / 2**20:.0f}" for r in rss),
-        })  # fmt: skip
+        result.rows.append(
+            {
+                "engine": label,
+                "nodes": str(n),
+                "prefill tok/s": f"{prefill:.1f}",
+                "decode tok/s": f"{decode:.1f}",
+                "decode vs numpy 1 node": f"{decode / numpy_single[1]:.2f}",
+                "RSS per stage MiB": " + ".join(f"{r / 2**20:.0f}" for r in rss),
+            }
+        )
     if reference is not None:
-        ref_decode = reference[1]
-        result.rows.append({
-            "engine": "transformers generate float32", "nodes": "-",
-            "prefill tok/s": f"{reference[0]:.1f}",
-            "decode tok/s": "n/a" if ref_decode is None else f"{ref_decode:.1f}",
-            "decode vs numpy 1 node": "n/a" if ref_decode is None
-            else f"{ref_decode / numpy_single[1]:.2f}",
-            "RSS per stage MiB": "-",
-        })  # fmt: skip
-        if ref_decode is None:
-            result.notes.append(
-                "transformers decode tok/s: n/a — no run timed two generated tokens "
-                "apart (a rate needs a positive interval between the first and the last)."
-            )
-    limits = {}
-    for dtype, size in (("float32", 4), ("bfloat16", 2)):
-        limits[dtype] = bandwidth * 1e9 / weight_bytes_per_step(config, size)
-        result.rows.append({
-            "engine": f"limit: {dtype} weights / bandwidth", "nodes": "-", "prefill tok/s": "-",
-            "decode tok/s": f"{limits[dtype]:.1f}", "decode vs numpy 1 node": "-",
-            "RSS per stage MiB": "-",
-        })  # fmt: skip
+        _reference_row(result, reference, numpy_single)
+    limits = _limit_rows(result, bandwidth, config)
     keys = _keys(rate, bandwidth, limits, load, reference)
     if ("torch float32", 1) not in rate:
         result.notes.append(
@@ -326,6 +324,48 @@ def run(options: BenchOptions) -> SectionResult:
     return result
 
 
+def _reference_row(
+    result: SectionResult, reference: tuple[float, float | None], numpy_single: tuple[float, float]
+) -> None:
+    """transformers' own generate, beside the engines (decode n/a without a rate)."""
+    ref_decode = reference[1]
+    result.rows.append(
+        {
+            "engine": "transformers generate float32",
+            "nodes": "-",
+            "prefill tok/s": f"{reference[0]:.1f}",
+            "decode tok/s": "n/a" if ref_decode is None else f"{ref_decode:.1f}",
+            "decode vs numpy 1 node": "n/a"
+            if ref_decode is None
+            else f"{ref_decode / numpy_single[1]:.2f}",
+            "RSS per stage MiB": "-",
+        }
+    )
+    if ref_decode is None:
+        result.notes.append(
+            "transformers decode tok/s: n/a — no run timed two generated tokens "
+            "apart (a rate needs a positive interval between the first and the last)."
+        )
+
+
+def _limit_rows(result: SectionResult, bandwidth: float, config: ModelConfig) -> dict[str, float]:
+    """The decode rate the memory bandwidth allows each weight dtype."""
+    limits = {}
+    for dtype, size in (("float32", 4), ("bfloat16", 2)):
+        limits[dtype] = bandwidth * 1e9 / weight_bytes_per_step(config, size)
+        result.rows.append(
+            {
+                "engine": f"limit: {dtype} weights / bandwidth",
+                "nodes": "-",
+                "prefill tok/s": "-",
+                "decode tok/s": f"{limits[dtype]:.1f}",
+                "decode vs numpy 1 node": "-",
+                "RSS per stage MiB": "-",
+            }
+        )
+    return limits
+
+
 def _start_chain(
     stack: contextlib.ExitStack,
     directory: str,
@@ -338,8 +378,17 @@ def _start_chain(
     url: str | None = None
     pids: list[int] = []
     for a, b in reversed(even_splits(plan.layers, n)):
-        argv = ["--port", "0", "--model", directory, "--layers", f"{a}:{b}",
-                "--log-level", "warning", *flags]  # fmt: skip
+        argv = [
+            "--port",
+            "0",
+            "--model",
+            directory,
+            "--layers",
+            f"{a}:{b}",
+            "--log-level",
+            "warning",
+            *flags,
+        ]
         if url is not None:
             argv += ["--next", url]
         proc, url = stack.enter_context(server_process("meshnet_node", *argv, timeout=180.0))
@@ -368,13 +417,15 @@ def _keys(
         if ("torch float32", 2) in rate:
             split = rate[("torch float32", 2)][1] / f32[1]
             keys["engines_torch_f32_split2_over_single_decode"] = round(split, 3)
-        keys.update({
-            "engines_torch_f32_over_numpy_decode": round(f32[1] / numpy_single[1], 3),
-            "engines_torch_f32_over_numpy_prefill": round(f32[0] / numpy_single[0], 3),
-            "engines_torch_bf16_over_numpy_decode": round(bf16[1] / numpy_single[1], 3),
-            "engines_torch_f32_decode_tokens_per_s": round(f32[1], 2),
-            "engines_torch_f32_prefill_tokens_per_s": round(f32[0], 2),
-        })  # fmt: skip
+        keys.update(
+            {
+                "engines_torch_f32_over_numpy_decode": round(f32[1] / numpy_single[1], 3),
+                "engines_torch_f32_over_numpy_prefill": round(f32[0] / numpy_single[0], 3),
+                "engines_torch_bf16_over_numpy_decode": round(bf16[1] / numpy_single[1], 3),
+                "engines_torch_f32_decode_tokens_per_s": round(f32[1], 2),
+                "engines_torch_f32_prefill_tokens_per_s": round(f32[0], 2),
+            }
+        )
     return keys
 
 

@@ -135,9 +135,13 @@ def run(options: BenchOptions) -> SectionResult:
             "failover_replayed_tokens": int(got["replayed"]),
         },
     )
-    result.rows.append({
-        "normal step": f"{step * 1000:.1f} ms", "failed-over step": f"{recovery * 1000:.1f} ms",
-        "prompt prefill": f"{prefill * 1000:.1f} ms", "replayed tokens": str(int(got["replayed"])),
-    })  # fmt: skip
+    result.rows.append(
+        {
+            "normal step": f"{step * 1000:.1f} ms",
+            "failed-over step": f"{recovery * 1000:.1f} ms",
+            "prompt prefill": f"{prefill * 1000:.1f} ms",
+            "replayed tokens": str(int(got["replayed"])),
+        }
+    )
     result.notes.append("greedy ids after the failover equal an uninterrupted run's (checked)")
     return result

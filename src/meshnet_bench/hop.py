@@ -37,9 +37,14 @@ async def _node_round_trip(
     pool: DownstreamPool, array: np.ndarray, body: memoryview, session: str
 ) -> memoryview:
     headers = WireHeaders(
-        shape=array.shape, dtype="bfloat16", session=session,
-        chunk_index=0, chunk_total=1, encoding="identity", position=0,
-    )  # fmt: skip
+        shape=array.shape,
+        dtype="bfloat16",
+        session=session,
+        chunk_index=0,
+        chunk_total=1,
+        encoding="identity",
+        position=0,
+    )
     response = await pool.forward(headers, body, Deadline.after(120.0))
     if not isinstance(response, ActivationResponse):
         raise RuntimeError(f"the node answered an error: {response.error}")
@@ -111,9 +116,14 @@ def run(options: BenchOptions) -> SectionResult:
         server_process("meshnet_bench._raw_echo", *backend) as (_, raw_url),
     ):
         times = anyio.run(
-            measure, nbytes, repeat, node_url, raw_url, options.progress,
+            measure,
+            nbytes,
+            repeat,
+            node_url,
+            raw_url,
+            options.progress,
             backend=options.async_backend,
-        )  # fmt: skip
+        )
     raw, node = (median(times[name]) for name in ("raw TCP echo", "node hop (identity)"))
     result = SectionResult(
         title=f"one hop vs raw socket, {mib(nbytes)} bfloat16 identity, separate processes, "
@@ -121,10 +131,12 @@ def run(options: BenchOptions) -> SectionResult:
         keys={"hop_over_raw_throughput": ratio(raw, node)},
     )
     for name, seconds in (("raw TCP echo", raw), ("node hop (identity)", node)):
-        result.rows.append({
-            "path": name,
-            "round trip": ms(seconds),
-            "MB/s": f"{rate_mb_s(nbytes, seconds):.0f}",
-            "vs raw": f"{raw / seconds:.2f}x",
-        })  # fmt: skip
+        result.rows.append(
+            {
+                "path": name,
+                "round trip": ms(seconds),
+                "MB/s": f"{rate_mb_s(nbytes, seconds):.0f}",
+                "vs raw": f"{raw / seconds:.2f}x",
+            }
+        )
     return result

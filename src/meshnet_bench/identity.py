@@ -75,19 +75,28 @@ def _child(path: str, layers: str, mode: str) -> dict[str, Any]:
 
     model_stage.model_identity = timed if mode == "with" else (lambda *a, **k: None)  # type: ignore[assignment]
     wall, cpu = time.perf_counter(), time.process_time()
-    model_stage.load_model_stage(path, None if layers == "all" else layers,
-                                 kv_budget_bytes=_KV_BUDGET)  # fmt: skip
+    model_stage.load_model_stage(
+        path, None if layers == "all" else layers, kv_budget_bytes=_KV_BUDGET
+    )
     wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
     pid = os.getpid()
-    return {"wall": wall, "cpu": cpu, "identity": spent[0], "rss": current_rss_bytes(pid),
-            "peak": peak_rss_bytes(pid)}  # fmt: skip
+    return {
+        "wall": wall,
+        "cpu": cpu,
+        "identity": spent[0],
+        "rss": current_rss_bytes(pid),
+        "peak": peak_rss_bytes(pid),
+    }
 
 
 def _measure(path: Path, layers: str, mode: str) -> dict[str, Any]:
     done = subprocess.run(
         [sys.executable, "-m", "meshnet_bench.identity", str(path), layers, mode],
-        capture_output=True, text=True, timeout=600, check=False,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
     if done.returncode != 0:
         raise RuntimeError(f"load of {path.name} [{layers}] failed: {done.stderr.strip()[-400:]}")
     return json.loads(done.stdout.strip().splitlines()[-1])  # type: ignore[no-any-return]
@@ -106,16 +115,26 @@ def _stage(path: Path, layers: str, repeats: int, warm: bool) -> dict[str, dict[
         for mode in ("with", "without") if k % 2 == 0 else ("without", "with"):
             runs[mode].append(_measure(path, layers, mode))
     # Times: the best run (the least disturbed on a shared machine); memory: the median.
-    return {mode: {"wall": min(r["wall"] for r in got), "cpu": min(r["cpu"] for r in got),
-                   "identity": min(r["identity"] for r in got), "rss": _median(got, "rss"),
-                   "peak": _median(got, "peak")} for mode, got in runs.items()}  # fmt: skip
+    return {
+        mode: {
+            "wall": min(r["wall"] for r in got),
+            "cpu": min(r["cpu"] for r in got),
+            "identity": min(r["identity"] for r in got),
+            "rss": _median(got, "rss"),
+            "peak": _median(got, "peak"),
+        }
+        for mode, got in runs.items()
+    }
 
 
-def _case(result: SectionResult, case: str, path: Path, splits: list[str],
-          options: BenchOptions) -> None:  # fmt: skip
+def _case(
+    result: SectionResult, case: str, path: Path, splits: list[str], options: BenchOptions
+) -> None:
     """One case's rows (a row per stage) and keys (summed over its stages)."""
-    total = {mode: dict.fromkeys(("wall", "cpu", "identity", "peak"), 0.0)
-             for mode in ("with", "without")}  # fmt: skip
+    total = {
+        mode: dict.fromkeys(("wall", "cpu", "identity", "peak"), 0.0)
+        for mode in ("with", "without")
+    }
     repeats = 1 if options.tiny or options.quick else 3
     for layers in splits:
         options.progress(f"identity: {case} [{layers}] x{repeats}")
@@ -124,15 +143,21 @@ def _case(result: SectionResult, case: str, path: Path, splits: list[str],
             for key in total[mode]:
                 total[mode][key] += figures[key]
         w, wo = got["with"], got["without"]
-        result.rows.append({
-            "case": case, "layers": layers,
-            "load with": f"{w['wall']:.2f} s", "without": f"{wo['wall']:.2f} s",
-            "ratio": f"{w['wall'] / wo['wall']:.2f}",
-            "cpu ratio": f"{w['cpu'] / wo['cpu']:.2f}", "in identity": f"{w['identity']:.2f} s",
-            "RSS with": f"{w['rss'] / MiB:.0f} MiB", "RSS without": f"{wo['rss'] / MiB:.0f} MiB",
-            "peak with": f"{w['peak'] / MiB:.0f} MiB",
-            "peak without": f"{wo['peak'] / MiB:.0f} MiB",
-        })  # fmt: skip
+        result.rows.append(
+            {
+                "case": case,
+                "layers": layers,
+                "load with": f"{w['wall']:.2f} s",
+                "without": f"{wo['wall']:.2f} s",
+                "ratio": f"{w['wall'] / wo['wall']:.2f}",
+                "cpu ratio": f"{w['cpu'] / wo['cpu']:.2f}",
+                "in identity": f"{w['identity']:.2f} s",
+                "RSS with": f"{w['rss'] / MiB:.0f} MiB",
+                "RSS without": f"{wo['rss'] / MiB:.0f} MiB",
+                "peak with": f"{w['peak'] / MiB:.0f} MiB",
+                "peak without": f"{wo['peak'] / MiB:.0f} MiB",
+            }
+        )
     w, wo = total["with"], total["without"]
     result.keys[f"identity_{case}_load_ratio"] = round(w["wall"] / wo["wall"], 3)
     result.keys[f"identity_{case}_cpu_ratio"] = round(w["cpu"] / wo["cpu"], 3)

@@ -49,9 +49,14 @@ async def _forward(url: str, array: np.ndarray) -> None:
     pool = DownstreamPool(url, max_connections=1)
     try:
         headers = WireHeaders(
-            shape=array.shape, dtype="bfloat16", session=str(uuid.uuid4()),
-            chunk_index=0, chunk_total=1, encoding="identity", position=0,
-        )  # fmt: skip
+            shape=array.shape,
+            dtype="bfloat16",
+            session=str(uuid.uuid4()),
+            chunk_index=0,
+            chunk_total=1,
+            encoding="identity",
+            position=0,
+        )
         body = array.reshape(-1).view(np.uint8).data
         response = await pool.forward(headers, body, Deadline.after(120.0))
         if not isinstance(response, ActivationResponse) or len(response.body) != array.nbytes:
@@ -80,10 +85,14 @@ def run(options: BenchOptions) -> SectionResult:
         title=f"memory: relay node relaying {mib(nbytes)} bfloat16 identity (real processes)",
         keys={"relay_rss_over_payload": round(increase / nbytes, 3)},
     )
-    result.rows.append({
-        "RSS before": mib(before), "peak RSS": mib(peak), "increase": mib(increase),
-        "increase / payload": f"{increase / nbytes:.2f}",
-    })  # fmt: skip
+    result.rows.append(
+        {
+            "RSS before": mib(before),
+            "peak RSS": mib(peak),
+            "increase": mib(increase),
+            "increase / payload": f"{increase / nbytes:.2f}",
+        }
+    )
     if not exact:
         result.notes.append("peak RSS could not be reset: the figure includes the warm-up")
     return result

@@ -78,10 +78,12 @@ def _plan(options: BenchOptions) -> _Plan:
     if options.tiny:
         return _Plan(layers=4, prompt=16, chunk=8, decode=3, repeats=1, label="toy 4-layer model")
     if options.quick:
-        return _Plan(layers=4, prompt=32, chunk=16, decode=6, repeats=1,
-                     label="SmolLM-135M shape, 4 layers")  # fmt: skip
-    return _Plan(layers=30, prompt=128, chunk=32, decode=16, repeats=2,
-                 label="SmolLM-135M shape, 30 layers")  # fmt: skip
+        return _Plan(
+            layers=4, prompt=32, chunk=16, decode=6, repeats=1, label="SmolLM-135M shape, 4 layers"
+        )
+    return _Plan(
+        layers=30, prompt=128, chunk=32, decode=16, repeats=2, label="SmolLM-135M shape, 30 layers"
+    )
 
 
 @dataclass(slots=True)
@@ -182,9 +184,13 @@ def run(options: BenchOptions) -> SectionResult:
         options.progress(f"model: writing a random checkpoint ({plan.label})")
         write_checkpoint(directory, config, seed=0)
         measured, identical = anyio.run(
-            _measure_all, directory, plan, config.vocab_size, options.progress,
+            _measure_all,
+            directory,
+            plan,
+            config.vocab_size,
+            options.progress,
             backend=options.async_backend,
-        )  # fmt: skip
+        )
     single = measured[1]
     keys: dict[str, float | int | str | None] = {
         "model_shape": plan.label,
@@ -218,7 +224,7 @@ def run(options: BenchOptions) -> SectionResult:
                 "decode vs 1 node": f"{m.decode_tps / single.decode_tps:.2f}",
                 "decode time on the wire": f"{100 * m.decode_wire_share:.0f}%",
             }
-        )  # fmt: skip
+        )
     result.notes.append(
         "All nodes share this machine's cores, so a split can only add wire time here; "
         "across machines each node has its own cores and memory."

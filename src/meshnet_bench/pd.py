@@ -76,16 +76,40 @@ class _Workload:
 
 def _workload(options: BenchOptions) -> _Workload:
     if options.tiny:
-        return _Workload(layers=2, streams=2, stream_prompt=8, stream_steps=6, long_prompts=1,
-                         long_tokens=300, long_answer=2, probe_answer=3,
-                         label="toy 2-layer model")  # fmt: skip
+        return _Workload(
+            layers=2,
+            streams=2,
+            stream_prompt=8,
+            stream_steps=6,
+            long_prompts=1,
+            long_tokens=300,
+            long_answer=2,
+            probe_answer=3,
+            label="toy 2-layer model",
+        )
     if options.quick:
-        return _Workload(layers=8, streams=4, stream_prompt=32, stream_steps=32, long_prompts=1,
-                         long_tokens=1500, long_answer=2, probe_answer=4,
-                         label="SmolLM-135M shape, 8 layers")  # fmt: skip
-    return _Workload(layers=30, streams=4, stream_prompt=32, stream_steps=64, long_prompts=3,
-                     long_tokens=1500, long_answer=2, probe_answer=8,
-                     label="SmolLM-135M shape, 30 layers")  # fmt: skip
+        return _Workload(
+            layers=8,
+            streams=4,
+            stream_prompt=32,
+            stream_steps=32,
+            long_prompts=1,
+            long_tokens=1500,
+            long_answer=2,
+            probe_answer=4,
+            label="SmolLM-135M shape, 8 layers",
+        )
+    return _Workload(
+        layers=30,
+        streams=4,
+        stream_prompt=32,
+        stream_steps=64,
+        long_prompts=3,
+        long_tokens=1500,
+        long_answer=2,
+        probe_answer=8,
+        label="SmolLM-135M shape, 30 layers",
+    )
 
 
 @dataclass(slots=True)
@@ -97,8 +121,9 @@ class _Mode:
     replayed: int = 0
 
 
-SETTINGS = ChainSettings(chunk_tokens=128, inflight=1, encoding="identity", zstd_level=3,
-                         timeout=600.0)  # fmt: skip
+SETTINGS = ChainSettings(
+    chunk_tokens=128, inflight=1, encoding="identity", zstd_level=3, timeout=600.0
+)
 
 
 def _ids(vocab: int, seed: Sequence[int], count: int) -> list[int]:
@@ -183,8 +208,10 @@ def _measure(
 ) -> dict[str, _Mode]:
     figures = {}
     for name, roles in MODES.items():
-        options.progress(f"pd: {name} (--kv-role {','.join(roles)}), {plan.streams} streams, "
-                         f"{plan.long_prompts} x {plan.long_tokens}-token prompts")  # fmt: skip
+        options.progress(
+            f"pd: {name} (--kv-role {','.join(roles)}), {plan.streams} streams, "
+            f"{plan.long_prompts} x {plan.long_tokens}-token prompts"
+        )
         with ExitStack() as stack:
             urls = list(_replicas(stack, checkpoint, roles))
             figures[name] = anyio.run(_drive, urls, plan, vocab, backend=options.async_backend)
@@ -210,8 +237,10 @@ def run(options: BenchOptions) -> SectionResult:
     equal = mixed.answers == split.answers
     if not equal:
         raise RuntimeError("pd: the answers with and without disaggregation differ")
-    p = {name: (percentile(m.token_times, 0.5), percentile(m.token_times, 0.99))
-         for name, m in got.items()}  # fmt: skip
+    p = {
+        name: (percentile(m.token_times, 0.5), percentile(m.token_times, 0.99))
+        for name, m in got.items()
+    }
     ttft = {name: percentile(m.long_ttft, 0.5) for name, m in got.items()}
     result = SectionResult(
         title=f"Prefill/decode disaggregation: 2 replicas of the whole model ({plan.label}), "
@@ -229,16 +258,18 @@ def run(options: BenchOptions) -> SectionResult:
         "pd_handoffs": split.handoffs,
     }
     for name, m in got.items():
-        result.rows.append({
-            "mode": f"{name} (--kv-role {','.join(MODES[name])})",
-            "decode steps": str(len(m.token_times)),
-            "per-token p50": f"{1000 * p[name][0]:.1f} ms",
-            "per-token p99": f"{1000 * p[name][1]:.1f} ms",
-            "p99 vs mixed": f"{p[name][1] / p['mixed'][1]:.2f}",
-            "long-prompt TTFT p50": f"{1000 * ttft[name]:.0f} ms",
-            "KV moves": str(m.handoffs),
-            "replayed chunks": str(m.replayed),
-        })  # fmt: skip
+        result.rows.append(
+            {
+                "mode": f"{name} (--kv-role {','.join(MODES[name])})",
+                "decode steps": str(len(m.token_times)),
+                "per-token p50": f"{1000 * p[name][0]:.1f} ms",
+                "per-token p99": f"{1000 * p[name][1]:.1f} ms",
+                "p99 vs mixed": f"{p[name][1] / p['mixed'][1]:.2f}",
+                "long-prompt TTFT p50": f"{1000 * ttft[name]:.0f} ms",
+                "KV moves": str(m.handoffs),
+                "replayed chunks": str(m.replayed),
+            }
+        )
     result.notes.append(
         "Greedy answers (long prompts and a probe) equal in both modes: yes; the KV move is "
         "timed inside the first decode step of each session."

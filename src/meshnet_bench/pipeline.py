@@ -44,8 +44,15 @@ async def measure(delay_ms: int, window: int, repeat: int) -> tuple[float, np.nd
             flags = [*QUIET, "--delay-ms", str(delay_ms), *next_flags]
             node = await stack.enter_async_context(serve_node(NodeConfig.load(flags)))
             next_flags = ["--next", node.url]
-        gateway_flags = [*QUIET, "--entry", node.url, "--chunk-tokens", str(CHUNK_TOKENS),
-                         "--inflight", str(window)]  # fmt: skip
+        gateway_flags = [
+            *QUIET,
+            "--entry",
+            node.url,
+            "--chunk-tokens",
+            str(CHUNK_TOKENS),
+            "--inflight",
+            str(window),
+        ]
         gateway = await stack.enter_async_context(open_gateway(GatewayConfig.load(gateway_flags)))
         client = await stack.enter_async_context(Client(gateway.url))
         best, output = await best_forward(client, array, encoding="identity", repeat=repeat)
@@ -58,8 +65,10 @@ def run(options: BenchOptions) -> SectionResult:
     delay_ms = 5 if options.tiny else 50
     repeat = 1 if options.tiny else 2 if options.quick else 5
     ideal = (CHUNKS + STAGES - 1) * delay_ms / 1000
-    options.progress(f"pipeline: {CHUNKS} chunks x {STAGES} nodes, --delay-ms {delay_ms}, "
-                     f"--inflight {' and '.join(map(str, WINDOWS))}, best of {repeat}")  # fmt: skip
+    options.progress(
+        f"pipeline: {CHUNKS} chunks x {STAGES} nodes, --delay-ms {delay_ms}, "
+        f"--inflight {' and '.join(map(str, WINDOWS))}, best of {repeat}"
+    )
     measured = {
         window: anyio.run(measure, delay_ms, window, repeat, backend=options.async_backend)[0]
         for window in WINDOWS
@@ -70,10 +79,14 @@ def run(options: BenchOptions) -> SectionResult:
         keys={"pipeline_efficiency": ratio(ideal, measured[4])},
     )
     for window, seconds in measured.items():
-        result.rows.append({
-            "--inflight": str(window), "measured": ms(seconds),
-            "ideal pipeline": ms(ideal), "ideal / measured": f"{ideal / seconds:.2f}",
-        })  # fmt: skip
+        result.rows.append(
+            {
+                "--inflight": str(window),
+                "measured": ms(seconds),
+                "ideal pipeline": ms(ideal),
+                "ideal / measured": f"{ideal / seconds:.2f}",
+            }
+        )
     result.notes.append(
         f"serial would be {CHUNKS * STAGES * delay_ms} ms; outputs checked bit-identical"
     )

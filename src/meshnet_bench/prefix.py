@@ -61,13 +61,37 @@ class _Plan:
 
 def _plan(options: BenchOptions) -> _Plan:
     if options.tiny:
-        return _Plan(layers=2, first_turn=70, answer=2, question=8, system=64, users=2,
-                     repeats=1, label="toy 2-layer model")  # fmt: skip
+        return _Plan(
+            layers=2,
+            first_turn=70,
+            answer=2,
+            question=8,
+            system=64,
+            users=2,
+            repeats=1,
+            label="toy 2-layer model",
+        )
     if options.quick:
-        return _Plan(layers=8, first_turn=450, answer=8, question=24, system=1000, users=4,
-                     repeats=2, label="SmolLM-135M shape, 8 layers")  # fmt: skip
-    return _Plan(layers=30, first_turn=450, answer=16, question=24, system=1000, users=16,
-                 repeats=3, label="SmolLM-135M shape, 30 layers")  # fmt: skip
+        return _Plan(
+            layers=8,
+            first_turn=450,
+            answer=8,
+            question=24,
+            system=1000,
+            users=4,
+            repeats=2,
+            label="SmolLM-135M shape, 8 layers",
+        )
+    return _Plan(
+        layers=30,
+        first_turn=450,
+        answer=16,
+        question=24,
+        system=1000,
+        users=16,
+        repeats=3,
+        label="SmolLM-135M shape, 30 layers",
+    )
 
 
 @dataclass(slots=True)
@@ -80,8 +104,9 @@ class _Figures:
     other_users: float = 0.0
 
 
-async def _measure(directory: str, plan: _Plan, vocab: int,
-                   progress: Callable[[str], None]) -> _Figures:  # fmt: skip
+async def _measure(
+    directory: str, plan: _Plan, vocab: int, progress: Callable[[str], None]
+) -> _Figures:
     rng = np.random.default_rng(0)
     figures = _Figures()
     async with AsyncExitStack() as stack:
@@ -123,8 +148,14 @@ def run(options: BenchOptions) -> SectionResult:
     plan = _plan(options)
     result = SectionResult(title=f"Prefix cache over a 2-node chain ({plan.label}, loopback)")
     with random_smollm(options, plan.layers, plan.label, "prefix") as (directory, config):
-        f = anyio.run(_measure, directory, plan, config.vocab_size, options.progress,
-                      backend=options.async_backend)  # fmt: skip
+        f = anyio.run(
+            _measure,
+            directory,
+            plan,
+            config.vocab_size,
+            options.progress,
+            backend=options.async_backend,
+        )
     second_turn = plan.first_turn + plan.answer + plan.question
     result.keys = {
         "prefix_second_turn_tokens": second_turn,
@@ -134,16 +165,27 @@ def run(options: BenchOptions) -> SectionResult:
         "prefix_max_logit_diff": float(f"{f.max_diff:.3g}"),
     }
     result.rows = [
-        {"workload": f"second turn ({second_turn} tokens), cold",
-         "TTFT ms": f"{1000 * f.cold:.0f}", "vs cold": "1.00"},
-        {"workload": f"second turn ({second_turn} tokens), prefix cache",
-         "TTFT ms": f"{1000 * f.warm:.0f}", "vs cold": f"{f.warm / f.cold:.2f}"},
-        {"workload": f"{plan.system}-token system prompt, first user",
-         "TTFT ms": f"{1000 * f.first_user:.0f}", "vs cold": "1.00"},
-        {"workload": f"same, users 2..{plan.users} (mean)",
-         "TTFT ms": f"{1000 * f.other_users:.0f}",
-         "vs cold": f"{f.other_users / f.first_user:.2f}"},
-    ]  # fmt: skip
+        {
+            "workload": f"second turn ({second_turn} tokens), cold",
+            "TTFT ms": f"{1000 * f.cold:.0f}",
+            "vs cold": "1.00",
+        },
+        {
+            "workload": f"second turn ({second_turn} tokens), prefix cache",
+            "TTFT ms": f"{1000 * f.warm:.0f}",
+            "vs cold": f"{f.warm / f.cold:.2f}",
+        },
+        {
+            "workload": f"{plan.system}-token system prompt, first user",
+            "TTFT ms": f"{1000 * f.first_user:.0f}",
+            "vs cold": "1.00",
+        },
+        {
+            "workload": f"same, users 2..{plan.users} (mean)",
+            "TTFT ms": f"{1000 * f.other_users:.0f}",
+            "vs cold": f"{f.other_users / f.first_user:.2f}",
+        },
+    ]
     result.notes.append(
         f"Greedy answers with and without the cache equal: {'yes' if f.equal else 'NO'}; "
         f"largest logit difference {f.max_diff:.2g} (the suffix is chunked differently)."

@@ -35,7 +35,6 @@ measured here) are constants, with our quantized chain's ratio to them.
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import os
 import tempfile
 import time
@@ -48,6 +47,7 @@ import anyio
 import numpy as np
 
 from meshnet_bench._needs import Need, skip_line
+from meshnet_bench._quant_quality import quality, quality_ids, torch_available
 from meshnet_bench._result import BenchOptions, SectionResult
 from meshnet_bench._support import current_rss_bytes, peak_rss_bytes, server_process
 from meshnet_model.source import packaged_model_path
@@ -73,8 +73,13 @@ LLAMA_CPP: dict[str, dict[str, float]] = {
     "llama1b": {"load_s": 2.5, "decode": 14.6, "rss_mib": 1452.0},
 }
 MODELS = ("smollm2", "llama1b")
-_PER_CONFIG = ("decode_tokens_per_s", "prefill_tokens_per_s", "rss_over_file", "peak_over_rss",
-               "load_s")  # fmt: skip
+_PER_CONFIG = (
+    "decode_tokens_per_s",
+    "prefill_tokens_per_s",
+    "rss_over_file",
+    "peak_over_rss",
+    "load_s",
+)
 
 KEYS: tuple[str, ...] = (
     *(f"quant_{m}_{c}_{k}" for m in MODELS for c, _, _ in CONFIGS for k in _PER_CONFIG),
@@ -107,13 +112,14 @@ class _Plan:
 
 def _plan(options: BenchOptions) -> _Plan:
     if options.tiny:
-        return _Plan(("tiny",), prompt=8, decode=3, prefill=32, chunk=16, repeats=1,
-                     kl_positions=32)  # fmt: skip
+        return _Plan(
+            ("tiny",), prompt=8, decode=3, prefill=32, chunk=16, repeats=1, kl_positions=32
+        )
     if options.quick:
-        return _Plan(("smollm2",), prompt=32, decode=8, prefill=128, chunk=128, repeats=1,
-                     kl_positions=128)  # fmt: skip
-    return _Plan(MODELS, prompt=32, decode=24, prefill=512, chunk=128, repeats=3,
-                 kl_positions=512)  # fmt: skip
+        return _Plan(
+            ("smollm2",), prompt=32, decode=8, prefill=128, chunk=128, repeats=1, kl_positions=128
+        )
+    return _Plan(MODELS, prompt=32, decode=24, prefill=512, chunk=128, repeats=3, kl_positions=512)
 
 
 @dataclass(slots=True)
@@ -164,18 +170,13 @@ def stage_file_bytes(path: Path, layers: tuple[int, int], total: int) -> int:
 
     tensors = GGUFFile(path).tensors
     start, end = layers
-    wanted = [n for n in tensors if n.startswith("blk.")
-              and start <= int(n.split(".")[1]) < end]  # fmt: skip
+    wanted = [n for n in tensors if n.startswith("blk.") and start <= int(n.split(".")[1]) < end]
     if start == 0:
         wanted.append("token_embd.weight")
     if end == total:
         head = "output.weight" if "output.weight" in tensors else "token_embd.weight"
         wanted += ["output_norm.weight", head]
     return sum(int(tensors[n].n_bytes) for n in wanted)
-
-
-def _torch_available() -> bool:
-    return importlib.util.find_spec("torch") is not None
 
 
 def _load_average() -> float:
@@ -192,9 +193,20 @@ def _start_chain(
     stages: list[_Stage] = []
     whole = name == WHOLE
     for a, b in reversed(even_splits(model.layers, 1 if whole else 2)):
-        argv = ["--port", "0", "--host", "127.0.0.1", "--model", str(model.path),
-                "--layers", f"{a}:{b}", "--log-level", "warning",
-                *flags, *(("--threads", "2") if whole else THREADS)]  # fmt: skip
+        argv = [
+            "--port",
+            "0",
+            "--host",
+            "127.0.0.1",
+            "--model",
+            str(model.path),
+            "--layers",
+            f"{a}:{b}",
+            "--log-level",
+            "warning",
+            *flags,
+            *(("--threads", "2") if whole else THREADS),
+        ]
         if url is not None:
             argv += ["--next", url]
         started = time.perf_counter()
@@ -207,8 +219,9 @@ def _start_chain(
     return _Chain(name, label, stages, url, pool=DownstreamPool(url))
 
 
-async def _measure(chains: list[_Chain], plan: _Plan, vocab: int,
-                   progress: Callable[[str], None]) -> None:  # fmt: skip
+async def _measure(
+    chains: list[_Chain], plan: _Plan, vocab: int, progress: Callable[[str], None]
+) -> None:
     from meshnet_node.model_chain import ModelSession
 
     rng = np.random.default_rng(0)
@@ -241,57 +254,6 @@ async def _measure(chains: list[_Chain], plan: _Plan, vocab: int,
         await chain.pool.aclose()
 
 
-class _Fixed:
-    """An engine whose ``score`` is logits computed once (the reference, so
-    that ``compare`` against two candidates scores it only once)."""
-
-    def __init__(self, logits: np.ndarray) -> None:
-        self.logits = logits
-
-    def new_cache(self, budget: Any, batch: int) -> _Fixed:
-        return self
-
-    def close(self) -> None:
-        pass
-
-    def score(self, ids: np.ndarray, cache: Any) -> np.ndarray:
-        return self.logits
-
-
-def _quality(model: _Model, ids: np.ndarray, progress: Callable[[str], None]) -> None:
-    """KL / top-1 of each torch configuration against numpy float32, in process."""
-    import gc
-
-    from meshnet_model import StageModel, StageRunner
-    from meshnet_model.stage.kv_cache import KVBudget
-    from meshnet_model.testing.quality import compare
-
-    progress(f"quant: {model.label}: numpy float32 reference over {ids.shape[1]} positions")
-    reference = StageRunner.load(model.path).model
-    assert isinstance(reference, StageModel)  # load's default engine, the one that scores
-    cache = reference.new_cache(KVBudget(1 << 40), 1)
-    try:
-        logits = np.asarray(reference.score(ids, cache))
-    finally:
-        cache.close()
-    del reference, cache
-    gc.collect()
-    fixed = _Fixed(logits)
-    if not _torch_available():
-        return
-    import torch
-
-    from meshnet_model.engines.torch.engine import load_torch_runner
-
-    torch.set_num_threads(os.cpu_count() or 1)
-    for name, dtype in (("bf16", "bfloat16"), ("keep", "keep")):
-        progress(f"quant: {model.label}: torch {dtype} against it")
-        candidate = load_torch_runner(model.path, dtype=dtype).model
-        model.quality[name] = compare(fixed, candidate, ids)
-        del candidate
-        gc.collect()
-
-
 def _models(plan: _Plan, directory: Path, progress: Callable[[str], None]) -> list[_Model]:
     from meshnet_model.testing.random_gguf import (
         LLAMA_3_2_1B,
@@ -310,30 +272,32 @@ def _models(plan: _Plan, directory: Path, progress: Callable[[str], None]) -> li
             models.append(_Model(key, "SmolLM2-135M-Instruct Q4_1 (real)", path, 30, 49152))
         elif key == "llama1b":
             progress("quant: writing a random Llama-3.2-1B-shaped Q4_0 file")
-            path = write_random_gguf(directory / "llama-3.2-1b-random-q4_0.gguf", LLAMA_3_2_1B,
-                                     "Q4_0")  # fmt: skip
-            models.append(_Model(key, "Llama-3.2-1B shape Q4_0 (random)", path,
-                                 LLAMA_3_2_1B["num_hidden_layers"],
-                                 LLAMA_3_2_1B["vocab_size"]))  # fmt: skip
+            path = write_random_gguf(
+                directory / "llama-3.2-1b-random-q4_0.gguf", LLAMA_3_2_1B, "Q4_0"
+            )
+            models.append(
+                _Model(
+                    key,
+                    "Llama-3.2-1B shape Q4_0 (random)",
+                    path,
+                    LLAMA_3_2_1B["num_hidden_layers"],
+                    LLAMA_3_2_1B["vocab_size"],
+                )
+            )
         else:
-            path = write_random_gguf(directory / "tiny-q4_0.gguf", TINY, "Q4_0",
-                                     weight_std=TINY_WEIGHT_STD)  # fmt: skip
-            models.append(_Model(key, "toy 2-layer Q4_0 (random)", path,
-                                 TINY["num_hidden_layers"], TINY["vocab_size"]))  # fmt: skip
+            path = write_random_gguf(
+                directory / "tiny-q4_0.gguf", TINY, "Q4_0", weight_std=TINY_WEIGHT_STD
+            )
+            models.append(
+                _Model(
+                    key,
+                    "toy 2-layer Q4_0 (random)",
+                    path,
+                    TINY["num_hidden_layers"],
+                    TINY["vocab_size"],
+                )
+            )
     return models
-
-
-def _quality_ids(model: _Model, plan: _Plan) -> np.ndarray:
-    if model.key == "smollm2":
-        from meshnet_model.formats.gguf.tokenizer import load_gguf_tokenizer
-        from meshnet_model.testing.quality import PROSE
-
-        ids = load_gguf_tokenizer(model.path).tokenizer.encode(PROSE).ids
-        if not plan.kl_positions >= 512:
-            ids = ids[: plan.kl_positions]
-        return np.asarray([ids], np.int32)
-    rng = np.random.default_rng(1)
-    return rng.integers(0, model.vocab, (1, plan.kl_positions)).astype(np.int32)
 
 
 def _cells(chain: _Chain, plan: _Plan) -> dict[str, float]:
@@ -354,9 +318,10 @@ def _workdir() -> Iterator[Path]:
 
 def run(options: BenchOptions) -> SectionResult:
     plan = _plan(options)
-    configs = [c for c in CONFIGS if c[0] == "numpy" or _torch_available()]
-    result = SectionResult(title="GGUF stages held quantized (2 node processes per chain, "
-                                 "--threads 1 each, loopback)")  # fmt: skip
+    configs = [c for c in CONFIGS if c[0] == "numpy" or torch_available()]
+    result = SectionResult(
+        title="GGUF stages held quantized (2 node processes per chain, --threads 1 each, loopback)"
+    )
     # The keys of the files this plan measures (the tiny plan's are its own).
     keys: dict[str, float | int | str | None] = {
         key: None for key in KEYS if any(key.startswith(f"quant_{m}_") for m in plan.models)
@@ -369,9 +334,15 @@ def run(options: BenchOptions) -> SectionResult:
                 for name, label, flags in configs:
                     options.progress(f"quant: {model.label}: starting {label} over 2 nodes")
                     model.chains.append(_start_chain(stack, model, name, label, flags))
-                anyio.run(_measure, model.chains, plan, model.vocab, options.progress,
-                          backend=options.async_backend)  # fmt: skip
-            _quality(model, _quality_ids(model, plan), options.progress)
+                anyio.run(
+                    _measure,
+                    model.chains,
+                    plan,
+                    model.vocab,
+                    options.progress,
+                    backend=options.async_backend,
+                )
+            quality(model, quality_ids(model, plan), options.progress)
     load_after = _load_average()
     for model in models:
         cells = {c.name: _cells(c, plan) for c in model.chains}
@@ -403,19 +374,24 @@ def _chain_rows(
     for chain in model.chains:
         mine = cells[chain.name]
         agreement = model.quality.get(chain.name)
-        result.rows.append({
-            "model": model.label, "engine": chain.label,
-            "prefill tok/s": f"{mine['prefill']:.1f}",
-            "decode tok/s": f"{mine['decode']:.1f}",
-            "RSS/file per stage": " + ".join(f"{s.rss / s.file_bytes:.2f}"
-                                             for s in chain.stages),
-            "RSS MiB": " + ".join(f"{s.rss / MiB:.0f}" for s in chain.stages),
-            "peak/RSS": " + ".join(f"{s.peak / s.rss:.2f}" for s in chain.stages),
-            "load s": " + ".join(f"{s.load_s:.1f}" for s in chain.stages),
-            "KL mean (max)": "-" if agreement is None
-            else f"{agreement.kl_mean:.4f} ({agreement.kl_max:.3f})",
-            "top-1": "-" if agreement is None else f"{agreement.top1:.3f}",
-        })  # fmt: skip
+        result.rows.append(
+            {
+                "model": model.label,
+                "engine": chain.label,
+                "prefill tok/s": f"{mine['prefill']:.1f}",
+                "decode tok/s": f"{mine['decode']:.1f}",
+                "RSS/file per stage": " + ".join(
+                    f"{s.rss / s.file_bytes:.2f}" for s in chain.stages
+                ),
+                "RSS MiB": " + ".join(f"{s.rss / MiB:.0f}" for s in chain.stages),
+                "peak/RSS": " + ".join(f"{s.peak / s.rss:.2f}" for s in chain.stages),
+                "load s": " + ".join(f"{s.load_s:.1f}" for s in chain.stages),
+                "KL mean (max)": "-"
+                if agreement is None
+                else f"{agreement.kl_mean:.4f} ({agreement.kl_max:.3f})",
+                "top-1": "-" if agreement is None else f"{agreement.top1:.3f}",
+            }
+        )
         prefix = f"quant_{model.key}_{chain.name}_"
         keys[prefix + "decode_tokens_per_s"] = round(mine["decode"], 2)
         keys[prefix + "prefill_tokens_per_s"] = round(mine["prefill"], 2)
@@ -463,8 +439,11 @@ def _keep_ratios(
         )
         return
     rss = sum(s.rss for s in chain.stages) / MiB
-    ratios = (keep["decode"] / quoted["decode"], keep["load_s"] / quoted["load_s"],
-              rss / quoted["rss_mib"])  # fmt: skip
+    ratios = (
+        keep["decode"] / quoted["decode"],
+        keep["load_s"] / quoted["load_s"],
+        rss / quoted["rss_mib"],
+    )
     keys["quant_llama1b_keep_over_llama_cpp_decode"] = round(ratios[0], 3)
     keys["quant_llama1b_keep_over_llama_cpp_load"] = round(ratios[1], 3)
     keys["quant_llama1b_keep_over_llama_cpp_rss"] = round(ratios[2], 3)

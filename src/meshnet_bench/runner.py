@@ -180,8 +180,11 @@ def _grid(rows: list[dict[str, str]]) -> list[str]:
         ]
         return "  " + "  ".join(out).rstrip()
 
-    return [line({c: c for c in columns}), "  " + "  ".join("-" * widths[c] for c in columns),
-            *(line(row) for row in rows)]  # fmt: skip
+    return [
+        line({c: c for c in columns}),
+        "  " + "  ".join("-" * widths[c] for c in columns),
+        *(line(row) for row in rows),
+    ]
 
 
 def verdict(key: str, value: Any) -> str:
@@ -266,8 +269,9 @@ def draw_plot(options: BenchOptions, path: Path) -> Path:
     figure, axes = plt.subplots(figsize=(8, 5), dpi=110)
     for name in dict.fromkeys(p.name for p in points):
         mine = [p for p in points if p.name == name]
-        axes.plot([p.tensor_bytes / 2**20 for p in mine], [p.mb_s for p in mine],
-                  marker="o", label=name)  # fmt: skip
+        axes.plot(
+            [p.tensor_bytes / 2**20 for p in mine], [p.mb_s for p in mine], marker="o", label=name
+        )
     axes.set_xscale("log", base=2)
     axes.set_yscale("log")
     axes.set_xlabel("activation size, float32 MiB ([1, tokens, 4096])")
@@ -319,8 +323,10 @@ def main(
     options.progress(f"bench done in {elapsed:.1f} s")
     if quick and elapsed > QUICK_BUDGET_S:
         load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
-        options.progress(f"note: --quick took {elapsed:.0f} s, over the {QUICK_BUDGET_S:.0f} s "
-                         f"it usually takes; load average now {load}")  # fmt: skip
+        options.progress(
+            f"note: --quick took {elapsed:.0f} s, over the {QUICK_BUDGET_S:.0f} s "
+            f"it usually takes; load average now {load}"
+        )
     if as_json:
         out(json.dumps(keys))
     else:

@@ -73,9 +73,22 @@ ACCEPTANCE = (
 )
 
 _PROCESSES = ("stage1", "stage2", "gateway")
-_PER_LEVEL = ("tok_s", "scaling", "tokens", "seconds", "ttft_p50_ms", "ttft_p99_ms",
-              "gap_p50_ms", "gap_p99_ms", "gap_p50_over_1", "util_stage1", "util_stage2",
-              *(f"cpu_{p}" for p in _PROCESSES), "errors", "cut")  # fmt: skip
+_PER_LEVEL = (
+    "tok_s",
+    "scaling",
+    "tokens",
+    "seconds",
+    "ttft_p50_ms",
+    "ttft_p99_ms",
+    "gap_p50_ms",
+    "gap_p99_ms",
+    "gap_p50_over_1",
+    "util_stage1",
+    "util_stage2",
+    *(f"cpu_{p}" for p in _PROCESSES),
+    "errors",
+    "cut",
+)
 _PER_MID = ("gap_p50_ms", "gap_p99_ms", "p99_over_plain", "long_s", "long_status")
 KEYS: tuple[str, ...] = (
     *(f"serve_{k}_{n}" for n in LEVELS for k in _PER_LEVEL),
@@ -141,8 +154,12 @@ class _Round:
 
     def gaps(self, window: tuple[float, float] | None = None) -> list[float]:
         """Per-token gaps; with ``window``, those overlapping it."""
-        return [b - a for s in self.streams for a, b in pairwise(s.times)
-                if window is None or (b >= window[0] and a <= window[1])]  # fmt: skip
+        return [
+            b - a
+            for s in self.streams
+            for a, b in pairwise(s.times)
+            if window is None or (b >= window[0] and a <= window[1])
+        ]
 
     @property
     def errors(self) -> Counter[str]:
@@ -157,12 +174,15 @@ def _prompts(plan: _Plan, count: int) -> list[str]:
     # Distinct prompts (no two streams share a prefix to reuse), each asking
     # for a long run of numbers: greedy decoding keeps counting rather than
     # ending early (the API has no ignore_eos).
-    return [f"Count from {k} to {k + 500}, separated by commas: {k}, {k + 1}, {k + 2},"
-            for k in range(3, 3 + 37 * count, 37)]  # fmt: skip
+    return [
+        f"Count from {k} to {k + 500}, separated by commas: {k}, {k + 1}, {k + 2},"
+        for k in range(3, 3 + 37 * count, 37)
+    ]
 
 
-async def _long_prompt(url: str, payload: dict[str, Any], streams: list[_Stream], long: _Long,
-                       cap_s: float) -> None:  # fmt: skip
+async def _long_prompt(
+    url: str, payload: dict[str, Any], streams: list[_Stream], long: _Long, cap_s: float
+) -> None:
     """Once every stream has two text events (or ended, or a third of the cap
     passed), the long prompt; its flight is the window the gaps are read in."""
     started = time.perf_counter()
@@ -182,8 +202,13 @@ async def _long_prompt(url: str, payload: dict[str, Any], streams: list[_Stream]
             long.status = "cut"
 
 
-async def _round(chain: _Chain, model: str, prompts: Sequence[str], plan: _Plan,
-                 long_ids: list[int] | None = None) -> _Round:  # fmt: skip
+async def _round(
+    chain: _Chain,
+    model: str,
+    prompts: Sequence[str],
+    plan: _Plan,
+    long_ids: list[int] | None = None,
+) -> _Round:
     gateway, nodes = chain.gateway, chain.nodes
     before, metric = await _busy(nodes)
     cpu_before = [_cpu_seconds(pid) for pid in chain.pids]
@@ -193,19 +218,28 @@ async def _round(chain: _Chain, model: str, prompts: Sequence[str], plan: _Plan,
     with anyio.move_on_after(plan.cap_s):
         async with anyio.create_task_group() as group:
             for prompt, stream in zip(prompts, streams, strict=True):
-                payload = {"model": model, "prompt": prompt, "max_tokens": plan.max_tokens,
-                           "temperature": 0, "stream": True,
-                           "stream_options": {"include_usage": True}}  # fmt: skip
+                payload = {
+                    "model": model,
+                    "prompt": prompt,
+                    "max_tokens": plan.max_tokens,
+                    "temperature": 0,
+                    "stream": True,
+                    "stream_options": {"include_usage": True},
+                }
                 group.start_soon(_post_stream, gateway, payload, stream)
             if long is not None:
                 payload = {"model": model, "prompt": long_ids, "max_tokens": 1, "temperature": 0}
                 group.start_soon(_long_prompt, gateway, payload, streams, long, plan.cap_s)
     seconds = time.perf_counter() - started
-    cpu = [None if a is None or b is None else (b - a) / seconds
-           for a, b in zip(cpu_before, map(_cpu_seconds, chain.pids), strict=True)]  # fmt: skip
+    cpu = [
+        None if a is None or b is None else (b - a) / seconds
+        for a, b in zip(cpu_before, map(_cpu_seconds, chain.pids), strict=True)
+    ]
     after, _ = await _busy(nodes)
-    util = [None if a is None or b is None else (b - a) / seconds
-            for a, b in zip(before, after, strict=True)]  # fmt: skip
+    util = [
+        None if a is None or b is None else (b - a) / seconds
+        for a, b in zip(before, after, strict=True)
+    ]
     return _Round(streams, seconds, util, metric, cpu, long)
 
 
@@ -216,8 +250,7 @@ class _Measured:
     again: _Round | None = None  # one stream once more at the end: the drift
 
 
-async def _measure(chain: _Chain, plan: _Plan, long_ids: list[int],
-                   progress: Any) -> _Measured:  # fmt: skip
+async def _measure(chain: _Chain, plan: _Plan, long_ids: list[int], progress: Any) -> _Measured:
     model = await _model_id(chain.gateway)
     warm = _Plan(plan.model, (1,), (), max_tokens=4, long_tokens=0, cap_s=plan.cap_s)
     await _round(chain, model, _prompts(plan, 1), warm)  # weights touched, pools up
@@ -236,8 +269,10 @@ async def _measure(chain: _Chain, plan: _Plan, long_ids: list[int],
 
 def _line(r: _Round) -> str:
     errors = ", ".join(f"{k} x{v}" for k, v in sorted(r.errors.items())) or "none"
-    return (f"{r.tokens} tokens in {r.seconds:.1f} s ({r.tok_s:.2f} tok/s), "
-            f"{r.cut} cut, errors {errors}")  # fmt: skip
+    return (
+        f"{r.tokens} tokens in {r.seconds:.1f} s ({r.tok_s:.2f} tok/s), "
+        f"{r.cut} cut, errors {errors}"
+    )
 
 
 # ------------------------------------------------------------ the result
@@ -287,66 +322,10 @@ def _target_lines(keys: dict[str, Any]) -> list[str]:
 def _report(measured: _Measured, plan: _Plan, long_tokens: int, result: SectionResult) -> None:
     keys = result.keys
     one = measured.plain[plan.levels[0]]
-    one_gap = _pct(one.gaps(), 0.5)
     every_error: Counter[str] = Counter()
     metric = one.metric
-    for n, r in measured.plain.items():
-        gaps, ttfts = r.gaps(), r.ttfts
-        gap50 = _pct(gaps, 0.5)
-        every_error += r.errors
-        values = {
-            "tok_s": round(r.tok_s, 2), "scaling": ratio(r.tok_s, one.tok_s),
-            "tokens": r.tokens, "seconds": round(r.seconds, 2),
-            "ttft_p50_ms": _ms(_pct(ttfts, 0.5)), "ttft_p99_ms": _ms(_pct(ttfts, 0.99)),
-            "gap_p50_ms": _ms(gap50), "gap_p99_ms": _ms(_pct(gaps, 0.99)),
-            "gap_p50_over_1": ratio(gap50, one_gap) if gap50 and one_gap else None,
-            "util_stage1": None if r.util[0] is None else round(r.util[0], 3),
-            "util_stage2": None if r.util[1] is None else round(r.util[1], 3),
-            **{f"cpu_{who}": None if c is None else round(c, 3)
-               for who, c in zip(_PROCESSES, r.cpu, strict=True)},
-            "errors": sum(r.errors.values()), "cut": r.cut,
-        }  # fmt: skip
-        keys.update({f"serve_{k}_{n}": v for k, v in values.items()})
-        result.rows.append({
-            "streams": str(n), "tokens": str(r.tokens), "seconds": f"{r.seconds:.1f}",
-            "tok/s": f"{r.tok_s:.2f}", "vs 1": _cell(values["scaling"], "x", 2),
-            "TTFT p50": _cell(values["ttft_p50_ms"], " ms"),
-            "TTFT p99": _cell(values["ttft_p99_ms"], " ms"),
-            "gap p50": _cell(values["gap_p50_ms"], " ms"),
-            "gap p99": _cell(values["gap_p99_ms"], " ms"),
-            "gap p50 vs 1": _cell(values["gap_p50_over_1"], "x", 2), **_load_cells(r),
-        })  # fmt: skip
-    for n, r in measured.mid.items():
-        every_error += r.errors
-        long = r.long
-        assert long is not None
-        window = (long.sent, long.ended) if long.sent is not None and long.ended else None
-        inside = r.gaps(window) if window else []
-        plain = measured.plain.get(n)
-        plain99 = _pct(plain.gaps(), 0.99) if plain else None
-        p99 = _pct(inside, 0.99)
-        long_s = (window[1] - window[0]) if window else None
-        values = {
-            "gap_p50_ms": _ms(_pct(inside, 0.5)), "gap_p99_ms": _ms(p99),
-            "p99_over_plain": ratio(p99, plain99) if p99 and plain99 else None,
-            "long_s": None if long_s is None else round(long_s, 2),
-        }  # fmt: skip
-        keys.update({f"serve_mid_{k}_{n}": v for k, v in values.items()})
-        keys[f"serve_mid_long_status_{n}"] = long.status
-        if long.status not in (None, "200"):
-            every_error[f"long:{long.status}"] += 1
-        result.rows.append({
-            "streams": f"{n} + long", "tokens": str(r.tokens), "seconds": f"{r.seconds:.1f}",
-            "tok/s": f"{r.tok_s:.2f}", "vs 1": _cell(ratio(r.tok_s, one.tok_s), "x", 2),
-            "gap p50": _cell(values["gap_p50_ms"], " ms"),
-            "gap p99": _cell(values["gap_p99_ms"], " ms"),
-            "gap p99 vs plain": _cell(values["p99_over_plain"], "x", 2), **_load_cells(r),
-        })  # fmt: skip
-        result.notes.append(
-            f"{n} streams + long prompt: {len(inside)} gaps in its flight "
-            f"({_cell(long_s, ' s')}, status {long.status}); TTFT p50 "
-            f"{_cell(_ms(_pct(r.ttfts, 0.5)), ' ms')}"
-        )
+    _plain_rows(measured, one, result, every_error)
+    _mid_rows(measured, one, result, every_error)
     keys["serve_long_prompt_tokens"] = long_tokens
     keys["serve_max_tokens"] = plan.max_tokens
     keys["serve_busy_metric"] = metric
@@ -363,6 +342,98 @@ def _report(measured: _Measured, plan: _Plan, long_tokens: int, result: SectionR
     result.notes += _target_lines(keys)
 
 
+def _plain_rows(
+    measured: _Measured, one: _Round, result: SectionResult, every_error: Counter[str]
+) -> None:
+    """A row and the keys of each level of plain streams; their errors counted."""
+    keys = result.keys
+    one_gap = _pct(one.gaps(), 0.5)
+    for n, r in measured.plain.items():
+        gaps, ttfts = r.gaps(), r.ttfts
+        gap50 = _pct(gaps, 0.5)
+        every_error += r.errors
+        values = {
+            "tok_s": round(r.tok_s, 2),
+            "scaling": ratio(r.tok_s, one.tok_s),
+            "tokens": r.tokens,
+            "seconds": round(r.seconds, 2),
+            "ttft_p50_ms": _ms(_pct(ttfts, 0.5)),
+            "ttft_p99_ms": _ms(_pct(ttfts, 0.99)),
+            "gap_p50_ms": _ms(gap50),
+            "gap_p99_ms": _ms(_pct(gaps, 0.99)),
+            "gap_p50_over_1": ratio(gap50, one_gap) if gap50 and one_gap else None,
+            "util_stage1": None if r.util[0] is None else round(r.util[0], 3),
+            "util_stage2": None if r.util[1] is None else round(r.util[1], 3),
+            **{
+                f"cpu_{who}": None if c is None else round(c, 3)
+                for who, c in zip(_PROCESSES, r.cpu, strict=True)
+            },
+            "errors": sum(r.errors.values()),
+            "cut": r.cut,
+        }
+        keys.update({f"serve_{k}_{n}": v for k, v in values.items()})
+        result.rows.append(
+            {
+                "streams": str(n),
+                "tokens": str(r.tokens),
+                "seconds": f"{r.seconds:.1f}",
+                "tok/s": f"{r.tok_s:.2f}",
+                "vs 1": _cell(values["scaling"], "x", 2),
+                "TTFT p50": _cell(values["ttft_p50_ms"], " ms"),
+                "TTFT p99": _cell(values["ttft_p99_ms"], " ms"),
+                "gap p50": _cell(values["gap_p50_ms"], " ms"),
+                "gap p99": _cell(values["gap_p99_ms"], " ms"),
+                "gap p50 vs 1": _cell(values["gap_p50_over_1"], "x", 2),
+                **_load_cells(r),
+            }
+        )
+
+
+def _mid_rows(
+    measured: _Measured, one: _Round, result: SectionResult, every_error: Counter[str]
+) -> None:
+    """A row, the keys and a note of each level with a long prompt sent mid-flight."""
+    keys = result.keys
+    for n, r in measured.mid.items():
+        every_error += r.errors
+        long = r.long
+        assert long is not None
+        window = (long.sent, long.ended) if long.sent is not None and long.ended else None
+        inside = r.gaps(window) if window else []
+        plain = measured.plain.get(n)
+        plain99 = _pct(plain.gaps(), 0.99) if plain else None
+        p99 = _pct(inside, 0.99)
+        long_s = (window[1] - window[0]) if window else None
+        values = {
+            "gap_p50_ms": _ms(_pct(inside, 0.5)),
+            "gap_p99_ms": _ms(p99),
+            "p99_over_plain": ratio(p99, plain99) if p99 and plain99 else None,
+            "long_s": None if long_s is None else round(long_s, 2),
+        }
+        keys.update({f"serve_mid_{k}_{n}": v for k, v in values.items()})
+        keys[f"serve_mid_long_status_{n}"] = long.status
+        if long.status not in (None, "200"):
+            every_error[f"long:{long.status}"] += 1
+        result.rows.append(
+            {
+                "streams": f"{n} + long",
+                "tokens": str(r.tokens),
+                "seconds": f"{r.seconds:.1f}",
+                "tok/s": f"{r.tok_s:.2f}",
+                "vs 1": _cell(ratio(r.tok_s, one.tok_s), "x", 2),
+                "gap p50": _cell(values["gap_p50_ms"], " ms"),
+                "gap p99": _cell(values["gap_p99_ms"], " ms"),
+                "gap p99 vs plain": _cell(values["p99_over_plain"], "x", 2),
+                **_load_cells(r),
+            }
+        )
+        result.notes.append(
+            f"{n} streams + long prompt: {len(inside)} gaps in its flight "
+            f"({_cell(long_s, ' s')}, status {long.status}); TTFT p50 "
+            f"{_cell(_ms(_pct(r.ttfts, 0.5)), ' ms')}"
+        )
+
+
 def needs(options: BenchOptions) -> tuple[Need, ...]:
     """The real model, but for the tiny file the test suite writes."""
     return () if options.tiny else (Need.MODEL,)
@@ -370,8 +441,10 @@ def needs(options: BenchOptions) -> tuple[Need, ...]:
 
 def run(options: BenchOptions) -> SectionResult:
     plan = _plan(options)
-    result = SectionResult(title="Concurrent streams through the OpenAI API (gateway + 2 model "
-                                 "nodes, processes, loopback)")  # fmt: skip
+    result = SectionResult(
+        title="Concurrent streams through the OpenAI API (gateway + 2 model "
+        "nodes, processes, loopback)"
+    )
     load_before = os.getloadavg()[0]
     with tempfile.TemporaryDirectory(prefix="meshnet-bench-serve-") as directory:
         path = _model_file(plan.model, Path(directory))
@@ -381,12 +454,12 @@ def run(options: BenchOptions) -> SectionResult:
         long_ids = _long_ids(path, plan.long_tokens)
         options.progress(f"serve: {path.name}, {layers} layers over 2 nodes")
         with _start_chain(path, layers) as chain:
-            measured = anyio.run(_measure, chain, plan, long_ids, options.progress,
-                                 backend=options.async_backend)  # fmt: skip
+            measured = anyio.run(
+                _measure, chain, plan, long_ids, options.progress, backend=options.async_backend
+            )
     result.keys = dict.fromkeys(
-        k for k in KEYS
-        if not k.startswith(("serve_mid_", *(f"serve_{p}_" for p in _PER_LEVEL)))
-    )  # fmt: skip
+        k for k in KEYS if not k.startswith(("serve_mid_", *(f"serve_{p}_" for p in _PER_LEVEL)))
+    )
     _report(measured, plan, len(long_ids), result)
     load_after = os.getloadavg()[0]
     result.keys["serve_load_average"] = round(max(load_before, load_after), 2)

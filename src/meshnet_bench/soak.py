@@ -84,8 +84,14 @@ def soak(
         async def main() -> None:
             async with anyio.create_task_group() as tg:
                 tg.start_soon(sample_loop)
-                await drive(chain.gateway_url, sessions=sessions, inputs=inputs, until=end,
-                            stats=stats, context_requests=4)  # fmt: skip
+                await drive(
+                    chain.gateway_url,
+                    sessions=sessions,
+                    inputs=inputs,
+                    until=end,
+                    stats=stats,
+                    context_requests=4,
+                )
 
         anyio.run(main)
     settled = [s for s in samples if s["t"] >= seconds * warmup] or samples[-1:]
@@ -135,10 +141,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     for sample in s.error_samples:
         print(f"error: {sample}")
     if args.json:
-        print(json.dumps({"samples": report.samples, "growth_mib": report.growth_mib,
-                          "bound_mib": report.bound_mib, "requests": s.requests,
-                          "errors": s.errors, "mismatches": s.mismatches,
-                          "mib_s": round(s.throughput / 2**20, 2)}))  # fmt: skip
+        print(
+            json.dumps(
+                {
+                    "samples": report.samples,
+                    "growth_mib": report.growth_mib,
+                    "bound_mib": report.bound_mib,
+                    "requests": s.requests,
+                    "errors": s.errors,
+                    "mismatches": s.mismatches,
+                    "mib_s": round(s.throughput / 2**20, 2),
+                }
+            )
+        )
     print("soak: ok" if report.ok else "soak: FAILED")
     return 0 if report.ok else 1
 

@@ -47,10 +47,27 @@ KEYS: tuple[str, ...] = (
 )
 
 _ITEMS = (
-    "apples", "bread", "coffee beans", "dish soap", "eggs", "flour", "garlic",
-    "honey", "ice cream", "jam", "kale", "lemons", "milk", "noodles", "olive oil",
-    "pepper", "quinoa", "rice", "salt", "tomatoes",
-)  # fmt: skip
+    "apples",
+    "bread",
+    "coffee beans",
+    "dish soap",
+    "eggs",
+    "flour",
+    "garlic",
+    "honey",
+    "ice cream",
+    "jam",
+    "kale",
+    "lemons",
+    "milk",
+    "noodles",
+    "olive oil",
+    "pepper",
+    "quinoa",
+    "rice",
+    "salt",
+    "tomatoes",
+)
 _CODE = """def total_price(items, tax):
     x = 0
     for item in items:

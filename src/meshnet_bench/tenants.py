@@ -79,9 +79,16 @@ class _Search:
         return self.right / statistics.median(self.wrong)
 
 
-async def _search(pool: DownstreamPool, codecs: CodecPool, base: ChainSettings, plan: _Plan,
-                  victim: Tenancy | None, attacker: Tenancy | None,
-                  rng: np.random.Generator, vocab: int) -> _Search:  # fmt: skip
+async def _search(
+    pool: DownstreamPool,
+    codecs: CodecPool,
+    base: ChainSettings,
+    plan: _Plan,
+    victim: Tenancy | None,
+    attacker: Tenancy | None,
+    rng: np.random.Generator,
+    vocab: int,
+) -> _Search:
     """One victim prompt, then ten guesses of its PIN; a fresh index (one gateway)."""
     settings = replace(base, prefix=PrefixIndex())
     prompt = [int(t) for t in rng.integers(0, vocab, plan.system)]
@@ -109,8 +116,9 @@ async def _search(pool: DownstreamPool, codecs: CodecPool, base: ChainSettings, 
     return search
 
 
-async def _measure(directory: str, plan: _Plan, vocab: int,
-                   progress: Callable[[str], None]) -> tuple[_Search, _Search]:  # fmt: skip
+async def _measure(
+    directory: str, plan: _Plan, vocab: int, progress: Callable[[str], None]
+) -> tuple[_Search, _Search]:
     rng = np.random.default_rng(0)
     async with AsyncExitStack() as stack:
         nodes = await stack.enter_async_context(
@@ -126,8 +134,16 @@ async def _measure(directory: str, plan: _Plan, vocab: int,
         progress("tenants: ten PIN guesses, one tenant (no API keys)")
         one = await _search(pool, codecs, base, plan, None, None, rng, vocab)
         progress("tenants: ten PIN guesses, victim and attacker in two tenants")
-        apart = await _search(pool, codecs, base, plan, tenancy_of("victim", None, None),
-                              tenancy_of("attacker", None, None), rng, vocab)  # fmt: skip
+        apart = await _search(
+            pool,
+            codecs,
+            base,
+            plan,
+            tenancy_of("victim", None, None),
+            tenancy_of("attacker", None, None),
+            rng,
+            vocab,
+        )
     return one, apart
 
 
@@ -135,8 +151,14 @@ def run(options: BenchOptions) -> SectionResult:
     plan = _plan(options)
     result = SectionResult(title=f"The PIN search across tenants ({plan.label}, loopback)")
     with random_smollm(options, plan.layers, plan.label, "tenants") as (directory, config):
-        one, apart = anyio.run(_measure, directory, plan, config.vocab_size, options.progress,
-                               backend=options.async_backend)  # fmt: skip
+        one, apart = anyio.run(
+            _measure,
+            directory,
+            plan,
+            config.vocab_size,
+            options.progress,
+            backend=options.async_backend,
+        )
     result.keys = {
         "tenants_one_tenant_right_over_wrong": round(one.ratio, 3),
         "tenants_apart_right_over_wrong": round(apart.ratio, 3),
@@ -144,13 +166,15 @@ def run(options: BenchOptions) -> SectionResult:
         "tenants_one_tenant_victim_hits": one.victim_hits,
     }
     for name, search in (("one tenant (no API keys)", one), ("tenants apart", apart)):
-        result.rows.append({
-            "attacker's guesses": name,
-            "right guess TTFT ms": f"{1000 * search.right:.0f}",
-            "wrong guesses ms (min-max)": f"{1000 * min(search.wrong):.0f}-"
-                                          f"{1000 * max(search.wrong):.0f}",
-            "right / wrong median": f"{search.ratio:.2f}",
-        })  # fmt: skip
+        result.rows.append(
+            {
+                "attacker's guesses": name,
+                "right guess TTFT ms": f"{1000 * search.right:.0f}",
+                "wrong guesses ms (min-max)": f"{1000 * min(search.wrong):.0f}-"
+                f"{1000 * max(search.wrong):.0f}",
+                "right / wrong median": f"{search.ratio:.2f}",
+            }
+        )
     result.notes.append(
         f"A {plan.system}-token system prompt with a 4-token PIN at {PIN_AT}; {GUESSES} guesses. "
         f"The right guess attached the victim's prefix past the PIN: one tenant "

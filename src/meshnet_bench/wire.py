@@ -83,8 +83,15 @@ async def _stacks(chunk_tokens: int, inflight: int) -> AsyncIterator[_Stacks]:
         entry = await stack.enter_async_context(
             serve_node(NodeConfig.load([*KEEP_IDLE, "--next", last.url]))
         )
-        flags = [*KEEP_IDLE, "--entry", entry.url, "--chunk-tokens", str(chunk_tokens),
-                 "--inflight", str(inflight)]  # fmt: skip
+        flags = [
+            *KEEP_IDLE,
+            "--entry",
+            entry.url,
+            "--chunk-tokens",
+            str(chunk_tokens),
+            "--inflight",
+            str(inflight),
+        ]
         gateway = await stack.enter_async_context(open_gateway(GatewayConfig.load(flags)))
         wire2 = await stack.enter_async_context(Client(gateway.url))
         yield _Stacks(wire1, wire2)
@@ -155,8 +162,10 @@ def _tokens(options: BenchOptions) -> tuple[int, int]:
 
 def run(options: BenchOptions) -> SectionResult:
     tokens, repeat = _tokens(options)
-    options.progress(f"wire: wire 1 vs wire 2 end to end, [1, {tokens}, {HIDDEN}] float32, "
-                     f"{repeat} interleaved repeats")  # fmt: skip
+    options.progress(
+        f"wire: wire 1 vs wire 2 end to end, [1, {tokens}, {HIDDEN}] float32, "
+        f"{repeat} interleaved repeats"
+    )
     points = anyio.run(
         functools.partial(measure, tokens, repeat, progress=options.progress),
         backend=options.async_backend,
@@ -174,14 +183,16 @@ def run(options: BenchOptions) -> SectionResult:
         },
     )
     for p in points:
-        result.rows.append({
-            "format": p.name,
-            "request body": f"{p.body_bytes:,} B",
-            "bytes vs wire 1": times_x(p.body_bytes / wire1.body_bytes),
-            "time": ms(p.seconds),
-            "MB/s (float32)": f"{p.mb_s:.0f}",
-            "wire 1 time / this": times_x(wire1.seconds / p.seconds),
-        })  # fmt: skip
+        result.rows.append(
+            {
+                "format": p.name,
+                "request body": f"{p.body_bytes:,} B",
+                "bytes vs wire 1": times_x(p.body_bytes / wire1.body_bytes),
+                "time": ms(p.seconds),
+                "MB/s (float32)": f"{p.mb_s:.0f}",
+                "wire 1 time / this": times_x(wire1.seconds / p.seconds),
+            }
+        )
     result.notes.append(f"fastest wire 2: {fastest.name}")
     return result
 

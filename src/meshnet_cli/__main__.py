@@ -259,9 +259,15 @@ def _dispatch(args: argparse.Namespace) -> int:
         from meshnet_conformance import main as conformance_main
 
         return conformance_main(
-            args.url, as_json=args.json, out=sys.stdout, token=args.token, role=args.role,
-            tls_ca=args.tls_ca, timeout=args.timeout, only=args.only,
-        )  # fmt: skip
+            args.url,
+            as_json=args.json,
+            out=sys.stdout,
+            token=args.token,
+            role=args.role,
+            tls_ca=args.tls_ca,
+            timeout=args.timeout,
+            only=args.only,
+        )
     if args.command == "generate":
         from .generate import run_generate
 
@@ -308,8 +314,9 @@ def _bench(args: argparse.Namespace) -> int:
 
     unknown = sorted(set(args.only or ()) - set(SECTIONS))
     if unknown:
-        build_parser().error(f"unknown section(s) {', '.join(unknown)} (choose from "
-                             f"{', '.join(SECTIONS)})")  # fmt: skip
+        build_parser().error(
+            f"unknown section(s) {', '.join(unknown)} (choose from {', '.join(SECTIONS)})"
+        )
     return run_bench(
         quick=args.quick,
         tiny=args.tiny,

@@ -107,26 +107,36 @@ def check_split(
     if split is None:
         stages = 2 if stages is None else stages
         if not 1 <= stages <= layers:
-            raise Refusal(f"--stages {stages}: the model has {layers} layers, so at most "
-                          f"{layers} stages (pass --stages 1..{layers}, or --split)")  # fmt: skip
+            raise Refusal(
+                f"--stages {stages}: the model has {layers} layers, so at most "
+                f"{layers} stages (pass --stages 1..{layers}, or --split)"
+            )
         return even_splits(layers, stages)
     shown = ",".join(f"{a}:{b}" for a, b in split)
     if stages is not None and stages != len(split):
-        raise Refusal(f"--stages {stages} but --split {shown} names {len(split)} ranges "
-                      "(give one of the two)")  # fmt: skip
+        raise Refusal(
+            f"--stages {stages} but --split {shown} names {len(split)} ranges (give one of the two)"
+        )
     expected = 0
     for start, end in split:
         if start != expected:
-            what = f"layers {expected}..{start - 1} are in no stage" if start > expected else (
-                f"layer {start} is in two stages")  # fmt: skip
-            raise Refusal(f"--split {shown}: {what} (each range starts where the previous "
-                          "ended, the first at 0)")  # fmt: skip
+            what = (
+                f"layers {expected}..{start - 1} are in no stage"
+                if start > expected
+                else (f"layer {start} is in two stages")
+            )
+            raise Refusal(
+                f"--split {shown}: {what} (each range starts where the previous "
+                "ended, the first at 0)"
+            )
         if end <= start:
             raise Refusal(f"--split {shown}: {start}:{end} is empty (each range A:B needs A < B)")
         expected = end
     if expected != layers:
-        raise Refusal(f"--split {shown}: the model has {layers} layers, so the last range "
-                      f"ends at {layers}, not {expected}")  # fmt: skip
+        raise Refusal(
+            f"--split {shown}: the model has {layers} layers, so the last range "
+            f"ends at {layers}, not {expected}"
+        )
     return list(split)
 
 
@@ -209,8 +219,7 @@ async def run_local(
     host, port = typed(args, "--host"), typed(args, "--port")
     try:
         # First: a taken port is refused before any model is loaded.
-        bound = await listen(host=host, port=port,
-                             tls=typed(args, "--tls-cert") is not None)  # fmt: skip
+        bound = await listen(host=host, port=port, tls=typed(args, "--tls-cert") is not None)
     except OSError as exc:
         raise Refusal(listen_problem(exc, host, port)) from None
     node_flags = forwarded(args, BOTH + NODE_ONLY)
@@ -224,8 +233,11 @@ async def run_local(
                 async for signum in signals:
                     name = signal.Signals(signum).name
                     if ready and not stop.is_set():
-                        print(f"meshnet run: {name}: shutting down (again to quit at once)",
-                              file=sys.stderr, flush=True)  # fmt: skip
+                        print(
+                            f"meshnet run: {name}: shutting down (again to quit at once)",
+                            file=sys.stderr,
+                            flush=True,
+                        )
                         stop.set()
                         continue
                     what = "again: quitting at once" if ready else "while loading: quitting"
@@ -233,9 +245,14 @@ async def run_local(
                     quit_now(FORCED_EXIT)  # a load in its worker thread is not waited for
 
             tg.start_soon(watch)
-            async with serve_local(args.model, splits, gateway_flags=gateway_flags,
-                                   node_flags=node_flags, bound=bound,
-                                   load_in_thread=True) as run:  # fmt: skip
+            async with serve_local(
+                args.model,
+                splits,
+                gateway_flags=gateway_flags,
+                node_flags=node_flags,
+                bound=bound,
+                load_in_thread=True,
+            ) as run:
                 print(ready_line(run), flush=True)
                 for line in node_lines(run):
                     print(line, flush=True)
@@ -267,8 +284,9 @@ def main(args: argparse.Namespace) -> int:
         print(f"meshnet run: {group.exceptions[0]}", file=sys.stderr)
         status = 2
     except* ValueError as group:  # a checkpoint problem only the load finds
-        print(f"meshnet run: cannot load --model {args.model}: {group.exceptions[0]}",
-              file=sys.stderr)  # fmt: skip
+        print(
+            f"meshnet run: cannot load --model {args.model}: {group.exceptions[0]}", file=sys.stderr
+        )
         status = 2
     return status
 
@@ -318,8 +336,10 @@ def _check_device(device: str) -> None:
         raise Refusal(f"--device {device} needs torch: {TORCH_INSTALL}; {fix}") from None
     if not torch.cuda.is_available():
         build = torch.version.cuda or "none"
-        raise Refusal(f"--device {device}: no CUDA device is available here (torch "
-                      f"{torch.__version__}, cuda build {build}); {fix}")  # fmt: skip
+        raise Refusal(
+            f"--device {device}: no CUDA device is available here (torch "
+            f"{torch.__version__}, cuda build {build}); {fix}"
+        )
     index, count = int(device.partition(":")[2] or 0), torch.cuda.device_count()
     if index >= count:
         raise Refusal(f"--device {device}: this machine has {count} CUDA device(s); {fix}")
@@ -328,16 +348,37 @@ def _check_device(device: str) -> None:
 def _fit(args: argparse.Namespace, splits: list[tuple[int, int]]) -> None:
     """The stages together (and one runtime) against the process's memory; the
     nodes then get the resolved KV budget and limit, which each stage fits."""
-    node = NodeConfig.load(["--model", args.model,
-                            *forwarded(args, ("--dtype", "--engine", "--device", "--threads",
-                                              "--max-chunk-tokens", "--max-compute-bytes"))],
-                           {})  # fmt: skip
+    node = NodeConfig.load(
+        [
+            "--model",
+            args.model,
+            *forwarded(
+                args,
+                (
+                    "--dtype",
+                    "--engine",
+                    "--device",
+                    "--threads",
+                    "--max-chunk-tokens",
+                    "--max-compute-bytes",
+                ),
+            ),
+        ],
+        {},
+    )
     found = limit_from_flag(typed(args, "--memory-limit"))
-    stages = fit_process(args.model, [range(a, b) for a, b in splits], engine=node.engine,
-                         dtype=node.dtype, kv_budget_bytes=typed(args, "--kv-budget-bytes"),
-                         max_chunk_tokens=node.max_chunk_tokens,
-                         max_compute_bytes=node.max_compute_bytes, limit=found.bytes,
-                         limit_source=found.source, who="this process")  # fmt: skip
+    stages = fit_process(
+        args.model,
+        [range(a, b) for a, b in splits],
+        engine=node.engine,
+        dtype=node.dtype,
+        kv_budget_bytes=typed(args, "--kv-budget-bytes"),
+        max_chunk_tokens=node.max_chunk_tokens,
+        max_compute_bytes=node.max_compute_bytes,
+        limit=found.bytes,
+        limit_source=found.source,
+        who="this process",
+    )
     args.kv_budget_bytes = str(stages[0].kv)
     # None: no limit known, each node reads it again
     args.memory_limit = None if found.bytes is None else str(found.bytes)

@@ -40,9 +40,19 @@ __all__ = [
 ]
 
 # The nodes' own: how a stage holds and computes its layers.
-NODE_ONLY = ("--dtype", "--engine", "--device", "--threads", "--kv-budget-bytes",
-             "--memory-limit", "--max-chunk-tokens", "--max-compute-bytes",
-             "--max-batch-tokens", "--max-queued-tokens", "--micro-batches")  # fmt: skip
+NODE_ONLY = (
+    "--dtype",
+    "--engine",
+    "--device",
+    "--threads",
+    "--kv-budget-bytes",
+    "--memory-limit",
+    "--max-chunk-tokens",
+    "--max-compute-bytes",
+    "--max-batch-tokens",
+    "--max-queued-tokens",
+    "--micro-batches",
+)
 # The gateway's own, and its listener: the one port a user talks to.
 GATEWAY_ONLY = (
     "--host",
@@ -172,8 +182,13 @@ def add_parser(commands: _Commands) -> None:
         "model's last layer, none empty [an even split over --stages]",
     )
     servers = run.add_argument_group("the nodes' and the gateway's flags")
-    add_flags(servers, tuple(flag_table().values()), _defaults(),
-              kind=lambda flag: _keep_text(flag.kind), helps=_HELPS)  # fmt: skip
+    add_flags(
+        servers,
+        tuple(flag_table().values()),
+        _defaults(),
+        kind=lambda flag: _keep_text(flag.kind),
+        helps=_HELPS,
+    )
 
 
 def resolve(args: argparse.Namespace, environ: Mapping[str, str] | None = None) -> None:

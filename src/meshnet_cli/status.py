@@ -38,8 +38,16 @@ if TYPE_CHECKING:
 __all__ = ["add_parser", "main", "render"]
 
 COLUMNS = (
-    "STAGE", "URL", "LAYERS", "ENGINE", "DTYPE", "WEIGHTS", "HEALTH", "SESSIONS", "INFLIGHT",
-)  # fmt: skip
+    "STAGE",
+    "URL",
+    "LAYERS",
+    "ENGINE",
+    "DTYPE",
+    "WEIGHTS",
+    "HEALTH",
+    "SESSIONS",
+    "INFLIGHT",
+)
 
 
 def add_parser(commands: _Commands) -> None:

@@ -10,5 +10,13 @@ from ._case import Case, Context
 from ._runner import ALL_CASES, Outcome, check_server, main
 from ._wire import CheckFailed, Target
 
-__all__ = ["ALL_CASES", "Case", "CheckFailed", "Context", "Outcome", "Target", "check_server",
-           "main"]  # fmt: skip
+__all__ = [
+    "ALL_CASES",
+    "Case",
+    "CheckFailed",
+    "Context",
+    "Outcome",
+    "Target",
+    "check_server",
+    "main",
+]

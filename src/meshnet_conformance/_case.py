@@ -63,9 +63,14 @@ class Context:
         **options: Any,
     ) -> bytes:
         return build_request(
-            method, path, self.target, headers, body,
-            token=self.token if auth else None, **options,
-        )  # fmt: skip
+            method,
+            path,
+            self.target,
+            headers,
+            body,
+            token=self.token if auth else None,
+            **options,
+        )
 
     def send(self, request: bytes) -> Response:
         with self.connect() as conn:
@@ -205,8 +210,10 @@ def expect_tensor(
             count *= int(dim)
         itemsize = 4 if dtype in ("float32", "int32") else 2
         if len(response.body) != count * itemsize:
-            raise CheckFailed(f"identity body is {len(response.body)} bytes, "
-                              f"shape {shape} {dtype} is {count * itemsize}")  # fmt: skip
+            raise CheckFailed(
+                f"identity body is {len(response.body)} bytes, "
+                f"shape {shape} {dtype} is {count * itemsize}"
+            )
     return response
 
 

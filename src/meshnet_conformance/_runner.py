@@ -129,8 +129,11 @@ def print_table(ctx: Context, outcomes: list[Outcome], out: TextIO, seconds: flo
         if outcome.detail and outcome.result == "fail":
             print(f"        {'':<{width}}  -> {outcome.detail}", file=out)
     counts = _counts(outcomes)
-    print(f"\n{counts['pass']} passed, {counts['fail']} failed, {counts['skip']} not applicable "
-          f"({seconds:.1f} s)", file=out)  # fmt: skip
+    print(
+        f"\n{counts['pass']} passed, {counts['fail']} failed, {counts['skip']} not applicable "
+        f"({seconds:.1f} s)",
+        file=out,
+    )
     for outcome in outcomes:
         if outcome.result == "fail":
             print(f"FAILED {outcome.id}: {outcome.detail}", file=out)

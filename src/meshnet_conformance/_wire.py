@@ -44,8 +44,9 @@ class Target:
             return
         parts = urlsplit(self.url)
         if parts.scheme not in ("http", "https") or not parts.hostname:
-            raise ValueError(f"expected http://host:port, https://host:port or unix:/path, "
-                             f"got {self.url!r}")  # fmt: skip
+            raise ValueError(
+                f"expected http://host:port, https://host:port or unix:/path, got {self.url!r}"
+            )
         if parts.path not in ("", "/"):
             raise ValueError(f"give the server's root URL, not a path: {self.url!r}")
 

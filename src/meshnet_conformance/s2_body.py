@@ -68,8 +68,9 @@ def _zstd_declares_more(ctx: Context) -> None:
 
 
 def _zstd_short(ctx: Context) -> None:
-    expect_error(_post_zstd(ctx, _zstd(bytes(16), with_size=False)), 400, "body_size_mismatch",
-                 header=None)  # fmt: skip
+    expect_error(
+        _post_zstd(ctx, _zstd(bytes(16), with_size=False)), 400, "body_size_mismatch", header=None
+    )
 
 
 def _zstd_truncated(ctx: Context) -> None:
@@ -121,8 +122,14 @@ def _chunked_too_long(ctx: Context) -> None:
 
 def _cl_and_te(ctx: Context) -> None:
     headers = [*ctx.forward_headers(2), ("Transfer-Encoding", "chunked")]
-    response = ctx.send(ctx.forward(headers, _chunked(float32_body(2)), content_length=False,
-                                    extra=[("Content-Length", "48")]))  # fmt: skip
+    response = ctx.send(
+        ctx.forward(
+            headers,
+            _chunked(float32_body(2)),
+            content_length=False,
+            extra=[("Content-Length", "48")],
+        )
+    )
     expect_error(response, 400, "bad_framing")
 
 
@@ -139,8 +146,7 @@ def _no_length(ctx: Context) -> None:
 
 def _expect_continue(ctx: Context) -> None:
     headers = [*ctx.forward_headers(2), ("Expect", "100-continue")]
-    request = ctx.forward(headers, b"", content_length=False,
-                          extra=[("Content-Length", "32")])  # fmt: skip
+    request = ctx.forward(headers, b"", content_length=False, extra=[("Content-Length", "32")])
     with ctx.connect() as conn:
         conn.send(request)
         interim = conn.read_response(stop_at_interim=True)
@@ -151,8 +157,12 @@ def _expect_continue(ctx: Context) -> None:
 
 def _early_error_closes(ctx: Context) -> None:
     headers = replace_header(ctx.forward_headers(2), "X-Meshnet-Dtype", "Float32")
-    request = ctx.forward([*headers, ("Expect", "100-continue")], b"", content_length=False,
-                          extra=[("Content-Length", "32")])  # fmt: skip
+    request = ctx.forward(
+        [*headers, ("Expect", "100-continue")],
+        b"",
+        content_length=False,
+        extra=[("Content-Length", "32")],
+    )
     with ctx.connect() as conn:
         conn.send(request)  # the body is never sent: the answer must not wait for it
         response = conn.read_response(stop_at_interim=True)
@@ -173,46 +183,110 @@ def _http_version(ctx: Context) -> None:
 def _garbage(ctx: Context) -> None:
     # A TLS ClientHello's first bytes, as an http:// server gets when a client
     # speaks https to it: 400, never a 500 or a dropped connection.
-    expect_error(ctx.send(b"\x16\x03\x01\x02\x00\x01\x00\x01\xfc\x03\x03\r\n\r\n"), 400,
-                 "malformed_request")  # fmt: skip
+    expect_error(
+        ctx.send(b"\x16\x03\x01\x02\x00\x01\x00\x01\xfc\x03\x03\r\n\r\n"), 400, "malformed_request"
+    )
 
 
 CASES: list[Case] = [
-    Case("2.bfloat16", SECTION, "a bfloat16 message is served (200, dtype bfloat16)",
-         _bfloat16_valid),
-    Case("2.zstd", SECTION, "a zstd body (one frame of exactly the tensor's bytes) is served",
-         _zstd_valid),
-    Case("2.zstd-bomb", SECTION, "a zstd frame of 8 KiB inflating to 256 MiB, promised 1 MiB, "
-         "is 400 body_size_mismatch (output bounded by the promise + 1)", _zstd_bomb),
-    Case("2.zstd-declared-size", SECTION, "a zstd frame declaring a content size other than "
-         "the promise is 400 body_size_mismatch", _zstd_declares_more),
-    Case("2.zstd-short", SECTION, "a zstd frame inflating to less than promised is 400 "
-         "body_size_mismatch", _zstd_short),
-    Case("2.zstd-truncated", SECTION, "a truncated zstd frame is 400 bad_zstd_frame",
-         _zstd_truncated),
-    Case("2.zstd-trailing", SECTION, "bytes after the zstd frame are 400 bad_zstd_frame",
-         _zstd_trailing),
-    Case("2.zstd-not-a-frame", SECTION, "a body that is not a zstd frame is 400 bad_zstd_frame",
-         _zstd_not_a_frame),
-    Case("2.identity-short", SECTION, "an identity body shorter than the tensor is 400 "
-         "body_size_mismatch", _identity_short),
-    Case("2.identity-long", SECTION, "an identity body longer than the tensor is 413 "
-         "body_too_large", _identity_long),
+    Case(
+        "2.bfloat16", SECTION, "a bfloat16 message is served (200, dtype bfloat16)", _bfloat16_valid
+    ),
+    Case(
+        "2.zstd",
+        SECTION,
+        "a zstd body (one frame of exactly the tensor's bytes) is served",
+        _zstd_valid,
+    ),
+    Case(
+        "2.zstd-bomb",
+        SECTION,
+        "a zstd frame of 8 KiB inflating to 256 MiB, promised 1 MiB, "
+        "is 400 body_size_mismatch (output bounded by the promise + 1)",
+        _zstd_bomb,
+    ),
+    Case(
+        "2.zstd-declared-size",
+        SECTION,
+        "a zstd frame declaring a content size other than the promise is 400 body_size_mismatch",
+        _zstd_declares_more,
+    ),
+    Case(
+        "2.zstd-short",
+        SECTION,
+        "a zstd frame inflating to less than promised is 400 body_size_mismatch",
+        _zstd_short,
+    ),
+    Case(
+        "2.zstd-truncated", SECTION, "a truncated zstd frame is 400 bad_zstd_frame", _zstd_truncated
+    ),
+    Case(
+        "2.zstd-trailing",
+        SECTION,
+        "bytes after the zstd frame are 400 bad_zstd_frame",
+        _zstd_trailing,
+    ),
+    Case(
+        "2.zstd-not-a-frame",
+        SECTION,
+        "a body that is not a zstd frame is 400 bad_zstd_frame",
+        _zstd_not_a_frame,
+    ),
+    Case(
+        "2.identity-short",
+        SECTION,
+        "an identity body shorter than the tensor is 400 body_size_mismatch",
+        _identity_short,
+    ),
+    Case(
+        "2.identity-long",
+        SECTION,
+        "an identity body longer than the tensor is 413 body_too_large",
+        _identity_long,
+    ),
     Case("2.chunked", SECTION, "Transfer-Encoding: chunked bodies are accepted", _chunked_valid),
-    Case("2.chunked-too-long", SECTION, "a chunked body past its bound is 413 body_too_large",
-         _chunked_too_long),
-    Case("2.framing-cl-te", SECTION, "Content-Length with Transfer-Encoding is 400 bad_framing "
-         "(request smuggling)", _cl_and_te),
-    Case("2.framing-te-gzip", SECTION, "a transfer coding other than chunked is 400 bad_framing",
-         _te_gzip),
-    Case("2.length-required", SECTION, "a POST with neither Content-Length nor "
-         "Transfer-Encoding is 411 length_required", _no_length),
-    Case("2.expect-continue", SECTION, "Expect: 100-continue is answered 100, then the "
-         "response", _expect_continue),
-    Case("2.early-error-closes", SECTION, "a refusal sent before the body was read comes "
-         "without 100 Continue and with Connection: close", _early_error_closes),
-    Case("2.http-version", SECTION, "a request line other than HTTP/1.1 or HTTP/1.0 is 400 "
-         "malformed_request", _http_version),
-    Case("2.not-http", SECTION, "bytes that are not HTTP are 400 malformed_request",
-         _garbage),
-]  # fmt: skip
+    Case(
+        "2.chunked-too-long",
+        SECTION,
+        "a chunked body past its bound is 413 body_too_large",
+        _chunked_too_long,
+    ),
+    Case(
+        "2.framing-cl-te",
+        SECTION,
+        "Content-Length with Transfer-Encoding is 400 bad_framing (request smuggling)",
+        _cl_and_te,
+    ),
+    Case(
+        "2.framing-te-gzip",
+        SECTION,
+        "a transfer coding other than chunked is 400 bad_framing",
+        _te_gzip,
+    ),
+    Case(
+        "2.length-required",
+        SECTION,
+        "a POST with neither Content-Length nor Transfer-Encoding is 411 length_required",
+        _no_length,
+    ),
+    Case(
+        "2.expect-continue",
+        SECTION,
+        "Expect: 100-continue is answered 100, then the response",
+        _expect_continue,
+    ),
+    Case(
+        "2.early-error-closes",
+        SECTION,
+        "a refusal sent before the body was read comes "
+        "without 100 Continue and with Connection: close",
+        _early_error_closes,
+    ),
+    Case(
+        "2.http-version",
+        SECTION,
+        "a request line other than HTTP/1.1 or HTTP/1.0 is 400 malformed_request",
+        _http_version,
+    ),
+    Case("2.not-http", SECTION, "bytes that are not HTTP are 400 malformed_request", _garbage),
+]

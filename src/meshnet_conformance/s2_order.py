@@ -37,8 +37,9 @@ def _path_before_framing(ctx: Context) -> None:
 
 
 def _method_before_framing(ctx: Context) -> None:
-    expect_error(ctx.send(ctx.request("PUT", "/forward", content_length=False)), 405,
-                 "method_not_allowed")  # fmt: skip
+    expect_error(
+        ctx.send(ctx.request("PUT", "/forward", content_length=False)), 405, "method_not_allowed"
+    )
 
 
 def _framing_before_content_type(ctx: Context) -> None:
@@ -52,8 +53,10 @@ def _content_type_before_values(ctx: Context) -> None:
 
 
 def _duplicate_before_wire(ctx: Context) -> None:
-    headers = [*replace_header(ctx.forward_headers(2), "X-Meshnet-Wire", "3"),
-               ("X-Meshnet-Shape", "1,2,4")]  # fmt: skip
+    headers = [
+        *replace_header(ctx.forward_headers(2), "X-Meshnet-Wire", "3"),
+        ("X-Meshnet-Shape", "1,2,4"),
+    ]
     response = ctx.send(ctx.forward(headers, float32_body(2)))
     expect_error(response, 400, "duplicate_header", header="x-meshnet-shape")
 
@@ -87,9 +90,12 @@ def _sequencing_before_body(ctx: Context) -> None:
     # An index-0 chunk at position 7 of a session this node never saw is
     # refused on its head: the broken zstd body must not be what is reported.
     request = _spoiled(
-        ctx, ("X-Meshnet-Session", new_session()), ("X-Meshnet-Position", "7"),
-        ("X-Meshnet-Encoding", "zstd"), body=b"not a zstd frame",
-    )  # fmt: skip
+        ctx,
+        ("X-Meshnet-Session", new_session()),
+        ("X-Meshnet-Position", "7"),
+        ("X-Meshnet-Encoding", "zstd"),
+        body=b"not a zstd frame",
+    )
     expect_error(ctx.send(request), 409, "session_unknown")
 
 
@@ -98,26 +104,60 @@ def _case(id: str, description: str, check: Check, roles: Roles = BOTH) -> Case:
 
 
 CASES: list[Case] = [
-    _case("2.order.path-before-framing", "an unknown path is 404 even with bad framing",
-          _path_before_framing),
-    _case("2.order.method-before-framing", "a wrong method on /forward is 405, not 411",
-          _method_before_framing),
-    _case("2.order.framing-before-content-type", "no length and no Content-Type is 411, "
-          "not 415", _framing_before_content_type),
-    _case("2.order.content-type-before-values", "a wrong Content-Type and a bad shape is 415",
-          _content_type_before_values),
-    _case("2.order.duplicate-before-wire", "a duplicate header and a wrong wire version is "
-          "400 duplicate_header", _duplicate_before_wire),
-    _case("2.order.wire-before-values", "a wrong wire version and a bad shape is 400 "
-          "wire_version_mismatch", _wire_before_values),
-    _case("2.order.shape-before-dtype", "a bad shape and an unsupported dtype is 400 bad_shape",
-          _shape_before_dtype),
-    _case("2.order.dtype-before-session", "an unsupported dtype and a bad session is 415",
-          _dtype_before_session),
-    _case("2.order.values-before-size", "a bad integer and a tensor over the limit is 400",
-          _values_before_size),
-    _case("2.order.size-before-body", "a tensor over the limit with a short body is 413",
-          _size_before_body),
-    _case("2.order.sequencing-before-body", "an unknown session at position 7 with a broken "
-          "zstd body is 409 session_unknown", _sequencing_before_body, roles=NODE),
-]  # fmt: skip
+    _case(
+        "2.order.path-before-framing",
+        "an unknown path is 404 even with bad framing",
+        _path_before_framing,
+    ),
+    _case(
+        "2.order.method-before-framing",
+        "a wrong method on /forward is 405, not 411",
+        _method_before_framing,
+    ),
+    _case(
+        "2.order.framing-before-content-type",
+        "no length and no Content-Type is 411, not 415",
+        _framing_before_content_type,
+    ),
+    _case(
+        "2.order.content-type-before-values",
+        "a wrong Content-Type and a bad shape is 415",
+        _content_type_before_values,
+    ),
+    _case(
+        "2.order.duplicate-before-wire",
+        "a duplicate header and a wrong wire version is 400 duplicate_header",
+        _duplicate_before_wire,
+    ),
+    _case(
+        "2.order.wire-before-values",
+        "a wrong wire version and a bad shape is 400 wire_version_mismatch",
+        _wire_before_values,
+    ),
+    _case(
+        "2.order.shape-before-dtype",
+        "a bad shape and an unsupported dtype is 400 bad_shape",
+        _shape_before_dtype,
+    ),
+    _case(
+        "2.order.dtype-before-session",
+        "an unsupported dtype and a bad session is 415",
+        _dtype_before_session,
+    ),
+    _case(
+        "2.order.values-before-size",
+        "a bad integer and a tensor over the limit is 400",
+        _values_before_size,
+    ),
+    _case(
+        "2.order.size-before-body",
+        "a tensor over the limit with a short body is 413",
+        _size_before_body,
+    ),
+    _case(
+        "2.order.sequencing-before-body",
+        "an unknown session at position 7 with a broken zstd body is 409 session_unknown",
+        _sequencing_before_body,
+        roles=NODE,
+    ),
+]

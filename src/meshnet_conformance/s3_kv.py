@@ -12,8 +12,8 @@ import math
 import xxhash
 
 from ._case import BOTH, GATEWAY, NODE, Case, Context, expect_error, float32_body, new_session
+from ._session_chunks import _chunk, _expect_at
 from ._wire import CheckFailed, Response
-from .s3_sessions import _chunk, _expect_at
 
 SECTION = "3"
 CHECKSUM = "X-Meshnet-KV-Checksum"
@@ -27,9 +27,14 @@ FOREIGN = "0" * 32
 
 
 def _import(
-    ctx: Context, *, shape: tuple[int, ...] = KV_SHAPE, position: int = POSITIONS,
-    total: int = 1, checksum: str | None = None, fingerprint: str | None = FOREIGN,
-) -> bytes:  # fmt: skip
+    ctx: Context,
+    *,
+    shape: tuple[int, ...] = KV_SHAPE,
+    position: int = POSITIONS,
+    total: int = 1,
+    checksum: str | None = None,
+    fingerprint: str | None = FOREIGN,
+) -> bytes:
     headers = [
         ("Content-Type", "application/octet-stream"),
         ("X-Meshnet-Wire", "2"),
@@ -62,13 +67,18 @@ def _kv_header_on_a_chunk(name: str, value: str) -> Case:
         if session is not None:  # refused from the head: the session starts afresh at 0
             _expect_at(ctx.send(_chunk(ctx, session, position=0, seed=1)), 0)
 
-    return Case(f"3.kv.{name.lower().removeprefix('x-meshnet-kv-')}-on-a-chunk", SECTION,
-                f"{name} on a message that is not a KV import (a plain chunk) is 400 bad_kv "
-                "naming it, and changes nothing", check)  # fmt: skip
+    return Case(
+        f"3.kv.{name.lower().removeprefix('x-meshnet-kv-')}-on-a-chunk",
+        SECTION,
+        f"{name} on a message that is not a KV import (a plain chunk) is 400 bad_kv "
+        "naming it, and changes nothing",
+        check,
+    )
 
 
-def _import_case(id: str, description: str, header: str, *, roles: frozenset[str] = BOTH,
-                 **spoil: object) -> Case:  # fmt: skip
+def _import_case(
+    id: str, description: str, header: str, *, roles: frozenset[str] = BOTH, **spoil: object
+) -> Case:
     def check(ctx: Context) -> None:
         _refused(ctx, _import(ctx, **spoil), header)  # type: ignore[arg-type]
 
@@ -95,8 +105,9 @@ def _export_held(ctx: Context) -> None:
 
 def _expect_kv_message(response: Response, session: str) -> None:
     if response.status != 200:
-        raise CheckFailed(f"expected 200 with the KV message or 409 kv_unsupported, got "
-                          f"{response.summary()}")  # fmt: skip
+        raise CheckFailed(
+            f"expected 200 with the KV message or 409 kv_unsupported, got {response.summary()}"
+        )
     shape = (response.header("x-meshnet-shape") or "").split(",")
     if len(shape) != 6 or shape[1] != "2":
         raise CheckFailed(f"a KV message's shape is rank 6 with axis 1 of 2, got {shape}")
@@ -144,28 +155,75 @@ def _gateway_holds_no_kv(ctx: Context) -> None:
 CASES: list[Case] = [
     _kv_header_on_a_chunk(CHECKSUM, "0" * 16),
     _kv_header_on_a_chunk(FINGERPRINT, "0" * 32),
-    _import_case("3.kv.checksum-grammar", "a KV import's X-Meshnet-KV-Checksum that is not 16 "
-                 "lowercase hex digits is 400 bad_kv", CHECKSUM.lower(), checksum="ABC"),
-    _import_case("3.kv.checksum-missing", "a KV import without X-Meshnet-KV-Checksum is 400 "
-                 "bad_kv", CHECKSUM.lower(), checksum=""),
-    _import_case("3.kv.fingerprint-missing", "a KV import without X-Meshnet-KV-Fingerprint is "
-                 "400 bad_kv", FINGERPRINT.lower(), fingerprint=None),
-    _import_case("3.kv.not-rank-6", "a KV import whose tensor is not [layers, 2, batch, "
-                 "kv_heads, positions, head_dim] ([1, 2, 4]) is 400 bad_kv",
-                 "x-meshnet-shape", shape=(1, 2, 4), position=2),
-    _import_case("3.kv.position", "a KV import whose X-Meshnet-Position is not its positions "
-                 "is 400 bad_kv", "x-meshnet-position", position=POSITIONS + 1),
+    _import_case(
+        "3.kv.checksum-grammar",
+        "a KV import's X-Meshnet-KV-Checksum that is not 16 lowercase hex digits is 400 bad_kv",
+        CHECKSUM.lower(),
+        checksum="ABC",
+    ),
+    _import_case(
+        "3.kv.checksum-missing",
+        "a KV import without X-Meshnet-KV-Checksum is 400 bad_kv",
+        CHECKSUM.lower(),
+        checksum="",
+    ),
+    _import_case(
+        "3.kv.fingerprint-missing",
+        "a KV import without X-Meshnet-KV-Fingerprint is 400 bad_kv",
+        FINGERPRINT.lower(),
+        fingerprint=None,
+    ),
+    _import_case(
+        "3.kv.not-rank-6",
+        "a KV import whose tensor is not [layers, 2, batch, "
+        "kv_heads, positions, head_dim] ([1, 2, 4]) is 400 bad_kv",
+        "x-meshnet-shape",
+        shape=(1, 2, 4),
+        position=2,
+    ),
+    _import_case(
+        "3.kv.position",
+        "a KV import whose X-Meshnet-Position is not its positions is 400 bad_kv",
+        "x-meshnet-position",
+        position=POSITIONS + 1,
+    ),
     # To a gateway, total 2 is 400 bad_chunk_index first (2.gateway-one-sequence).
-    _import_case("3.kv.one-chunk", "to a node, a KV import is a one-chunk run: total 2 is 400 "
-                 "bad_kv", "x-meshnet-chunk-index", total=2, roles=NODE),
-    Case("3.kv.export-unknown", SECTION, "GET /kv/{id} of a session the node does not hold is "
-         "404 not_found", _export_unknown, NODE),
-    Case("3.kv.export", SECTION, "GET /kv/{id} of a session the node holds is 200 with its "
-         "KV message (rank 6, position, checksum, fingerprint), or 409 kv_unsupported from a "
-         "stage that keeps no state", _export_held, NODE),
-    Case("3.kv.registration", SECTION, "/info's handoff is null, or names the node's role "
-         "(any, prefill, decode), KV dtype, bytes per position and free KV bytes (§3.12)",
-         _registration, NODE),
-    Case("3.kv.gateway", SECTION, "a gateway holds no KV: GET /kv/{id} is 404 not_found, an "
-         "import is 400 bad_kv", _gateway_holds_no_kv, GATEWAY),
-]  # fmt: skip
+    _import_case(
+        "3.kv.one-chunk",
+        "to a node, a KV import is a one-chunk run: total 2 is 400 bad_kv",
+        "x-meshnet-chunk-index",
+        total=2,
+        roles=NODE,
+    ),
+    Case(
+        "3.kv.export-unknown",
+        SECTION,
+        "GET /kv/{id} of a session the node does not hold is 404 not_found",
+        _export_unknown,
+        NODE,
+    ),
+    Case(
+        "3.kv.export",
+        SECTION,
+        "GET /kv/{id} of a session the node holds is 200 with its "
+        "KV message (rank 6, position, checksum, fingerprint), or 409 kv_unsupported from a "
+        "stage that keeps no state",
+        _export_held,
+        NODE,
+    ),
+    Case(
+        "3.kv.registration",
+        SECTION,
+        "/info's handoff is null, or names the node's role "
+        "(any, prefill, decode), KV dtype, bytes per position and free KV bytes (§3.12)",
+        _registration,
+        NODE,
+    ),
+    Case(
+        "3.kv.gateway",
+        SECTION,
+        "a gateway holds no KV: GET /kv/{id} is 404 not_found, an import is 400 bad_kv",
+        _gateway_holds_no_kv,
+        GATEWAY,
+    ),
+]

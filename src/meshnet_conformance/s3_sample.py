@@ -28,8 +28,8 @@ from ._case import (
     new_session,
     replace_header,
 )
+from ._session_chunks import refused_from_head
 from ._wire import CheckFailed, Response
-from .s3_sessions import refused_from_head
 
 SECTION = "3"
 SAMPLE = "X-Meshnet-Sample"

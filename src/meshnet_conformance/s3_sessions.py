@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import re
-from collections.abc import Callable
 
 import zstandard
 
@@ -14,11 +13,12 @@ from ._case import (
     Context,
     expect_error,
     expect_status,
-    expect_tensor,
     float32_body,
     new_session,
 )
+from ._session_chunks import _chunk, _expect_at
 from ._wire import CheckFailed, Connection, Response
+from .s3_owners import OWNER_CASES
 
 SECTION = "3"
 _UUID = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}")
@@ -31,56 +31,13 @@ WAIT_DEADLINE_MS = 300
 FAR = 10**9
 
 
-def _chunk(
-    ctx: Context, session: str | None, index: int = 0, total: int = 1, *,
-    position: int | None = None, tokens: int = 2, seed: int = 0, zstd: bool = False,
-    deadline_ms: int | None = None, dtype: str = "float32", key: str | None = None,
-    path: str = "/forward",
-) -> bytes:  # fmt: skip
-    headers = ctx.forward_headers(
-        tokens, session=session, index=index, total=total, position=position,
-        encoding="zstd" if zstd else None, dtype=dtype,
-    )  # fmt: skip
-    if deadline_ms is not None:
-        headers.append(("X-Meshnet-Deadline-Ms", str(deadline_ms)))
-    if key is not None:
-        headers.append(("X-Meshnet-Session-Key", key))
-    body = float32_body(tokens, seed) if dtype == "float32" else bytes(2 * 4 * tokens)
-    if zstd:
-        body = zstandard.ZstdCompressor(level=3).compress(body)
-    return ctx.request("POST", path, headers, body)
-
-
-def _position(response: Response) -> int:
-    value = response.header("x-meshnet-position")
-    if value is None or not value.isdigit():
-        raise CheckFailed(f"response X-Meshnet-Position is {value!r}")
-    return int(value)
-
-
-def _expect_at(response: Response, position: int, tokens: int = 2) -> Response:
-    expect_tensor(response, shape=f"1,{tokens},4")
-    if _position(response) != position:
-        raise CheckFailed(f"expected X-Meshnet-Position {position}, got {_position(response)}")
-    return response
-
-
-def refused_from_head(
-    ctx: Context, request: Callable[[str | None], bytes], code: str, header: str
-) -> None:
-    """``request(session)`` (a fresh session at a node, None at a gateway) is
-    400 ``code`` naming ``header``, and leaves nothing: at a node the session
-    then starts afresh at position 0."""
-    session = new_session() if ctx.role == "node" else None
-    expect_error(ctx.send(request(session)), 400, code, header=header)
-    if session is not None:
-        _expect_at(ctx.send(_chunk(ctx, session, position=0, seed=1)), 0)
-
-
 def _expect_names(response: Response, session: str, index: int, total: int) -> None:
     """A node's 200 names the chunk it answers (the gateway checks it, §3.7)."""
-    wanted = {"x-meshnet-session": session, "x-meshnet-chunk-index": str(index),
-              "x-meshnet-chunk-total": str(total)}  # fmt: skip
+    wanted = {
+        "x-meshnet-session": session,
+        "x-meshnet-chunk-index": str(index),
+        "x-meshnet-chunk-total": str(total),
+    }
     for name, value in wanted.items():
         if response.all(name) != [value]:
             raise CheckFailed(f"response {name}: expected {value!r}, got {response.all(name)}")
@@ -126,8 +83,10 @@ _NO_SUCH_STAGE = "meshnet-conformance-no-such-model/0"
 
 def _stage_mismatch(ctx: Context) -> None:
     session = new_session()
-    headers = [*ctx.forward_headers(2, session=session, position=0),
-               ("X-Meshnet-Stage", _NO_SUCH_STAGE)]  # fmt: skip
+    headers = [
+        *ctx.forward_headers(2, session=session, position=0),
+        ("X-Meshnet-Stage", _NO_SUCH_STAGE),
+    ]
     response = ctx.send(ctx.forward(headers, float32_body(2)))
     expect_error(response, 409, "stage_mismatch", header="x-meshnet-stage")
     # Refused before anything changed: the session starts afresh at 0 (had
@@ -148,8 +107,9 @@ def _out_of_window(ctx: Context) -> None:
     session = new_session()
     index = 1 + ctx.reorder_window  # the next index is 1: this one is `window` past it
     expect_status(ctx.send(_chunk(ctx, session, 0, index + 1, position=0)), 200)
-    response = ctx.send(_chunk(ctx, session, index, index + 1, position=FAR,
-                               deadline_ms=WAIT_DEADLINE_MS))  # fmt: skip
+    response = ctx.send(
+        _chunk(ctx, session, index, index + 1, position=FAR, deadline_ms=WAIT_DEADLINE_MS)
+    )
     expect_error(response, 409, "chunk_out_of_window")
 
 
@@ -206,8 +166,9 @@ def _wait_times_out(ctx: Context) -> None:
 
 
 def _wait_never_started(ctx: Context) -> None:
-    response = ctx.send(_chunk(ctx, new_session(), 1, 2, position=FAR,
-                               deadline_ms=WAIT_DEADLINE_MS))  # fmt: skip
+    response = ctx.send(
+        _chunk(ctx, new_session(), 1, 2, position=FAR, deadline_ms=WAIT_DEADLINE_MS)
+    )
     expect_error(response, 409, "session_unknown")
 
 
@@ -217,86 +178,6 @@ def _delete(ctx: Context) -> None:
     expect_status(ctx.send(ctx.request("DELETE", f"/sessions/{session}")), 204)
     expect_error(ctx.send(ctx.request("DELETE", f"/sessions/{session}")), 404, "not_found")
     expect_error(ctx.send(_chunk(ctx, session, 0, 1, position=2)), 409, "session_unknown")
-
-
-# Two session keys (wire-2 §2.3 session-key: 32 lowercase hex digits).
-_KEY = "0123456789abcdef" * 2
-_OTHER_KEY = "fedcba9876543210" * 2
-
-
-def _keyed_session(ctx: Context) -> str:
-    """A node session created with ``_KEY``, one run done (next position 2)."""
-    session = new_session()
-    _expect_at(ctx.send(_chunk(ctx, session, 0, 1, position=0, key=_KEY)), 0)
-    return session
-
-
-def _expect_forbidden(response: Response) -> None:
-    error = expect_error(response, 403, "session_forbidden", header="x-meshnet-session-key")
-    if _KEY in error["message"] or _OTHER_KEY in error["message"]:
-        raise CheckFailed("the 403 message shows a session key")
-
-
-def _still_owned(ctx: Context, session: str, position: int = 2) -> None:
-    """The owner goes on where it was: the refused request changed nothing."""
-    _expect_at(ctx.send(_chunk(ctx, session, 0, 1, position=position, seed=1, key=_KEY)),
-               position)  # fmt: skip
-
-
-def _wrong_key(ctx: Context) -> None:
-    session = _keyed_session(ctx)
-    _expect_forbidden(ctx.send(_chunk(ctx, session, 0, 1, position=2, seed=1, key=_OTHER_KEY)))
-    _still_owned(ctx, session)
-
-
-def _missing_key(ctx: Context) -> None:
-    session = _keyed_session(ctx)
-    _expect_forbidden(ctx.send(_chunk(ctx, session, 0, 1, position=2, seed=1)))
-    _still_owned(ctx, session)
-
-
-def _added_key(ctx: Context) -> None:
-    session = new_session()
-    _expect_at(ctx.send(_chunk(ctx, session, 0, 1, position=0)), 0)
-    _expect_forbidden(ctx.send(_chunk(ctx, session, 0, 1, position=2, seed=1, key=_KEY)))
-    _expect_at(ctx.send(_chunk(ctx, session, 0, 1, position=2, seed=1)), 2)
-
-
-def _delete_needs_key(ctx: Context) -> None:
-    session = _keyed_session(ctx)
-    path = f"/sessions/{session}"
-    _expect_forbidden(ctx.send(ctx.request("DELETE", path)))
-    _expect_forbidden(ctx.send(ctx.request("DELETE", path, [("X-Meshnet-Session-Key",
-                                                             _OTHER_KEY)])))  # fmt: skip
-    _still_owned(ctx, session)
-    expect_status(ctx.send(ctx.request("DELETE", path, [("X-Meshnet-Session-Key", _KEY)])), 204)
-
-
-def _replay_live_session(ctx: Context) -> None:
-    session = _keyed_session(ctx)
-    # Even the owner's replay of a session's start cannot rewrite it: DELETE first.
-    replay = _chunk(ctx, session, 0, 1, position=0, seed=7, key=_KEY, path="/forward?replay=1")
-    expect_error(ctx.send(replay), 409, "session_exists", header="x-meshnet-session")
-    _still_owned(ctx, session)
-
-
-def _gateway_owner(ctx: Context) -> None:
-    first = _expect_at(ctx.send(_chunk(ctx, None)), 0)
-    session = first.header("x-meshnet-session") or ""
-    key = first.header("x-meshnet-session-key") or ""
-    if re.fullmatch(r"[0-9a-f]{32}", key) is None:
-        raise CheckFailed(f"the gateway's minted session key {key!r} is not 32 lowercase hex")
-    for other in (None, _OTHER_KEY if key != _OTHER_KEY else _KEY):
-        refused = ctx.send(_chunk(ctx, session, position=2, seed=1, key=other))
-        error = expect_error(refused, 403, "session_forbidden", header="x-meshnet-session-key")
-        if key in error["message"] or refused.header("x-meshnet-session-key") is not None:
-            raise CheckFailed("a refused request was told the session's key")
-    delete = ("DELETE", f"/sessions/{session}")
-    expect_error(ctx.send(ctx.request(*delete)), 403, "session_forbidden")
-    again = _expect_at(ctx.send(_chunk(ctx, session, position=2, seed=1, key=key)), 2)
-    if again.header("x-meshnet-session-key") is not None:
-        raise CheckFailed("the gateway told the session key again, not only when it minted it")
-    expect_status(ctx.send(ctx.request(*delete, [("X-Meshnet-Session-Key", key)])), 204)
 
 
 def _gateway_session(ctx: Context) -> None:
@@ -330,58 +211,135 @@ def _check_two(conn: Connection, ctx: Context) -> None:
 
 
 CASES: list[Case] = [
-    Case("3.runs", SECTION, "chunks of a run in order are answered with their session, index, "
-         "total and position; a finished run is followed by a new run with another total",
-         _runs, NODE),
-    Case("3.position-omitted", SECTION, "a new session's first chunk without "
-         "X-Meshnet-Position starts at 0 and answers it", _position_omitted, NODE),
-    Case("3.position-required", SECTION, "any other chunk without X-Meshnet-Position is 409 "
-         "position_required, and the session is intact", _position_required, NODE),
-    Case("3.keep-alive", SECTION, "two messages of one session on one keep-alive connection",
-         _keep_alive),
-    Case("3.position-mismatch", SECTION, "a position other than the session's is 409 "
-         "position_mismatch", _position_mismatch, NODE),
-    Case("3.unknown-session", SECTION, "index 0 at position > 0 of an unknown session is 409 "
-         "session_unknown at once", _unknown_session, NODE),
-    Case("3.stage-mismatch", SECTION, "a chunk whose X-Meshnet-Stage names a stage this node "
-         "is not is 409 stage_mismatch, from the head, and changes nothing",
-         _stage_mismatch, NODE),
-    Case("3.run-mismatch", SECTION, "a changed dtype or total within a run is 409 "
-         "run_mismatch", _run_mismatch, NODE),
-    Case("3.out-of-window", SECTION, "an index a whole reorder window ahead is 409 "
-         "chunk_out_of_window", _out_of_window, NODE),
-    Case("3.wait", SECTION, "a chunk sent before its predecessor waits for it and is then "
-         "served", _wait_for_predecessor, NODE),
-    Case("3.wait-deadline", SECTION, "a wait ends at the request's deadline with 409 "
-         "chunk_wait_timeout", _wait_times_out, NODE),
-    Case("3.wait-never-started", SECTION, "a wait for a session that never starts ends with "
-         "409 session_unknown", _wait_never_started, NODE),
-    Case("3.replay", SECTION, "an identical retransmission is answered with the stored "
-         "answer", _replay, NODE),
-    Case("3.replay-encoding", SECTION, "a retransmission is identical by decoded tensor: the "
-         "encoding may differ", _replay_other_encoding, NODE),
-    Case("3.replay-last-run", SECTION, "a retransmission of the last finished run's chunk is "
-         "a replay and does not advance the position", _replay_last_run, NODE),
-    Case("3.conflict", SECTION, "an index already passed with a different tensor is 409 "
-         "chunk_conflict", _conflict, NODE),
-    Case("3.delete", SECTION, "DELETE /sessions/{id} is 204, then 404; the session is gone "
-         "(409 session_unknown)", _delete, NODE),
-    Case("3.owner.wrong-key", SECTION, "a chunk of a keyed session with another key is 403 "
-         "session_forbidden, and the owner goes on at its position", _wrong_key, NODE),
-    Case("3.owner.missing-key", SECTION, "a chunk of a keyed session without its key is 403 "
-         "session_forbidden, and the owner goes on at its position", _missing_key, NODE),
-    Case("3.owner.added-key", SECTION, "a key on a chunk of a session created without one is "
-         "403 session_forbidden: a key cannot be added later", _added_key, NODE),
-    Case("3.owner.delete-needs-key", SECTION, "DELETE of a keyed session without its key, or "
-         "with another, is 403 and the session still answers; with it, 204",
-         _delete_needs_key, NODE),
-    Case("3.replay.live-session", SECTION, "a replay (?replay=1) of chunk 0 at position 0 of "
-         "a session the node holds is 409 session_exists, and the session is intact",
-         _replay_live_session, NODE),
-    Case("3.owner.gateway", SECTION, "the gateway mints a session key, says it once; a "
-         "continuation or DELETE without it or with another is 403 session_forbidden",
-         _gateway_owner, GATEWAY),
-    Case("3.gateway-session", SECTION, "the gateway mints a session, continues it at its "
-         "position, refuses another position (409), deletes it (204, then 404)",
-         _gateway_session, GATEWAY),
-]  # fmt: skip
+    Case(
+        "3.runs",
+        SECTION,
+        "chunks of a run in order are answered with their session, index, "
+        "total and position; a finished run is followed by a new run with another total",
+        _runs,
+        NODE,
+    ),
+    Case(
+        "3.position-omitted",
+        SECTION,
+        "a new session's first chunk without X-Meshnet-Position starts at 0 and answers it",
+        _position_omitted,
+        NODE,
+    ),
+    Case(
+        "3.position-required",
+        SECTION,
+        "any other chunk without X-Meshnet-Position is 409 "
+        "position_required, and the session is intact",
+        _position_required,
+        NODE,
+    ),
+    Case(
+        "3.keep-alive",
+        SECTION,
+        "two messages of one session on one keep-alive connection",
+        _keep_alive,
+    ),
+    Case(
+        "3.position-mismatch",
+        SECTION,
+        "a position other than the session's is 409 position_mismatch",
+        _position_mismatch,
+        NODE,
+    ),
+    Case(
+        "3.unknown-session",
+        SECTION,
+        "index 0 at position > 0 of an unknown session is 409 session_unknown at once",
+        _unknown_session,
+        NODE,
+    ),
+    Case(
+        "3.stage-mismatch",
+        SECTION,
+        "a chunk whose X-Meshnet-Stage names a stage this node "
+        "is not is 409 stage_mismatch, from the head, and changes nothing",
+        _stage_mismatch,
+        NODE,
+    ),
+    Case(
+        "3.run-mismatch",
+        SECTION,
+        "a changed dtype or total within a run is 409 run_mismatch",
+        _run_mismatch,
+        NODE,
+    ),
+    Case(
+        "3.out-of-window",
+        SECTION,
+        "an index a whole reorder window ahead is 409 chunk_out_of_window",
+        _out_of_window,
+        NODE,
+    ),
+    Case(
+        "3.wait",
+        SECTION,
+        "a chunk sent before its predecessor waits for it and is then served",
+        _wait_for_predecessor,
+        NODE,
+    ),
+    Case(
+        "3.wait-deadline",
+        SECTION,
+        "a wait ends at the request's deadline with 409 chunk_wait_timeout",
+        _wait_times_out,
+        NODE,
+    ),
+    Case(
+        "3.wait-never-started",
+        SECTION,
+        "a wait for a session that never starts ends with 409 session_unknown",
+        _wait_never_started,
+        NODE,
+    ),
+    Case(
+        "3.replay",
+        SECTION,
+        "an identical retransmission is answered with the stored answer",
+        _replay,
+        NODE,
+    ),
+    Case(
+        "3.replay-encoding",
+        SECTION,
+        "a retransmission is identical by decoded tensor: the encoding may differ",
+        _replay_other_encoding,
+        NODE,
+    ),
+    Case(
+        "3.replay-last-run",
+        SECTION,
+        "a retransmission of the last finished run's chunk is "
+        "a replay and does not advance the position",
+        _replay_last_run,
+        NODE,
+    ),
+    Case(
+        "3.conflict",
+        SECTION,
+        "an index already passed with a different tensor is 409 chunk_conflict",
+        _conflict,
+        NODE,
+    ),
+    Case(
+        "3.delete",
+        SECTION,
+        "DELETE /sessions/{id} is 204, then 404; the session is gone (409 session_unknown)",
+        _delete,
+        NODE,
+    ),
+    *OWNER_CASES,
+    Case(
+        "3.gateway-session",
+        SECTION,
+        "the gateway mints a session, continues it at its "
+        "position, refuses another position (409), deletes it (204, then 404)",
+        _gateway_session,
+        GATEWAY,
+    ),
+]

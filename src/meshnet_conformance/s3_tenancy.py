@@ -14,8 +14,8 @@ from ._case import (
     float32_body,
     new_session,
 )
+from ._session_chunks import refused_from_head
 from ._wire import CheckFailed
-from .s3_sessions import refused_from_head
 
 SECTION = "3"
 NAME = "0123456789abcdef" * 2

@@ -18,8 +18,8 @@ from meshnet_model.sampling import Sampler, SamplingParams
 from meshnet_model.speculative import verify_sampled
 
 from ._case import NODE, Case, Context, expect_error, expect_tensor, new_session
+from ._session_chunks import refused_from_head
 from ._wire import CheckFailed, Response
-from .s3_sessions import refused_from_head
 
 SECTION = "3"
 DRAFT, AFTER, SAMPLE = "X-Meshnet-Draft", "X-Meshnet-After", "X-Meshnet-Sample"

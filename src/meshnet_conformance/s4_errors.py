@@ -10,8 +10,12 @@ SECTION = "4"
 
 def _error_body(ctx: Context) -> None:
     headers = [*ctx.forward_headers(2), ("X-Meshnet-Dtype", "float32")]
-    error = expect_error(ctx.send(ctx.forward(headers, float32_body(2))), 400,
-                         "duplicate_header", header="x-meshnet-dtype")  # fmt: skip
+    error = expect_error(
+        ctx.send(ctx.forward(headers, float32_body(2))),
+        400,
+        "duplicate_header",
+        header="x-meshnet-dtype",
+    )
     if error["hop"] is not None:
         raise CheckFailed(f"a refusal of this server's own input names a hop: {error['hop']!r}")
 

@@ -29,9 +29,22 @@ def _info(ctx: Context) -> None:
 
 
 _IDENTITY_KEYS = {
-    "fingerprint", "model", "weights", "tokenizer", "layers", "n_layers", "vocab", "hidden",
-    "max_context", "engine", "dtype", "input", "output", "wire_dtype", "encoding",
-}  # fmt: skip
+    "fingerprint",
+    "model",
+    "weights",
+    "tokenizer",
+    "layers",
+    "n_layers",
+    "vocab",
+    "hidden",
+    "max_context",
+    "engine",
+    "dtype",
+    "input",
+    "output",
+    "wire_dtype",
+    "encoding",
+}
 
 
 def _info_identity(ctx: Context) -> None:

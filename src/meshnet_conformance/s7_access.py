@@ -25,14 +25,19 @@ def _no_credentials(ctx: Context) -> None:
 def _wrong_token(ctx: Context) -> None:
     assert ctx.token is not None
     wrong = ctx.token[:-1] + ("x" if not ctx.token.endswith("x") else "y")
-    request = ctx.forward(ctx.forward_headers(2), float32_body(2), auth=False,
-                          extra=[("Authorization", f"Bearer {wrong}")])  # fmt: skip
+    request = ctx.forward(
+        ctx.forward_headers(2),
+        float32_body(2),
+        auth=False,
+        extra=[("Authorization", f"Bearer {wrong}")],
+    )
     _refused(ctx.send(request), ctx)
 
 
 def _other_scheme(ctx: Context) -> None:
-    request = ctx.request("GET", "/info", auth=False,
-                          extra=[("Authorization", f"Basic {ctx.token}")])  # fmt: skip
+    request = ctx.request(
+        "GET", "/info", auth=False, extra=[("Authorization", f"Basic {ctx.token}")]
+    )
     _refused(ctx.send(request), ctx)
 
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -128,30 +128,20 @@ async def run_chunks(
     if inflight < 1:
         raise ValueError(f"inflight must be >= 1, got {inflight}")
     chunks = plan_chunks(array, chunk_tokens)
-    run = _Run(pool, encoder.codecs, len(chunks), deadline, inflight, last_only=last_only,
-               relay=relay, retry=retry, on_retry=on_retry)  # fmt: skip
+    run = _Run(
+        pool,
+        encoder.codecs,
+        len(chunks),
+        deadline,
+        inflight,
+        last_only=last_only,
+        relay=relay,
+        retry=retry,
+        on_retry=on_retry,
+    )
+    prepare = _preparer(encoder, request_encoding, session, base_position, stage, session_key)
     async with anyio.create_task_group() as tg:
-        for chunk in chunks:
-            # An error here (not in a chunk's task) would leave the task
-            # group as an ExceptionGroup, which no ``except MeshnetError``
-            # catches: recorded like a chunk's failure instead.
-            try:
-                started = time.perf_counter()
-                # Encode before taking a slot: chunk k+1 is compressed while
-                # chunk k is still downstream, even with inflight 1.
-                dtype, encoding, body = await encoder.encode(chunk.view, request_encoding)
-                headers = _chunk_headers(chunk, dtype, encoding, session, base_position,
-                                         stage=stage, session_key=session_key)  # fmt: skip
-                if annotate is not None:  # e.g. the prefix cache's keys (wire-2 §3.10)
-                    headers = annotate(headers)
-                encode_s = time.perf_counter() - started
-                await run.slots.acquire()
-            except MeshnetError as exc:
-                run.fail(tg, chunk.index, exc)
-                break
-            if on_send is not None:
-                on_send(headers)
-            tg.start_soon(run.send, tg, chunk.index, headers, body, encode_s)
+        await run.send_all(tg, chunks, prepare, annotate, on_send)
     return await run.result()
 
 
@@ -190,6 +180,26 @@ def _chunk_headers(
         stage=stage,
         session_key=session_key,
     )
+
+
+def _preparer(
+    encoder: WireEncoder,
+    request_encoding: str,
+    session: str,
+    base_position: int,
+    stage: str | None,
+    session_key: str | None,
+) -> Callable[[_Planned], Awaitable[tuple[WireHeaders, bytes | memoryview]]]:
+    """Each chunk of the run encoded, and the headers it goes down with."""
+
+    async def prepare(chunk: _Planned) -> tuple[WireHeaders, bytes | memoryview]:
+        dtype, encoding, body = await encoder.encode(chunk.view, request_encoding)
+        headers = _chunk_headers(
+            chunk, dtype, encoding, session, base_position, stage=stage, session_key=session_key
+        )
+        return headers, body
+
+    return prepare
 
 
 class _Run:
@@ -236,9 +246,15 @@ class _Run:
     ) -> None:
         started = time.perf_counter()
         try:
-            response = await send_with_retries(self.pool, headers, body, self.deadline,
-                                               self.retry, as_error=self.as_error,
-                                               on_retry=self.on_retry)  # fmt: skip
+            response = await send_with_retries(
+                self.pool,
+                headers,
+                body,
+                self.deadline,
+                self.retry,
+                as_error=self.as_error,
+                on_retry=self.on_retry,
+            )
             check_response(self.pool, headers, response.headers)
             if not self.last_only or index == self.last:
                 tensor = await self.codecs.decode(response.headers, response.body)
@@ -256,6 +272,35 @@ class _Run:
             self.fail(tg, index, exc)
         finally:
             self.slots.release()
+
+    async def send_all(
+        self,
+        tg: anyio.abc.TaskGroup,
+        chunks: Sequence[_Planned],
+        prepare: Callable[[_Planned], Awaitable[tuple[WireHeaders, bytes | memoryview]]],
+        annotate: Callable[[WireHeaders], WireHeaders] | None,
+        on_send: Callable[[WireHeaders], None] | None,
+    ) -> None:
+        """Start each chunk's ``send`` once it is prepared and a slot is free."""
+        for chunk in chunks:
+            # An error here (not in a chunk's task) would leave the task
+            # group as an ExceptionGroup, which no ``except MeshnetError``
+            # catches: recorded like a chunk's failure instead.
+            try:
+                started = time.perf_counter()
+                # Encode before taking a slot: chunk k+1 is compressed while
+                # chunk k is still downstream, even with inflight 1.
+                headers, body = await prepare(chunk)
+                if annotate is not None:  # e.g. the prefix cache's keys (wire-2 §3.10)
+                    headers = annotate(headers)
+                encode_s = time.perf_counter() - started
+                await self.slots.acquire()
+            except MeshnetError as exc:
+                self.fail(tg, chunk.index, exc)
+                break
+            if on_send is not None:
+                on_send(headers)
+            tg.start_soon(self.send, tg, chunk.index, headers, body, encode_s)
 
     async def result(self) -> RunResult:
         """The run's answers, or the failure of its lowest-indexed failed chunk."""

@@ -135,9 +135,17 @@ async def send_with_retries(
         if wait + MIN_ATTEMPT_SECONDS >= deadline.remaining():
             raise error  # no time left for a useful attempt: the failure as it is
         first = first or error
-        log.info("session %s chunk %d: %s %s (hop %s); retry %d of %d in %.0f ms",
-                 headers.session, index, error.status, error.code, error.hop, attempt,
-                 retry.retries, wait * 1000)  # fmt: skip
+        log.info(
+            "session %s chunk %d: %s %s (hop %s); retry %d of %d in %.0f ms",
+            headers.session,
+            index,
+            error.status,
+            error.code,
+            error.hop,
+            attempt,
+            retry.retries,
+            wait * 1000,
+        )
         if on_retry is not None:
             on_retry(index, error)
         await anyio.sleep(wait)

@@ -102,17 +102,7 @@ class GatewayApp:
         # (measured on its answers) and toward clients (measured on the
         # request bodies they upload; one estimate for all clients). Chunks
         # keep the run's dtype (chosen once per request); answers get --wire-dtype.
-        level = config.zstd_level
-        self.to_entry = WireEncoder(
-            self.codecs, encoding=config.encoding, level=level, link=self.pool.link
-        )
-        self.to_clients = WireEncoder(
-            self.codecs,
-            dtype_policy=config.wire_dtype,
-            encoding=config.encoding,
-            level=level,
-            link=LinkEstimate(),
-        )
+        self.to_entry, self.to_clients = _encoders(config, self.codecs, self.pool.link)
         # The gateway's own side of the chain check (its model's facts).
         self.facts = gateway_facts(config)
         # The entry node's reorder window (until its /info is read: one chunk at a time).
@@ -234,15 +224,21 @@ class GatewayApp:
 
     async def handle_activation_head(self, event: ActivationHead, ctx: RequestContext) -> None:
         # Refused now, before the body: its line too.
-        await self.access.around(access_record("POST", "/forward", event.query, ctx),
-                                 lambda: self._check_activation_head(event),
-                                 answered=False)  # fmt: skip
+        await self.access.around(
+            access_record("POST", "/forward", event.query, ctx),
+            lambda: self._check_activation_head(event),
+            answered=False,
+        )
 
     async def _check_activation_head(self, event: ActivationHead) -> None:
         # Reject before reading what may be hundreds of MiB of body.
         if event.kv_import:  # wire-2 §3.11: a node's; a gateway holds no stage's KV
-            raise ProtocolError("a gateway imports no KV (it is a node's route)", code="bad_kv",
-                                status=400, header="x-meshnet-kv-checksum")  # fmt: skip
+            raise ProtocolError(
+                "a gateway imports no KV (it is a node's route)",
+                code="bad_kv",
+                status=400,
+                header="x-meshnet-kv-checksum",
+            )
         self.chain.refuse_if_mismatched()
         session = event.headers.session
         if session is not None:
@@ -350,8 +346,13 @@ class GatewayApp:
         lease.abort()
         self.metrics.chunks.labels("failed").inc()
         if isinstance(exc, MeshnetError):
-            log.info("session %s: %s %s (hop %s); deleting it down the chain",
-                     lease.session, exc.status, exc.code, exc.hop)  # fmt: skip
+            log.info(
+                "session %s: %s %s (hop %s); deleting it down the chain",
+                lease.session,
+                exc.status,
+                exc.code,
+                exc.hop,
+            )
             if exc.code in RECHECK_CODES:
                 self.on_chain_suspect()  # a stage changed since the chain was checked
         if self._background is not None:
@@ -412,6 +413,22 @@ class GatewayApp:
     async def describe(self) -> dict[str, Any]:
         """``GET /info``: ``info()`` and the chain in one view (``stages``, ``walk``)."""
         return {**self.info(), **await self.chain_view.describe()}
+
+
+def _encoders(
+    config: GatewayConfig, codecs: CodecPool, entry_link: LinkEstimate
+) -> tuple[WireEncoder, WireEncoder]:
+    """The encoder toward the entry node and the one toward clients."""
+    level = config.zstd_level
+    to_entry = WireEncoder(codecs, encoding=config.encoding, level=level, link=entry_link)
+    to_clients = WireEncoder(
+        codecs,
+        dtype_policy=config.wire_dtype,
+        encoding=config.encoding,
+        level=level,
+        link=LinkEstimate(),
+    )
+    return to_entry, to_clients
 
 
 def _response_headers(output: np.ndarray, dtype: str, encoding: str, lease: Lease) -> WireHeaders:

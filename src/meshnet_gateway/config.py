@@ -40,11 +40,12 @@ __all__ = ["GATEWAY_FLAGS", "SPECIAL_TOKEN_POLICIES", "SPECULATE_MODES", "Gatewa
 SPECIAL_TOKEN_POLICIES = ("escape", "refuse", "keep")
 
 _CHAIN = (
-    Flag("--entry", endpoint_list,
-         "URL(s) of the first node's replicas, comma-separated (required)"),
+    Flag(
+        "--entry", endpoint_list, "URL(s) of the first node's replicas, comma-separated (required)"
+    ),
     Flag("--chunk-tokens", positive_int, "tokens per chunk"),
     Flag("--inflight", positive_int, "chunks in flight per session"),
-)  # fmt: skip
+)
 _MODEL = (
     Flag("--model", nonempty, "checkpoint directory: serve the OpenAI API (/v1) for it"),
     Flag("--model-name", nonempty, "model id in the OpenAI API (default: directory name)"),
@@ -52,10 +53,9 @@ _MODEL = (
     Flag("--max-context", nonnegative_int, "context length (0: the checkpoint's config.json)"),
 )
 _RETRIES = (
-    Flag("--retries", nonnegative_int,
-         "extra attempts of a chunk whose connection or hop failed"),
+    Flag("--retries", nonnegative_int, "extra attempts of a chunk whose connection or hop failed"),
     Flag("--retry-backoff-ms", millis, "first retry's backoff, ms (doubles per retry)"),
-)  # fmt: skip
+)
 _PROMPTS = (
     Flag(
         "--max-prompt-chars",
@@ -71,8 +71,9 @@ _PROMPTS = (
     ),
 )
 _ADMISSION = (
-    Flag("--max-running", positive_int,
-         "/v1 generations admitted at once (more wait in the queue)"),
+    Flag(
+        "--max-running", positive_int, "/v1 generations admitted at once (more wait in the queue)"
+    ),
     Flag(
         "--max-prefill-tokens",
         positive_int,
@@ -80,9 +81,12 @@ _ADMISSION = (
         "clients; a larger piece goes alone)",
     ),
     Flag("--max-queued", nonnegative_int, "/v1 requests waiting for admission (more get 429)"),
-    Flag("--queue-timeout", positive_seconds,
-         "seconds a /v1 request may wait in the queue (then 503)"),
-)  # fmt: skip
+    Flag(
+        "--queue-timeout",
+        positive_seconds,
+        "seconds a /v1 request may wait in the queue (then 503)",
+    ),
+)
 
 
 def check_api_keys(values: dict[str, Any], error: Callable[[str], NoReturn]) -> None:
@@ -114,9 +118,8 @@ def switch(text: str) -> bool:
 
 
 _LOGGING = (
-    Flag("--no-access-log", switch,
-         "do not log one line per request (meshnet.access, at info)"),
-)  # fmt: skip
+    Flag("--no-access-log", switch, "do not log one line per request (meshnet.access, at info)"),
+)
 _CACHE = (
     Flag(
         "--no-prefix-cache",

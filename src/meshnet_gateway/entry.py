@@ -79,11 +79,15 @@ class EntryWindow:
             return None
         self.read = True
         if self.window is None:
-            log.warning("%s /info shows no reorder window; assuming %d",
-                        self.pool.url, WIRE2_REORDER_WINDOW)  # fmt: skip
+            log.warning(
+                "%s /info shows no reorder window; assuming %d", self.pool.url, WIRE2_REORDER_WINDOW
+            )
         elif self.configured > self.window:
-            log.info("--inflight %d capped at the entry node's reorder window %d",
-                     self.configured, self.window)  # fmt: skip
+            log.info(
+                "--inflight %d capped at the entry node's reorder window %d",
+                self.configured,
+                self.window,
+            )
         return self.window
 
     async def read_at_start(self) -> None:

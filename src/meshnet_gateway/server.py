@@ -115,8 +115,7 @@ async def open_gateway(
     app = GatewayApp(config)
     async with app.running():
         if bound is None:
-            bound = await listen(host=config.host, port=config.port, uds=config.uds,
-                                 tls=config.tls)  # fmt: skip
+            bound = await listen(host=config.host, port=config.port, uds=config.uds, tls=config.tls)
         server = build_server(config, app)
         async with anyio.create_task_group() as tg:
             url = await tg.start(server.serve, bound)

@@ -137,8 +137,9 @@ def _gguf_tensors(file: GGUFFile) -> dict[str, StoredTensor]:
     found = {}
     for t in file.tensors.values():
         kind = getattr(t.tensor_type, "name", str(t.tensor_type))
-        stored = StoredTensor(t.name, kind, file.shape(t.name), file.path,
-                              int(t.data_offset), int(t.n_bytes))  # fmt: skip
+        stored = StoredTensor(
+            t.name, kind, file.shape(t.name), file.path, int(t.data_offset), int(t.n_bytes)
+        )
         found[hf_name(t.name) or t.name] = stored
     return found
 
@@ -148,8 +149,9 @@ def _safetensors_tensors(ckpt: Checkpoint) -> dict[str, StoredTensor]:
     for name in ckpt.weight_map:
         f = ckpt.file_for(name)
         offset, nbytes = f.span(name)
-        found[name] = StoredTensor(name, f.dtype(name).name, tuple(f.shape(name)), f.path,
-                                   offset, nbytes)  # fmt: skip
+        found[name] = StoredTensor(
+            name, f.dtype(name).name, tuple(f.shape(name)), f.path, offset, nbytes
+        )
     return found
 
 

@@ -120,16 +120,24 @@ class LoadReporter:
             return
         self._announced = True
         p = self.plan
-        self.emit(f"loading {p.tensors} tensors, {_mib(p.total)} for layers {p.span} "
-                  f"from {p.source}")  # fmt: skip
+        self.emit(
+            f"loading {p.tensors} tensors, {_mib(p.total)} for layers {p.span} from {p.source}"
+        )
         if self._bar_stream is not None:
             # After the line, not before it: a log line written while the bar
             # is drawn would land on the bar's own line.
             from tqdm import tqdm  # only on a terminal
 
-            self._bar = tqdm(total=p.total, unit="B", unit_scale=True, unit_divisor=1024,
-                             desc=f"layers {p.span}", file=self._bar_stream, leave=False,
-                             dynamic_ncols=True)  # fmt: skip
+            self._bar = tqdm(
+                total=p.total,
+                unit="B",
+                unit_scale=True,
+                unit_divisor=1024,
+                desc=f"layers {p.span}",
+                file=self._bar_stream,
+                leave=False,
+                dynamic_ncols=True,
+            )
 
     def on_bytes(self, n: int) -> None:
         self.announce()
@@ -148,16 +156,20 @@ class LoadReporter:
         if elapsed >= self.slow_after:
             # The share actually read: one large tensor may cross several steps.
             percent = int(100 * self.done / total)
-            self.emit(f"loaded {percent}% of layers {self.plan.span}: {_mib(self.done)} of "
-                      f"{_mib(total)} in {elapsed:.1f} s")  # fmt: skip
+            self.emit(
+                f"loaded {percent}% of layers {self.plan.span}: {_mib(self.done)} of "
+                f"{_mib(total)} in {elapsed:.1f} s"
+            )
 
     def finish(self) -> None:
         self.announce()  # a stage of no tensors still says it loaded
         self.close()  # the bar cleared before the end line
         elapsed = self.clock() - (self.started or 0.0)
         rate = f", {self.done / MIB / elapsed:.0f} MiB/s" if elapsed > 0 else ""
-        self.emit(f"loaded layers {self.plan.span}: {self.plan.tensors} tensors, "
-                  f"{_mib(self.done)} in {elapsed:.1f} s{rate}")  # fmt: skip
+        self.emit(
+            f"loaded layers {self.plan.span}: {self.plan.tensors} tensors, "
+            f"{_mib(self.done)} in {elapsed:.1f} s{rate}"
+        )
 
     def close(self) -> None:
         if self._bar is not None:

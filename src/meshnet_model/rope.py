@@ -106,8 +106,9 @@ class Rope:
         elif kind == "llama3":
             inv = _llama3(inv, self.scaling, self.max_positions)
         elif kind == "yarn":
-            inv, self.attention_factor = _yarn(self.base, self.dim, self.scaling,
-                                               self.max_positions)  # fmt: skip
+            inv, self.attention_factor = _yarn(
+                self.base, self.dim, self.scaling, self.max_positions
+            )
         self.inv_freq = inv.astype(np.float32)
 
     def _inv_freq_for(self, seq_len: int) -> np.ndarray:

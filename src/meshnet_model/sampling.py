@@ -123,8 +123,11 @@ class SamplingParams:
 
     @property
     def penalised(self) -> bool:
-        return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0
-                or self.frequency_penalty != 0.0)  # fmt: skip
+        return (
+            self.repetition_penalty != 1.0
+            or self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+        )
 
 
 class TokenConstraint(Protocol):

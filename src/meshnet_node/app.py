@@ -58,7 +58,7 @@ from meshnet_runtime.metrics import ServerMetrics, Tally
 from meshnet_runtime.sequencing import SequencedTable
 from meshnet_runtime.wire_encoder import WireEncoder
 
-from .backends import StageBackend, make_stage, stage_context
+from .backends import StageBackend, StageContext, make_stage, stage_context
 from .config import NodeConfig
 from .draw import check_sampled_head
 from .drawn_answers import DrawnAnswers
@@ -215,8 +215,9 @@ class NodeApp:
             return await self._run(decision.ticket, headers, event, deadline, replay=replay)
         if isinstance(decision, Reforward):
             self._count("reforwarded")
-            return await self._run(decision.ticket, headers, None, deadline,
-                                   decision.stage_output, replay=replay)  # fmt: skip
+            return await self._run(
+                decision.ticket, headers, None, deadline, decision.stage_output, replay=replay
+            )
         if isinstance(decision, Replay):
             self._count("replayed")
             return decision.response  # type: ignore[no-any-return]
@@ -267,14 +268,8 @@ class NodeApp:
         self, ticket: Ticket, headers: WireHeaders, event: ActivationReceived, deadline: Deadline
     ) -> Any:
         started = time.perf_counter()
-        context = stage_context(
-            ticket.session, ticket.position, ticket.tokens, ticket.index,
-            headers.chunk_total or 1, ticket.run,
-            # The loop's clock is not the thread's: hand the stage a monotonic one.
-            time.monotonic() + (deadline.at - self._clock()),
-            headers.prefix, headers.prefix_blocks, headers.cache_salt,
-            logit_rows(headers), ticket.rewind_from,
-        )  # fmt: skip
+        # The loop's clock is not the thread's: hand the stage a monotonic one.
+        context = _chunk_context(ticket, headers, time.monotonic() + (deadline.at - self._clock()))
         self.drawn.rewound(ticket)  # a rewind's: those kept past it were the old line's
         try:
             output = await self.stage(event.tensor, context)
@@ -427,6 +422,24 @@ class NodeApp:
     def cancel_on_disconnect(self, event: EndpointRequest | ActivationReceived) -> bool:
         """A node finishes every request it took, even for a client that left."""
         return False
+
+
+def _chunk_context(ticket: Ticket, headers: WireHeaders, deadline: float) -> StageContext:
+    """What the stage is told of the chunk it runs; ``deadline`` on ``time.monotonic``."""
+    return stage_context(
+        ticket.session,
+        ticket.position,
+        ticket.tokens,
+        ticket.index,
+        headers.chunk_total or 1,
+        ticket.run,
+        deadline,
+        headers.prefix,
+        headers.prefix_blocks,
+        headers.cache_salt,
+        logit_rows(headers),
+        ticket.rewind_from,
+    )
 
 
 def client_of(headers: WireHeaders, ctx: RequestContext) -> str | None:

@@ -89,13 +89,34 @@ class StageContext:
     rewind_from: int | None = None
 
 
-_CONTEXT_FIELDS = ("session", "position", "tokens", "index", "total", "run", "deadline",
-                   "prefix", "prefix_blocks", "cache_salt", "logit_rows",
-                   "rewind_from")  # fmt: skip
+_CONTEXT_FIELDS = (
+    "session",
+    "position",
+    "tokens",
+    "index",
+    "total",
+    "run",
+    "deadline",
+    "prefix",
+    "prefix_blocks",
+    "cache_salt",
+    "logit_rows",
+    "rewind_from",
+)
 (
-    _set_session, _set_position, _set_tokens, _set_index, _set_total, _set_run, _set_deadline,
-    _set_prefix, _set_prefix_blocks, _set_cache_salt, _set_logit_rows, _set_rewind_from,
-) = (StageContext.__dict__[name].__set__ for name in _CONTEXT_FIELDS)  # fmt: skip
+    _set_session,
+    _set_position,
+    _set_tokens,
+    _set_index,
+    _set_total,
+    _set_run,
+    _set_deadline,
+    _set_prefix,
+    _set_prefix_blocks,
+    _set_cache_salt,
+    _set_logit_rows,
+    _set_rewind_from,
+) = (StageContext.__dict__[name].__set__ for name in _CONTEXT_FIELDS)
 
 
 def stage_context(

@@ -90,26 +90,34 @@ def _device(text: str) -> str:
 
 
 _CHAIN = (
-    Flag("--next", endpoint_list,
-         "downstream node URL(s), comma-separated replicas (none = last stage)"),
+    Flag(
+        "--next",
+        endpoint_list,
+        "downstream node URL(s), comma-separated replicas (none = last stage)",
+    ),
     Flag("--backend", choice(tuple(BACKENDS)), "stage backend"),
     Flag("--delay-ms", millis, "simulated stage compute per chunk, ms"),
-)  # fmt: skip
+)
 _MODEL = (
     Flag("--model", nonempty, "checkpoint directory (HF layout): run its layers, not --backend"),
     Flag("--layers", _layers, "with --model: run layers A..B-1, as A:B (default: all)"),
     Flag("--dtype", choice(MODEL_DTYPES), "with --model: weights dtype in memory"),
     Flag("--engine", choice(ENGINES), "with --model: numpy, torch, or auto (torch for GGUF)"),
     Flag("--device", _device, "with --engine torch: cpu, cuda or cuda:N"),
-    Flag("--threads", threads_count,
-         "with --model: compute threads (BLAS or torch) of this stage"),
-    Flag("--share-cores-with", nonempty,
-         "with --model, torch on the CPU: a file the stages of this machine share; each "
-         "step takes the cores free among the busy stages, at most --threads"),
-    Flag("--weights-cache", nonempty,
-         "with --model, torch quantized: directory keeping the repacked weights for the "
-         "next start (auto: $XDG_CACHE_HOME/meshnet/weights; off: none)"),
-)  # fmt: skip
+    Flag("--threads", threads_count, "with --model: compute threads (BLAS or torch) of this stage"),
+    Flag(
+        "--share-cores-with",
+        nonempty,
+        "with --model, torch on the CPU: a file the stages of this machine share; each "
+        "step takes the cores free among the busy stages, at most --threads",
+    ),
+    Flag(
+        "--weights-cache",
+        nonempty,
+        "with --model, torch quantized: directory keeping the repacked weights for the "
+        "next start (auto: $XDG_CACHE_HOME/meshnet/weights; off: none)",
+    ),
+)
 
 
 def _bytes_zero_or_auto(text: str) -> int | str:

@@ -254,11 +254,18 @@ class KVHandoff:
         # copy counts while its answer is written; None: not counted (a bare app).
         self.inflight: ByteBudget | None = None
         self._importing: set[str] = set()
-        self.moved = Counter("meshnet_handoff_sessions",
-                             "Sessions' KV exported or imported (wire-2 §3.11)",
-                             ["direction"], registry=registry)  # fmt: skip
-        self.moved_bytes = Counter("meshnet_handoff_bytes", "KV bytes exported or imported",
-                                   ["direction"], registry=registry)  # fmt: skip
+        self.moved = Counter(
+            "meshnet_handoff_sessions",
+            "Sessions' KV exported or imported (wire-2 §3.11)",
+            ["direction"],
+            registry=registry,
+        )
+        self.moved_bytes = Counter(
+            "meshnet_handoff_bytes",
+            "KV bytes exported or imported",
+            ["direction"],
+            registry=registry,
+        )
 
     def held(self) -> int:
         """Sessions a drain keeps for export (none without KV)."""
@@ -281,8 +288,9 @@ class KVHandoff:
         the import (ctx.cleanups), at the latest at its body's deadline."""
         assert headers.session is not None
         self._not_importing(headers.session)
-        nbytes = check_import_head(self.store, self.fingerprint, headers, self.table,
-                                   anyio.current_time(), ctx.peer)  # fmt: skip
+        nbytes = check_import_head(
+            self.store, self.fingerprint, headers, self.table, anyio.current_time(), ctx.peer
+        )
         assert self.store is not None  # check_import_head refused a stub
         ctx.cleanups.append(self.transfers.take(ctx.peer, "a KV import"))
         self.store.hold_kv(nbytes)
@@ -302,9 +310,14 @@ class KVHandoff:
         try:
             await self.store.import_kv(session, tensor, held.take())
             try:
-                self.table.adopt(session, position, anyio.current_time(),
-                                 key=headers.session_key, client=ctx.peer,
-                                 epoch=import_epoch(headers))  # fmt: skip
+                self.table.adopt(
+                    session,
+                    position,
+                    anyio.current_time(),
+                    key=headers.session_key,
+                    client=ctx.peer,
+                    epoch=import_epoch(headers),
+                )
             except BaseException:
                 self.end_session(session)
                 raise

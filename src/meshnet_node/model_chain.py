@@ -59,8 +59,16 @@ async def start_model_chain(
         nodes: list[RunningNode] = []
         for i in reversed(range(len(splits))):
             start, end = splits[i]
-            argv = ["--port", "0", "--model", str(checkpoint), "--layers", f"{start}:{end}",
-                    *extra, *(per_node[i] if per_node else ())]  # fmt: skip
+            argv = [
+                "--port",
+                "0",
+                "--model",
+                str(checkpoint),
+                "--layers",
+                f"{start}:{end}",
+                *extra,
+                *(per_node[i] if per_node else ()),
+            ]
             if nodes:
                 argv += ["--next", nodes[0].url]
             config = NodeConfig.load(argv, {})
@@ -77,8 +85,14 @@ async def start_model_chain(
 class ModelSession:
     """One session's context through a chain: prefill in chunks, then decode steps."""
 
-    def __init__(self, pool: DownstreamPool, session: str | None = None,
-                 *, timeout: float = 60.0, key: str | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        pool: DownstreamPool,
+        session: str | None = None,
+        *,
+        timeout: float = 60.0,
+        key: str | None = None,
+    ) -> None:
         """``key``: the session's key (wire-2 §3.9); a new session gets one of
         its own, so nobody who learns its id can continue or end it."""
         self.pool = pool
@@ -145,18 +159,32 @@ class ModelSession:
 
     async def _post(self, chunk: np.ndarray, index: int, total: int, position: int) -> np.ndarray:
         dtype, encoding, body = encode_for_wire(chunk)
-        headers = WireHeaders(shape=chunk.shape, dtype=dtype, session=self.session,
-                              chunk_index=index, chunk_total=total, encoding=encoding,
-                              position=position, session_key=self.key)  # fmt: skip
+        headers = WireHeaders(
+            shape=chunk.shape,
+            dtype=dtype,
+            session=self.session,
+            chunk_index=index,
+            chunk_total=total,
+            encoding=encoding,
+            position=position,
+            session_key=self.key,
+        )
         response = await self.pool.forward(headers, body, Deadline.after(self.timeout))
         if not isinstance(response, ActivationResponse):
             error = response.error
-            raise ChainError(response.status, str(error.get("code")),
-                             str(error.get("message")), response.retry_after)  # fmt: skip
+            raise ChainError(
+                response.status,
+                str(error.get("code")),
+                str(error.get("message")),
+                response.retry_after,
+            )
         return np.array(decode_tensor(response.headers, response.body))
 
     async def delete(self) -> int:
-        response = await self.pool.request("DELETE", f"/sessions/{self.session}",
-                                           Deadline.after(self.timeout),
-                                           key_headers(self.key))  # fmt: skip
+        response = await self.pool.request(
+            "DELETE",
+            f"/sessions/{self.session}",
+            Deadline.after(self.timeout),
+            key_headers(self.key),
+        )
         return response.status

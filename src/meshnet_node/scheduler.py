@@ -358,8 +358,9 @@ class StageScheduler:
                 tile=self.tile,
             )
             if not self.split:
-                credit_passed_over(self.queue, plan, budget=self.max_batch_tokens,
-                                   decoding=expected)  # fmt: skip
+                credit_passed_over(
+                    self.queue, plan, budget=self.max_batch_tokens, decoding=expected
+                )
             started = time.perf_counter()
             # A worker thread cannot be interrupted: the step is seen through to
             # its accounting even if this task's request is cancelled meanwhile.
@@ -416,8 +417,9 @@ class StageScheduler:
                 piece.error = piece.error or exc
         return pieces
 
-    def _account(self, plan: list[tuple[Work, int]], pieces: list[StageWork],
-                 elapsed: float) -> None:  # fmt: skip
+    def _account(
+        self, plan: list[tuple[Work, int]], pieces: list[StageWork], elapsed: float
+    ) -> None:
         """After a step, in the event loop: each work takes its piece's outcome;
         what is done or failed leaves the queue."""
         self.steps += 1

@@ -201,9 +201,12 @@ class ClientConnection(H11Reader[_Answer]):
         if self._token is not None and b"authorization" not in given:
             pairs.append((b"Authorization", b"Bearer " + self._token))
         return self._send(
-            method.encode("ascii"), target.encode("ascii"), pairs, data,
+            method.encode("ascii"),
+            target.encode("ascii"),
+            pairs,
+            data,
             activation=expects_activation,
-        )  # fmt: skip
+        )
 
     def _send(
         self,

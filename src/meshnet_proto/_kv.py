@@ -49,8 +49,9 @@ def _bad(header: bytes, message: str) -> ProtocolError:
     return ProtocolError(message, code="bad_kv", status=400, header=header.decode("ascii"))
 
 
-def parse_kv(values: dict[bytes, bytes], fields: dict[str, Any], limits: Limits,
-             sequencing: bool) -> None:  # fmt: skip
+def parse_kv(
+    values: dict[bytes, bytes], fields: dict[str, Any], limits: Limits, sequencing: bool
+) -> None:
     """The two KV headers' grammar (whether the message may carry them is
     ``check_kv_message``: that needs the request's query)."""
     checksum, fingerprint = values.get(H_KV_CHECKSUM), values.get(H_KV_FINGERPRINT)
@@ -68,27 +69,33 @@ def check_kv_message(headers: Any, kv_import: bool) -> None:
 
     ``headers`` is a ``WireHeaders`` (typed loosely: this module sits below it)."""
     if not kv_import:
-        for value, header in ((headers.kv_checksum, H_KV_CHECKSUM),
-                              (headers.kv_fingerprint, H_KV_FINGERPRINT)):  # fmt: skip
+        for value, header in (
+            (headers.kv_checksum, H_KV_CHECKSUM),
+            (headers.kv_fingerprint, H_KV_FINGERPRINT),
+        ):
             if value is not None:
-                raise _bad(header, f"{header.decode()} belongs on a KV import only "
-                                   "(POST /forward?kv=1)")  # fmt: skip
+                raise _bad(
+                    header, f"{header.decode()} belongs on a KV import only (POST /forward?kv=1)"
+                )
         return
-    for value, header in ((headers.kv_checksum, H_KV_CHECKSUM),
-                          (headers.kv_fingerprint, H_KV_FINGERPRINT)):  # fmt: skip
+    for value, header in (
+        (headers.kv_checksum, H_KV_CHECKSUM),
+        (headers.kv_fingerprint, H_KV_FINGERPRINT),
+    ):
         if value is None:
             raise _bad(header, f"a KV import must carry {header.decode()}")
     shape = headers.shape
     if len(shape) != KV_RANK or shape[1] != 2:
-        raise _bad(b"x-meshnet-shape", "a KV import's shape is "
-                   "[layers, 2, batch, kv_heads, positions, head_dim]")  # fmt: skip
+        raise _bad(
+            b"x-meshnet-shape",
+            "a KV import's shape is [layers, 2, batch, kv_heads, positions, head_dim]",
+        )
     if headers.dtype not in KV_DTYPES:
         raise _bad(b"x-meshnet-dtype", f"a KV import's dtype is one of {sorted(KV_DTYPES)}")
     if headers.chunk_index != 0 or headers.chunk_total != 1:
         raise _bad(b"x-meshnet-chunk-index", "a KV import is a one-chunk run (index 0 of 1)")
     if headers.position != shape[4]:
-        raise _bad(b"x-meshnet-position",
-                   f"a KV import's position is its positions ({shape[4]})")  # fmt: skip
+        raise _bad(b"x-meshnet-position", f"a KV import's position is its positions ({shape[4]})")
     if headers.prefix is not None or headers.prefix_blocks:
         raise _bad(b"x-meshnet-prefix", "a KV import names no prefix")
 

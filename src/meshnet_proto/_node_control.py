@@ -40,9 +40,18 @@ def stub_identity(name: str) -> dict[str, Any]:
     """The wire-2 §6.1 identity fields of a stage with no model and no
     layers, taking and making any tensor (an echo, a toy layer)."""
     fields: dict[str, Any] = dict.fromkeys(
-        ("weights", "tokenizer", "layers", "n_layers", "vocab", "hidden", "max_context",
-         "engine", "dtype"),
-    )  # fmt: skip
+        (
+            "weights",
+            "tokenizer",
+            "layers",
+            "n_layers",
+            "vocab",
+            "hidden",
+            "max_context",
+            "engine",
+            "dtype",
+        ),
+    )
     return {**fields, "model": f"stub-{name}", "input": "any", "output": "any"}
 
 
@@ -58,10 +67,22 @@ def answer_headers(
     if request.draft is not None and request.sample is not None and len(shape) == 2:
         accepted = (shape[1] if dtype == "int32" else shape[0]) - 1
     return request.replace(
-        shape=tuple(shape), dtype=dtype, encoding=encoding, position=position,
-        deadline_ms=None, stage=None, session_key=None, prefix=None, prefix_blocks=(),
-        sample=None, client=None, cache_salt=None, draft=None, after=None, accepted=accepted,
-    )  # fmt: skip
+        shape=tuple(shape),
+        dtype=dtype,
+        encoding=encoding,
+        position=position,
+        deadline_ms=None,
+        stage=None,
+        session_key=None,
+        prefix=None,
+        prefix_blocks=(),
+        sample=None,
+        client=None,
+        cache_salt=None,
+        draft=None,
+        after=None,
+        accepted=accepted,
+    )
 
 
 def _not_found(message: str) -> ProtocolError:

@@ -68,8 +68,9 @@ def _bad(header: bytes, message: str) -> ProtocolError:
     return ProtocolError(message, code="bad_prefix", status=400, header=header.decode("ascii"))
 
 
-def parse_prefix(values: dict[bytes, bytes], fields: dict[str, Any], limits: Limits,
-                 sequencing: bool) -> None:  # fmt: skip
+def parse_prefix(
+    values: dict[bytes, bytes], fields: dict[str, Any], limits: Limits, sequencing: bool
+) -> None:
     """The two prefix headers (wire-2 §3.10), after every other group: their
     checks need the shape, the chunk index and the position."""
     raw_prefix, raw_blocks = values.get(H_PREFIX), values.get(H_PREFIX_BLOCKS)
@@ -78,8 +79,10 @@ def parse_prefix(values: dict[bytes, bytes], fields: dict[str, Any], limits: Lim
         return
     shape = fields["shape"]
     if len(shape) >= 2 and shape[0] != 1:
-        raise _bad((raw_blocks is None and H_PREFIX) or H_PREFIX_BLOCKS,
-                   f"prefix caching is for batch 1; this chunk has batch {shape[0]}")  # fmt: skip
+        raise _bad(
+            (raw_blocks is None and H_PREFIX) or H_PREFIX_BLOCKS,
+            f"prefix caching is for batch 1; this chunk has batch {shape[0]}",
+        )
     position = fields["position"] or 0
     if raw_prefix is not None:
         if BLOCK_KEY.fullmatch(raw_prefix) is None:
@@ -116,8 +119,14 @@ def valid_prefix_fields(prefix: object, blocks: object) -> bool:
     """For hand-built headers: a key or None; a tuple of keys."""
 
     def key(value: object) -> bool:
-        return isinstance(value, str) and value.isascii() and (
-            BLOCK_KEY.fullmatch(value.encode("ascii")) is not None)  # fmt: skip
+        return (
+            isinstance(value, str)
+            and value.isascii()
+            and (BLOCK_KEY.fullmatch(value.encode("ascii")) is not None)
+        )
 
-    return (prefix is None or key(prefix)) and isinstance(blocks, tuple) and all(
-        key(b) for b in blocks)  # fmt: skip
+    return (
+        (prefix is None or key(prefix))
+        and isinstance(blocks, tuple)
+        and all(key(b) for b in blocks)
+    )

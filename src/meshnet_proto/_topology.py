@@ -224,24 +224,28 @@ def check_chain(
         for index, report in stages:
             limit = _identity(report).max_context
             if limit is not None and max_context > limit:
-                problems.append(ChainProblem(
-                    "context_too_long",
-                    f"--max-context {max_context} is above the {limit} tokens hop {index} "
-                    f"can hold; lower --max-context to at most {limit}",
-                    index,
-                    report.url,
-                ))  # fmt: skip
+                problems.append(
+                    ChainProblem(
+                        "context_too_long",
+                        f"--max-context {max_context} is above the {limit} tokens hop {index} "
+                        f"can hold; lower --max-context to at most {limit}",
+                        index,
+                        report.url,
+                    )
+                )
     said = any(p.code == "no_last_stage" for p in problems)  # by the layers: once is enough
     if require_logits and not said and stages and stages[-1][0] == len(hops) - 1:
         index, last = stages[-1]
         if _identity(last).output == "hidden":
-            problems.append(ChainProblem(
-                "no_last_stage",
-                f"the chain ends at hop {index}, whose output is hidden states, not logits; "
-                "add the stage that ends the model",
-                index,
-                last.url,
-            ))  # fmt: skip
+            problems.append(
+                ChainProblem(
+                    "no_last_stage",
+                    f"the chain ends at hop {index}, whose output is hidden states, not logits; "
+                    "add the stage that ends the model",
+                    index,
+                    last.url,
+                )
+            )
     return problems
 
 
@@ -270,12 +274,14 @@ def _hop(index: int, members: Sequence[StageReport], problems: list[ChainProblem
     prints = {_identity(m).fingerprint for m in known}
     if len(prints) > 1:
         urls = ", ".join(str(m.url) for m in known)
-        problems.append(ChainProblem(
-            "replica_mismatch",
-            f"the replicas of hop {index} ({urls}) serve different stages; restart them "
-            "with the same checkpoint, layers and wire flags",
-            index,
-        ))  # fmt: skip
+        problems.append(
+            ChainProblem(
+                "replica_mismatch",
+                f"the replicas of hop {index} ({urls}) serve different stages; restart them "
+                "with the same checkpoint, layers and wire flags",
+                index,
+            )
+        )
     return known[0] if known else None
 
 
@@ -286,52 +292,63 @@ def _layers_of(stages: list[tuple[int, StageReport]], problems: list[ChainProble
     for (i, _, a), (j, r, b) in itertools.pairwise(ranged):
         assert a.layers is not None and b.layers is not None
         if b.layers[0] < a.layers[0]:
-            problems.append(ChainProblem(
-                "layer_order",
-                f"hop {j} ({b.describe()}) comes after hop {i} ({a.describe()}); "
-                "order the stages by their first layer",
-                j,
-                r.url,
-            ))  # fmt: skip
+            problems.append(
+                ChainProblem(
+                    "layer_order",
+                    f"hop {j} ({b.describe()}) comes after hop {i} ({a.describe()}); "
+                    "order the stages by their first layer",
+                    j,
+                    r.url,
+                )
+            )
     # Gaps and overlaps in layer order: an order problem is one problem, not three.
     ordered = sorted(ranged, key=lambda t: _span(t[2]))
     first_index, first, head = ordered[0]
     if _span(head)[0] > 0:
-        problems.append(ChainProblem(
-            "layer_gap",
-            f"layers 0:{_span(head)[0]} are served by no stage (the first is hop {first_index}, "
-            f"{head.describe()}); add a stage for them",
-            first_index,
-            first.url,
-        ))  # fmt: skip
+        problems.append(
+            ChainProblem(
+                "layer_gap",
+                f"layers 0:{_span(head)[0]} are served by no stage (the first is hop "
+                f"{first_index}, {head.describe()}); add a stage for them",
+                first_index,
+                first.url,
+            )
+        )
     for (i, _, a), (j, r, b) in itertools.pairwise(ordered):
         stop, start = _span(a)[1], _span(b)[0]
         if stop < start:
-            problems.append(ChainProblem(
-                "layer_gap",
-                f"layers {stop}:{start} are served by no stage (hop {i} stops at {stop}, "
-                f"hop {j} starts at {start}); add a stage for them or fix --layers",
-                j,
-                r.url,
-            ))  # fmt: skip
+            problems.append(
+                ChainProblem(
+                    "layer_gap",
+                    f"layers {stop}:{start} are served by no stage (hop {i} stops at {stop}, "
+                    f"hop {j} starts at {start}); add a stage for them or fix --layers",
+                    j,
+                    r.url,
+                )
+            )
         elif stop > start:
-            problems.append(ChainProblem(
-                "layer_overlap",
-                f"layers {start}:{stop} are served twice (hop {i}: {a.describe()}, hop {j}: "
-                f"{b.describe()}); fix --layers so each stage starts where the one before stops",
-                j,
-                r.url,
-            ))  # fmt: skip
+            problems.append(
+                ChainProblem(
+                    "layer_overlap",
+                    f"layers {start}:{stop} are served twice (hop {i}: {a.describe()}, hop {j}: "
+                    f"{b.describe()}); fix --layers so each stage starts where the one before "
+                    "stops",
+                    j,
+                    r.url,
+                )
+            )
     last_index, last, tail = ordered[-1]
     if tail.n_layers is not None and _span(tail)[1] < tail.n_layers:
-        problems.append(ChainProblem(
-            "no_last_stage",
-            f"layers {_span(tail)[1]}:{tail.n_layers} (and the head that makes logits) are "
-            f"served by no stage (the last is hop {last_index}, {tail.describe()}); "
-            "add the last stage",
-            last_index,
-            last.url,
-        ))  # fmt: skip
+        problems.append(
+            ChainProblem(
+                "no_last_stage",
+                f"layers {_span(tail)[1]}:{tail.n_layers} (and the head that makes logits) are "
+                f"served by no stage (the last is hop {last_index}, {tail.describe()}); "
+                "add the last stage",
+                last_index,
+                last.url,
+            )
+        )
 
 
 def _span(identity: StageIdentity) -> tuple[int, int]:
@@ -351,30 +368,36 @@ def _models(
         first_index, _, first = real[0]
         for index, report, ident in real[1:]:
             if ident.model != first.model:
-                problems.append(ChainProblem(
-                    "model_mismatch",
-                    f"hop {index} serves model {ident.model}, hop {first_index} model "
-                    f"{first.model}; every stage of a chain must come from one checkpoint",
-                    index,
-                    report.url,
-                ))  # fmt: skip
+                problems.append(
+                    ChainProblem(
+                        "model_mismatch",
+                        f"hop {index} serves model {ident.model}, hop {first_index} model "
+                        f"{first.model}; every stage of a chain must come from one checkpoint",
+                        index,
+                        report.url,
+                    )
+                )
         if model is not None and first.model != model:
-            problems.append(ChainProblem(
-                "model_mismatch",
-                f"the chain serves model {first.model}, the gateway's --model is {model}; "
-                "give the gateway the chain's checkpoint",
-                first_index,
-            ))  # fmt: skip
+            problems.append(
+                ChainProblem(
+                    "model_mismatch",
+                    f"the chain serves model {first.model}, the gateway's --model is {model}; "
+                    "give the gateway the chain's checkpoint",
+                    first_index,
+                )
+            )
     if vocab is not None:
         for index, report, ident in real:
             if ident.vocab is not None and ident.vocab != vocab:
-                problems.append(ChainProblem(
-                    "vocab_mismatch",
-                    f"hop {index} has a vocabulary of {ident.vocab} tokens, the gateway's "
-                    f"tokenizer {vocab}; give the gateway the chain's tokenizer",
-                    index,
-                    report.url,
-                ))  # fmt: skip
+                problems.append(
+                    ChainProblem(
+                        "vocab_mismatch",
+                        f"hop {index} has a vocabulary of {ident.vocab} tokens, the gateway's "
+                        f"tokenizer {vocab}; give the gateway the chain's tokenizer",
+                        index,
+                        report.url,
+                    )
+                )
                 break
 
 
@@ -387,11 +410,13 @@ def _windows(
         if window is None:
             continue
         if position > 0 and window < arriving:
-            problems.append(ChainProblem(
-                "window_too_small",
-                f"hop {index} reorders {window} chunks, but up to {arriving} arrive at once; "
-                f"give it --reorder-window {arriving} or more (or lower --inflight)",
-                index,
-                report.url,
-            ))  # fmt: skip
+            problems.append(
+                ChainProblem(
+                    "window_too_small",
+                    f"hop {index} reorders {window} chunks, but up to {arriving} arrive at once; "
+                    f"give it --reorder-window {arriving} or more (or lower --inflight)",
+                    index,
+                    report.url,
+                )
+            )
         arriving = min(arriving, window)

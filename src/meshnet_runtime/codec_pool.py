@@ -117,9 +117,11 @@ class CodecPool:
         if (
             array.flags.c_contiguous
             and dtype_policy == WireDtypePolicy.KEEP
-            and (encoding_policy == EncodingPolicy.IDENTITY
-                 or (encoding_policy == EncodingPolicy.MIRROR and request_encoding == "identity"))
-        ):  # fmt: skip
+            and (
+                encoding_policy == EncodingPolicy.IDENTITY
+                or (encoding_policy == EncodingPolicy.MIRROR and request_encoding == "identity")
+            )
+        ):
             # encode_for_wire's answer for these policies, its steps skipped:
             # encode_tensor refuses any dtype that is not a wire dtype (in
             # either byte order). wire_dtype_name, not numpy's dtype.name

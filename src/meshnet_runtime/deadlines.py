@@ -80,6 +80,8 @@ def loop_clock() -> Callable[[], float]:
 def deadline_exceeded() -> DownstreamError:
     """504 ``deadline_exceeded``: the request's budget is spent (wire-2 §4)."""
     return DownstreamError(
-        "the request's deadline is spent", code="deadline_exceeded", status=504,
+        "the request's deadline is spent",
+        code="deadline_exceeded",
+        status=504,
         header="x-meshnet-deadline-ms",
-    )  # fmt: skip
+    )

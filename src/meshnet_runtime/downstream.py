@@ -218,8 +218,9 @@ class DownstreamPool:
         retry_safe = headers.session is not None and headers.position is not None
         event = await self._exchange(build, deadline, retry_safe, len(body))
         if not isinstance(event, (ActivationResponse, ErrorResponse)):
-            raise self._error(f"answered an activation with status {event.status}",
-                              "downstream_bad_response")  # fmt: skip
+            raise self._error(
+                f"answered an activation with status {event.status}", "downstream_bad_response"
+            )
         return event
 
     async def request(
@@ -348,23 +349,28 @@ class DownstreamPool:
                 await aclose_quietly(stream)
         return bool(self._idle)
 
+    async def _connection(self, pooled: bool) -> tuple[ByteStream, ClientConnection]:
+        """An idle pooled connection, or a new one to the endpoint."""
+        if pooled:
+            stream, conn, _ = self._idle.pop()
+            return stream, conn
+        try:
+            stream = await self._open(self.endpoint)
+        except DEAD_STREAM as exc:
+            raise self._error(f"cannot connect ({exc})", "downstream_unreachable") from None
+        conn = ClientConnection(
+            limits=self.limits,
+            host=self.endpoint.authority,
+            token=self.token,
+            hop=self.url,
+            decode=False,
+        )
+        return stream, conn
+
     async def _once(
         self, build: Callable[[ClientConnection], list[Any]], body_nbytes: int, pooled: bool
     ) -> ActivationResponse | ErrorResponse | Response:
-        if pooled:
-            stream, conn, _ = self._idle.pop()
-        else:
-            try:
-                stream = await self._open(self.endpoint)
-            except DEAD_STREAM as exc:
-                raise self._error(f"cannot connect ({exc})", "downstream_unreachable") from None
-            conn = ClientConnection(
-                limits=self.limits,
-                host=self.endpoint.authority,
-                token=self.token,
-                hop=self.url,
-                decode=False,
-            )
+        stream, conn = await self._connection(pooled)
         keep = False
         read_size = body_read_size(body_nbytes)  # an answer is about as large as its request
         try:
@@ -412,8 +418,9 @@ class DownstreamPool:
                     raise _Stale
                 raise self._error("closed the connection mid-response", "downstream_unreachable")
             if not isinstance(event, (ActivationResponse, ErrorResponse, Response)):
-                raise self._error(f"unexpected event {type(event).__name__}",
-                                  "downstream_bad_response")  # fmt: skip
+                raise self._error(
+                    f"unexpected event {type(event).__name__}", "downstream_bad_response"
+                )
             if isinstance(event, ActivationResponse):
                 self.link.observe(received, after_first, time.perf_counter() - first_read_at)
                 if self.metrics:

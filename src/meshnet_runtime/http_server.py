@@ -191,8 +191,13 @@ class HttpServer:
         log.warning(
             "%s shutting down: draining %d request%s in flight for up to %g s "
             "(--shutdown-timeout)%s%s",
-            self.url, busy, "" if busy == 1 else "s", timeout, ended, self.drain_note,
-        )  # fmt: skip
+            self.url,
+            busy,
+            "" if busy == 1 else "s",
+            timeout,
+            ended,
+            self.drain_note,
+        )
 
     async def serve(
         self,
@@ -265,8 +270,12 @@ class HttpServer:
         if not self.handing_off():
             return
         assert self.handoff is not None
-        log.info("%s keeping %d session(s) for a KV hand-off for up to %g s (--handoff-window)",
-                 self.url, self.handoff.held(), self.handoff.window)  # fmt: skip
+        log.info(
+            "%s keeping %d session(s) for a KV hand-off for up to %g s (--handoff-window)",
+            self.url,
+            self.handoff.held(),
+            self.handoff.window,
+        )
         self.drain_seen = anyio.current_time()
         with anyio.move_on_after(self.handoff.window):
             while self.handing_off() and (
@@ -295,9 +304,11 @@ class HttpServer:
             if self.ssl_context is not None:
                 with anyio.move_on_after(self.settings.head_timeout):
                     stream = await TLSStream.wrap(
-                        stream, server_side=True, ssl_context=self.ssl_context,
+                        stream,
+                        server_side=True,
+                        ssl_context=self.ssl_context,
                         standard_compatible=False,
-                    )  # fmt: skip
+                    )
                 if not isinstance(stream, TLSStream):
                     return
             if self.draining and not self.handing_off():

@@ -138,8 +138,11 @@ class LinkAwareAuto:
 
     def pays(self) -> bool | None:
         """Whether zstd pays on this link with this data; None while unknown."""
-        link, speed, saving = (self.link.bytes_per_second, self.compress_rate.value,
-                               self.saving.value)  # fmt: skip
+        link, speed, saving = (
+            self.link.bytes_per_second,
+            self.compress_rate.value,
+            self.saving.value,
+        )
         if link is None or speed is None or saving is None:
             return None
         return saving / link > PAYS_MARGIN * (1 + 1 / DECODE_SPEEDUP) / speed
@@ -156,8 +159,11 @@ class LinkAwareAuto:
         self.compress_rate.add(raw, seconds)
 
     def describe(self) -> dict[str, Any]:
-        link, speed, saving = (self.link.bytes_per_second, self.compress_rate.value,
-                               self.saving.value)  # fmt: skip
+        link, speed, saving = (
+            self.link.bytes_per_second,
+            self.compress_rate.value,
+            self.saving.value,
+        )
         return {
             "link_mib_s": None if link is None else round(link / 2**20, 1),
             "compress_mib_s": None if speed is None else round(speed / 2**20, 1),

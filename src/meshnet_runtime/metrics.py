@@ -147,9 +147,14 @@ METRICS_CONTENT_TYPE = CONTENT_TYPE_LATEST
 
 # Label values are bounded: an unknown path must not grow the series set.
 _KNOWN = (
-    "/forward", "/health", "/info", "/metrics",
-    "/v1/models", "/v1/completions", "/v1/chat/completions",  # the gateway's OpenAI API
-)  # fmt: skip
+    "/forward",
+    "/health",
+    "/info",
+    "/metrics",
+    "/v1/models",
+    "/v1/completions",
+    "/v1/chat/completions",  # the gateway's OpenAI API
+)
 
 
 def endpoint_label(path: str) -> str:
@@ -165,8 +170,22 @@ def endpoint_label(path: str) -> str:
 
 # Stage and codec times span sub-millisecond echo to multi-second layers.
 _SECONDS_BUCKETS = (
-    0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
-)  # fmt: skip
+    0.0005,
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    30.0,
+)
 
 
 class ServerMetrics:
@@ -179,22 +198,30 @@ class ServerMetrics:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
         self.requests = Tally(
-            "meshnet_requests", "Requests answered, by endpoint and status",
-            ["endpoint", "status"], registry=r,
-        )  # fmt: skip
+            "meshnet_requests",
+            "Requests answered, by endpoint and status",
+            ["endpoint", "status"],
+            registry=r,
+        )
         self.chunks = Tally(
-            "meshnet_chunks", "Activation chunks answered, by outcome",
-            ["outcome"], registry=r,
-        )  # fmt: skip
+            "meshnet_chunks",
+            "Activation chunks answered, by outcome",
+            ["outcome"],
+            registry=r,
+        )
         # peer: "upstream" (our clients) or "downstream" (our --next/--entry).
         self.bytes_in = Tally(
-            "meshnet_body_bytes_in", "Activation body bytes received, on the wire",
-            ["peer"], registry=r,
-        )  # fmt: skip
+            "meshnet_body_bytes_in",
+            "Activation body bytes received, on the wire",
+            ["peer"],
+            registry=r,
+        )
         self.bytes_out = Tally(
-            "meshnet_body_bytes_out", "Activation body bytes sent, on the wire",
-            ["peer"], registry=r,
-        )  # fmt: skip
+            "meshnet_body_bytes_out",
+            "Activation body bytes sent, on the wire",
+            ["peer"],
+            registry=r,
+        )
         self.sessions = Gauge("meshnet_sessions", "Sessions currently held", registry=r)
         self.connections = Gauge("meshnet_connections", "Open client connections", registry=r)
         self.inflight_bytes = Gauge(
@@ -203,13 +230,18 @@ class ServerMetrics:
             registry=r,
         )
         self.stage_seconds = TallyHistogram(
-            "meshnet_stage_seconds", "Stage compute time per chunk",
-            buckets=_SECONDS_BUCKETS, registry=r,
-        )  # fmt: skip
+            "meshnet_stage_seconds",
+            "Stage compute time per chunk",
+            buckets=_SECONDS_BUCKETS,
+            registry=r,
+        )
         self.codec_seconds = Histogram(
-            "meshnet_codec_seconds", "Tensor encode/decode time",
-            ["op"], buckets=_SECONDS_BUCKETS, registry=r,
-        )  # fmt: skip
+            "meshnet_codec_seconds",
+            "Tensor encode/decode time",
+            ["op"],
+            buckets=_SECONDS_BUCKETS,
+            registry=r,
+        )
 
     def labelled(self, metric: Any, *values: str) -> Any:
         """``metric.labels(*values)``, remembered: ``labels()`` takes a lock and

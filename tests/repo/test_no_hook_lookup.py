@@ -30,7 +30,7 @@ GETATTR_ALLOWED = {
     ("meshnet_model/identity.py", "name"),
     # An engine's KV element size (engines predating it store float32);
     # meshnet_model's engine protocol is outside issue 21 part 3.
-    ("meshnet_model/stage/runner.py", "kv_itemsize"),
+    ("meshnet_model/stage/contract.py", "kv_itemsize"),
     # argparse namespaces shared by subcommands that do not all define the flag.
     ("meshnet_cli/send.py", "session_key"),
     # A benchmark section module's optional KEYS constant (what a failed

@@ -163,8 +163,9 @@ def _scratch(
 ) -> int:
     # Scores over the longest context a session can reach under this KV budget:
     # the runner costs chunks the same way (stage.costs.reachable_context).
-    context = reachable_context(config, layers=len(layers), batch=1, kv_budget=kv or KV_AUTO_MAX,
-                                kv_itemsize=kv_itemsize)  # fmt: skip
+    context = reachable_context(
+        config, layers=len(layers), batch=1, kv_budget=kv or KV_AUTO_MAX, kv_itemsize=kv_itemsize
+    )
     cost = chunk_cost(
         config,
         batch=1,

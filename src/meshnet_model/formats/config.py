@@ -190,10 +190,15 @@ class ModelConfig:
         family = family_of(raw, source)
         missing = [
             key
-            for key in ("hidden_size", "intermediate_size", "num_hidden_layers",
-                        "num_attention_heads", "vocab_size")
+            for key in (
+                "hidden_size",
+                "intermediate_size",
+                "num_hidden_layers",
+                "num_attention_heads",
+                "vocab_size",
+            )
             if key not in raw
-        ]  # fmt: skip
+        ]
         if missing:
             raise ConfigError(f"{source} lacks {', '.join(missing)}")
         heads = raw["num_attention_heads"]

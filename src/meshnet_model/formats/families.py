@@ -55,50 +55,132 @@ FAMILIES: dict[str, Family] = {
     f.model_type: f
     for f in (
         Family("llama", "LlamaForCausalLM"),
-        Family("mistral", "MistralForCausalLM", honours_attention_bias=False,
-               honours_mlp_bias=False, sliding="global", default_sliding_window=4096,
-               default_kv_heads=8, default_max_positions=4096 * 32),
-        Family("qwen2", "Qwen2ForCausalLM", honours_attention_bias=False,
-               honours_mlp_bias=False, qkv_bias=True, sliding="layer_types",
-               default_sliding_window=4096, default_kv_heads=32, default_max_positions=32768),
-        Family("qwen3", "Qwen3ForCausalLM", honours_mlp_bias=False, qk_norm=True,
-               sliding="layer_types", default_sliding_window=4096, default_kv_heads=32,
-               default_head_dim=128, default_max_positions=32768),
-        Family("smollm3", "SmolLM3ForCausalLM", sliding="layer_types", no_rope_layers=True,
-               default_theta=2000000.0, default_kv_heads=4, default_tie=True,
-               default_max_positions=32768),
+        Family(
+            "mistral",
+            "MistralForCausalLM",
+            honours_attention_bias=False,
+            honours_mlp_bias=False,
+            sliding="global",
+            default_sliding_window=4096,
+            default_kv_heads=8,
+            default_max_positions=4096 * 32,
+        ),
+        Family(
+            "qwen2",
+            "Qwen2ForCausalLM",
+            honours_attention_bias=False,
+            honours_mlp_bias=False,
+            qkv_bias=True,
+            sliding="layer_types",
+            default_sliding_window=4096,
+            default_kv_heads=32,
+            default_max_positions=32768,
+        ),
+        Family(
+            "qwen3",
+            "Qwen3ForCausalLM",
+            honours_mlp_bias=False,
+            qk_norm=True,
+            sliding="layer_types",
+            default_sliding_window=4096,
+            default_kv_heads=32,
+            default_head_dim=128,
+            default_max_positions=32768,
+        ),
+        Family(
+            "smollm3",
+            "SmolLM3ForCausalLM",
+            sliding="layer_types",
+            no_rope_layers=True,
+            default_theta=2000000.0,
+            default_kv_heads=4,
+            default_tie=True,
+            default_max_positions=32768,
+        ),
     )
-}  # fmt: skip
+}
 SUPPORTED_MODEL_TYPES = tuple(FAMILIES)
 
 # Keys that cannot change the forward pass of these families (why: docs/models.md).
-IGNORED_KEYS = frozenset({
-    "attention_dropout",  # dropout is off at inference
-    "initializer_range", "use_cache", "pad_token_id", "bos_token_id", "eos_token_id",
-    "unk_token_id", "sep_token_id", "decoder_start_token_id",
-    "torch_dtype", "dtype",  # the safetensors say what is stored; compute is float32
-    "transformers_version", "_name_or_path", "_model_name_or_path", "name_or_path",
-    "pretraining_tp",  # transformers 5's Llama never reads it (4.x only split the same matmuls)
-    "output_attentions", "output_hidden_states", "return_dict", "use_return_dict",
-    "tokenizer_class", "id2label", "label2id", "problem_type", "task_specific_params",
-    "finetuning_task", "prefix", "is_encoder_decoder", "is_decoder", "add_cross_attention",
-    "tie_encoder_decoder", "chunk_size_feed_forward", "_attn_implementation",
-    "attn_implementation", "_from_model_config", "model_max_length", "max_length",
-    "bad_words_ids", "num_beams", "temperature", "top_k", "top_p", "do_sample",
-})  # fmt: skip
+IGNORED_KEYS = frozenset(
+    {
+        "attention_dropout",  # dropout is off at inference
+        "initializer_range",
+        "use_cache",
+        "pad_token_id",
+        "bos_token_id",
+        "eos_token_id",
+        "unk_token_id",
+        "sep_token_id",
+        "decoder_start_token_id",
+        "torch_dtype",
+        "dtype",  # the safetensors say what is stored; compute is float32
+        "transformers_version",
+        "_name_or_path",
+        "_model_name_or_path",
+        "name_or_path",
+        "pretraining_tp",  # transformers 5's Llama never reads it (4.x only split the same matmuls)
+        "output_attentions",
+        "output_hidden_states",
+        "return_dict",
+        "use_return_dict",
+        "tokenizer_class",
+        "id2label",
+        "label2id",
+        "problem_type",
+        "task_specific_params",
+        "finetuning_task",
+        "prefix",
+        "is_encoder_decoder",
+        "is_decoder",
+        "add_cross_attention",
+        "tie_encoder_decoder",
+        "chunk_size_feed_forward",
+        "_attn_implementation",
+        "attn_implementation",
+        "_from_model_config",
+        "model_max_length",
+        "max_length",
+        "bad_words_ids",
+        "num_beams",
+        "temperature",
+        "top_k",
+        "top_p",
+        "do_sample",
+    }
+)
 
 # Settings of other architectures: where present, the checkpoint's math is not
 # the named family's, and transformers would run it wrongly without a word.
-FOREIGN_KEYS = frozenset({
-    "quantization_config",  # weights in a quantized layout this reader does not decode
-    "auto_map",  # the model's math is in custom code shipped with it
-    "embedding_multiplier", "residual_multiplier", "attention_multiplier",
-    "logits_scaling", "logit_scale", "final_logit_softcapping", "attn_logit_softcapping",
-    "query_pre_attn_scalar", "use_qk_norm", "qk_layernorm", "clip_qkv",
-    "rope_interleaved", "rotary_interleaved", "parallel_attn", "parallel_residual",
-    "use_parallel_residual", "num_experts", "num_local_experts", "moe_intermediate_size",
-    "attention_chunk_size", "no_rope_layer_indices", "sandwich_norm", "use_post_norm",
-})  # fmt: skip
+FOREIGN_KEYS = frozenset(
+    {
+        "quantization_config",  # weights in a quantized layout this reader does not decode
+        "auto_map",  # the model's math is in custom code shipped with it
+        "embedding_multiplier",
+        "residual_multiplier",
+        "attention_multiplier",
+        "logits_scaling",
+        "logit_scale",
+        "final_logit_softcapping",
+        "attn_logit_softcapping",
+        "query_pre_attn_scalar",
+        "use_qk_norm",
+        "qk_layernorm",
+        "clip_qkv",
+        "rope_interleaved",
+        "rotary_interleaved",
+        "parallel_attn",
+        "parallel_residual",
+        "use_parallel_residual",
+        "num_experts",
+        "num_local_experts",
+        "moe_intermediate_size",
+        "attention_chunk_size",
+        "no_rope_layer_indices",
+        "sandwich_norm",
+        "use_post_norm",
+    }
+)
 
 
 def refuse(source: str, key: str, value: Any, why: str) -> ConfigError:
@@ -110,18 +192,28 @@ def family_of(raw: dict[str, Any], source: str) -> Family:
     another's (a foreign key, other architectures, an activation not SiLU)."""
     model_type = raw.get("model_type", "llama")
     if model_type not in FAMILIES:
-        raise refuse(source, "model_type", model_type,
-                     f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}")  # fmt: skip
+        raise refuse(
+            source, "model_type", model_type, f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
+        )
     family = FAMILIES[model_type]
     foreign = sorted(k for k in FOREIGN_KEYS if raw.get(k) not in (None, False))
     if foreign:
         key = foreign[0]
-        raise refuse(source, key, raw[key], f"a setting {model_type} does not have "
-                     "(the checkpoint's math is not plain " + model_type + ")")  # fmt: skip
+        raise refuse(
+            source,
+            key,
+            raw[key],
+            f"a setting {model_type} does not have "
+            "(the checkpoint's math is not plain " + model_type + ")",
+        )
     architectures = raw.get("architectures")
     if architectures is not None and architectures != [family.architecture]:
-        raise refuse(source, "architectures", architectures,
-                     f"model_type {model_type} runs [{family.architecture!r}]")  # fmt: skip
+        raise refuse(
+            source,
+            "architectures",
+            architectures,
+            f"model_type {model_type} runs [{family.architecture!r}]",
+        )
     act = raw.get("hidden_act", "silu")
     if act not in ("silu", "swish"):  # transformers maps both to SiLU
         raise refuse(source, "hidden_act", act, "only silu")

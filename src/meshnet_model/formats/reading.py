@@ -50,8 +50,9 @@ class RowReader:
         start, stop, step = rows.indices(self.shape[0])
         if step != 1:
             raise ValueError("rows are read in contiguous ranges")
-        return read_rows(self.path, self.offset + start * self.row_bytes,
-                         max(0, stop - start), self.row_bytes)  # fmt: skip
+        return read_rows(
+            self.path, self.offset + start * self.row_bytes, max(0, stop - start), self.row_bytes
+        )
 
     def all(self) -> np.ndarray:
         return self[0 : self.shape[0]]

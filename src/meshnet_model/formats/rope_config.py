@@ -16,11 +16,24 @@ __all__ = ["ROPE_TYPES", "RopeScaling", "read_rope"]
 ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
 # Fields a rope dict may carry for the types above (longrope's short/long
 # factors, mrope sections and the like are refused with their key).
-_ROPE_KEYS = frozenset({
-    "rope_type", "type", "rope_theta", "factor", "partial_rotary_factor",
-    "original_max_position_embeddings", "attention_factor", "beta_fast", "beta_slow",
-    "low_freq_factor", "high_freq_factor", "mscale", "mscale_all_dim", "truncate",
-})  # fmt: skip
+_ROPE_KEYS = frozenset(
+    {
+        "rope_type",
+        "type",
+        "rope_theta",
+        "factor",
+        "partial_rotary_factor",
+        "original_max_position_embeddings",
+        "attention_factor",
+        "beta_fast",
+        "beta_slow",
+        "low_freq_factor",
+        "high_freq_factor",
+        "mscale",
+        "mscale_all_dim",
+        "truncate",
+    }
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,12 +71,17 @@ class RopeScaling:
             raise refuse(source, "rope_type", kind, f"supported: {', '.join(ROPE_TYPES)}")
         unknown = sorted(set(raw) - _ROPE_KEYS)
         if unknown:
-            raise refuse(source, f"rope {unknown[0]}", raw[unknown[0]],
-                          "not a field of the supported rope types")  # fmt: skip
+            raise refuse(
+                source,
+                f"rope {unknown[0]}",
+                raw[unknown[0]],
+                "not a field of the supported rope types",
+            )
         partial = raw.get("partial_rotary_factor")
         if partial is not None and partial != 1.0:
-            raise refuse(source, "partial_rotary_factor", partial,
-                          "these families rotate the whole head")  # fmt: skip
+            raise refuse(
+                source, "partial_rotary_factor", partial, "these families rotate the whole head"
+            )
         try:
             factor = float(raw.get("factor", 1.0))
             original = raw.get("original_max_position_embeddings")

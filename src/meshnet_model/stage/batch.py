@@ -213,9 +213,12 @@ class PackedBatch(Generic[CacheT]):
         """Where each running entry's last ``logit_rows`` positions lie, for
         each of its batch rows: the rows a last stage's head takes, in
         ``head_rows`` order."""
-        return [row for entry, lo, hi in self.spans()
-                for end in range(lo + entry.tokens, hi + 1, entry.tokens)
-                for row in range(end - entry.logit_rows, end)]  # fmt: skip
+        return [
+            row
+            for entry, lo, hi in self.spans()
+            for end in range(lo + entry.tokens, hi + 1, entry.tokens)
+            for row in range(end - entry.logit_rows, end)
+        ]
 
     def head_rows(self) -> list[tuple[int, int]]:
         """``entry_rows`` of the ``last_rows`` alone (``logit_rows`` per batch

@@ -18,8 +18,13 @@ def kv_layout(runner: StageRunner) -> tuple[int, int, int, str, int]:
     """``(layers, kv_heads, head_dim, dtype, bytes per position at batch 1)``
     of the stage's KV: what a KV message for it must be."""
     probe = runner.model.new_cache(runner.budget, 1)  # allocates nothing
-    return (probe.layers, probe.kv_heads, probe.head_dim, probe.dtype_name,
-            probe.bytes_per_position)  # fmt: skip
+    return (
+        probe.layers,
+        probe.kv_heads,
+        probe.head_dim,
+        probe.dtype_name,
+        probe.bytes_per_position,
+    )
 
 
 def export_kv(runner: StageRunner, session: str) -> np.ndarray | None:

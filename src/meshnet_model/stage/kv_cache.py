@@ -95,8 +95,9 @@ class KVBudget:
 class KVCache:
     """One session's keys and values for the layers of one stage."""
 
-    def __init__(self, budget: KVBudget, *, layers: int, batch: int, kv_heads: int,
-                 head_dim: int) -> None:  # fmt: skip
+    def __init__(
+        self, budget: KVBudget, *, layers: int, batch: int, kv_heads: int, head_dim: int
+    ) -> None:
         self.budget = budget
         self.layers, self.batch, self.kv_heads, self.head_dim = layers, batch, kv_heads, head_dim
         self.length = 0  # positions filled (the same in every layer)

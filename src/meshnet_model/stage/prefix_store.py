@@ -144,9 +144,14 @@ class PrefixStore:
 
     def describe(self) -> dict[str, int]:
         """The runner's ``describe()["prefix_cache"]``."""
-        return {"retained": self.retained, "retained_bytes": self.retained_bytes,
-                "limit_bytes": self.limit, "hits": self.hits, "misses": self.misses,
-                "tokens_saved": self.tokens_saved}  # fmt: skip
+        return {
+            "retained": self.retained,
+            "retained_bytes": self.retained_bytes,
+            "limit_bytes": self.limit,
+            "hits": self.hits,
+            "misses": self.misses,
+            "tokens_saved": self.tokens_saved,
+        }
 
     def _reclaim_locked(self, nbytes: int) -> None:
         """Free retained caches (oldest first) until ``nbytes`` more fit."""

@@ -60,8 +60,8 @@ from ..errors import (
 )
 from ..formats.config import ModelConfig
 from ..source import model_name
+from . import contract
 from .batch import BatchEntry
-from .costs import chunk_cost, reachable_context
 from .kv_cache import KVBudget, KVCache
 from .life import SessionLife, StageWork
 from .prefix_store import BlockNaming, PrefixStore
@@ -91,7 +91,6 @@ DEFAULT_MAX_CHUNK_TOKENS = 2048
 # 2048-row chunk of an 8B Llama needs (~0.7 GiB), far below what a header
 # could ask for. meshnet-node --max-compute-bytes.
 DEFAULT_MAX_COMPUTE_BYTES = 1024 * 1024 * 1024
-_FLOAT_WIRE = ("float32", "float16", "bfloat16")
 
 
 class StageRunner:
@@ -141,9 +140,14 @@ class StageRunner:
     ) -> StageRunner:
         path = Path(directory)
         weights = StageWeights.load(path, layers, dtype=dtype)
-        return cls(weights, kv_budget_bytes=kv_budget_bytes, max_chunk_tokens=max_chunk_tokens,
-                   max_compute_bytes=max_compute_bytes, name=model_name(path),
-                   path=str(path))  # fmt: skip
+        return cls(
+            weights,
+            kv_budget_bytes=kv_budget_bytes,
+            max_chunk_tokens=max_chunk_tokens,
+            max_compute_bytes=max_compute_bytes,
+            name=model_name(path),
+            path=str(path),
+        )
 
     # -- the contract --------------------------------------------------------------
 
@@ -158,20 +162,7 @@ class StageRunner:
     def check_shape(self, shape: tuple[int, ...], dtype: str) -> None:
         """Raise ``StageInputError`` unless a chunk of this shape and dtype (its
         wire name) is what this stage takes — the checks that need no values."""
-        c = self.config
-        if self.first:
-            if dtype != "int32" or len(shape) != 2:
-                raise StageInputError(
-                    f"the stage owning layer 0 takes token ids: int32 [batch, tokens], got "
-                    f"{dtype} {list(shape)}"
-                )
-            return
-        if dtype not in _FLOAT_WIRE or len(shape) != 3 or shape[2] != c.hidden_size:
-            raise StageInputError(
-                f"layers {self.weights.layers.start}..{self.weights.layers.stop - 1} take "
-                f"hidden states: float [batch, tokens, {c.hidden_size}], got {dtype} "
-                f"{list(shape)}"
-            )
+        contract.check_shape(self.weights, shape, dtype)
 
     def check_head(self, shape: tuple[int, ...], dtype: str, position: int | None = None) -> None:
         """``check_shape`` and the chunk's cost, from its header alone.
@@ -182,55 +173,25 @@ class StageRunner:
         ``position`` is known (the header's, or at run time), else over the
         longest context a session can reach (``reachable_context``).
         """
-        self.check_shape(shape, dtype)
-        batch, tokens = shape[0], shape[1]
-        context = self.config.max_position_embeddings
-        if tokens > context:
-            raise ContextExceeded(
-                f"a chunk of {tokens} tokens is longer than the model's context of "
-                f"{context} positions"
-            )
-        if batch * tokens > self.max_chunk_tokens:
-            raise ChunkTooLarge(
-                f"a chunk of {batch} x {tokens} = {batch * tokens} token rows is over this "
-                f"node's limit of {self.max_chunk_tokens} (--max-chunk-tokens)"
-            )
-        itemsize = getattr(self.model, "kv_itemsize", 4)
-        span = len(self.weights.layers)
-        reachable = reachable_context(
-            self.config, layers=span, batch=batch, kv_budget=self.budget.limit, kv_itemsize=itemsize
+        contract.check_shape(self.weights, shape, dtype)
+        contract.check_cost(
+            self.weights,
+            self.model,
+            shape,
+            position,
+            kv_budget=self.budget.limit,
+            max_chunk_tokens=self.max_chunk_tokens,
+            max_compute_bytes=self.max_compute_bytes,
         )
-        if position is not None:
-            reachable = min(reachable, position + tokens)
-        cost = chunk_cost(self.config, batch=batch, tokens=tokens, context=reachable,
-                          last=self.last, query_block=self.model.query_block)  # fmt: skip
-        if cost.total > self.max_compute_bytes:
-            raise ChunkTooLarge(
-                f"a chunk of shape {list(shape)} needs ~{cost.total} bytes of scratch, over "
-                f"this node's limit of {self.max_compute_bytes} (--max-compute-bytes)"
-            )
 
     def check_position(self, position: int, tokens: int) -> None:
         """Refuse positions past the model's context (RoPE was never trained there)."""
-        context = self.config.max_position_embeddings
-        if position + tokens > context:
-            raise ContextExceeded(
-                f"positions {position}..{position + tokens - 1} are past the model's context "
-                f"of {context} positions (max_position_embeddings)"
-            )
+        contract.check_position(self.config, position, tokens)
 
     def check_input(self, inputs: np.ndarray, position: int | None = None) -> None:
         """Raise ``StageInputError`` unless ``inputs`` is what this stage takes."""
         self.check_head(inputs.shape, inputs.dtype.name, position)
-        vocab = self.config.vocab_size
-        if self.first and inputs.size and (inputs.min() < 0 or inputs.max() >= vocab):
-            raise StageInputError(
-                f"token ids must be in 0..{vocab - 1}, got {inputs.min()}..{inputs.max()}"
-            )
-        # A NaN or an infinity would be written into the session's KV cache and
-        # poison every later position: refused, never computed on.
-        if not self.first and not np.isfinite(inputs).all():
-            raise StageInputError("hidden states must be finite (no NaN or infinity)")
+        contract.check_values(self.weights, inputs)
 
     def output_shape(self, inputs_shape: tuple[int, ...]) -> tuple[int, ...]:
         batch, tokens = inputs_shape[0], inputs_shape[1]
@@ -253,9 +214,15 @@ class StageRunner:
                 life = self._lives[session] = SessionLife(session)
             return life
 
-    def prepare_prefix(self, life: SessionLife, position: int, inputs: np.ndarray,
-                       prefix: str | None, blocks: Sequence[str],
-                       naming: BlockNaming) -> None:  # fmt: skip
+    def prepare_prefix(
+        self,
+        life: SessionLife,
+        position: int,
+        inputs: np.ndarray,
+        prefix: str | None,
+        blocks: Sequence[str],
+        naming: BlockNaming,
+    ) -> None:
         """Before a chunk runs (wire-2 §3.10): note the prefix a new session
         starts from, and the block keys to file once the chunk has run. The
         first stage checks the keys against the token ids (``PrefixMismatch``),
@@ -432,10 +399,12 @@ class StageRunner:
             "weights_bytes": w.nbytes,
             "tied_head": w.tied_head,
             "rope_scaling": self.config.rope_scaling.rope_type,
-            "input": "int32 token ids [batch, tokens]" if self.first
+            "input": "int32 token ids [batch, tokens]"
+            if self.first
             else f"float hidden [batch, tokens, {self.config.hidden_size}]",
             "output": f"float32 logits [batch, {self.config.vocab_size}] (last position)"
-            if self.last else f"float32 hidden [batch, tokens, {self.config.hidden_size}]",
+            if self.last
+            else f"float32 hidden [batch, tokens, {self.config.hidden_size}]",
             "kv_bytes_in_use": self.budget.in_use,
             # what live sessions hold: the rest is the prefix cache's (retained)
             "kv_live_bytes": self.budget.in_use - self.prefix.retained_bytes,
@@ -443,7 +412,7 @@ class StageRunner:
             "kv_sessions": self.sessions,
             "prefix_cache": self.prefix.describe(),
             **self.model.describe(),  # engine, device, compute and weights dtype
-        }  # fmt: skip
+        }
 
 
 def _stopper(life: SessionLife, deadline: float | None) -> Callable[[], None]:

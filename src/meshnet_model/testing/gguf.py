@@ -100,9 +100,14 @@ def write_gguf(
 
     path = Path(path)
     writer, arch, heads, kv_heads = metadata_writer(
-        path, config, qtype=qtype, vocab=vocab, chat_template=chat_template, name=name,
+        path,
+        config,
+        qtype=qtype,
+        vocab=vocab,
+        chat_template=chat_template,
+        name=name,
         extra_metadata=extra_metadata,
-    )  # fmt: skip
+    )
     permuted = arch == "llama"
     kind = gguf.GGMLQuantizationType[qtype]
     if rope_freqs is not None:
@@ -132,8 +137,16 @@ def write_gguf(
 
 
 # ggml file types (``general.file_type``) of the encodings written here.
-FILE_TYPES = {"F32": 0, "F16": 1, "Q4_0": 2, "Q4_1": 3, "Q8_0": 7, "Q4_K": 15, "Q6_K": 18,
-              "BF16": 32}  # fmt: skip
+FILE_TYPES = {
+    "F32": 0,
+    "F16": 1,
+    "Q4_0": 2,
+    "Q4_1": 3,
+    "Q8_0": 7,
+    "Q4_K": 15,
+    "Q6_K": 18,
+    "BF16": 32,
+}
 
 
 def metadata_writer(

@@ -70,8 +70,12 @@ class Agreement:
     top1: float  # share of positions whose argmax agrees
 
     def as_dict(self) -> dict[str, float]:
-        return {"positions": self.positions, "kl_mean": self.kl_mean,
-                "kl_max": self.kl_max, "top1": self.top1}  # fmt: skip
+        return {
+            "positions": self.positions,
+            "kl_mean": self.kl_mean,
+            "kl_max": self.kl_max,
+            "top1": self.top1,
+        }
 
 
 def log_softmax(logits: np.ndarray) -> np.ndarray:

@@ -125,8 +125,13 @@ TINY: dict[str, Any] = {
 }
 
 # (block values, block bytes) of the block encodings made here.
-_BLOCKS = {"Q4_0": (32, 18), "Q4_1": (32, 20), "Q8_0": (32, 34), "Q4_K": (256, 144),
-           "Q6_K": (256, 210)}  # fmt: skip
+_BLOCKS = {
+    "Q4_0": (32, 18),
+    "Q4_1": (32, 20),
+    "Q8_0": (32, 34),
+    "Q4_K": (256, 144),
+    "Q6_K": (256, 210),
+}
 # What random_k_quant's values' std comes out as, per std asked for (measured:
 # its random 6-bit scales and mins spread the values more than it assumes).
 _K_SPREAD = {"Q4_K": 1.79, "Q6_K": 1.15}
@@ -207,9 +212,11 @@ def random_tensor(
 
 
 def random_tensors(
-    config: Mapping[str, Any], qtype: str = "Q4_0", seed: int = 0,
+    config: Mapping[str, Any],
+    qtype: str = "Q4_0",
+    seed: int = 0,
     weight_std: float = WEIGHT_STD,
-) -> Iterator[tuple[str, np.ndarray, str]]:  # fmt: skip
+) -> Iterator[tuple[str, np.ndarray, str]]:
     """(GGUF name, bytes or values, ggml type name) of every tensor, one at a
     time (``rope_freqs.weight`` not among them)."""
     rng = np.random.default_rng(seed)
@@ -282,8 +289,9 @@ def write_random_gguf(
         ggml = gguf.GGMLQuantizationType[kind]
         if kind in _BLOCKS:
             byte_shape = (shape[0], shape[1] // _BLOCKS[kind][0] * _BLOCKS[kind][1])
-            writer.add_tensor_info(tensor, byte_shape, np.dtype(np.uint8),
-                                   _nbytes(shape, kind), raw_dtype=ggml)  # fmt: skip
+            writer.add_tensor_info(
+                tensor, byte_shape, np.dtype(np.uint8), _nbytes(shape, kind), raw_dtype=ggml
+            )
         else:
             dtype = np.dtype(np.float32 if kind == "F32" else np.float16)
             writer.add_tensor_info(tensor, shape, dtype, _nbytes(shape, kind))

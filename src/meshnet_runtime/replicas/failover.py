@@ -264,9 +264,13 @@ class Failover:
                 continue
             self.failovers += 1
             self.placement.sticky[session] = candidate
-            log.warning("session %s: failed over from %s to %s (%d chunks replayed)",
-                        session, failed.url if failed else "?", candidate.url,
-                        len(past))  # fmt: skip
+            log.warning(
+                "session %s: failed over from %s to %s (%d chunks replayed)",
+                session,
+                failed.url if failed else "?",
+                candidate.url,
+                len(past),
+            )
             return candidate, None
         raise self.none_left(session)
 
@@ -286,8 +290,9 @@ class Failover:
         target = candidates[0]
         # Asking one that is gone costs at most a probe's time, then it replays.
         ask = Deadline(min(deadline.at, anyio.current_time() + self.probe_timeout))
-        if not await hand_off(failed, target, session, headers.session_key, deadline,
-                              self.handoffs, ask=ask):  # fmt: skip
+        if not await hand_off(
+            failed, target, session, headers.session_key, deadline, self.handoffs, ask=ask
+        ):
             return None
         self.placement.sticky[session] = target
         return target
@@ -359,9 +364,11 @@ class Failover:
                 # the stages below keep theirs (?replay=1) — then once more.
                 with contextlib.suppress(MeshnetError):  # the replay again says how it went
                     await replica.pool.request(
-                        "DELETE", f"/sessions/{session}?replay=1", deadline,
+                        "DELETE",
+                        f"/sessions/{session}?replay=1",
+                        deadline,
                         key_headers(chunk.headers.session_key),
-                    )  # fmt: skip
+                    )
                 response = await self.attempt(
                     replica, chunk.headers, chunk.body, deadline, REPLAY_PATH
                 )

@@ -71,9 +71,12 @@ async def hand_off(
             why = f"export: {exported.status} {exported.error.get('code')}"
         else:
             imported = await target.pool.request(
-                "POST", KV_IMPORT_PATH, deadline, _import_headers(exported, key),
+                "POST",
+                KV_IMPORT_PATH,
+                deadline,
+                _import_headers(exported, key),
                 bytes(exported.body),
-            )  # fmt: skip
+            )
             if imported.status != 200:
                 code = imported.error.get("code") if isinstance(imported, ErrorResponse) else ""
                 why = f"import: {imported.status} {code}"
@@ -83,19 +86,26 @@ async def hand_off(
         (backoff.failed if why else backoff.forget)(session)
     if why:
         counts.failed += 1
-        log.warning("session %s: no KV hand-off from %s to %s (%s)",
-                    session, source.url, target.url, why)  # fmt: skip
+        log.warning(
+            "session %s: no KV hand-off from %s to %s (%s)", session, source.url, target.url, why
+        )
         return False
     assert isinstance(exported, ActivationResponse)
     # Ended there only: the stages below keep theirs (wire-2 §3.8). If it
     # fails, the old copy ends by its TTL; the session is the new one's now.
     with contextlib.suppress(MeshnetError):
-        await source.pool.request("DELETE", f"/sessions/{session}?replay=1", deadline,
-                                  key_headers(key))  # fmt: skip
+        await source.pool.request(
+            "DELETE", f"/sessions/{session}?replay=1", deadline, key_headers(key)
+        )
     counts.moved += 1
     counts.bytes += memoryview(exported.body).nbytes
-    log.info("session %s: handed off from %s to %s by its KV (%d bytes)",
-             session, source.url, target.url, memoryview(exported.body).nbytes)  # fmt: skip
+    log.info(
+        "session %s: handed off from %s to %s by its KV (%d bytes)",
+        session,
+        source.url,
+        target.url,
+        memoryview(exported.body).nbytes,
+    )
     return True
 
 

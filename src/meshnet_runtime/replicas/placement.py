@@ -277,9 +277,13 @@ class Placement(Generic[R]):
         if mismatch != replica.mismatch:
             replica.mismatch = mismatch
             if mismatch:
-                log.error("replica %s serves another stage (fingerprint %s, this hop's is %s): "
-                          "taken out of service", replica.url, fingerprint,
-                          self.pinned)  # fmt: skip
+                log.error(
+                    "replica %s serves another stage (fingerprint %s, this hop's is %s): "
+                    "taken out of service",
+                    replica.url,
+                    fingerprint,
+                    self.pinned,
+                )
             else:
                 log.info("replica %s serves this hop's stage again", replica.url)
             self.changed()

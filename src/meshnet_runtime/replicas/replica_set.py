@@ -181,19 +181,28 @@ class ReplicaSet:
         failover = self.failover
         replica = route.replica
         if route.recover or replica is None:
-            return await failover.recover(session, headers, body, deadline, replica,
-                                          alive=route.alive)  # fmt: skip
+            return await failover.recover(
+                session, headers, body, deadline, replica, alive=route.alive
+            )
         decoder = disaggregated_target(self.placement, replica, headers, self.moves)
         if decoder is not None:  # its prompt is done: to a decode replica (wire-2 §3.12)
             async with failover.lock(session):
-                if await hand_off(replica, decoder, session, headers.session_key, deadline,
-                                  failover.handoffs, backoff=self.moves):  # fmt: skip
+                if await hand_off(
+                    replica,
+                    decoder,
+                    session,
+                    headers.session_key,
+                    deadline,
+                    failover.handoffs,
+                    backoff=self.moves,
+                ):
                     replica = self._sticky[session] = decoder
         try:
             response = await failover.attempt(replica, headers, body, deadline)
         except Lost as lost:
-            return await failover.recover(session, headers, body, deadline, replica,
-                                          alive=lost.hung)  # fmt: skip
+            return await failover.recover(
+                session, headers, body, deadline, replica, alive=lost.hung
+            )
         if lost_session(response):
             return await failover.recover(session, headers, body, deadline, replica, alive=True)
         failover.keep(session, headers, body, response)

@@ -67,28 +67,37 @@ class ReplicaCollector:
     def collect(self) -> Iterator[Any]:
         view = self.document()
         stage = view["stage"]
-        up = GaugeMetricFamily("meshnet_replica_up", "1 while the replica answers its probes",
-                               labels=["stage", "replica"])  # fmt: skip
-        sessions = GaugeMetricFamily("meshnet_replica_sessions", "Sessions stuck to the replica",
-                                     labels=["stage", "replica"])  # fmt: skip
+        up = GaugeMetricFamily(
+            "meshnet_replica_up",
+            "1 while the replica answers its probes",
+            labels=["stage", "replica"],
+        )
+        sessions = GaugeMetricFamily(
+            "meshnet_replica_sessions", "Sessions stuck to the replica", labels=["stage", "replica"]
+        )
         for replica in view["replicas"]:
             up.add_metric([stage, replica["url"]], 1.0 if replica["up"] else 0.0)
             sessions.add_metric([stage, replica["url"]], float(replica["sessions"]))
-        failovers = CounterMetricFamily("meshnet_failovers", "Sessions moved to another replica",
-                                        labels=["stage"])  # fmt: skip
+        failovers = CounterMetricFamily(
+            "meshnet_failovers", "Sessions moved to another replica", labels=["stage"]
+        )
         failovers.add_metric([stage], float(view["failovers"]))
-        replayed = CounterMetricFamily("meshnet_replayed", "What failovers replayed to a replica",
-                                       labels=["stage", "unit"])  # fmt: skip
+        replayed = CounterMetricFamily(
+            "meshnet_replayed", "What failovers replayed to a replica", labels=["stage", "unit"]
+        )
         for unit in ("chunks", "tokens", "bytes"):
             replayed.add_metric([stage, unit], float(view["replayed"][unit]))
-        placed = CounterMetricFamily("meshnet_prefix_placed",
-                                     "New sessions sent to the replica holding their cached prefix",
-                                     labels=["stage"])  # fmt: skip
+        placed = CounterMetricFamily(
+            "meshnet_prefix_placed",
+            "New sessions sent to the replica holding their cached prefix",
+            labels=["stage"],
+        )
         placed.add_metric([stage], float(view["prefix_placed"]))
-        handoffs = CounterMetricFamily("meshnet_handoffs",
-                                       "Sessions moved to another replica by their KV "
-                                       "(moved), or moves given up (failed)",
-                                       labels=["stage", "outcome"])  # fmt: skip
+        handoffs = CounterMetricFamily(
+            "meshnet_handoffs",
+            "Sessions moved to another replica by their KV (moved), or moves given up (failed)",
+            labels=["stage", "outcome"],
+        )
         for outcome in ("moved", "failed"):
             handoffs.add_metric([stage, outcome], float(view["handoff"][outcome]))
         handoff_bytes = CounterMetricFamily(

@@ -229,14 +229,23 @@ class StageModel:
 
     def new_cache(self, budget, batch: int) -> KVCache:  # type: ignore[no-untyped-def]
         c = self.config
-        return KVCache(budget, layers=len(self.weights.layers), batch=batch,
-                       kv_heads=c.num_key_value_heads, head_dim=c.head_dim)  # fmt: skip
+        return KVCache(
+            budget,
+            layers=len(self.weights.layers),
+            batch=batch,
+            kv_heads=c.num_key_value_heads,
+            head_dim=c.head_dim,
+        )
 
     def describe(self) -> dict[str, Any]:
         from ..choice import blas_threads
 
-        return {"engine": "numpy", "device": "cpu", "compute_dtype": "float32",
-                "threads": blas_threads()}  # fmt: skip
+        return {
+            "engine": "numpy",
+            "device": "cpu",
+            "compute_dtype": "float32",
+            "threads": blas_threads(),
+        }
 
     def embed(self, ids: np.ndarray) -> np.ndarray:
         assert self.weights.embed is not None
@@ -291,15 +300,17 @@ class StageModel:
                 "must execute the full range"
             )
         if not self.last:
-            batch.finish([x[lo:hi].reshape(e.batch, e.tokens, hidden)
-                          for e, lo, hi in batch.spans()])  # fmt: skip
+            batch.finish(
+                [x[lo:hi].reshape(e.batch, e.tokens, hidden) for e, lo, hi in batch.spans()]
+            )
             return batch
         assert self.weights.norm is not None and self.weights.lm_head is not None
         final = rms_norm(x[batch.last_rows()], self.weights.norm, self.config.rms_norm_eps)
         heads = batch.head_rows()
         logits = linear(final, self.weights.lm_head, None, heads)
-        batch.finish([e.head_output(logits[lo:hi])
-                      for (lo, hi), e in zip(heads, batch.running, strict=True)])  # fmt: skip
+        batch.finish(
+            [e.head_output(logits[lo:hi]) for (lo, hi), e in zip(heads, batch.running, strict=True)]
+        )
         return batch
 
     def score(self, ids: np.ndarray, cache: KVCache) -> np.ndarray:
@@ -314,8 +325,9 @@ class StageModel:
         x = self._layers(self.embed(ids).reshape(-1, self.config.hidden_size), batch)
         cache.length = ids.shape[1]
         assert self.weights.norm is not None and self.weights.lm_head is not None
-        logits = linear(rms_norm(x, self.weights.norm, self.config.rms_norm_eps),
-                        self.weights.lm_head)  # fmt: skip
+        logits = linear(
+            rms_norm(x, self.weights.norm, self.config.rms_norm_eps), self.weights.lm_head
+        )
         return logits.reshape(*ids.shape, -1)
 
     def _layers(self, x: np.ndarray, batch: PackedBatch[KVCache]) -> np.ndarray:
@@ -337,11 +349,22 @@ class StageModel:
             h = rms_norm(x, block.input_norm, c.rms_norm_eps)
             q, k, v = project_qkv(h, block, blocks)
             heads = [
-                attend(q[lo:hi], k[lo:hi], v[lo:hi], block, c, rope if rotates else None,
-                       e.cache.keys[i], e.cache.values[i], e.position, window, batch=e.batch,
-                       block_size=e.query_block)
+                attend(
+                    q[lo:hi],
+                    k[lo:hi],
+                    v[lo:hi],
+                    block,
+                    c,
+                    rope if rotates else None,
+                    e.cache.keys[i],
+                    e.cache.values[i],
+                    e.position,
+                    window,
+                    batch=e.batch,
+                    block_size=e.query_block,
+                )
                 for (e, lo, hi), rope in zip(batch.spans(), ropes, strict=True)
-            ]  # fmt: skip
+            ]
             x = x + linear(_pack(heads), block.o, block.o_bias, blocks)
             h = rms_norm(x, block.post_norm, c.rms_norm_eps)
             x = x + mlp(h, block, blocks)

@@ -68,9 +68,16 @@ class TorchStageModel:
     # a pool over every core (measured: 2 cores busy with threads=1).
     threads: int | None = None
 
-    def __init__(self, torch: Any, weights: StageWeights, *, dtype: str = "keep",
-                 device: str = "cpu", transfer: Transfer | None = None,
-                 held: TorchStageWeights | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        torch: Any,
+        weights: StageWeights,
+        *,
+        dtype: str = "keep",
+        device: str = "cpu",
+        transfer: Transfer | None = None,
+        held: TorchStageWeights | None = None,
+    ) -> None:
         """``weights``: the stage's numpy tensors, converted here — or, with
         ``held`` (tensors already in their torch form, ``gguf_weights``), only
         its shape."""
@@ -101,8 +108,9 @@ class TorchStageModel:
             self.dtype_name = dtype
             self.weights_dtype = dtype
             self.dtype = getattr(torch, dtype)
-            self.weights = TorchStageWeights.from_numpy(torch, weights, dtype=self.dtype,
-                                                        device=self.device)  # fmt: skip
+            self.weights = TorchStageWeights.from_numpy(
+                torch, weights, dtype=self.dtype, device=self.device
+            )
         self.rope = RopeTable(torch, self.config, self.dtype, self.device)
         # Every product by the int4pack kernel, which computes each row on its
         # own: batched entries share them, and chunks may be cut into pieces.
@@ -123,9 +131,16 @@ class TorchStageModel:
 
     def new_cache(self, budget: KVBudget, batch: int) -> TorchKVCache:
         c = self.config
-        cache = TorchKVCache(self.torch, budget, layers=len(self.layers), batch=batch,
-                             kv_heads=c.num_key_value_heads, head_dim=c.head_dim,
-                             dtype=self.dtype, device=self.device)  # fmt: skip
+        cache = TorchKVCache(
+            self.torch,
+            budget,
+            layers=len(self.layers),
+            batch=batch,
+            kv_heads=c.num_key_value_heads,
+            head_dim=c.head_dim,
+            dtype=self.dtype,
+            device=self.device,
+        )
         cache.staging = self.transfer.new_staging()
         return cache
 
@@ -161,10 +176,11 @@ class TorchStageModel:
         hidden = self.config.hidden_size
         with t.inference_mode():
             rows = [
-                self._embed(e.inputs) if self.first
+                self._embed(e.inputs)
+                if self.first
                 else self.transfer.to_device(e.inputs, self.dtype)
                 for e in batch.running
-            ]  # fmt: skip
+            ]
             x = _pack(t, [r.reshape(-1, hidden) for r in rows])
             x = self._layers(x, batch)
             if not batch.running:  # every entry stopped between layers
@@ -175,18 +191,25 @@ class TorchStageModel:
                     f"positions for {batch.rows} tokens received"
                 )
             if not self.last:
-                batch.finish([
-                    self.transfer.to_host(x[lo:hi].reshape(e.batch, e.tokens, hidden),
-                                          e.cache.staging)
-                    for e, lo, hi in batch.spans()
-                ])  # fmt: skip
+                batch.finish(
+                    [
+                        self.transfer.to_host(
+                            x[lo:hi].reshape(e.batch, e.tokens, hidden), e.cache.staging
+                        )
+                        for e, lo, hi in batch.spans()
+                    ]
+                )
                 return batch
             w = self.weights
             final = self.norm(t, x[batch.last_rows()], w.norm, self.config.rms_norm_eps)
             heads = batch.head_rows()
             logits = product(t, final, w.lm_head, None, heads).float()
-            batch.finish([e.head_output(self.transfer.to_host(logits[lo:hi], e.cache.staging))
-                          for (lo, hi), e in zip(heads, batch.running, strict=True)])  # fmt: skip
+            batch.finish(
+                [
+                    e.head_output(self.transfer.to_host(logits[lo:hi], e.cache.staging))
+                    for (lo, hi), e in zip(heads, batch.running, strict=True)
+                ]
+            )
         return batch
 
     def score(self, ids: np.ndarray, cache: TorchKVCache) -> np.ndarray:
@@ -237,14 +260,31 @@ class TorchStageModel:
             rows = q.shape[0]
             # Norm and rope of every chunk's rows at once: per-op overhead is most
             # of a decode step's attention, and these are element by element.
-            q, k = rotate(t, q.reshape(rows, heads, d), k.reshape(rows, kv_heads, d), block, c,
-                          rope if c.layer_rotates(layer) else None)  # fmt: skip
+            q, k = rotate(
+                t,
+                q.reshape(rows, heads, d),
+                k.reshape(rows, kv_heads, d),
+                block,
+                c,
+                rope if c.layer_rotates(layer) else None,
+            )
             v = v.reshape(rows, kv_heads, d)
             outs = [
-                attend(t, q[lo:hi], k[lo:hi], v[lo:hi], c, e.cache.keys[i], e.cache.values[i],
-                       e.position, window, batch=e.batch, block_size=e.query_block)
+                attend(
+                    t,
+                    q[lo:hi],
+                    k[lo:hi],
+                    v[lo:hi],
+                    c,
+                    e.cache.keys[i],
+                    e.cache.values[i],
+                    e.position,
+                    window,
+                    batch=e.batch,
+                    block_size=e.query_block,
+                )
                 for e, lo, hi in batch.spans()
-            ]  # fmt: skip
+            ]
             x = x + product(t, _pack(t, outs), block.o, block.o_bias, blocks)
             h = self.norm(t, x, block.post_norm, c.rms_norm_eps)
             x = x + mlp(t, h, block, blocks)
@@ -328,8 +368,7 @@ def load_torch_runner(
         # Mapping reads nothing yet: its bytes count as read only if the stage
         # keeps the map; a converted stage counts them as it reads them below.
         mapped_bytes = _Tally()
-        mapped = StageWeights.load(path, layers, dtype="keep", config=config,
-                                   progress=mapped_bytes)  # fmt: skip
+        mapped = StageWeights.load(path, layers, dtype="keep", config=config, progress=mapped_bytes)
         held = mapped.blocks[0].q.dtype.name
         if dtype not in ("keep", held):
             # Converted: read tensor by tensor instead of from the mapping (whose
@@ -337,11 +376,17 @@ def load_torch_runner(
             span = mapped.layers
             mapped = dataclasses.replace(mapped, blocks=[], embed=None, norm=None, lm_head=None)
             dev = torch.device(device)
-            weights = converted_weights(torch, Checkpoint(path, progress=progress),
-                                        mapped.config, span, dtype=getattr(torch, dtype),
-                                        device=dev)  # fmt: skip
-            model = TorchStageModel(torch, mapped, dtype=dtype, device=device,
-                                    transfer=transfer, held=weights)  # fmt: skip
+            weights = converted_weights(
+                torch,
+                Checkpoint(path, progress=progress),
+                mapped.config,
+                span,
+                dtype=getattr(torch, dtype),
+                device=dev,
+            )
+            model = TorchStageModel(
+                torch, mapped, dtype=dtype, device=device, transfer=transfer, held=weights
+            )
         else:
             progress.on_bytes(mapped_bytes.bytes)
             model = TorchStageModel(torch, mapped, dtype=dtype, device=device, transfer=transfer)
@@ -349,9 +394,15 @@ def load_torch_runner(
     # The runner needs the stage's shape, not the numpy arrays: dropping them
     # lets a converted stage's map go (only the torch tensors hold memory).
     shape_only = dataclasses.replace(mapped, blocks=[], embed=None, norm=None, lm_head=None)
-    return StageRunner(shape_only, kv_budget_bytes=kv_budget_bytes,
-                       max_chunk_tokens=max_chunk_tokens, max_compute_bytes=max_compute_bytes,
-                       name=model_name(path), path=str(path), model=model)  # fmt: skip
+    return StageRunner(
+        shape_only,
+        kv_budget_bytes=kv_budget_bytes,
+        max_chunk_tokens=max_chunk_tokens,
+        max_compute_bytes=max_compute_bytes,
+        name=model_name(path),
+        path=str(path),
+        model=model,
+    )
 
 
 def _gguf_model(
@@ -382,8 +433,7 @@ def _gguf_model(
     quantized_file = ckpt.kind(probe).view is None
     if dtype == "keep" and not quantized_file:
         mapped = StageWeights.load(path, span, dtype="keep", config=config, progress=progress)
-        return TorchStageModel(torch, mapped, dtype=dtype, device=device,
-                               transfer=transfer), mapped  # fmt: skip
+        return TorchStageModel(torch, mapped, dtype=dtype, device=device, transfer=transfer), mapped
     # Quantized: the kernels take bfloat16 inputs; the residual stream, norms,
     # attention and the KV cache stay float32 (half the KL of an all-bfloat16
     # stage on the real model, at the same speed: docs/models.md).
@@ -399,13 +449,20 @@ def _gguf_model(
         device=dev,
         quantized=dtype == "keep",
     )
-    shape = StageWeights(config=config, layers=span, blocks=[], embed=None, norm=None,
-                         lm_head=None, dtype="+".join(sorted(held.held_forms())),
-                         tied_head=span.stop == config.num_hidden_layers
-                         and head_is_tied(config, ckpt),
-                         files=ckpt.files_opened())  # fmt: skip
-    model = TorchStageModel(torch, shape, dtype=compute, device=device, transfer=transfer,
-                            held=held)  # fmt: skip
+    shape = StageWeights(
+        config=config,
+        layers=span,
+        blocks=[],
+        embed=None,
+        norm=None,
+        lm_head=None,
+        dtype="+".join(sorted(held.held_forms())),
+        tied_head=span.stop == config.num_hidden_layers and head_is_tied(config, ckpt),
+        files=ckpt.files_opened(),
+    )
+    model = TorchStageModel(
+        torch, shape, dtype=compute, device=device, transfer=transfer, held=held
+    )
     return model, shape
 
 

@@ -25,10 +25,19 @@ BLOCK = 64  # positions per allocation unit
 
 
 class TorchKVCache(KVCache):
-    def __init__(self, torch: Any, budget: KVBudget, *, layers: int, batch: int,
-                 kv_heads: int, head_dim: int, dtype: Any, device: Any) -> None:  # fmt: skip
-        super().__init__(budget, layers=layers, batch=batch, kv_heads=kv_heads,
-                         head_dim=head_dim)  # fmt: skip
+    def __init__(
+        self,
+        torch: Any,
+        budget: KVBudget,
+        *,
+        layers: int,
+        batch: int,
+        kv_heads: int,
+        head_dim: int,
+        dtype: Any,
+        device: Any,
+    ) -> None:
+        super().__init__(budget, layers=layers, batch=batch, kv_heads=kv_heads, head_dim=head_dim)
         self.torch, self.dtype, self.device = torch, dtype, device
         self.itemsize = torch.empty((), dtype=dtype).element_size()
         # The session's device->host buffers (CUDA; None on the CPU): they
@@ -59,8 +68,12 @@ class TorchKVCache(KVCache):
 
     def export_state(self) -> np.ndarray:
         t, n = self.torch, self.length
-        stacked = t.stack([t.stack([k[:, :, :n], v[:, :, :n]])
-                           for k, v in zip(self.keys, self.values, strict=True)])  # fmt: skip
+        stacked = t.stack(
+            [
+                t.stack([k[:, :, :n], v[:, :, :n]])
+                for k, v in zip(self.keys, self.values, strict=True)
+            ]
+        )
         host = stacked.cpu().contiguous()
         if self.dtype == t.bfloat16:  # numpy has no bfloat16: the bits, as ml_dtypes'
             return host.view(t.int16).numpy().view(ml_dtypes.bfloat16)  # type: ignore[no-any-return]

@@ -31,8 +31,11 @@ from .weights import to_torch
 
 __all__ = ["Staging", "Transfer", "to_numpy"]
 
-_NUMPY = {"float32": np.dtype(np.float32), "float16": np.dtype(np.float16),
-          "bfloat16": np.dtype(ml_dtypes.bfloat16)}  # fmt: skip
+_NUMPY = {
+    "float32": np.dtype(np.float32),
+    "float16": np.dtype(np.float16),
+    "bfloat16": np.dtype(ml_dtypes.bfloat16),
+}
 
 
 def _numpy_dtype(tensor: Any) -> np.dtype:
@@ -55,8 +58,9 @@ class Staging:
     k+1 copies), beyond that an answer gets a buffer of its own.
     """
 
-    def __init__(self, torch: Any, alloc: Callable[[int, Any], Any] | None = None,
-                 keep: int = 2) -> None:  # fmt: skip
+    def __init__(
+        self, torch: Any, alloc: Callable[[int, Any], Any] | None = None, keep: int = 2
+    ) -> None:
         self.torch = torch
         self.alloc = alloc or (lambda n, dtype: torch.empty(n, dtype=dtype, pin_memory=True))
         self.keep = keep
@@ -101,8 +105,14 @@ class Staging:
 class Transfer:
     """Moves a stage's inputs to its device and its outputs back (see module doc)."""
 
-    def __init__(self, torch: Any, device: Any, *, staged: bool | None = None,
-                 alloc: Callable[[int, Any], Any] | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        torch: Any,
+        device: Any,
+        *,
+        staged: bool | None = None,
+        alloc: Callable[[int, Any], Any] | None = None,
+    ) -> None:
         self.torch, self.device = torch, device
         self.staged = device.type != "cpu" if staged is None else staged
         self.alloc = alloc

@@ -141,8 +141,17 @@ class TorchStageWeights:
         the int4pack kernel, which computes each row on its own (``stage.batch``)."""
         products = [self.lm_head] if self.lm_head is not None else []
         for block in self.blocks:
-            matrices = (block.q, block.k, block.v, block.o, block.gate, block.up, block.down,
-                        block.qkv, block.gate_up)  # fmt: skip
+            matrices = (
+                block.q,
+                block.k,
+                block.v,
+                block.o,
+                block.gate,
+                block.up,
+                block.down,
+                block.qkv,
+                block.gate_up,
+            )
             products += [m for m in matrices if m is not None]
         return bool(products) and all(isinstance(m, Int4Matrix) for m in products)
 
@@ -153,8 +162,17 @@ class TorchStageWeights:
         forms: dict[str, int] = {}
         tensors = [self.embed, self.lm_head]
         for block in self.blocks:
-            tensors += [block.q, block.k, block.v, block.o, block.gate, block.up, block.down,
-                        block.qkv, block.gate_up]  # fmt: skip
+            tensors += [
+                block.q,
+                block.k,
+                block.v,
+                block.o,
+                block.gate,
+                block.up,
+                block.down,
+                block.qkv,
+                block.gate_up,
+            ]
         for t in tensors:
             if t is None:
                 continue
@@ -327,8 +345,9 @@ class _GGUFTensors:
             _, stored, blocks = self.ckpt.raw(spec.name)
             check_shape(spec.name, stored, spec.shape)
             parts.append(blocks)
-        return quantized_matrix(self.torch, kinds[0], shape, np.concatenate(parts),
-                                compute=self.kernel_dtype)  # fmt: skip
+        return quantized_matrix(
+            self.torch, kinds[0], shape, np.concatenate(parts), compute=self.kernel_dtype
+        )
 
     def matrix(self, name: str, shape: tuple[int, ...]) -> Any:
         torch, quantized, device = self.torch, self.quantized, self.device
@@ -370,8 +389,10 @@ def converted_weights(
     c = config
     blocks = []
     for i in layers:
-        fields = {spec.field: read(spec.name, spec.shape) if spec.wanted else None
-                  for spec in layer_tensors(c, i)}  # fmt: skip
+        fields = {
+            spec.field: read(spec.name, spec.shape) if spec.wanted else None
+            for spec in layer_tensors(c, i)
+        }
         blocks.append(TorchLayer(**fields))
     first, last = layers.start == 0, layers.stop == c.num_hidden_layers
     tied = head_is_tied(c, ckpt)

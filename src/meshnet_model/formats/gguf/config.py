@@ -114,8 +114,9 @@ def _llama3_from_freqs(
         raise refused
     # Round the recovered length to an integer when the published values are
     # (8192 for Llama 3.1/3.2), re-checking that the rounding changes nothing.
-    rounded = dict(scaling, original_max_position_embeddings=round(original),
-                   high_freq_factor=round(high, 4))  # fmt: skip
+    rounded = dict(
+        scaling, original_max_position_embeddings=round(original), high_freq_factor=round(high, 4)
+    )
     again = _llama3(inv, RopeScaling.from_dict(rounded), context)
     if np.allclose(inv / again, factors, rtol=1e-4, atol=0):
         return rounded

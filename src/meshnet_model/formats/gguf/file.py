@@ -223,8 +223,11 @@ class GGUFFile:
         kind, shape, tensor = self._checked(name)
         cols = shape[-1] if shape else 1
         rows = math.prod(shape[:-1]) if len(shape) > 1 else 1
-        return kind, shape, RowReader(self.path, int(tensor.data_offset), rows,
-                                      kind.row_bytes(cols))  # fmt: skip
+        return (
+            kind,
+            shape,
+            RowReader(self.path, int(tensor.data_offset), rows, kind.row_bytes(cols)),
+        )
 
     def raw(self, name: str) -> tuple[GGMLType, tuple[int, ...], np.ndarray]:
         """As ``rows``, every row read at once."""
