@@ -56,8 +56,12 @@ def _text(limit: int) -> dict[str, Any]:
 
 
 def _closed(**properties: Any) -> dict[str, Any]:
-    return {"type": "object", "properties": properties, "required": list(properties),
-            "additionalProperties": False}  # fmt: skip
+    return {
+        "type": "object",
+        "properties": properties,
+        "required": list(properties),
+        "additionalProperties": False,
+    }
 
 
 def _list(items: dict[str, Any], most: int) -> dict[str, Any]:
@@ -67,17 +71,36 @@ def _list(items: dict[str, Any], most: int) -> dict[str, Any]:
 # (prompt, schema name, schema): answers long enough to decode for a while
 # (strings of tens of characters, short lists) yet closed and bounded.
 CASES: tuple[tuple[str, str, dict[str, Any]], ...] = (
-    ("Tell me about Paris: its country, how many people live there, and three facts.",
-     "city", _closed(name=_text(40), country=_text(40),
-                     population={"type": "integer", "minimum": 0, "maximum": 100_000_000},
-                     facts=_list(_text(80), 3))),
-    ("Give me a simple recipe for pancakes: a title, the ingredients and the minutes it takes.",
-     "recipe", _closed(title=_text(60), ingredients=_list(_text(40), 6),
-                       minutes={"type": "integer", "minimum": 1, "maximum": 240})),
-    ("Review the film Inception: a summary, stars out of five, what is good and what is not.",
-     "review", _closed(summary=_text(160), stars={"type": "integer", "minimum": 1, "maximum": 5},
-                       pros=_list(_text(60), 3), cons=_list(_text(60), 3))),
-)  # fmt: skip
+    (
+        "Tell me about Paris: its country, how many people live there, and three facts.",
+        "city",
+        _closed(
+            name=_text(40),
+            country=_text(40),
+            population={"type": "integer", "minimum": 0, "maximum": 100_000_000},
+            facts=_list(_text(80), 3),
+        ),
+    ),
+    (
+        "Give me a simple recipe for pancakes: a title, the ingredients and the minutes it takes.",
+        "recipe",
+        _closed(
+            title=_text(60),
+            ingredients=_list(_text(40), 6),
+            minutes={"type": "integer", "minimum": 1, "maximum": 240},
+        ),
+    ),
+    (
+        "Review the film Inception: a summary, stars out of five, what is good and what is not.",
+        "review",
+        _closed(
+            summary=_text(160),
+            stars={"type": "integer", "minimum": 1, "maximum": 5},
+            pros=_list(_text(60), 3),
+            cons=_list(_text(60), 3),
+        ),
+    ),
+)
 SYSTEM = "You are a helpful assistant. Answer in JSON."
 
 
@@ -145,8 +168,9 @@ class _Chat(Stream):
         return True
 
 
-def _payload(model: str, case: tuple[str, str, dict[str, Any]], plan: _Plan,
-             schema: bool) -> dict[str, Any]:  # fmt: skip
+def _payload(
+    model: str, case: tuple[str, str, dict[str, Any]], plan: _Plan, schema: bool
+) -> dict[str, Any]:
     prompt, name, body = case
     payload: dict[str, Any] = {
         "model": model,
@@ -166,8 +190,9 @@ def _payload(model: str, case: tuple[str, str, dict[str, Any]], plan: _Plan,
 
 async def _chat(url: str, payload: dict[str, Any]) -> _Chat:
     stream = _Chat()
-    status, body = await http(url, "POST", "/v1/chat/completions", json.dumps(payload).encode(),
-                              stream)  # fmt: skip
+    status, body = await http(
+        url, "POST", "/v1/chat/completions", json.dumps(payload).encode(), stream
+    )
     if status != 200:
         mode = "schema" if "response_format" in payload else "plain"
         raise RuntimeError(f"a {mode} chat completion answered {status}: {body[:300]!r}")
@@ -223,8 +248,9 @@ def run(options: BenchOptions) -> SectionResult:
         layers = load_config(str(path)).num_hidden_layers
         options.progress(f"structured: {path.name}, {layers} layers over 2 nodes")
         with start_chain(path, layers) as chain:
-            measured = anyio.run(_measure, chain, plan, options.progress,
-                                 backend=options.async_backend)  # fmt: skip
+            measured = anyio.run(
+                _measure, chain, plan, options.progress, backend=options.async_backend
+            )
     return _report(measured, plan, path.name)
 
 
@@ -245,12 +271,16 @@ def _report(measured: _Measured, plan: _Plan, model: str) -> SectionResult:
     )
     for mode, rate in (("plain", plain), ("json_schema", schema)):
         name = "schema" if mode == "json_schema" else mode
-        result.rows.append({
-            "response_format": mode, "requests": str(len(measured.streams[name])),
-            "decoded tokens": str(measured.tokens(name)),
-            "decode s": f"{measured.seconds(name):.2f}", "tok/s": f"{rate:.1f}",
-            "vs plain": f"{rate / plain:.2f}x" if plain else "n/a",
-        })  # fmt: skip
+        result.rows.append(
+            {
+                "response_format": mode,
+                "requests": str(len(measured.streams[name])),
+                "decoded tokens": str(measured.tokens(name)),
+                "decode s": f"{measured.seconds(name):.2f}",
+                "tok/s": f"{rate:.1f}",
+                "vs plain": f"{rate / plain:.2f}x" if plain else "n/a",
+            }
+        )
     met = ratio is not None and ratio >= round(1 / TARGET, 2)
     result.notes += [
         f"{len(CASES)} prompts x {plan.rounds} rounds a mode, temperature 0, max_tokens "
