@@ -58,15 +58,8 @@ def _reason(status: int) -> bytes:
 _END_OF_MESSAGE = h11.EndOfMessage()
 
 
-def h11_response(status: int, pairs: Pairs, *, trusted: bool = False) -> h11.Response:
-    """h11's response head; a header it refuses is a ``ValueError``.
-
-    ``trusted``: every name and value is bytes we formatted ourselves
-    (`WireHeaders.to_pairs`, whose values the dataclass validated), so h11's
-    per-header regular expressions are skipped — its ``_parsed`` path, the
-    one its own reader takes; it still checks ``Content-Length``. A decode
-    step's answer spent a tenth of the node's time in them (section decode).
-    """
+def h11_response(status: int, pairs: Pairs) -> h11.Response:
+    """h11's response head; a header it refuses is a ``ValueError``."""
     try:
         return h11.Response(
             status_code=status,
@@ -74,7 +67,6 @@ def h11_response(status: int, pairs: Pairs, *, trusted: bool = False) -> h11.Res
             # ASCII str); its annotation only lists unmixed lists.
             headers=pairs,  # type: ignore[arg-type]
             reason=_reason(status),
-            _parsed=trusted,
         )
     except h11.LocalProtocolError as exc:
         raise ValueError(f"not a valid response: {exc}") from None
@@ -202,7 +194,7 @@ class ServerAnswers:
         another format), never a copy: write the pieces in order.
         """
         pairs, data = activation_pairs(headers, body)
-        return self._respond(200, pairs, data, trusted=True)
+        return self._respond(200, pairs, data)
 
     def send_response(
         self,
@@ -237,7 +229,7 @@ class ServerAnswers:
         if self._phase is not _P.IDLE:
             raise RuntimeError(f"no finished exchange to restart (phase {self._phase.value!r})")
 
-    def _respond(self, status: int, pairs: Pairs, data: Body, *, trusted: bool = False) -> Output:
+    def _respond(self, status: int, pairs: Pairs, data: Body) -> Output:
         if self._phase is _P.CLOSED:
             raise RuntimeError("the connection is closed; nothing more can be sent")
         early = self._phase is not _P.RESPONDING
@@ -245,7 +237,7 @@ class ServerAnswers:
             pairs.append((b"Connection", b"close"))
         # One bytes object for the head (one write, not one per header line),
         # then the body object itself, untouched.
-        head = b"".join(self._send_pieces(h11_response(status, pairs, trusted=trusted)))
+        head = b"".join(self._send_pieces(h11_response(status, pairs)))
         out: Output = [head]
         if len(data) and not self._answering_head:
             # Sent by passthrough: h11 hands the object back untouched (no

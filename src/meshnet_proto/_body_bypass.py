@@ -18,47 +18,20 @@ is body, never more, so the framing (what request smuggling attacks) is
 h11's throughout.
 
 The counter is h11's private ``ContentLengthReader._remaining``: h11 has no
-public way to be told "these bytes were consumed". Every h11 release this
-project allows (``>=0.14,<0.17``) has it; :func:`pending_body_bytes`
-checks the reader's exact type and the attribute's type before trusting it,
-and returns 0 (the ordinary path through h11) otherwise.
+public way to be told "these bytes were consumed". `_h11_shim` owns that
+touch; where the installed h11 fails its probe, nothing is pending and
+every byte takes the ordinary path through h11.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import cast
 
 import h11
 
-try:  # the reader h11 uses for a Content-Length body
-    from h11._readers import ContentLengthReader
-except ImportError:  # pragma: no cover - a future h11 without it: never bypass
-    _ContentLengthReader: type[ContentLengthReader] | None = None
-else:
-    _ContentLengthReader = ContentLengthReader
+from ._h11_shim import count_off, pending_body_bytes
 
-__all__ = ["count_off", "pending_body_bytes", "take_body_bytes"]
-
-
-def pending_body_bytes(conn: h11.Connection) -> int:
-    """Body bytes h11 still expects of the Content-Length body it is reading
-    (0 when it is not reading one, or its reader is not the one we know)."""
-    reader = getattr(conn, "_reader", None)
-    if _ContentLengthReader is None or type(reader) is not _ContentLengthReader:
-        return 0
-    remaining = getattr(reader, "_remaining", None)
-    if type(remaining) is not int:  # pragma: no cover - h11 changed its reader
-        return 0
-    return max(remaining, 0)
-
-
-def count_off(conn: h11.Connection, nbytes: int) -> None:
-    """Tell h11's reader that ``nbytes`` of its body were consumed outside it
-    (``nbytes`` <= :func:`pending_body_bytes`)."""
-    # The caller found this exact reader type first (pending_body_bytes > 0).
-    reader = cast("ContentLengthReader", conn._reader)
-    reader._remaining -= nbytes
+__all__ = ["take_body_bytes"]
 
 
 def take_body_bytes(

@@ -43,7 +43,7 @@ from ._events import (
 from ._headers import WireHeaders, parse_wire_headers
 from ._integers import parse_canonical_uint
 from ._limits import Limits, MiB
-from ._reading import H11Reader, header_pairs
+from ._reading import H11Reader
 from ._state import ClientPhase, ClientTrigger, client_next
 
 __all__ = ["ClientConnection"]
@@ -323,7 +323,7 @@ class ClientConnection(H11Reader[_Answer]):
 
     def _on_head(self, response: h11.Response) -> _Pending:
         status = response.status_code
-        headers = header_pairs(response.headers)
+        headers = tuple(response.headers)
         lengths = [int(value) for name, value in headers if name == b"content-length"]
         length = lengths[0] if lengths else None
         if status > 599:  # h11 takes any three digits; HTTP statuses end at 599

@@ -9,19 +9,9 @@ from typing import Generic, TypeVar
 import h11
 
 from ._events import NEED_DATA, NeedData
-from ._h11_answering import AnsweringH11
 from ._limits import Limits
 
-__all__ = ["H11Reader", "header_pairs"]
-
-
-def header_pairs(headers: h11._headers.Headers) -> tuple[tuple[bytes, bytes], ...]:
-    """A message's ``(lowercased name, value)`` pairs, as ``tuple(headers)``
-    gives them, read off h11's list of them at once: ``tuple(headers)`` goes
-    through the ``Sequence`` ABC's ``__iter__``, one Python ``__getitem__`` a
-    header, ~1 us a head (section decode). h11 < 0.17 is pinned, and
-    tests/proto holds this to ``tuple(headers)``."""
-    return tuple([(name, value) for _, name, value in headers._full_items])
+__all__ = ["H11Reader"]
 
 
 _E = TypeVar("_E")
@@ -36,9 +26,7 @@ class H11Reader(Generic[_E]):
     """
 
     def __init__(self, role: type[h11.CLIENT] | type[h11.SERVER], limits: Limits) -> None:
-        # A server's answers skip h11's second check of their headers.
-        connection = AnsweringH11 if role is h11.SERVER else h11.Connection
-        self._h11 = connection(role, max_incomplete_event_size=limits.max_header_bytes)
+        self._h11 = h11.Connection(role, max_incomplete_event_size=limits.max_header_bytes)
         # True from h11's NEED_DATA until bytes are fed to it: it holds none,
         # so the next bytes of a Content-Length body may skip it (`_body_bypass`).
         self._h11_drained = False

@@ -56,7 +56,7 @@ from ._head_checks import (
 from ._headers import parse_wire_headers
 from ._kv import check_kv_message, is_kv_import
 from ._limits import KiB, Limits
-from ._reading import H11Reader, header_pairs
+from ._reading import H11Reader
 from ._state import ServerPhase, ServerTrigger
 
 __all__ = ["DEFAULT_MAX_ENDPOINT_BODY", "DEFAULT_ROUTES", "ServerConnection"]
@@ -233,7 +233,7 @@ class ServerConnection(H11Reader[_Handled], ServerAnswers):
 
     def _on_head(self, request: h11.Request) -> ActivationHead | None:
         self._answering_head = request.method == b"HEAD"
-        headers = header_pairs(request.headers)
+        headers = tuple(request.headers)
         check_head(request, headers, self._limits)
         # h11 has validated both as visible ASCII.
         method = request.method.decode("ascii")

@@ -27,7 +27,7 @@ from meshnet_proto import (
     WireHeaders,
     encode_tensor,
 )
-from meshnet_proto._body_bypass import pending_body_bytes
+from meshnet_proto._h11_shim import pending_body_bytes
 
 SESSION = "5b1e0c2a-9f3d-4c1e-8a7b-0123456789ab"
 FIRST = np.arange(2 * 64, dtype=np.float32).reshape(1, 2, 64) / 3
