@@ -59,6 +59,8 @@ CODES = {
 UNPARSED = {"deep_1000"}
 # A tool's parameters are written into the prompt: these pass the context.
 TOO_LONG = {"regex_10k_chars", "wide_1000", "any_of_2000"}
+
+
 # What the gateway gets wrong today (strict: a fix fails the mark, which then goes).
 @pytest.fixture(scope="module")
 def chain(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ModelChain]:
