@@ -15,8 +15,11 @@ from __future__ import annotations
 import inspect
 import time
 from collections.abc import Awaitable, Callable
+from typing import Any
 
 import anyio
+
+from meshnet_proto import Wait
 
 BOUND = 60.0  # seconds: only ends a hang
 
@@ -66,3 +69,21 @@ def holds_within(
     except TimeoutError:
         return False
     return True
+
+
+class Waits:
+    """The chunks a ``SequencedTable`` told to wait (their first offer's
+    ``Wait``), counted as it decides: "chunks 3, 2, 1 are waiting" is then
+    ``wait_until(lambda: waits.count == 3)``, not a sleep."""
+
+    def __init__(self, seq: Any) -> None:
+        self.count = 0
+        offer = seq.offer
+
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            decision = offer(*args, **kwargs)
+            if isinstance(decision, Wait) and kwargs.get("after") is None:
+                self.count += 1
+            return decision
+
+        seq.offer = counted  # the instance's own: the table is the test's
