@@ -33,6 +33,7 @@ from meshnet_gateway.openai.limits import MAX_MESSAGES, PromptLimits
 from meshnet_gateway.openai.pieces import run_in_pieces
 from meshnet_node.backends import Stage
 from support.openai import fake_embed, fake_stages, post_json, serve_openai, write_model_dir
+from support.waiting import wait_until
 
 LIMIT = 30  # every wait is bounded: a hang fails the test, not the run
 
@@ -349,9 +350,7 @@ async def test_a_short_prompt_reaches_the_chain_between_a_long_prompts_pieces(
         short = {"model": "tiny-model", "prompt": [5, 6, 7], "max_tokens": 1}
         async with anyio.create_task_group() as tg:
             tg.start_soon(in_thread, post, served.url, "/v1/completions", long)
-            with anyio.fail_after(LIMIT):
-                while len(seen) < 2:  # the long prefill is under way
-                    await anyio.sleep(0.005)
+            await wait_until(lambda: len(seen) >= 2, "the long prefill under way")
             status, _ = await in_thread(post, served.url, "/v1/completions", short)
             assert status == 200
         admission = served.gateway.admission
