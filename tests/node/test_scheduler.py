@@ -255,8 +255,9 @@ async def test_a_full_queue_is_503_stage_busy_with_retry_after_before_any_work(
     refused = [o for o in outcomes.values() if isinstance(o, CapacityError)]
     assert all(e.code == "stage_busy" and e.retry_after >= 1 for e in refused)
     # All four queue before the first step (no await before the queue): 8 + 8
-    # tokens fit the 20, the next two do not, however fast the steps run.
-    assert sorted(i for i, o in outcomes.items() if isinstance(o, CapacityError)) == [2, 3]
+    # tokens fit the 20, the other two do not, however fast the steps run
+    # (which two is the loop's choice: trio may start tasks in any order).
+    assert len(refused) == 2
     for i, outcome in outcomes.items():
         if isinstance(outcome, CapacityError):  # refused before any work: no cache
             assert runner._lives[f"s{i}"].cache is None
