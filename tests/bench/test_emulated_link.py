@@ -280,7 +280,7 @@ async def test_jitter_keeps_the_bytes_in_order_and_intact() -> None:
             await client.send(record)
             # Spaced so that the link reads them as separate pieces, each with
             # its own draw of jitter (up to 10 ms, ten times the spacing).
-            await anyio.sleep(0.001)
+            await anyio.sleep(0.001)  # stall under test: records spaced apart
         await client.send_eof()
 
     async with (

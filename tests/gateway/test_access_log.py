@@ -31,6 +31,7 @@ from meshnet_proto import MeshnetError
 from support.gateway import activation
 from support.model_surface import model_chain, write_model
 from support.openai import serve_openai, write_model_dir
+from support.waiting import wait_until
 
 # One access line: peer, "METHOD TARGET", status, then key=value fields.
 ACCESS = re.compile(
@@ -284,23 +285,28 @@ async def _leave(url: str, body: dict[str, Any], *, until: Any) -> None:
             f"Content-Length: {len(data)}\r\n\r\n").encode()  # fmt: skip
     stream = await anyio.connect_tcp(host, int(port))
     await stream.send(head + data)
-    seen = b""
-    while not until(seen):
-        if body["stream"]:
+    if body["stream"]:
+        seen = b""
+        while not until(seen):
             seen += await stream.receive()
-        else:
-            await anyio.sleep(0.005)
+    else:
+        await wait_until(lambda: until(b""), "the generation under way")
     await stream.aclose()
 
 
 async def _line_of(caplog: pytest.LogCaptureFixture) -> Line:
     """The one access line, once written (bounded: ``LIMIT`` ends a hang)."""
-    while True:
+    lines: list[Line] = []
+
+    def written() -> bool:
         logged = [r.getMessage() for r in caplog.records if r.name == "meshnet.access"]
         if logged:
-            (line,) = access_lines("\n".join(f"meshnet.access: {m}" for m in logged))
-            return line
-        await anyio.sleep(0.01)
+            lines.extend(access_lines("\n".join(f"meshnet.access: {m}" for m in logged)))
+        return bool(logged)
+
+    await wait_until(written, "the access line")
+    (line,) = lines
+    return line
 
 
 @pytest.mark.anyio

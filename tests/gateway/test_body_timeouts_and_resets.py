@@ -24,6 +24,7 @@ from meshnet_runtime.endpoints import parse_endpoint
 from meshnet_runtime.transports import connect
 from support.gateway import chain
 from support.openai import fake_stages, serve_openai, write_model_dir
+from support.waiting import wait_until
 from support.wire import forward_request, read_answer
 
 pytestmark = pytest.mark.anyio
@@ -52,7 +53,7 @@ async def test_a_v1_body_slower_than_the_head_timeout_is_served(model_dir: Path)
             await stream.send(completion_head(body))
             # The body trickles in over ~2 s: twice the head timeout.
             for start in range(0, len(body), -(-len(body) // 5)):
-                await anyio.sleep(0.4)
+                await anyio.sleep(0.4)  # stall under test: a body slower than the head timeout
                 await stream.send(body[start : start + -(-len(body) // 5)])
             answer = await read_answer(stream, limit=LIMIT)
         finally:
@@ -96,25 +97,26 @@ async def test_a_wire2_client_reset_mid_run_cancels_it_down_the_chain() -> None:
         fields = [("X-Meshnet-Shape", "1,40,4"), ("X-Meshnet-Dtype", "float32")]
         stream = await connect(parse_endpoint(c.gateway.url))
         await stream.send(forward_request(fields, body))
-        with anyio.fail_after(LIMIT):
-            while last.tokens_computed < 2:  # the run is under way on both nodes
-                await anyio.sleep(0.01)
+        await wait_until(lambda: last.tokens_computed >= 2, "the run under way on both nodes")
         raw = stream.extra(SocketAttribute.raw_socket)
         raw.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
         await stream.aclose()  # a reset, not a FIN
-        with anyio.fail_after(LIMIT):  # far below the 600 s TTL
-            # Gone everywhere, and the one chunk a node had in hand is done.
-            while (
-                len(entry.table)
-                or len(last.table)
-                or len(c.gateway.app.sessions)
-                or inflight_bytes(entry)
-                or inflight_bytes(last)
-            ):
-                await anyio.sleep(0.01)
-        computed = (entry.tokens_computed, last.tokens_computed)
-        assert computed[0] < 40 and computed[1] < 40
-        # No chunk goes down any more: a few chunk times later, nothing grew.
-        await anyio.sleep(0.5)
-        assert (entry.tokens_computed, last.tokens_computed) == computed
+        # Gone everywhere (far below the 600 s TTL), the one chunk a node had
+        # in hand done, and the client's connection at the gateway over: the
+        # run ended with it, so no chunk of it can go down any more.
+        await wait_until(
+            lambda: (
+                not (
+                    len(entry.table)
+                    or len(last.table)
+                    or len(c.gateway.app.sessions)
+                    or inflight_bytes(entry)
+                    or inflight_bytes(last)
+                    or c.gateway.server._connections
+                )
+            ),
+            "the run cancelled down the chain",
+            timeout=LIMIT,
+        )
+        assert entry.tokens_computed < 40 and last.tokens_computed < 40
         assert entry.info()["sessions"] == last.info()["sessions"] == 0

@@ -30,6 +30,7 @@ from meshnet_proto import ErrorResponse
 from meshnet_runtime.deadlines import Deadline
 from meshnet_runtime.downstream import DownstreamPool
 from support.gateway import QUIET, activation
+from support.waiting import wait_until
 
 pytestmark = pytest.mark.anyio
 
@@ -246,17 +247,19 @@ async def test_a_replica_restarted_as_another_stage_is_taken_out() -> None:
         async with serve_node(NodeConfig.load(entry_flags), stage=model_stage(0, 15)) as a:
             hop = a.app.downstream
             with anyio.fail_after(30):
-                while hop.pinned is None or not all(r.identity_read for r in hop.replicas):
-                    await anyio.sleep(0.05)
+                await wait_until(
+                    lambda: hop.pinned is not None and all(r.identity_read for r in hop.replicas),
+                    "both replicas' identities read",
+                )
                 # b2 goes, and comes back on its port as another checkpoint.
                 b2.server.request_shutdown()
-                while all(r.up for r in hop.replicas):
-                    await anyio.sleep(0.05)
+                await wait_until(lambda: not all(r.up for r in hop.replicas), "b2 seen down")
                 flags = ["--host", "127.0.0.1", "--port", str(port), "--log-level", "warning"]
                 other = model_stage(15, 30, model=OTHER)
                 async with serve_node(NodeConfig.load(flags), stage=other):
-                    while not any(r.mismatch for r in hop.replicas):
-                        await anyio.sleep(0.05)
+                    await wait_until(
+                        lambda: any(r.mismatch for r in hop.replicas), "the mismatch seen"
+                    )
                     (taken,) = [r for r in hop.describe()["replicas"] if r["mismatch"]]
                     assert taken["url"] == b2.url
                     # Never chosen: twenty new sessions all go to b1.

@@ -31,6 +31,7 @@ from meshnet_runtime.deadlines import Deadline
 from meshnet_runtime.downstream import DownstreamPool
 from support.gateway import QUIET, chain, closed_port_url
 from support.openai import serve_openai, write_model_dir
+from support.waiting import wait_until
 
 pytestmark = pytest.mark.anyio
 
@@ -106,9 +107,11 @@ async def test_a_single_nodes_load_is_its_own_count_of_chunks_in_flight() -> Non
                     answers.append(await pool.forward(headers, array.tobytes(), deadline))
 
                 tg.start_soon(send)
-                with anyio.fail_after(LIMIT):
-                    while (await info(slow.url))["inflight"] != 1:
-                        await anyio.sleep(0.05)
+
+                async def in_flight() -> bool:
+                    return (await info(slow.url))["inflight"] == 1
+
+                await wait_until(in_flight, "the chunk in flight", timeout=LIMIT, every=0.05)
         finally:
             await pool.aclose()
         assert isinstance(answers[0], ActivationResponse)

@@ -24,7 +24,9 @@ from meshnet_node.backends import Stage
 from meshnet_proto import CapacityError
 from support.fault import drop_first_attempts
 from support.openai import (
+    HeldStage,
     Served,
+    fake_embed,
     fake_head,
     fake_stages,
     kv_bytes,
@@ -33,6 +35,7 @@ from support.openai import (
     write_model_dir,
 )
 from support.openai_client import LIMIT, client_for, in_thread
+from support.waiting import wait_until
 from support.wire import http_request
 
 pytestmark = pytest.mark.anyio
@@ -52,11 +55,14 @@ def sample(served: Served, name: str, **labels: str) -> float | None:
 
 async def sessions_freed(served: Served) -> None:
     """Wait (bounded) until no node holds a session and no generation runs."""
-    with anyio.fail_after(LIMIT):
-        while any(node.info()["sessions"] for node in served.nodes) or (
-            served.gateway.openai is not None and served.gateway.openai.active
-        ):
-            await anyio.sleep(0.005)
+    await wait_until(
+        lambda: (
+            not any(node.info()["sessions"] for node in served.nodes)
+            and not (served.gateway.openai is not None and served.gateway.openai.active)
+        ),
+        "every session freed",
+        timeout=LIMIT,
+    )
 
 
 async def test_models_lists_the_served_checkpoint(model_dir: Path) -> None:
@@ -322,28 +328,35 @@ async def test_client_disconnect_mid_stream_frees_every_nodes_kv(model_dir: Path
         assert sample(served, "meshnet_openai_generations_total", **outcome) == 1
 
 
+async def cut_short(served: Served, head: HeldStage) -> None:
+    """The generation, left by its client, ends (cancelled) while its head
+    holds step ``head.at`` shut: short of its 200 tokens by construction, on
+    any machine. Every node is freed, and once the gate opens no step runs
+    but the one held."""
+    await wait_until(lambda: not served.gateway.openai.active, "the generation cancelled")
+    ended_at, held = head.calls, head.waiting
+    assert ended_at < head.at and held <= 1
+    head.gate.set()
+    await wait_until(lambda: head.waiting == 0, "the held step over")
+    await sessions_freed(served)
+    assert head.calls <= ended_at + held
+    outcome = {"endpoint": "completions", "outcome": "cancelled"}
+    assert sample(served, "meshnet_openai_generations_total", **outcome) == 1
+
+
 async def test_client_leaving_a_non_streamed_request_cancels_it(model_dir: Path) -> None:
     """Not only streams: a client that gives up on a whole answer (a timeout
     on its side) stops the generation too, and every node is freed."""
-    stages = fake_stages(2)
-    # 200 steps of >= 20 ms: 4 s that the generation would run on; noticing
-    # the client left must take far less, even on a loaded machine.
-    stages[-1].delay_ms = 20.0
-    async with serve_openai(model_dir, stages=stages) as served:
+    head = HeldStage("fake-head", fake_head, at=6, gate=anyio.Event())
+    async with serve_openai(model_dir, stages=[fake_stages(2)[0], head]) as served:
         host, port = served.url.removeprefix("http://").rsplit(":", 1)
         body = json.dumps({"model": "tiny-model", "prompt": "hello", "max_tokens": 200}).encode()
         request = http_request("POST", "/v1/completions", JSON, body)
-        with anyio.fail_after(LIMIT):
-            stream = await anyio.connect_tcp(host, int(port))
-            await stream.send(request)
-            while stages[-1].calls < 5:  # the generation is under way
-                await anyio.sleep(0.005)
-            await stream.aclose()
-        await sessions_freed(served)
-        calls_when_freed = stages[-1].calls
-        assert calls_when_freed < 100
-        await anyio.sleep(0.1)
-        assert stages[-1].calls == calls_when_freed
+        stream = await anyio.connect_tcp(host, int(port))
+        await stream.send(request)
+        await wait_until(lambda: head.waiting == 1, "the generation under way, held")
+        await stream.aclose()
+        await cut_short(served, head)
 
 
 STRINGS = {"name": "s", "schema": {"type": "array", "items": {"type": "string"}}}
@@ -357,18 +370,13 @@ STRINGS = {"name": "s", "schema": {"type": "array", "items": {"type": "string"}}
 async def test_client_disconnect_cancels_the_generation_at_once(
     model_dir: Path, fields: dict[str, Any]
 ) -> None:
-    """With a slow last stage (fake, 2 ms a step) the generation is cut
-    short, not run to its 200 tokens, and nothing runs after the DELETE;
-    a constrained one (its tokens drawn at the gateway) too."""
-    stages = fake_stages(3)
-    stages[-1].delay_ms = 2.0
-    async with serve_openai(model_dir, stages=stages) as served:
+    """A streamed generation, held at its 20th step, is cut short by the
+    client's leaving, not run to its 200 tokens; a constrained one (its
+    grammar's mask sent with each step) too."""
+    head = HeldStage("fake-head", fake_head, at=20, gate=anyio.Event())
+    async with serve_openai(model_dir, stages=[*fake_stages(3)[:2], head]) as served:
         await leave_mid_stream(served, max_tokens=200, **fields)
-        await sessions_freed(served)
-        calls_when_freed = stages[-1].calls
-        assert calls_when_freed < 100
-        await anyio.sleep(0.1)
-        assert stages[-1].calls == calls_when_freed
+        await cut_short(served, head)
 
 
 def failing_head(after: int) -> Stage:
@@ -475,8 +483,8 @@ async def test_client_leaving_during_the_prefill_frees_every_node(model_dir: Pat
     """The chat stream's first event goes out before the prefill; a client
     leaving right then cancels a prefill whose first chunks are already on
     the nodes, and the session is deleted there all the same."""
-    stages = fake_stages(2)
-    stages[0].delay_ms = 20.0  # 40 prompt chunks of 1 token: the prefill takes a while
+    entry = HeldStage("fake-embed", fake_embed, at=3, gate=anyio.Event())
+    stages = [entry, fake_stages(2)[1]]  # 40 prompt chunks of 1 token; the 3rd held
     async with serve_openai(
         model_dir, stages=stages, gateway_flags=["--chunk-tokens", "1"]
     ) as served:
@@ -490,8 +498,12 @@ async def test_client_leaving_during_the_prefill_frees_every_node(model_dir: Pat
             seen = b""
             while b'"role": "assistant"' not in seen:
                 seen += await stream.receive()
-            while stages[0].calls < 2:  # chunks have reached the entry node
-                await anyio.sleep(0.005)
-            await stream.aclose()
+        await wait_until(lambda: entry.waiting, "chunks on the entry node, held")
+        await stream.aclose()
+        await wait_until(lambda: not served.gateway.openai.active, "the prefill cancelled")
+        assert entry.calls == 2  # cut short while its third chunk was held
+        entry.gate.set()
+        await wait_until(lambda: not entry.waiting, "the held chunks over")
         await sessions_freed(served)
-        assert stages[1].calls < 40  # the prefill was cut short
+        # What was in flight at the entry may finish; the prefill went no further.
+        assert stages[1].calls <= entry.calls < 40

@@ -9,7 +9,6 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-import anyio
 import openai
 import pytest
 
@@ -17,6 +16,7 @@ from meshnet_gateway.openai.requests import MAX_CHOICES
 from meshnet_gateway.openai.tokenizer import ModelTokenizer
 from support.openai import Served, reference_greedy, serve_openai, write_model_dir
 from support.openai_client import LIMIT, client_for, in_thread
+from support.waiting import wait_until
 
 pytestmark = pytest.mark.anyio
 
@@ -27,11 +27,14 @@ def model_dir(tmp_path: Path) -> Path:
 
 
 async def sessions_freed(served: Served) -> None:
-    with anyio.fail_after(LIMIT):
-        while any(node.info()["sessions"] for node in served.nodes) or (
-            served.gateway.openai is not None and served.gateway.openai.active
-        ):
-            await anyio.sleep(0.005)
+    await wait_until(
+        lambda: (
+            not any(node.info()["sessions"] for node in served.nodes)
+            and not (served.gateway.openai is not None and served.gateway.openai.active)
+        ),
+        "every session freed",
+        timeout=LIMIT,
+    )
 
 
 async def test_greedy_choices_are_all_the_chains_greedy_output(model_dir: Path) -> None:

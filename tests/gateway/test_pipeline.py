@@ -38,14 +38,12 @@ from support.gateway import (
     release_port,
     same_bits,
 )
+from support.waiting import wait_until
 
 pytestmark = pytest.mark.anyio
 
 # Every wait in this file is bounded: a hang fails the test, never the run.
 LIMIT = 20
-# Polls for background work (5 ms apart): bounded at ~15 s, inside LIMIT,
-# because a loaded 2-core CI machine once took over 2 s for a background DELETE.
-POLLS = 3000
 
 
 @pytest.mark.parametrize("encoding", ["zstd", "identity"])
@@ -193,10 +191,9 @@ async def test_concurrent_request_on_one_session_is_409_session_busy() -> None:
         with anyio.fail_after(LIMIT):
             async with anyio.create_task_group() as tg:
                 tg.start_soon(slow)
-                for _ in range(POLLS):  # until the first request holds the session
-                    if session in c.gateway.app.sessions:
-                        break
-                    await anyio.sleep(0.005)
+                await wait_until(
+                    lambda: session in c.gateway.app.sessions, "the first request holds the session"
+                )
                 with pytest.raises(RemoteError) as caught:
                     await forward_via_gateway(c.gateway.url, array[:, :1], session=session, key=key)
         assert (caught.value.status, caught.value.code) == (409, "session_busy")
@@ -228,7 +225,12 @@ async def test_failed_chunk_answers_the_error_and_deletes_the_session_down_the_c
             assert (caught.value.status, caught.value.code) == (403, "session_forbidden")
             assert caught.value.hop == c.entry  # the entry refused; hop names it
             assert session not in c.gateway.app.sessions
-            await anyio.sleep(0.1)  # time for the background DELETE, refused
+            refused = {"endpoint": "/sessions", "status": "403"}
+            registry = c.nodes[0].app.metrics.registry
+            await wait_until(
+                lambda: registry.get_sample_value("meshnet_requests_total", refused) == 1,
+                "the background DELETE refused at the entry",
+            )
             assert all(n.app.table.position(session) == 128 for n in c.nodes)
             # The owner's own DELETE ends it everywhere.
             assert await delete_session(c.entry, session, key=owner_key)
@@ -249,12 +251,9 @@ async def test_failure_at_the_last_node_names_it_and_cancels_the_rest() -> None:
             "tensor_too_large",
             last,
         )
-        with anyio.fail_after(LIMIT):
-            for _ in range(POLLS):
-                if len(c.nodes[0].app.table) == 0:
-                    break
-                await anyio.sleep(0.005)
-        assert len(c.nodes[0].app.table) == 0
+        await wait_until(
+            lambda: len(c.nodes[0].app.table) == 0, "the session deleted", timeout=LIMIT
+        )
         assert len(c.gateway.app.sessions) == 0
 
 
@@ -318,10 +317,8 @@ async def test_entry_window_is_learnt_once_the_entry_comes_up() -> None:
         async with serve_node(NodeConfig.load(node_flags)):
             with anyio.fail_after(LIMIT):
                 result = await forward_via_gateway(gateway.url, activation(300, 8))
-                for _ in range(POLLS):  # the /info question runs in the background
-                    if gateway.app.entry_info_read:
-                        break
-                    await anyio.sleep(0.005)
+                # the /info question runs in the background
+                await wait_until(lambda: gateway.app.entry_info_read, "the entry's /info read")
             assert same_bits(result.output, activation(300, 8))
             assert gateway.app.inflight == 3
 

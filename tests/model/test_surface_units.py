@@ -40,6 +40,7 @@ from meshnet_node.config import NodeConfig
 from meshnet_node.model_stage import ModelStage
 from support.openai import fake_stages, serve_openai, write_model_dir
 from support.security import Answer, request, send, wire
+from support.waiting import wait_until
 
 MiB = 1 << 20
 
@@ -171,9 +172,7 @@ async def test_a_node_drops_a_queued_chunk_whose_session_was_deleted(checkpoint:
             tg.start_soon(send_chunk, a)
             await anyio.to_thread.run_sync(started.wait, 30)
             tg.start_soon(send_chunk, b)
-            with anyio.fail_after(30):
-                while b not in node.app.table:  # B admitted, waiting for the thread
-                    await anyio.sleep(0.01)
+            await wait_until(lambda: b in node.app.table, "B admitted, waiting for the thread")
             assert (await http(node.url, delete(b))).status == 204
             release.set()
         assert answers[a].status == 200

@@ -31,6 +31,7 @@ from meshnet_proto._codec import decode_tensor
 from meshnet_runtime.deadlines import Deadline
 from meshnet_runtime.downstream import DownstreamPool
 from support.gateway import closed_port_url
+from support.waiting import Waits, wait_until
 from support.wire import exchange, forward_request, http_request, read_answer
 
 pytestmark = pytest.mark.anyio
@@ -135,10 +136,11 @@ async def test_out_of_order_chunks_wait_for_their_turn() -> None:
             c = chunks[index]
             results[index] = await send(pool, c.view, session, c.index, c.total, c.position)
 
+        waits = Waits(entry.app.seq)
         async with anyio.create_task_group() as tg:
             for index in (3, 2, 1):
                 tg.start_soon(one, index)
-            await anyio.sleep(0.2)  # let them arrive first (no timing is asserted)
+            await wait_until(lambda: waits.count == 3, "chunks 3, 2, 1 waiting")
             tg.start_soon(one, 0)
         for chunk in chunks:
             response = results[chunk.index]
@@ -341,13 +343,15 @@ async def test_info_health_metrics_and_delete_down_the_chain() -> None:
 async def test_deep_health_names_a_dead_downstream() -> None:
     async with chain([], []) as (entry, last):
         last.server.request_shutdown()
-        await anyio.sleep(0.1)
         pool = DownstreamPool(entry.url)
-        for _ in range(1200):  # bounded (~60 s): until the last node's listener is gone
-            health = await pool.request("GET", "/health?deep=1", Deadline.after(10))
-            if isinstance(health, ErrorResponse):
-                break
-            await anyio.sleep(0.05)
+        answers: list[object] = []
+
+        async def unhealthy() -> bool:
+            answers.append(await pool.request("GET", "/health?deep=1", Deadline.after(10)))
+            return isinstance(answers[-1], ErrorResponse)
+
+        await wait_until(unhealthy, "the last node's listener gone", every=0.05)
+        health = answers[-1]
         assert isinstance(health, ErrorResponse)
         assert (health.status, health.error["hop"]) == (502, last.url)
         await pool.aclose()

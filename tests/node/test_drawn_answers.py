@@ -15,6 +15,7 @@ import anyio
 import numpy as np
 import pytest
 
+from support.waiting import wait_until
 from support.wire import Answer, exchange, forward_request, http_request
 
 from .test_chain import chain
@@ -73,9 +74,7 @@ async def test_a_poll_sent_before_the_chunk_is_answered_once_it_is_drawn() -> No
 
         async with anyio.create_task_group() as tg:
             tg.start_soon(early)
-            with anyio.fail_after(10):
-                while node.app.drawn.waiting == 0:  # the poll is waiting at the node
-                    await anyio.sleep(0.005)
+            await wait_until(lambda: node.app.drawn.waiting, "the poll waiting at the node")
             answer = await exchange(node.url, sampled(session, position=50))
         assert answer.status == 200 and got[0].status == 200 and got[0].body == answer.body
         assert node.app.drawn.waiting == 0
@@ -122,9 +121,7 @@ async def test_waits_are_bounded_in_time_and_in_number() -> None:
         async with anyio.create_task_group() as tg:
             tg.start_soon(wait_for, 50)
             tg.start_soon(wait_for, 100)
-            with anyio.fail_after(10):
-                while node.app.drawn.waiting < 2:
-                    await anyio.sleep(0.005)
+            await wait_until(lambda: node.app.drawn.waiting == 2, "both polls waiting")
             # A third position is refused at once: at most two are waited on.
             third = await exchange(node.url, poll(session, "position=150"))
             assert code(third) == (404, "not_found") and len(answers) == 0
@@ -145,9 +142,7 @@ async def test_a_session_that_ends_wakes_its_poller() -> None:
 
         async with anyio.create_task_group() as tg:
             tg.start_soon(wait)
-            with anyio.fail_after(10):
-                while node.app.drawn.waiting == 0:
-                    await anyio.sleep(0.005)
+            await wait_until(lambda: node.app.drawn.waiting, "the poll waiting at the node")
             delete = http_request("DELETE", f"/sessions/{session}", {"X-Meshnet-Session-Key": KEY})
             assert (await exchange(node.url, delete)).status == 204
         assert code(answers[0]) == (404, "not_found") and node.app.drawn.waiting == 0

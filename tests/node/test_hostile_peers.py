@@ -28,6 +28,7 @@ from meshnet_proto import (
 from meshnet_runtime.deadlines import Deadline
 from meshnet_runtime.downstream import DownstreamPool
 from support.serving import scripted_peer
+from support.waiting import wait_until
 
 pytestmark = pytest.mark.anyio
 
@@ -313,10 +314,7 @@ async def test_many_legal_requests_cannot_add_up_past_the_inflight_budget() -> N
                 await slow.send(head + body[:1024])  # holds its reservation
                 budget = running.server.budget
                 assert budget is not None
-                for _ in range(6000):  # bounded (~60 s): until the server has reserved
-                    if budget.in_use:
-                        break
-                    await anyio.sleep(0.01)
+                await wait_until(lambda: budget.in_use, "the server's reservation")
                 assert budget.in_use == tensor
                 answer = await exchange(running.url, forward_request(shape=shape, body=b""))
                 status, code = status_and_code(answer)

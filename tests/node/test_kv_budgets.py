@@ -25,6 +25,7 @@ from meshnet_node.config import NodeConfig
 from meshnet_node.kv_transfers import KVTransfers, check_finite
 from meshnet_proto import CapacityError, ProtocolError
 from meshnet_proto.lowlevel import kv_checksum
+from support.waiting import wait_until
 
 KEY = "0123456789abcdef0123456789abcdef"
 # 4 layers x 2 x 4 KV heads x 64 x float32: 8 KiB a position; 2,048 positions
@@ -200,9 +201,7 @@ async def _import(node: RunningNode, session: str, kv: np.ndarray) -> tuple[int,
 
 
 async def _wait_until(what: str, done: Callable[[], bool]) -> None:
-    with anyio.fail_after(20):  # a TimeoutError names ``what`` in the traceback
-        while not done():
-            await anyio.sleep(0.02)
+    await wait_until(done, what, timeout=20)
 
 
 @anyio_test

@@ -9,11 +9,11 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 import uuid
 
 import pytest
 
+from support.waiting import wait_until_sync
 from support.wire import raw_forward
 
 pytestmark = pytest.mark.slow
@@ -74,11 +74,11 @@ def test_sigterm_lets_the_request_in_flight_finish_then_exits_0(backend: str) ->
         host, port = url.removeprefix("http://").rsplit(":", 1)
         busy = socket.create_connection((host, int(port)), timeout=30)
         busy.sendall(raw_forward(str(uuid.uuid4())))
-        for _ in range(3000):  # bounded (~60 s): until the stage is running
-            _, metrics = http(url, b"GET /metrics HTTP/1.1\r\nHost: t\r\n\r\n")
-            if b'meshnet_chunks_total{outcome="processed"} 1.0' in metrics:
-                break
-            time.sleep(0.02)
+        processed = b'meshnet_chunks_total{outcome="processed"} 1.0'
+        wait_until_sync(
+            lambda: processed in http(url, b"GET /metrics HTTP/1.1\r\nHost: t\r\n\r\n")[1],
+            "the stage running",
+        )
         proc.send_signal(signal.SIGTERM)
         status, body = read(busy)  # the request in flight completes
         assert (status, body) == (200, bytes(range(16)))

@@ -253,8 +253,11 @@ async def test_a_full_queue_is_503_stage_busy_with_retry_after_before_any_work(
         for i in range(4):
             tg.start_soon(one, i)
     refused = [o for o in outcomes.values() if isinstance(o, CapacityError)]
-    assert refused and all(e.code == "stage_busy" and e.retry_after >= 1 for e in refused)
-    assert len(refused) < 4
+    assert all(e.code == "stage_busy" and e.retry_after >= 1 for e in refused)
+    # All four queue before the first step (no await before the queue): 8 + 8
+    # tokens fit the 20, the other two do not, however fast the steps run
+    # (which two is the loop's choice: trio may start tasks in any order).
+    assert len(refused) == 2
     for i, outcome in outcomes.items():
         if isinstance(outcome, CapacityError):  # refused before any work: no cache
             assert runner._lives[f"s{i}"].cache is None
@@ -276,15 +279,20 @@ async def test_a_request_cancelled_while_queued_leaves_the_queue(q4_gguf: Path) 
         with victim:
             await stage(ids(200, 9), ctx("gone", 0, 200))
 
+    def after_step(chunks: int, rows: int, seconds: float) -> None:
+        # In the event loop, between two steps: the third step's end, when
+        # the victim has had pieces computed and has far more queued (200
+        # rows, 16 a step shared by three), whatever the machine's speed.
+        if stage.scheduler.steps == 3:
+            assert "gone" not in results and not victim.cancel_called
+            victim.cancel()
+
+    stage.scheduler.on_step = after_step
     async with anyio.create_task_group() as tg:
         tg.start_soon(one, "a")
         tg.start_soon(cancelled)
         tg.start_soon(one, "b")
-        with anyio.fail_after(30):
-            while stage.scheduler.steps < 3:
-                await anyio.sleep(0.001)
-        victim.cancel()
-    assert set(results) == {"a", "b"}
+    assert victim.cancel_called and set(results) == {"a", "b"}
     assert stage.scheduler.queued_rows == 0 and not stage.scheduler.queue
     again = await stage(ids(200, 9), ctx("gone", 0, 200))
     want = load_torch_runner(q4_gguf, range(0, 2), threads=1).run("w", 0, ids(200, 9))

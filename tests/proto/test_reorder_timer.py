@@ -6,7 +6,8 @@ the stage (computing, or queued behind other sessions' work) is not lost,
 so the timer does not run then, and starts afresh when a chunk of the
 session leaves the stage. The core's rules first, through the public API
 with a hand-moved clock; then two properties over a simulated node that
-computes one chunk at a time; then a real node on loopback.
+computes one chunk at a time. A real node on loopback:
+tests/runtime/test_reorder_under_compute.py (this folder is the pure core's).
 """
 
 from __future__ import annotations
@@ -14,37 +15,24 @@ from __future__ import annotations
 import heapq
 import itertools
 import math
-import uuid
 from collections import deque
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
-import anyio
-import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from meshnet_node import RunningNode, serve_node
-from meshnet_node.backends import stub_identity
-from meshnet_node.config import NodeConfig
 from meshnet_proto import (
-    ActivationResponse,
-    ErrorResponse,
     Limits,
     Process,
     SequencingError,
     SessionTable,
     Wait,
     WireHeaders,
-    encode_for_wire,
 )
 from meshnet_proto._sequencer import Ticket
 from meshnet_proto._waiters import Waiter
-from meshnet_runtime.deadlines import Deadline
-from meshnet_runtime.downstream import DownstreamPool
 
 T = 1.0  # the reorder timeout of the core tests
 TTL = 100.0
@@ -430,107 +418,3 @@ def test_a_lost_chunk_ends_its_successors_waits_a_timeout_after_the_last_progres
         assert when == pytest.approx(start + T)
         assert waiter is not None  # ended by an offer at until, not at arrival
         assert err.code == ("chunk_wait_timeout" if lost[h.session] else "session_unknown")
-
-
-# ------------------------------------------------------------------ a real node
-
-
-class OneAtATime:
-    """An echo stage that computes one chunk at a time, like one accelerator:
-    a chunk admitted to the stage queues behind other sessions' chunks."""
-
-    name = "one-at-a-time"
-
-    def __init__(self, seconds: float) -> None:
-        self.calls = 0
-        self.seconds = seconds
-        self.lock = anyio.Lock()
-
-    async def __call__(self, tensor: np.ndarray, context: Any = None) -> np.ndarray:
-        self.calls += 1
-        async with self.lock:
-            await anyio.sleep(self.seconds)
-        return tensor
-
-    def end_session(self, session: str) -> None:
-        """Stateless."""
-
-    def check_head(self, shape: tuple[int, ...], dtype: str, position: int | None = None) -> None:
-        """Any tensor goes."""
-
-    def bind_metrics(self, registry: Any) -> None:
-        """No gauges of its own."""
-
-    def describe(self) -> dict[str, Any]:
-        return {"backend": self.name}
-
-    def kv_store(self) -> None:
-        """Stateless: no KV to hand off."""
-        return None
-
-    def identity(self) -> dict[str, Any]:
-        return stub_identity(self.name)
-
-
-@asynccontextmanager
-async def slow_node(seconds: float, *args: str) -> AsyncIterator[RunningNode]:
-    config = NodeConfig.load(["--port", "0", *args], {})
-    async with serve_node(config, stage=OneAtATime(seconds)) as node:
-        yield node
-
-
-async def forward(
-    pool: DownstreamPool, session: str, index: int, total: int
-) -> ActivationResponse | ErrorResponse:
-    array = np.full((1, TOKENS, 4), index, dtype="<f4")
-    dtype, enc, body = encode_for_wire(array, encoding_policy="identity")
-    headers = WireHeaders(shape=array.shape, dtype=dtype, session=session, chunk_index=index,
-                          chunk_total=total, encoding=enc, position=TOKENS * index)  # fmt: skip
-    return await pool.forward(headers, body, Deadline.after(20.0))
-
-
-@pytest.mark.anyio
-async def test_chunks_queued_for_compute_longer_than_the_reorder_timeout_are_served() -> None:
-    """Issue 19's shape: two sessions send 4 chunks each at once to a node
-    that computes one at a time, 0.15 s each, with a 0.3 s reorder timeout:
-    the last chunk waits about 1.2 s, and every chunk is answered 200. (The
-    timeout bounds only the wait for a predecessor to *arrive*: 0.3 s leaves
-    room for a loaded machine to send the chunks 0 last, 30 ms apart.)"""
-    sessions = [str(uuid.uuid4()) for _ in range(2)]
-    answers: dict[tuple[str, int], ActivationResponse | ErrorResponse] = {}
-    async with slow_node(0.15, "--reorder-timeout", "0.3") as node:
-        pool = DownstreamPool(node.url)
-
-        async def send(session: str, index: int) -> None:
-            answers[session, index] = await forward(pool, session, index, 4)
-
-        async with anyio.create_task_group() as tg:
-            for index in (3, 1, 2, 0):  # chunk 0 last: admitted after the others wait
-                for session in sessions:
-                    tg.start_soon(send, session, index)
-                await anyio.sleep(0.01)
-        await pool.aclose()
-        assert node.app.sessions_with_waiters == 0
-    for (_, index), answer in sorted(answers.items()):
-        assert isinstance(answer, ActivationResponse), answer
-        assert answer.headers.position == TOKENS * index
-    assert len(answers) == 8
-
-
-@pytest.mark.anyio
-async def test_a_lost_chunk_still_times_out_while_other_sessions_compute() -> None:
-    busy, stalled = str(uuid.uuid4()), str(uuid.uuid4())
-    async with slow_node(0.1, "--reorder-timeout", "0.2") as node:
-        pool = DownstreamPool(node.url)
-        assert isinstance(await forward(pool, stalled, 0, 4), ActivationResponse)
-        async with anyio.create_task_group() as tg:
-            for index in range(4):  # 0.4 s of another session's compute
-                tg.start_soon(forward, pool, busy, index, 4)
-            started = anyio.current_time()
-            answer = await forward(pool, stalled, 2, 4)  # chunk 1 never comes
-            waited = anyio.current_time() - started
-        await pool.aclose()
-    assert isinstance(answer, ErrorResponse)
-    assert (answer.status, answer.error["code"]) == (409, "chunk_wait_timeout")
-    assert "without progress" in answer.error["message"]
-    assert 0.2 <= waited < 0.4

@@ -16,7 +16,6 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import ml_dtypes
@@ -26,6 +25,7 @@ import pytest
 from meshnet_bench import runner
 from meshnet_cli.__main__ import build_parser
 from support.gateway import clean_env, closed_port_url, release_port, spawn, stop
+from support.waiting import wait_until_sync
 
 pytestmark = pytest.mark.slow
 
@@ -178,14 +178,14 @@ def test_a_gateway_started_before_its_entry_learns_the_window_quietly() -> None:
     try:
         node, _ = spawn("meshnet_node", "--port", release_port(entry))
         # No request is sent: the gateway must ask again by itself.
-        effective = None
-        for _ in range(600):  # bounded (~60 s): until the gateway has asked again
-            info = info_of(url)
-            effective = info["inflight"]["effective"]
-            if effective == 4:
-                break
-            time.sleep(0.1)
-        assert effective == 4 and info["inflight"]["entry_reorder_window"] == 16
+        infos: list[dict] = []
+
+        def asked_again() -> bool:
+            infos.append(info_of(url))
+            return infos[-1]["inflight"]["effective"] == 4
+
+        wait_until_sync(asked_again, "the gateway asking its entry again", every=0.1)
+        assert infos[-1]["inflight"]["entry_reorder_window"] == 16
     finally:
         assert stop(gateway) == 0
         if node is not None:

@@ -18,7 +18,7 @@ async def test_the_loop_clock_is_the_clock_anyio_reads() -> None:
     now = clock()
     after = anyio.current_time()
     assert before <= now <= after
-    await anyio.sleep(0.01)
+    await anyio.sleep(0.01)  # stall under test: the time the clock must see pass
     assert clock() >= now + 0.01
 
 
@@ -26,5 +26,5 @@ async def test_a_deadline_measured_by_it_expires_as_anyio_says() -> None:
     clock = loop_clock()
     deadline = Deadline.after(0.05)
     assert deadline.at - clock() > 0
-    await anyio.sleep(0.06)
+    await anyio.sleep(0.06)  # stall under test: past the deadline
     assert deadline.at - clock() <= 0 and deadline.expired

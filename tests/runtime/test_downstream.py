@@ -11,6 +11,7 @@ from meshnet_proto import ActivationResponse, DownstreamError, ErrorResponse, Wi
 from meshnet_runtime.deadlines import Deadline
 from meshnet_runtime.downstream import DownstreamPool
 from support.gateway import closed_port_url
+from support.waiting import wait_until
 
 SID = "5b1e0c4e-8d8a-4c55-9d6e-1f2a3b4c5d6e"
 HEADERS = WireHeaders(shape=(1, 4), dtype="float32", session=SID, chunk_index=0, chunk_total=1,
@@ -24,33 +25,46 @@ OK = (
 )  # fmt: skip
 
 
-async def fake_downstream(tg: anyio.abc.TaskGroup, answer, *, close_after: bool = False) -> str:
+class Closes:
+    """The connections a fake downstream has closed on its side: once one is
+    counted its FIN is on its way over loopback, what a test waits for."""
+
+    count = 0
+
+
+async def fake_downstream(
+    tg: anyio.abc.TaskGroup, answer, *, close_after: bool = False, closes: Closes | None = None
+) -> str:
     """A TCP server answering each request with ``answer`` (bytes, or None = never)."""
     listener = await anyio.create_tcp_listener(local_host="127.0.0.1")
     port = listener.extra(SocketAttribute.local_port)
 
     async def handle(stream: anyio.abc.SocketStream) -> None:
-        async with stream:
-            buf = b""
-            try:
-                while True:
-                    buf += await stream.receive()
-                    while b"\r\n\r\n" in buf:
-                        head, _, rest = buf.partition(b"\r\n\r\n")
-                        length = 0
-                        for line in head.split(b"\r\n"):
-                            if line.lower().startswith(b"content-length:"):
-                                length = int(line.split(b":")[1])
-                        if len(rest) < length:
-                            break
-                        buf = rest[length:]
-                        if answer is None:
-                            await anyio.sleep_forever()
-                        await stream.send(answer)
-                        if close_after:
-                            return
-            except (anyio.EndOfStream, anyio.BrokenResourceError):
-                pass
+        try:
+            async with stream:
+                buf = b""
+                try:
+                    while True:
+                        buf += await stream.receive()
+                        while b"\r\n\r\n" in buf:
+                            head, _, rest = buf.partition(b"\r\n\r\n")
+                            length = 0
+                            for line in head.split(b"\r\n"):
+                                if line.lower().startswith(b"content-length:"):
+                                    length = int(line.split(b":")[1])
+                            if len(rest) < length:
+                                break
+                            buf = rest[length:]
+                            if answer is None:
+                                await anyio.sleep_forever()
+                            await stream.send(answer)
+                            if close_after:
+                                return
+                except (anyio.EndOfStream, anyio.BrokenResourceError):
+                    pass
+        finally:  # its side closed, whichever way the exchange ended
+            if closes is not None:
+                closes.count += 1
 
     tg.start_soon(listener.serve, handle)
     return f"http://127.0.0.1:{port}"
@@ -130,12 +144,13 @@ async def test_stale_pooled_connection_is_retried_once() -> None:
     async with anyio.create_task_group() as tg:
         # Answers, then closes without "Connection: close": the pooled
         # connection is dead by the time the next request uses it.
-        url = await fake_downstream(tg, OK, close_after=True)
+        closes = Closes()
+        url = await fake_downstream(tg, OK, close_after=True, closes=closes)
         pool = DownstreamPool(url)
-        for _ in range(3):
+        for sent in range(1, 4):
             response = await pool.forward(HEADERS, BODY, Deadline.after(10))
             assert isinstance(response, ActivationResponse)
-            await anyio.sleep(0.05)  # let the close arrive
+            await wait_until(lambda: closes.count == sent, "the server's close")  # noqa: B023
         # A request that is not safe to repeat is not retried.
         unsafe = HEADERS.replace(position=None)
         with pytest.raises(DownstreamError) as exc:
@@ -150,7 +165,8 @@ async def test_the_retry_uses_a_new_connection_not_another_stale_one() -> None:
     # when one pooled connection is stale its idle siblings usually are too:
     # retrying on the next pooled one was a 502 for a healthy downstream.
     async with anyio.create_task_group() as tg:
-        url = await fake_downstream(tg, OK, close_after=True)
+        closes = Closes()
+        url = await fake_downstream(tg, OK, close_after=True, closes=closes)
         pool = DownstreamPool(url)
         answers: list[object] = []
 
@@ -161,7 +177,7 @@ async def test_the_retry_uses_a_new_connection_not_another_stale_one() -> None:
             for _ in range(3):
                 burst.start_soon(one)
         assert pool.idle_connections == 3  # three pooled, all about to go stale
-        await anyio.sleep(0.05)  # let the closes arrive
+        await wait_until(lambda: closes.count == 3, "the server's closes")
         response = await pool.forward(HEADERS, BODY, Deadline.after(10))
         assert isinstance(response, ActivationResponse)
         assert all(isinstance(a, ActivationResponse) for a in answers)
@@ -184,11 +200,14 @@ async def test_a_connection_idle_past_the_expiry_is_not_reused(expiry: float, re
     # would fail it: the pool lets connections go before servers do.
     unsafe = HEADERS.replace(session=None, position=None)
     async with anyio.create_task_group() as tg:
-        url = await fake_downstream(tg, OK, close_after=True)
+        closes = Closes()
+        url = await fake_downstream(tg, OK, close_after=True, closes=closes)
         pool = DownstreamPool(url, keepalive_expiry=expiry)
         assert isinstance(await pool.forward(unsafe, BODY, Deadline.after(10)), ActivationResponse)
         assert pool.idle_connections == 1
-        await anyio.sleep(0.2)  # past the short expiry; the server has closed its side
+        await wait_until(lambda: closes.count == 1, "the server's close")
+        if not reused:
+            await anyio.sleep(expiry)  # stall under test: idle past the pool's expiry
         if reused:
             with pytest.raises(DownstreamError) as exc:
                 await pool.forward(unsafe, BODY, Deadline.after(10))

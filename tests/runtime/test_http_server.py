@@ -36,6 +36,7 @@ from meshnet_runtime.transports import (
     server_ssl_context,
 )
 from support.serving import BUGGY_SHAPE, REJECTED, SID, EchoApp, activation, at_eof, running
+from support.waiting import wait_until
 from support.wire import read_answer
 
 
@@ -182,10 +183,15 @@ async def test_graceful_shutdown_finishes_in_flight_and_refuses_new() -> None:
         status, _, body = await read_answer(busy)  # the request in flight completes
         assert status == 200 and len(body) == 16
         assert await at_eof(busy)
-        with pytest.raises(OSError):
-            for _ in range(1200):  # bounded (~60 s): the listener closes once the drain is done
+
+        async def refused() -> bool:
+            try:
                 await (await connect(parse_endpoint(url))).aclose()
-                await anyio.sleep(0.05)
+            except OSError:
+                return True
+            return False
+
+        await wait_until(refused, "the listener closed once the drain is done", every=0.05)
 
 
 @pytest.mark.anyio
@@ -270,14 +276,12 @@ async def test_a_peer_that_stops_reading_loses_its_connection_after_the_write_ti
             # The server answers into the full buffers, gives up after the
             # write timeout and closes, while other peers are served.
             with anyio.fail_after(30):
-                while not server._connections:
-                    await anyio.sleep(0.01)
+                await wait_until(lambda: server._connections, "the stalled peer's connection")
                 other = await connect(parse_endpoint(url))
                 await other.send(activation())
                 assert (await read_answer(other))[0] == 200
                 await other.aclose()
-                while len(server._connections) > 0:
-                    await anyio.sleep(0.05)
+                await wait_until(lambda: not server._connections, "every connection closed")
             seen = await anyio.to_thread.run_sync(_read_to_eof, sock)
             assert 0 < seen < 16 * 1024 * 1024  # part of the answer, then the close
         finally:

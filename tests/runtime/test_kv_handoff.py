@@ -20,6 +20,7 @@ from meshnet_gateway import Client
 from meshnet_model.testing import small_config, write_checkpoint
 from meshnet_node import RunningNode
 from support.handoff_chain import handoff_chain, random_prompt, split_reference
+from support.waiting import wait_until
 
 pytestmark = pytest.mark.anyio
 
@@ -69,9 +70,7 @@ async def test_a_drained_replicas_session_goes_on_by_its_kv_with_no_replay(
         async def drain_the_holder(session: str) -> None:
             holder.append(next(n for n in entries if n.url == hop.holder(session)))
             holder[0].server.request_shutdown()
-            with anyio.fail_after(10):
-                while not holder[0].server.draining:
-                    await anyio.sleep(0.01)
+            await wait_until(lambda: holder[0].server.draining, "the holder draining")
 
         with anyio.fail_after(60):
             session, got = await _generate(client, vocab, before_step=drain_the_holder)
@@ -82,9 +81,9 @@ async def test_a_drained_replicas_session_goes_on_by_its_kv_with_no_replay(
         # The new replica computed the decode steps only, never the prompt.
         assert other.app.tokens_computed == STEPS
         assert len(holder[0].app.table) == 0  # ended there after the move
-        with anyio.fail_after(15):  # and the drain, with nothing left to keep, ends
-            while holder[0].server._connections or holder[0].app.table:
-                await anyio.sleep(0.05)
+        await wait_until(  # and the drain, with nothing left to keep, ends
+            lambda: not (holder[0].server._connections or holder[0].app.table), "the drain over"
+        )
     for mine, reference in zip(got, want, strict=True):
         assert np.array_equal(mine, reference)
 
@@ -95,9 +94,9 @@ async def test_prefill_and_decode_run_on_their_replicas_with_the_same_bits(
     want = _reference(checkpoint)
     vocab = small_config().vocab_size
     async with handoff_chain(checkpoint, ROLES_PD) as (entries, hop, client):
-        with anyio.fail_after(30):  # registration: the roles come with the identities
-            while {r.kv_role for r in hop.replicas} != {"prefill", "decode"}:
-                await anyio.sleep(0.05)
+        await wait_until(  # registration: the roles come with the identities
+            lambda: {r.kv_role for r in hop.replicas} == {"prefill", "decode"}, "the roles"
+        )
         with anyio.fail_after(60):
             session, got = await _generate(client, vocab)
         prefill, decode = entries

@@ -18,6 +18,7 @@ import pytest
 from meshnet_model.testing import small_config, write_checkpoint
 from meshnet_runtime.replicas.handoff import MoveBackoff
 from support.handoff_chain import handoff_chain, random_prompt, split_reference
+from support.waiting import wait_until
 
 pytestmark = pytest.mark.anyio
 
@@ -48,9 +49,9 @@ async def test_a_refused_move_backs_off_and_the_session_decodes_where_it_is(
     want = _reference(checkpoint)
     vocab = small_config().vocab_size
     async with handoff_chain(checkpoint, ROLES) as (entries, hop, client):
-        with anyio.fail_after(30):  # registration: the roles come with the identities
-            while {r.kv_role for r in hop.replicas} != {"prefill", "decode"}:
-                await anyio.sleep(0.05)
+        await wait_until(  # registration: the roles come with the identities
+            lambda: {r.kv_role for r in hop.replicas} == {"prefill", "decode"}, "the roles"
+        )
         prefill, decode = entries
         started = anyio.current_time()
         with anyio.fail_after(60):

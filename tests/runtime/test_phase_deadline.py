@@ -17,6 +17,7 @@ from meshnet_runtime.http_server import HttpServer, ServerSettings
 from meshnet_runtime.phase_deadline import PhaseDeadline
 from meshnet_runtime.transports import connect, memory_stream_pair
 from support.serving import EchoApp, activation, at_eof, running
+from support.waiting import wait_until
 from support.wire import read_answer
 
 SLOW_HEAD = b"POST /forward HTTP/1.1\r\nHost: t\r\n"  # never finished
@@ -54,7 +55,7 @@ async def test_unwatched_moves_its_scope_watched_only_writes_the_time_down() -> 
         assert not scope.cancel_called
         watched.expire_if_due(now + 0.5)
         assert scope.cancel_called
-        await anyio.sleep(0)  # the connection's next checkpoint ends it
+        await anyio.lowlevel.checkpoint()  # the connection's next checkpoint ends it
     assert scope.cancelled_caught
 
 
@@ -75,9 +76,7 @@ async def test_a_listening_server_times_its_connections_by_its_watchdog() -> Non
     async with running(head_timeout=0.3) as (server, url):
         assert server.watching
         slow = await connect(parse_endpoint(url))
-        with anyio.fail_after(10):
-            while not server._connections:
-                await anyio.sleep(0.01)
+        await wait_until(lambda: server._connections, "the connection accepted")
         (connection,) = server._connections
         assert connection.deadline.watched
         scope = connection.deadline.scope
@@ -100,7 +99,7 @@ async def test_an_application_slower_than_the_head_timeout_is_not_cut() -> None:
         stream = await connect(parse_endpoint(url))
         await stream.send(activation())
         await app.entered.wait()
-        await anyio.sleep(0.8)  # four head timeouts, many watchdog looks
+        await anyio.sleep(0.8)  # stall under test: four head timeouts, many watchdog looks
         app.release.set()
         assert (await read_answer(stream))[0] == 200
         await stream.send(activation())  # the connection goes on

@@ -6,16 +6,18 @@ of an evicted session, no replica left, DNS membership, the /metrics and
 from __future__ import annotations
 
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 
 import anyio
+import numpy as np
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from meshnet_gateway import Client, RemoteError, open_gateway
 from meshnet_gateway.config import GatewayConfig
 from meshnet_node import RunningNode, serve_node
-from meshnet_node.backends import CountingStage
+from meshnet_node.backends import CountingStage, StageContext, echo
 from meshnet_node.config import NodeConfig
 from meshnet_proto import ActivationHead, DownstreamError, ErrorResponse, WireHeaders
 from meshnet_runtime.deadlines import Deadline
@@ -24,6 +26,7 @@ from meshnet_runtime.history import CHUNK_OVERHEAD, HistoryStore
 from meshnet_runtime.metrics import ServerMetrics
 from meshnet_runtime.replicas import ReplicaSet, needs_replica_set
 from support.gateway import QUIET, activation, same_bits
+from support.waiting import wait_until
 
 pytestmark = pytest.mark.anyio
 FAST = ["--health-interval", "0.1", "--probe-timeout", "1"]
@@ -156,13 +159,11 @@ async def test_deep_health_degraded_then_down_and_no_replica_left() -> None:
             health = await client.pool.request("GET", "/health?deep=1", Deadline.after(10))
             assert b'"status":"ok"' in health.body
             lasts[0].server.request_shutdown()
-            while hop.replicas[0].up:  # its probe sees it go
-                await anyio.sleep(0.05)
+            await wait_until(lambda: not hop.replicas[0].up, "its probe sees it go")
             health = await client.pool.request("GET", "/health?deep=1", Deadline.after(10))
             assert b'"status":"degraded"' in health.body
             lasts[1].server.request_shutdown()
-            while hop.replicas[1].up:
-                await anyio.sleep(0.05)
+            await wait_until(lambda: not hop.replicas[1].up, "its probe sees it go")
             health = await client.pool.request("GET", "/health?deep=1", Deadline.after(10))
             assert isinstance(health, ErrorResponse) and health.status == 502
             assert health.error["code"] == "stage_down"
@@ -241,15 +242,32 @@ async def test_gateway_entry_replicas_show_in_info() -> None:
                     raise replicas_of(entry)._none_left(SESSION)
 
 
+@dataclass(slots=True, eq=False)
+class DrainAfter(CountingStage):
+    """``--backend count`` that has its node start draining (``drain``) right
+    after its ``after``-th chunk: mid-run on any machine, not after a sleep."""
+
+    after: int = 0
+    drain: Callable[[], None] | None = None
+
+    async def __call__(self, tensor: np.ndarray, context: StageContext | None = None) -> np.ndarray:
+        out = await CountingStage.__call__(self, tensor, context)
+        if self.drain is not None and sum(self.runs.values()) == self.after:
+            self.drain()
+        return out
+
+
 async def test_a_run_with_chunks_in_flight_fails_over_mid_run() -> None:
     """--inflight 4 over two entry replicas: the holder starts draining in
     the middle of a 12-chunk run (its chunks in flight finish, later ones
     get 503 shutting_down). The other replica is given the chunks done so
     far and the rest; the answer is bit-exact and no chunk runs twice."""
     async with contextlib.AsyncExitStack() as stack:
-        flags = [*QUIET, "--backend", "count", "--delay-ms", "20"]
         nodes = [
-            await stack.enter_async_context(serve_node(NodeConfig.load(flags))) for _ in range(2)
+            await stack.enter_async_context(
+                serve_node(NodeConfig.load(QUIET), stage=DrainAfter("count", echo, 20.0))
+            )
+            for _ in range(2)
         ]
         urls = ",".join(n.url for n in nodes)
         config = GatewayConfig.load([*QUIET, *FAST, "--entry", urls, "--inflight", "4",
@@ -263,14 +281,11 @@ async def test_a_run_with_chunks_in_flight_fails_over_mid_run() -> None:
             holder = next(n for n in nodes if n.url == hop.holder(first.session))
             other = next(n for n in nodes if n is not holder)
             array = activation(24, 4, seed=2)
-            async with anyio.create_task_group() as tg:
-
-                async def drain_soon() -> None:
-                    await anyio.sleep(0.1)
-                    holder.server.request_shutdown()
-
-                tg.start_soon(drain_soon)
-                result = await client.forward(array, session=first.session, encoding="identity")
+            draining = holder.app.stage
+            assert isinstance(draining, DrainAfter)
+            draining.after, draining.drain = 1 + 4, holder.server.request_shutdown  # 4 of 12 run
+            result = await client.forward(array, session=first.session, encoding="identity")
+            assert holder.server.draining
             assert same_bits(result.output, array)
             assert hop.holder(first.session) == other.url and hop.failovers == 1
             stage = other.app.stage

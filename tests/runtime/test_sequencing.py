@@ -1,13 +1,21 @@
 """``meshnet_runtime.sequencing.SequencedTable``: the waiting around a
 ``SessionTable`` (wire-2 §3), through its public API, on trio and asyncio
-(the ``anyio_backend`` fixture runs each test on both)."""
+(the ``anyio_backend`` fixture below runs each test on both).
+
+Tasks meet on events, not on time: ``wait_all_tasks_blocked`` returns once
+every other task has run to its wait. On trio a ``MockClock`` with
+``autojump_threshold=0`` passes the reorder timeouts and deadlines in no
+real time (once every task is blocked, it jumps to the next deadline); the
+TTL is measured on a clock the test holds (the table takes ``clock=``)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import anyio
 import pytest
+from trio.testing import MockClock
 
 from meshnet_proto import (
     Join,
@@ -28,7 +36,15 @@ pytestmark = pytest.mark.anyio
 S = "5b1e0c2a-2222-4abc-8def-000000000001"
 OTHER = "5b1e0c2a-2222-4abc-8def-000000000002"
 TOKENS = 4
-TIMEOUT = 0.3  # the reorder timeout: short, these tests wait in real time
+TIMEOUT = 0.3  # the reorder timeout: on trio's mock clock, no real time at all
+
+
+@pytest.fixture(params=["trio-mock", "asyncio"])
+def anyio_backend(request: pytest.FixtureRequest) -> Any:
+    """Trio with a fresh mock clock for each test, and asyncio's real one."""
+    if request.param == "trio-mock":
+        return ("trio", {"clock": MockClock(autojump_threshold=0)})
+    return "asyncio"
 
 
 def hdr(index: int, total: int = 4, *, session: str = S) -> WireHeaders:
@@ -46,10 +62,13 @@ def tag(index: int, session: str = S) -> bytes:
     return f"{session}:{index}".encode().ljust(16, b".")[:16]
 
 
-def make(**limits: Any) -> tuple[SequencedTable[str], list[str]]:
+def make(
+    clock: Callable[[], float] = anyio.current_time, **limits: Any
+) -> tuple[SequencedTable[str], list[str]]:
     timeouts: list[str] = []
     table = SessionTable(Limits(**{"reorder_timeout": TIMEOUT, **limits}))
-    return SequencedTable(table, on_wait_timeout=lambda: timeouts.append("t")), timeouts
+    seq = SequencedTable(table, on_wait_timeout=lambda: timeouts.append("t"), clock=clock)
+    return seq, timeouts
 
 
 async def admit(seq: SequencedTable[str], index: int, seconds: float = 10.0, **kw: Any) -> Any:
@@ -63,9 +82,8 @@ async def forever() -> str:
 
 
 async def until_waiting(seq: SequencedTable[str], sessions: int = 1) -> None:
-    with anyio.fail_after(5):
-        while seq.sessions_with_waiters < sessions:
-            await anyio.sleep(0.005)
+    await anyio.wait_all_tasks_blocked()  # every task has run to its wait
+    assert seq.sessions_with_waiters == sessions
 
 
 async def test_an_in_order_chunk_is_processed_at_once() -> None:
@@ -120,7 +138,8 @@ async def test_cancelled_while_waiting_the_tables_place_is_given_up() -> None:
 
     async with anyio.create_task_group() as tg:
         tg.start_soon(third)
-        await anyio.sleep(0.05)
+        await until_waiting(seq)  # the place the cancelled waiter gave up
+        assert got == []
         seq.stage_done(first.ticket, "out")
     assert isinstance(got[0], Process) and got[0].ticket.index == 1
 
@@ -145,9 +164,9 @@ async def test_a_retransmission_of_a_running_chunk_joins_its_answer() -> None:
         # The run goes at once after its admit (the node: no await between):
         # a Join finds its outcome.
         tg.start_soon(seq.run, first.ticket, work)
-        await anyio.sleep(0.01)
+        await anyio.wait_all_tasks_blocked()  # the run waits for its release
         tg.start_soon(retransmission)
-        await anyio.sleep(0.05)
+        await anyio.wait_all_tasks_blocked()  # the join waits for the run
         assert joined == []
         release.set()
     assert joined == ["reply"]
@@ -174,7 +193,7 @@ async def test_a_joined_retransmission_gets_the_runs_error() -> None:
 
     async with anyio.create_task_group() as tg:
         tg.start_soon(runs)
-        await anyio.sleep(0.01)
+        await anyio.wait_all_tasks_blocked()  # the run waits for its release
         tg.start_soon(joiner)
         await joining.wait()
         release.set()
@@ -200,9 +219,10 @@ async def test_a_cancelled_run_tells_its_joiners_gone() -> None:
                 await seq.run(first.ticket, forever)
 
         tg.start_soon(runs)
-        await anyio.sleep(0.01)
+        await anyio.wait_all_tasks_blocked()  # the run is under way
         tg.start_soon(_join_into, seq, first.ticket, errors)
-        await anyio.sleep(0.01)
+        await anyio.wait_all_tasks_blocked()  # and joined
+        assert errors == []
         run.cancel()
     assert [e.message for e in errors] == [gone().message]
 
@@ -213,7 +233,7 @@ async def test_a_join_ends_at_its_deadline() -> None:
     errors: list[MeshnetError] = []
     async with anyio.create_task_group() as tg:
         tg.start_soon(seq.run, first.ticket, forever)
-        await anyio.sleep(0.01)
+        await anyio.wait_all_tasks_blocked()  # the run is under way
         try:
             await seq.join(first.ticket, Deadline.after(0.05))
         except MeshnetError as exc:
@@ -260,10 +280,12 @@ async def test_ending_a_session_wakes_its_waiters() -> None:
 
 
 async def test_expire_forgets_idle_sessions() -> None:
-    seq, _ = make(session_ttl=0.05)
+    now = [1000.0]  # the table's clock, moved by the test
+    seq, _ = make(clock=lambda: now[0], session_ttl=0.05)
     first = await admit(seq, 0)
     seq.stage_done(first.ticket, "out")
-    seq.table.response_ready(first.ticket, "reply", anyio.current_time())
-    assert seq.expire() == []
-    await anyio.sleep(0.1)
+    seq.table.response_ready(first.ticket, "reply", now[0])
+    now[0] += 0.05
+    assert seq.expire() == []  # idle for exactly the TTL: kept
+    now[0] += 0.01
     assert seq.expire() == [S] and S not in seq.table

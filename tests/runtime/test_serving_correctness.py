@@ -197,7 +197,8 @@ class _SlowApp:
 
     async def handle_endpoint(self, event: Any, ctx: RequestContext) -> Reply:
         try:
-            await anyio.sleep(0.3)  # long enough for the half-close to arrive first
+            # A slow answer: the client's half-close arrives while it works.
+            await anyio.sleep(0.3)  # stall under test
         except anyio.get_cancelled_exc_class():
             self.cancelled = True
             raise
@@ -229,11 +230,17 @@ async def test_a_client_that_closes_for_good_still_cancels_the_work() -> None:
     is found out (the interim probe meets a reset) and the handler cancelled."""
 
     class Endless(_SlowApp):
+        def __init__(self) -> None:
+            super().__init__()
+            self.entered, self.gone = anyio.Event(), anyio.Event()
+
         async def handle_endpoint(self, event: Any, ctx: RequestContext) -> Reply:
+            self.entered.set()
             try:
                 await anyio.sleep_forever()
             except anyio.get_cancelled_exc_class():
                 self.cancelled = True
+                self.gone.set()
                 raise
             raise AssertionError  # pragma: no cover
 
@@ -243,11 +250,10 @@ async def test_a_client_that_closes_for_good_still_cancels_the_work() -> None:
         url = await tg.start(server.serve, bound)
         stream = await connect(parse_endpoint(url))
         await stream.send(http_request("GET", "/info"))
-        await anyio.sleep(0.05)
-        await stream.aclose()
-        with anyio.fail_after(20):
-            while not app.cancelled:
-                await anyio.sleep(0.05)
+        with anyio.fail_after(20):  # ends a hang; not a timing claim
+            await app.entered.wait()  # the work is under way
+            await stream.aclose()
+            await app.gone.wait()
         server.request_shutdown()
 
 

@@ -121,7 +121,7 @@ class _App:
                 for index in range(self.count):
                     await send(b"data: %d\n\n" % index)  # type: ignore[operator]
                     self.sent += 1
-                    await anyio.sleep(0.001)
+                    await anyio.sleep(0.001)  # stall under test: a slow producer
             except anyio.get_cancelled_exc_class():
                 self.cancelled = True
                 raise

@@ -23,6 +23,7 @@ from meshnet_gateway.openai.testing import write_tokenizer
 from meshnet_model.testing import small_config, write_checkpoint
 from support.gateway import clean_env, stop
 from support.security import Answer, connect, get, request, rss_kib, send, wire
+from support.waiting import holds_within
 
 VOCAB = 320
 HIDDEN = 128
@@ -163,12 +164,7 @@ def kv_state(chain: ModelChain) -> list[tuple[int, int, int]]:
 def wait_for(condition, *, bound: float = 60.0, every: float = 0.1) -> bool:
     """Poll ``condition`` until it holds or ``bound`` seconds pass (no timing claim:
     the bound only ends a test that would otherwise hang)."""
-    end = time.monotonic() + bound
-    while time.monotonic() < end:
-        if condition():
-            return True
-        time.sleep(every)
-    return bool(condition())
+    return holds_within(condition, timeout=bound, every=every)
 
 
 def rss(chain: ModelChain) -> dict[str, tuple[int, int]]:

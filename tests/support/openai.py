@@ -81,6 +81,28 @@ def fake_stages(count: int) -> list[Stage]:
     return [Stage("fake-embed", fake_embed), *middle, Stage("fake-head", fake_head)]
 
 
+@dataclass(slots=True, eq=False)
+class HeldStage(Stage):
+    """A stage whose calls from the ``at``-th on wait until ``gate`` opens:
+    the test knows the work is under way (``waiting``) and that it can go no
+    further until it says so, however slow the machine. ``gate`` is an
+    ``anyio.Event`` made in the test's loop; ``calls`` counts the calls
+    that got past it."""
+
+    at: int = 1
+    gate: Any = None
+    waiting: int = 0
+
+    async def __call__(self, tensor: np.ndarray, context: Any = None) -> np.ndarray:
+        if self.calls + self.waiting + 1 >= self.at:
+            self.waiting += 1
+            try:
+                await self.gate.wait()
+            finally:
+                self.waiting -= 1
+        return await Stage.__call__(self, tensor, context)
+
+
 LAYERS = 4
 
 

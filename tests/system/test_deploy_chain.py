@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import copy
 import json
-import time
 import urllib.request
 from pathlib import Path
 from typing import Any
@@ -27,6 +26,7 @@ import yaml
 from meshnet_cli.__main__ import main
 from support.manifest_pods import LocalCluster, Pod, quantity, run_limited
 from support.smollm2 import smollm2_gguf
+from support.waiting import wait_until_sync
 
 pytestmark = pytest.mark.slow
 
@@ -59,10 +59,12 @@ def cluster_of(documents: list[dict[str, Any]], workdir: Path) -> LocalCluster:
 def wait_probe(cluster: LocalCluster, pod: Pod, kind: str, want: int) -> None:
     """Until the pod's ``kind`` probe answers ``want`` (the kubelet asks every
     few seconds; here more often), bounded."""
-    deadline = time.monotonic() + PROBE_WITHIN
-    while (status := cluster.probe(pod, kind)) != want:
-        assert time.monotonic() < deadline, f"{pod.name} {kind}: {status}, not {want}"
-        time.sleep(0.2)
+    wait_until_sync(
+        lambda: cluster.probe(pod, kind) == want,
+        f"{pod.name}'s {kind} probe answering {want}",
+        timeout=PROBE_WITHIN,
+        every=0.2,
+    )
 
 
 def complete(cluster: LocalCluster) -> str:

@@ -30,6 +30,7 @@ from meshnet_gateway.config import GatewayConfig
 from meshnet_gateway.openai.tokenizer import ModelTokenizer
 from support.failover import HEALTH, ReplicaChain, get_json, replica_chain
 from support.openai import reference_greedy, write_model_dir
+from support.waiting import wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -132,9 +133,11 @@ def test_sigkill_of_each_hops_holder_mid_stream_keeps_the_exact_tokens(model_dir
                 text, gaps = await in_thread(
                     stream_with, gateway.url, {3: kill_stage2_holder, 8: kill_stage1_holder}
                 )
-                with anyio.fail_after(LIMIT):  # the finish's DELETE reaches every replica
-                    while any(chain.kv(u) for u in chain.alive()):
-                        await anyio.sleep(0.05)
+                await wait_until(  # the finish's DELETE reaches every replica
+                    lambda: not any(chain.kv(u) for u in chain.alive()),
+                    "every KV freed",
+                    timeout=LIMIT,
+                )
                 return text, gaps, gateway.app.pool.describe()
 
         text, gaps, entry_hop = anyio.run(drive, backend="trio")
@@ -266,18 +269,21 @@ def test_a_replica_restarted_on_its_port_loses_its_state_and_is_replayed(
                     victim = await in_thread(chain.holder, entry)
                     await in_thread(chain.kill, victim)
                     await in_thread(chain.restart, victim)  # same port, no state
-                    while not all(  # probes saw it go; wait until they see it back
-                        r["up"]
-                        for r in (await in_thread(chain.info, entry))["replicas"]["replicas"]
-                    ):
-                        await anyio.sleep(0.1)
+
+                    async def back_up() -> bool:  # probes saw it go; until they see it back
+                        hop = (await in_thread(chain.info, entry))["replicas"]
+                        return all(r["up"] for r in hop["replicas"])
+
+                    await wait_until(back_up, "the victim seen up again", every=0.1)
                     moved = await client.forward(second, session=hit.session)
                     hop = (await in_thread(chain.info, entry))["replicas"]
                     for session in (calm.session, hit.session):
                         assert await client.delete_session(session)
-                    with anyio.fail_after(LIMIT):
-                        while any([await in_thread(chain.kv, u) for u in chain.alive()]):
-                            await anyio.sleep(0.05)
+
+                    async def freed() -> bool:
+                        return not any([await in_thread(chain.kv, u) for u in chain.alive()])
+
+                    await wait_until(freed, "every KV freed", timeout=LIMIT, every=0.05)
                 return [calm2.output, moved.output], hop
 
         (calm2, moved), hop = anyio.run(drive, backend="trio")
@@ -320,9 +326,11 @@ def test_sixteen_generations_survive_a_kill_and_the_replica_comes_back(
                         tg.start_soon(one, i)
                 spread = [(await in_thread(chain.info, u))["replicas"] for u in chain.stage1]
                 await in_thread(chain.restart, victim)  # on its port
-                with anyio.fail_after(LIMIT):  # every stage-1 replica sees it up again
-                    while not await in_thread(all_up, chain):
-                        await anyio.sleep(0.1)
+
+                async def seen_up() -> bool:  # every stage-1 replica sees it up again
+                    return bool(await in_thread(all_up, chain))
+
+                await wait_until(seen_up, "the restarted replica seen up", timeout=LIMIT, every=0.1)
                 async with anyio.create_task_group() as tg:
                     for i in range(4):
                         tg.start_soon(one, 100 + i)

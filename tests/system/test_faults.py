@@ -32,6 +32,7 @@ from meshnet_runtime.deadlines import Deadline
 from meshnet_runtime.downstream import DownstreamPool
 from support.fault import drop_first_attempts, fault_proxy
 from support.gateway import QUIET, activation, same_bits, spawn, stop
+from support.waiting import wait_until
 
 LIMIT = 30  # every wait is bounded: a hang fails the test, never the run
 
@@ -206,8 +207,7 @@ async def test_draining_middle_node_finishes_in_flight_chunks_and_503s_new_ones(
 
             async with anyio.create_task_group() as tg:
                 tg.start_soon(in_flight)
-                while last.app.stage.calls < 3:  # bounded by LIMIT
-                    await anyio.sleep(0.005)
+                await wait_until(lambda: last.app.stage.calls >= 3, "three chunks at the last node")
                 middle.server.request_shutdown()
                 pool = DownstreamPool(middle.url)
                 headers = WireHeaders(shape=(1, 4, 16), dtype="bfloat16",
@@ -287,8 +287,7 @@ async def test_delete_ttl_and_eviction_give_session_memory_back() -> None:
                 # held must still match what the table counts.)
                 held = node.app.table.stored_bytes
                 assert held >= tokens * hidden * 2 and _held() - before >= 0.9 * held
-                while len(node.app.table):  # bounded by LIMIT
-                    await anyio.sleep(0.05)
+                await wait_until(lambda: not len(node.app.table), "every session expired")
                 assert node.app.table.stored_bytes == 0
                 assert _held() - before < 0.1 * stored
             # eviction under the stored-bytes budget
@@ -363,11 +362,17 @@ def test_node_killed_mid_session_then_restarted_on_its_port() -> None:
                                 caught.append(exc)
 
                         tg.start_soon(second)
-                        await anyio.sleep(0.8)  # a few chunks into the request
+                        at_a = DownstreamPool(a_url)
+
+                        async def under_way() -> bool:  # a chunk into it at node A
+                            answer = await at_a.request("GET", "/metrics", Deadline.after(5))
+                            return metric(answer.body, "meshnet_chunks", outcome="processed") >= 3
+
+                        await wait_until(under_way, "the second request under way", every=0.05)
+                        await at_a.aclose()
                         node_a.kill()
                         node_a.wait()
-                        while not caught:  # bounded by fail_after
-                            await anyio.sleep(0.05)
+                        await wait_until(lambda: caught, "the second request's error")
                         done.set()
                     err = caught[0]
                     assert err.status in (502, 504) and err.hop == a_url, err

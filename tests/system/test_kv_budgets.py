@@ -19,7 +19,6 @@ from __future__ import annotations
 import contextlib
 import json
 import socket
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -31,6 +30,7 @@ from meshnet_proto.lowlevel import kv_checksum
 from support.gateway import stop
 from support.model_surface import info, spawn_logged
 from support.security import host_port, new_session, parse_answer, request, rss_kib, send, wire
+from support.waiting import wait_until_sync
 
 KEY = b"0123456789abcdef0123456789abcdef"
 # 8 layers x 2 x 8 KV heads x 64 x float32: 32 KiB a position; a 2,048-position
@@ -130,10 +130,7 @@ def _export_request(session: str) -> bytes:
 
 
 def _wait(what: str, done: Callable[[], bool], seconds: float = 30.0) -> None:
-    deadline = time.monotonic() + seconds
-    while not done():
-        assert time.monotonic() < deadline, f"{what}: not within {seconds} s"
-        time.sleep(0.1)
+    wait_until_sync(done, what, timeout=seconds, every=0.1)
 
 
 def _rss(pid: int) -> int:

@@ -11,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import json
 import socket
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -22,6 +21,7 @@ from meshnet_proto.lowlevel import kv_checksum
 from support.gateway import stop
 from support.model_surface import info, spawn_logged, write_model
 from support.security import get, host_port, new_session, request, send, wire
+from support.waiting import holds_within
 
 KEY = b"0123456789abcdef0123456789abcdef"
 PROMPT = 12
@@ -138,10 +138,7 @@ def test_the_export_and_import_refuse_what_is_not_theirs(model_dir: Path, tmp_pa
                                  target=b"/forward?kv=1", length=b"%d" % len(good.body),
                                  close=False))  # fmt: skip
             sock.sendall(good.body[:1000])  # and then goes away
-        deadline = time.monotonic() + 20
-        while int(info(b)["stage"]["kv_bytes_in_use"]) != before and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert int(info(b)["stage"]["kv_bytes_in_use"]) == before
+        assert holds_within(lambda: int(info(b)["stage"]["kv_bytes_in_use"]) == before, timeout=20)
         # -- the move itself, then the session goes on at b, bit for bit as at a
         moved = _import(b, h, good.body)
         assert moved.status == 200 and json.loads(moved.body)["position"] == PROMPT

@@ -19,6 +19,7 @@ import pytest
 from meshnet_bench._netns import hosts, unavailable
 from meshnet_gateway import Client, RemoteError
 from support.gateway import activation, same_bits
+from support.waiting import wait_until
 
 REASON = unavailable()
 pytestmark = pytest.mark.skipif(REASON is not None, reason=f"multi-host chain: {REASON}")
@@ -80,12 +81,17 @@ def test_chain_across_three_hosts_rate_limited_then_cut_then_restored() -> None:
                 net.restore("n2")
                 with anyio.fail_after(LIMIT):
                     array = activation(TOKENS, HIDDEN, seed=4)
-                    while True:  # bounded by LIMIT: the bridge port may take a moment
+                    answers = []
+
+                    async def served() -> bool:  # the bridge port may take a moment
                         try:
-                            again = await client.forward(array, encoding="identity")
-                            break
+                            answers.append(await client.forward(array, encoding="identity"))
                         except RemoteError:
-                            await anyio.sleep(1)
+                            return False
+                        return True
+
+                    await wait_until(served, "n2 reachable again", timeout=LIMIT, every=1.0)
+                    again = answers[-1]
                     assert same_bits(again.output, array) and again.position == 0
 
         anyio.run(drive, backend="trio")

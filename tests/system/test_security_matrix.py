@@ -16,7 +16,6 @@ import select
 import socket
 import subprocess
 import threading
-import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
@@ -42,6 +41,7 @@ from support.security import (
     wire,
     without,
 )
+from support.waiting import holds_within
 from tests.proto.test_zstd_bomb import GiB, rle_bomb
 
 MiB = 1 << 20
@@ -1077,12 +1077,7 @@ def connections(url: str) -> float:
 
 
 def wait_for(predicate: Callable[[], bool], seconds: float = 60.0) -> bool:
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.1)
-    return predicate()
+    return holds_within(predicate, timeout=seconds, every=0.1)
 
 
 def test_headers_one_byte_a_second_get_408_and_leave_no_task(procs: Procs) -> None:
