@@ -30,7 +30,7 @@ def _run(pieces: list[tuple[float, str]], finish: str = "stop") -> Callable[...,
     async def run(on_text: Callable[[int], Any]) -> list[GenerationResult]:
         text = on_text(0)
         for delay, piece in pieces:
-            await trio.sleep(delay)
+            await trio.sleep(delay)  # stall under test: a prefill this long, on the virtual clock
             await text(piece, None)
         return [
             GenerationResult(
