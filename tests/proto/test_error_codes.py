@@ -113,6 +113,22 @@ def test_a_member_goes_where_a_code_does() -> None:
     assert error.code == "sessions_full"
 
 
+def test_the_status_follows_from_the_code_unless_given() -> None:
+    # A ProtocolError's default is 400: the code's own status wins over it.
+    error = ProtocolError("no such session", code=ErrorCode.NOT_FOUND)
+    assert (error.status, error.code) == (404, "not_found")
+    assert repr(error) == (
+        "ProtocolError(status=404, code='not_found', header=None, message='no such session')"
+    )
+    # The code's other status, given where it applies.
+    assembly = ProtocolError("index 9 of 4", code=ErrorCode.BAD_CHUNK_INDEX, status=502)
+    assert assembly.status == 502
+    # A code relayed off the wire as a string keeps its downstream's status,
+    # or else gets the class's default: an unknown one as much as a known one.
+    assert DownstreamError("x", code="a_newer_code").status == 502
+    assert DownstreamError("x", code="not_found", status=404).status == 404
+
+
 def test_every_code_raised_in_src_is_a_member() -> None:
     found = {code for code, _, _ in _raised()}
     # Spelt at run time: f"{name}_overflow" for the two half dtypes (_policy.py).
