@@ -348,23 +348,28 @@ class DownstreamPool:
                 await aclose_quietly(stream)
         return bool(self._idle)
 
+    async def _connection(self, pooled: bool) -> tuple[ByteStream, ClientConnection]:
+        """The newest idle connection when ``pooled``, else a new one."""
+        if pooled:
+            stream, conn, _ = self._idle.pop()
+            return stream, conn
+        try:
+            stream = await self._open(self.endpoint)
+        except DEAD_STREAM as exc:
+            raise self._error(f"cannot connect ({exc})", "downstream_unreachable") from None
+        conn = ClientConnection(
+            limits=self.limits,
+            host=self.endpoint.authority,
+            token=self.token,
+            hop=self.url,
+            decode=False,
+        )
+        return stream, conn
+
     async def _once(
         self, build: Callable[[ClientConnection], list[Any]], body_nbytes: int, pooled: bool
     ) -> ActivationResponse | ErrorResponse | Response:
-        if pooled:
-            stream, conn, _ = self._idle.pop()
-        else:
-            try:
-                stream = await self._open(self.endpoint)
-            except DEAD_STREAM as exc:
-                raise self._error(f"cannot connect ({exc})", "downstream_unreachable") from None
-            conn = ClientConnection(
-                limits=self.limits,
-                host=self.endpoint.authority,
-                token=self.token,
-                hop=self.url,
-                decode=False,
-            )
+        stream, conn = await self._connection(pooled)
         keep = False
         read_size = body_read_size(body_nbytes)  # an answer is about as large as its request
         try:
