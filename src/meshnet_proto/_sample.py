@@ -21,7 +21,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from ._errors import ProtocolError
+from ._errors import ErrorCode, ProtocolError
 from ._integers import MAX_UINT_DIGITS, parse_canonical_uint
 from ._limits import Limits
 
@@ -115,7 +115,7 @@ def _problem(spec: SampleSpec) -> str | None:
 
 
 def _bad(message: str) -> ProtocolError:
-    return ProtocolError(message, code="bad_sample", status=400, header="x-meshnet-sample")
+    return ProtocolError(message, code=ErrorCode.BAD_SAMPLE, header="x-meshnet-sample")
 
 
 def _number(name: bytes, raw: bytes) -> float | int:

@@ -20,6 +20,7 @@ import anyio
 from meshnet_proto import (
     ActivationResponse,
     DownstreamError,
+    ErrorCode,
     ErrorResponse,
     Limits,
     MeshnetError,
@@ -235,7 +236,9 @@ class ReplicaSet:
                 last = exc
         if last is not None:
             raise last
-        raise DownstreamError(f"stage {self.url}: no replica", code="no_replica", hop=self.url)
+        raise DownstreamError(
+            f"stage {self.url}: no replica", code=ErrorCode.NO_REPLICA, hop=self.url
+        )
 
     # ------------------------------------------------------------ other requests
 
