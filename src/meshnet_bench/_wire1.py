@@ -73,9 +73,9 @@ async def _read_body(
 
 async def _send(stream: ByteStream, conn: h11.Connection, head: h11.Request | h11.Response,
                 body: bytes | bytearray) -> None:  # fmt: skip
-    await stream.send(conn.send(head))  # type: ignore[arg-type]
+    await stream.send(conn.send(head))
     await stream.send(conn.send(h11.Data(data=body)))  # type: ignore[arg-type]
-    await stream.send(conn.send(h11.EndOfMessage()))  # type: ignore[arg-type]
+    await stream.send(conn.send(h11.EndOfMessage()))
 
 
 def _json_headers(body: bytes | bytearray) -> list[tuple[str, str]]:

@@ -65,7 +65,7 @@ async def _bare_echo(stream: ByteStream) -> None:
                 ])  # fmt: skip
                 # h11's send() may return None (typed Optional) and its Data
                 # is typed bytes; it sends a bytearray as it is.
-                await stream.send(conn.send(head) + conn.send(h11.Data(data=body)) +  # type: ignore[operator, arg-type]
+                await stream.send(conn.send(head) + conn.send(h11.Data(data=body)) +  # type: ignore[arg-type]
                                   conn.send(h11.EndOfMessage()))  # fmt: skip
                 conn.start_next_cycle()
 

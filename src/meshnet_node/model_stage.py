@@ -75,7 +75,10 @@ from meshnet_model.errors import (
     RewindRefused,
 )
 from meshnet_model.formats.config import ModelConfig
-from meshnet_model.identity import ModelIdentity, load_plan, model_identity
+from meshnet_model.identity import ModelIdentity, load_plan
+
+# Re-exported by name: meshnet_bench.identity swaps it here to time a load without it.
+from meshnet_model.identity import model_identity as model_identity
 from meshnet_model.progress import NO_PROGRESS, LoadProgress, reporting
 from meshnet_model.source import load_config, model_name
 from meshnet_model.stage.handoff import export_kv, import_kv, kv_layout

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import ssl
 from collections.abc import Awaitable, Callable, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import anyio
 
@@ -42,6 +42,8 @@ from .replica import Replica, open_replica
 from .views import ReplicaCollector, describe
 
 __all__ = ["ReplicaSet"]
+
+_T = TypeVar("_T")  # what one replica's answer is, as _any hands it back
 
 Body = bytes | bytearray | memoryview
 
@@ -223,7 +225,7 @@ class ReplicaSet:
         self.failover.forget(session)
         self.moves.forget(session)
 
-    async def _any(self, call: Callable[[Replica], Awaitable[Any]]) -> Any:
+    async def _any(self, call: Callable[[Replica], Awaitable[_T]]) -> _T:
         """A request any healthy replica may answer: the next one if one is gone."""
         last: MeshnetError | None = None
         for replica in self.placement.any_order():
@@ -255,9 +257,7 @@ class ReplicaSet:
             return await delete_everywhere(
                 self.replicas, target, deadline, headers, self.probe_timeout
             )
-        return await self._any(  # type: ignore[no-any-return]
-            lambda r: r.pool.request(method, target, deadline, headers, body)
-        )
+        return await self._any(lambda r: r.pool.request(method, target, deadline, headers, body))
 
     async def deep_health(self, deadline: Deadline) -> dict[str, Any]:
         """``downstream``: each replica's ``/health?deep=1``, ``ok``,
