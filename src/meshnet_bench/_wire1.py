@@ -77,9 +77,9 @@ async def _send(
     head: h11.Request | h11.Response,
     body: bytes | bytearray,
 ) -> None:
-    await stream.send(conn.send(head))  # type: ignore[arg-type]
+    await stream.send(conn.send(head))
     await stream.send(conn.send(h11.Data(data=body)))  # type: ignore[arg-type]
-    await stream.send(conn.send(h11.EndOfMessage()))  # type: ignore[arg-type]
+    await stream.send(conn.send(h11.EndOfMessage()))
 
 
 def _json_headers(body: bytes | bytearray) -> list[tuple[str, str]]:

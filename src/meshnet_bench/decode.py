@@ -71,7 +71,7 @@ async def _bare_echo(stream: ByteStream) -> None:
                 # is typed bytes; it sends a bytearray as it is.
                 await stream.send(
                     conn.send(head)
-                    + conn.send(h11.Data(data=body))  # type: ignore[operator, arg-type]
+                    + conn.send(h11.Data(data=body))  # type: ignore[arg-type]
                     + conn.send(h11.EndOfMessage())
                 )
                 conn.start_next_cycle()

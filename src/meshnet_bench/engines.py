@@ -124,7 +124,8 @@ def weight_bytes_per_step(config: object, itemsize: int) -> int:
     h, kv = c.hidden_size, c.num_key_value_heads * c.head_dim  # type: ignore[attr-defined]
     q = c.num_attention_heads * c.head_dim  # type: ignore[attr-defined]
     per_layer = h * q * 2 + h * kv * 2 + 3 * h * c.intermediate_size  # type: ignore[attr-defined]
-    return itemsize * (per_layer * c.num_hidden_layers + c.vocab_size * h)  # type: ignore[attr-defined]
+    total: int = itemsize * (per_layer * c.num_hidden_layers + c.vocab_size * h)  # type: ignore[attr-defined]
+    return total
 
 
 class _TokenClock:

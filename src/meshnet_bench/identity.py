@@ -103,7 +103,7 @@ def _measure(path: Path, layers: str, mode: str) -> dict[str, Any]:
 
 
 def _median(runs: list[dict[str, Any]], key: str) -> float:
-    return statistics.median(r[key] for r in runs)
+    return float(statistics.median(r[key] for r in runs))
 
 
 def _stage(path: Path, layers: str, repeats: int, warm: bool) -> dict[str, dict[str, float]]:

@@ -19,7 +19,7 @@ import argparse
 import json
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import anyio
@@ -53,7 +53,7 @@ def soak(
     chunk_tokens: int = 64,
     max_growth_mib: float = 16.0,
     max_growth_pct: float = 10.0,
-    out=print,  # type: ignore[no-untyped-def]
+    out: Callable[[str], object] = print,
 ) -> SoakReport:
     inputs = make_inputs(32, tokens, hidden, seed=11)
     flags = ["--chunk-tokens", str(chunk_tokens), "--inflight", "2"]

@@ -26,7 +26,7 @@ def load_wire_array(path: str) -> np.ndarray:
     (``<V2``); such a file is read as bfloat16, the only 2-byte wire dtype
     numpy has no name for.
     """
-    array = np.load(path, allow_pickle=False)
+    array: np.ndarray = np.load(path, allow_pickle=False)
     if array.dtype.kind == "V" and array.dtype.itemsize == 2:
         array = array.view(ml_dtypes.bfloat16)
     if not any(array.dtype == dtype for dtype in WIRE_DTYPES.values()):

@@ -24,7 +24,7 @@ import anyio
 import anyio.abc
 import numpy as np
 
-from meshnet_proto import DownstreamError, ErrorResponse, MeshnetError, WireHeaders
+from meshnet_proto import DownstreamError, ErrorCode, ErrorResponse, MeshnetError, WireHeaders
 from meshnet_proto.lowlevel import ChunkAssembler, plan_chunks
 from meshnet_runtime.codec_pool import CodecPool
 from meshnet_runtime.deadlines import Deadline
@@ -59,7 +59,7 @@ class RunResult:
 def _mismatch(pool: Downstream, index: int, what: str) -> DownstreamError:
     return DownstreamError(
         f"{pool.url}: answer to chunk {index} {what}",
-        code="downstream_bad_response",
+        code=ErrorCode.DOWNSTREAM_BAD_RESPONSE,
         hop=pool.url,
     )
 

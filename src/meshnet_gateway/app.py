@@ -29,6 +29,7 @@ from meshnet_proto import (
     ActivationReceived,
     ClientSessionTable,
     EndpointRequest,
+    ErrorCode,
     MeshnetError,
     ProtocolError,
     SequencingError,
@@ -235,8 +236,7 @@ class GatewayApp:
         if event.kv_import:  # wire-2 §3.11: a node's; a gateway holds no stage's KV
             raise ProtocolError(
                 "a gateway imports no KV (it is a node's route)",
-                code="bad_kv",
-                status=400,
+                code=ErrorCode.BAD_KV,
                 header="x-meshnet-kv-checksum",
             )
         self.chain.refuse_if_mismatched()
@@ -251,8 +251,7 @@ class GatewayApp:
             raise ProtocolError(
                 f"{tokens} tokens make {total} chunks of {self.config.chunk_tokens}, over the "
                 f"limit of {self.config.limits.max_chunk_total} chunks per run",
-                code="tensor_too_large",
-                status=413,
+                code=ErrorCode.TENSOR_TOO_LARGE,
                 header="x-meshnet-shape",
             )
 
@@ -288,7 +287,7 @@ class GatewayApp:
                 raise SequencingError(
                     f"session {lease.session} is at position {lease.position} at this "
                     f"gateway, the request says {request.position}",
-                    code="position_mismatch",
+                    code=ErrorCode.POSITION_MISMATCH,
                     header="x-meshnet-position",
                 )
             # One wire dtype for the whole run (wire-2 §3: a run keeps its dtype).
@@ -450,7 +449,7 @@ def _response_headers(output: np.ndarray, dtype: str, encoding: str, lease: Leas
 def _session_busy(session: str) -> SequencingError:
     return SequencingError(
         f"session {session} already has a request in progress at this gateway",
-        code="session_busy",
+        code=ErrorCode.SESSION_BUSY,
         header="x-meshnet-session",
     )
 

@@ -33,7 +33,7 @@ from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from meshnet_proto import ProtocolError
+from meshnet_proto import ErrorCode, ProtocolError
 
 __all__ = [
     "ANY",
@@ -161,8 +161,7 @@ def _host_refused(shown: str) -> ProtocolError:
     return ProtocolError(
         f"Host {shown[:100]!r} is not a name this gateway serves (a DNS-rebinding page "
         "would send one); an operator adds names with --allowed-hosts",
-        code="host_not_allowed",
-        status=403,
+        code=ErrorCode.HOST_NOT_ALLOWED,
         header="host",
     )
 
@@ -171,8 +170,7 @@ def _origin_refused(shown: str) -> ProtocolError:
     return ProtocolError(
         f"Origin {shown[:100]!r} may not use this gateway (a cross-site request); "
         "an operator allows origins with --allowed-origins",
-        code="origin_not_allowed",
-        status=403,
+        code=ErrorCode.ORIGIN_NOT_ALLOWED,
         header="origin",
     )
 
@@ -181,7 +179,9 @@ def _one(headers: Sequence[tuple[bytes, bytes]], name: bytes) -> str | None:
     values = header_values(headers, name)
     if len(values) > 1:  # RFC 9112 §3.2: a second Host is a 400; so a second Origin
         shown = name.decode()
-        raise ProtocolError(f"more than one {shown} header", code="duplicate_header", header=shown)
+        raise ProtocolError(
+            f"more than one {shown} header", code=ErrorCode.DUPLICATE_HEADER, header=shown
+        )
     return values[0] if values else None
 
 

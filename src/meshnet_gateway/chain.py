@@ -17,7 +17,7 @@ from typing import Any
 import anyio
 import anyio.abc
 
-from meshnet_proto import CapacityError, MeshnetError
+from meshnet_proto import CapacityError, ErrorCode, MeshnetError
 from meshnet_proto.lowlevel import ChainProblem
 from meshnet_runtime.control import ControlEndpoints, not_ready
 
@@ -115,7 +115,7 @@ class ChainCheck:
         if problems:
             raise CapacityError(
                 "the chain cannot serve (wire-2 §6.2): " + "; ".join(p.line() for p in problems),
-                code="chain_mismatch",
+                code=ErrorCode.CHAIN_MISMATCH,
                 retry_after=max(1, math.ceil(self.health_interval)),
             )
 

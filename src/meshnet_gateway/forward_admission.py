@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
-from meshnet_proto import CapacityError
+from meshnet_proto import CapacityError, ErrorCode
 from meshnet_runtime.deadlines import Deadline
 
 from .admission import Admission, AdmissionRefused
@@ -37,6 +37,6 @@ async def admitted(
     except AdmissionRefused as exc:
         raise CapacityError(
             f"the gateway's admission: {exc.message}",
-            code="gateway_busy",
+            code=ErrorCode.GATEWAY_BUSY,
             retry_after=exc.retry_after,
         ) from None

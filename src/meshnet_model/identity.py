@@ -108,7 +108,8 @@ class _Digest:
             self._h.update(block)
 
     def hexdigest(self) -> str:
-        return self._h.hexdigest()
+        digest: str = self._h.hexdigest()  # _h is either library's hasher, typed as Any
+        return digest
 
 
 def _canonical(value: Any) -> bytes:

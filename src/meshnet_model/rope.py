@@ -140,4 +140,5 @@ def rotate_half(x: np.ndarray) -> np.ndarray:
 
 def apply_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
     """Rotate ``x`` ``[..., tokens, head_dim]`` by per-token ``cos``/``sin``."""
-    return x * cos + rotate_half(x) * sin
+    rotated: np.ndarray = x * cos + rotate_half(x) * sin
+    return rotated

@@ -179,7 +179,8 @@ def log_softmax(logits: np.ndarray) -> np.ndarray:
     peak = row.max()
     with np.errstate(under="ignore"):
         lse = peak + np.log(np.exp(row - peak).sum())
-    return row - lse
+    shifted: np.ndarray = row - lse  # (numpy types an array minus a scalar as Any)
+    return shifted
 
 
 def top_indices(values: np.ndarray, k: int) -> np.ndarray:

@@ -164,7 +164,7 @@ def _draft_rows(draft_probs: np.ndarray, drafted: list[int], vocab: int) -> np.n
     totals = q.sum(axis=1, keepdims=True)
     if not (totals > 0.0).all():
         raise ValueError("a draft_probs row has no mass")
-    q = q / totals
-    if not all(q[i, d] > 0.0 for i, d in enumerate(drafted)):
+    normalised: np.ndarray = q / totals
+    if not all(normalised[i, d] > 0.0 for i, d in enumerate(drafted)):
         raise ValueError("a draft has probability 0 under its own draft_probs row")
-    return q
+    return normalised

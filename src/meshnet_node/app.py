@@ -32,6 +32,7 @@ from meshnet_proto import (
     ActivationHead,
     ActivationReceived,
     EndpointRequest,
+    ErrorCode,
     ErrorResponse,
     MeshnetError,
     Process,
@@ -281,8 +282,7 @@ class NodeApp:
                 log.exception("stage %s failed", self.stage.name)
                 raise MeshnetError(
                     f"stage {self.stage.name} failed: {type(exc).__name__}",
-                    code="internal_error",
-                    status=500,
+                    code=ErrorCode.INTERNAL_ERROR,
                 ) from exc
             raise
         self.metrics.stage_seconds.observe(time.perf_counter() - started)

@@ -43,7 +43,7 @@ from meshnet_model.sampling import (
     top_indices,
 )
 from meshnet_model.speculative import verify_sampled
-from meshnet_proto import ProtocolError
+from meshnet_proto import ErrorCode, ProtocolError
 from meshnet_proto.lowlevel import SampleSpec
 
 __all__ = ["MAX_SAMPLED_VOCAB", "check_sampled_head", "draw_answer", "mask_of", "verify_answer"]
@@ -53,7 +53,7 @@ MAX_SAMPLED_VOCAB = 2**24
 
 
 def _refuse(message: str) -> ProtocolError:
-    return ProtocolError(message, code="bad_sample", status=400, header="x-meshnet-sample")
+    return ProtocolError(message, code=ErrorCode.BAD_SAMPLE, header="x-meshnet-sample")
 
 
 def check_sampled_head(output: str) -> None:
@@ -153,5 +153,5 @@ def _sampler(spec: SampleSpec) -> Sampler:
 
 def _refuse_window(message: str) -> ProtocolError:
     return ProtocolError(
-        f"x-meshnet-draft: {message}", code="bad_draft", status=400, header="x-meshnet-draft"
+        f"x-meshnet-draft: {message}", code=ErrorCode.BAD_DRAFT, header="x-meshnet-draft"
     )

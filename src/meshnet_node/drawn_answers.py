@@ -24,7 +24,7 @@ import re
 
 import anyio
 
-from meshnet_proto import EndpointRequest, ProtocolError, SessionTable
+from meshnet_proto import EndpointRequest, ErrorCode, ProtocolError, SessionTable
 from meshnet_proto.lowlevel import Ticket, parse_session_key
 from meshnet_runtime.http_server import ActivationReply, RequestContext
 
@@ -39,8 +39,7 @@ def _not_here(session: str, position: int) -> ProtocolError:
     return ProtocolError(
         f"no answer drawn at position {position} of session {session} here "
         "(not drawn yet within the wait, long gone, or held by another replica)",
-        code="not_found",
-        status=404,
+        code=ErrorCode.NOT_FOUND,
     )
 
 
@@ -92,14 +91,13 @@ class DrawnAnswers:
         if match is None:
             raise ProtocolError(
                 "GET /drawn/{session} takes one query parameter: position=N",
-                code="bad_request",
-                status=400,
+                code=ErrorCode.BAD_REQUEST,
             )
         position = int(match.group(1))
         # Ownership first (403), then existence: a stranger learns nothing.
         self.table.check_owner(session, parse_session_key(event.headers))
         if session not in self.table:
-            raise ProtocolError(f"session {session} is unknown here", code="not_found", status=404)
+            raise ProtocolError(f"session {session} is unknown here", code=ErrorCode.NOT_FOUND)
         answer = self._answers.get(session, {}).get(position)
         if answer is not None:
             return answer

@@ -25,6 +25,7 @@ from prometheus_client import CollectorRegistry, Counter
 
 from meshnet_proto import (
     EndpointRequest,
+    ErrorCode,
     ProtocolError,
     SequencingError,
     SessionTable,
@@ -88,12 +89,12 @@ class KVStore(Protocol):
 def kv_unsupported(what: str) -> SequencingError:
     return SequencingError(
         f"{what}: this stage keeps no per-session KV (a stub): nothing to hand off",
-        code="kv_unsupported",
+        code=ErrorCode.KV_UNSUPPORTED,
     )
 
 
 def _bad_kv(message: str, header: str) -> ProtocolError:
-    return ProtocolError(message, code="bad_kv", status=400, header=header)
+    return ProtocolError(message, code=ErrorCode.BAD_KV, header=header)
 
 
 class HeldBytes:
@@ -130,7 +131,7 @@ def check_import_head(
         raise SequencingError(
             f"the KV was exported by stage {headers.kv_fingerprint}; this node is {fingerprint} "
             "(another stage, or the same on another engine or dtype)",
-            code="stage_mismatch",
+            code=ErrorCode.STAGE_MISMATCH,
             header="x-meshnet-kv-fingerprint",
         )
     layout = store.kv_layout
@@ -154,8 +155,7 @@ def check_import_head(
         raise ProtocolError(
             f"x-meshnet-after: a KV import follows its own {headers.position} positions, "
             f"not {headers.after.position} (wire-2 §3.16)",
-            code="bad_after",
-            status=400,
+            code=ErrorCode.BAD_AFTER,
             header="x-meshnet-after",
         )
     assert headers.session is not None  # a node's parse requires it
@@ -275,7 +275,7 @@ class KVHandoff:
         if session in self._importing:
             raise SequencingError(
                 f"session {session} is being imported here already",
-                code="session_exists",
+                code=ErrorCode.SESSION_EXISTS,
                 header="x-meshnet-session",
             )
 
@@ -332,7 +332,7 @@ class KVHandoff:
         session = event.path.removeprefix("/kv/")
         self.table.check_owner(session, parse_session_key(event.headers))
         if session not in self.table:
-            raise ProtocolError(f"session {session} is unknown here", code="not_found", status=404)
+            raise ProtocolError(f"session {session} is unknown here", code=ErrorCode.NOT_FOUND)
         if self.store is None:
             raise kv_unsupported(f"GET /kv/{session}")
         position = self.table.position(session)
@@ -348,8 +348,7 @@ class KVHandoff:
         if state is None:
             raise ProtocolError(
                 f"session {session} holds no KV here (no position computed)",
-                code="not_found",
-                status=404,
+                code=ErrorCode.NOT_FOUND,
             )
         # A chunk that ran meanwhile (its sender broke the rule) changed what was copied.
         if self.table.position(session) != position or state.shape[4] != position:
@@ -372,6 +371,6 @@ class KVHandoff:
 def _busy(session: str) -> SequencingError:
     return SequencingError(
         f"session {session} has a run open or a chunk in flight: its KV is not final",
-        code="session_busy",
+        code=ErrorCode.SESSION_BUSY,
         header="x-meshnet-session",
     )

@@ -13,7 +13,7 @@ import hashlib
 import json
 from typing import Any
 
-from meshnet_proto import MeshnetError, WireHeaders
+from meshnet_proto import ErrorCode, MeshnetError, WireHeaders
 
 from .backends import StageBackend
 
@@ -62,7 +62,6 @@ def check_stage(key: StageKey | None, expected: str) -> None:
     )
     raise MeshnetError(
         f"x-meshnet-stage: the sender expects stage {expected}, this node is {here}",
-        code="stage_mismatch",
-        status=409,
+        code=ErrorCode.STAGE_MISMATCH,
         header="x-meshnet-stage",
     )

@@ -17,7 +17,7 @@ from collections import Counter
 
 import numpy as np
 
-from meshnet_proto import CapacityError, ProtocolError
+from meshnet_proto import CapacityError, ErrorCode, ProtocolError
 
 __all__ = ["KV_TRANSFER_RETRY_AFTER", "KVTransfers", "Transfer", "check_finite"]
 
@@ -71,7 +71,7 @@ class KVTransfers:
             raise CapacityError(
                 f"{what}: too many KV moves at once ({whose}; --max-kv-transfers-per-peer, "
                 "--max-kv-transfers): retry shortly",
-                code="kv_transfers_full",
+                code=ErrorCode.KV_TRANSFERS_FULL,
                 retry_after=self.retry_after,
             )
         self._by_peer[peer] = held + 1
@@ -100,6 +100,5 @@ def check_finite(tensor: np.ndarray) -> None:
         if not np.isfinite(flat[start : start + _FINITE_SLICE]).all():
             raise ProtocolError(
                 "the KV holds NaN or infinity: nothing was imported",
-                code="bad_kv",
-                status=400,
+                code=ErrorCode.BAD_KV,
             )

@@ -68,7 +68,7 @@ from meshnet_model.errors import (
 )
 from meshnet_model.identity import ModelIdentity, model_identity
 from meshnet_model.stage.handoff import export_kv, import_kv, kv_layout
-from meshnet_proto import CapacityError, DownstreamError, ProtocolError, SequencingError
+from meshnet_proto import CapacityError, DownstreamError, ErrorCode, ProtocolError, SequencingError
 from meshnet_proto.lowlevel import PREFIX_BLOCK_TOKENS, prefix_block_keys
 from meshnet_runtime.metrics import ReadAtScrape, Sample
 
@@ -164,30 +164,31 @@ class ModelStage:
         except ComputeDeadlineExceeded as exc:
             raise DownstreamError(
                 f"{exc}; stopped between layers",
-                code="deadline_exceeded",
-                status=504,
+                code=ErrorCode.DEADLINE_EXCEEDED,
                 header="x-meshnet-deadline-ms",
             ) from None
         except KVBudgetExceeded as exc:
             raise CapacityError(
-                f"KV cache memory is full: {exc}", code="kv_memory_full", retry_after=KV_RETRY_AFTER
+                f"KV cache memory is full: {exc}",
+                code=ErrorCode.KV_MEMORY_FULL,
+                retry_after=KV_RETRY_AFTER,
             ) from None
         except PrefixUnknown as exc:
             raise SequencingError(
-                str(exc), code="prefix_unknown", header="x-meshnet-prefix"
+                str(exc), code=ErrorCode.PREFIX_UNKNOWN, header="x-meshnet-prefix"
             ) from None
         except RewindRefused as exc:
             raise SequencingError(
-                str(exc), code="rewind_refused", header="x-meshnet-after"
+                str(exc), code=ErrorCode.REWIND_REFUSED, header="x-meshnet-after"
             ) from None
         except CacheMismatch as exc:
             raise SequencingError(
-                str(exc), code="kv_cache_mismatch", header="x-meshnet-position"
+                str(exc), code=ErrorCode.KV_CACHE_MISMATCH, header="x-meshnet-position"
             ) from None
         except SessionEnded:
             raise SequencingError(
                 f"session {context.session} ended while its chunk was computing",
-                code="session_unknown",
+                code=ErrorCode.SESSION_UNKNOWN,
                 header="x-meshnet-session",
             ) from None
         return output
@@ -231,7 +232,9 @@ class ModelStage:
             self.runner.budget.hold(nbytes)
         except KVBudgetExceeded as exc:
             raise CapacityError(
-                f"KV cache memory is full: {exc}", code="kv_memory_full", retry_after=KV_RETRY_AFTER
+                f"KV cache memory is full: {exc}",
+                code=ErrorCode.KV_MEMORY_FULL,
+                retry_after=KV_RETRY_AFTER,
             ) from None
 
     def release_kv(self, nbytes: int) -> None:
@@ -248,7 +251,9 @@ class ModelStage:
             )
         except KVBudgetExceeded as exc:
             raise CapacityError(
-                f"KV cache memory is full: {exc}", code="kv_memory_full", retry_after=KV_RETRY_AFTER
+                f"KV cache memory is full: {exc}",
+                code=ErrorCode.KV_MEMORY_FULL,
+                retry_after=KV_RETRY_AFTER,
             ) from None
 
     def bind_metrics(self, registry: CollectorRegistry) -> None:
@@ -371,9 +376,9 @@ def _prefix_samples(runner: StageRunner) -> list[Sample]:
 
 def _input_error(exc: StageInputError) -> ProtocolError:
     if isinstance(exc, PrefixMismatch):
-        return ProtocolError(str(exc), code="bad_prefix", header="x-meshnet-prefix-blocks")
+        return ProtocolError(str(exc), code=ErrorCode.BAD_PREFIX, header="x-meshnet-prefix-blocks")
     if isinstance(exc, ChunkTooLarge):
-        return ProtocolError(str(exc), code="chunk_too_large", status=413, header="x-meshnet-shape")
+        return ProtocolError(str(exc), code=ErrorCode.CHUNK_TOO_LARGE, header="x-meshnet-shape")
     if isinstance(exc, ContextExceeded):
-        return ProtocolError(str(exc), code="context_length_exceeded")
-    return ProtocolError(str(exc), code="bad_stage_input")
+        return ProtocolError(str(exc), code=ErrorCode.CONTEXT_LENGTH_EXCEEDED)
+    return ProtocolError(str(exc), code=ErrorCode.BAD_STAGE_INPUT)

@@ -66,7 +66,7 @@ from meshnet_model.engines.core_ledger import CoreLedger, ledger_step
 from meshnet_model.errors import SessionBusy
 from meshnet_model.stage.batch import ATTENTION_BLOCK
 from meshnet_model.stage.runner import SessionLife, StageRunner, StageWork
-from meshnet_proto import CapacityError
+from meshnet_proto import CapacityError, ErrorCode
 
 __all__ = [
     "DEFAULT_MAX_BATCH_TOKENS",
@@ -324,7 +324,7 @@ class StageScheduler:
             raise CapacityError(
                 f"{self.queued_rows} rows already wait for this stage's compute "
                 f"(--max-queued-tokens {self.max_queued_tokens})",
-                code="stage_busy",
+                code=ErrorCode.STAGE_BUSY,
                 retry_after=max(1, math.ceil(self.queued_rows / rate)),
             )
         self.queue.append(work)

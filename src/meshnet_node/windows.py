@@ -19,7 +19,7 @@ from __future__ import annotations
 import numpy as np
 from prometheus_client import CollectorRegistry
 
-from meshnet_proto import ProtocolError, WireHeaders
+from meshnet_proto import ErrorCode, ProtocolError, WireHeaders
 from meshnet_proto.lowlevel import SampleSpec, Ticket
 from meshnet_runtime.codec_pool import CodecPool
 from meshnet_runtime.metrics import Tally
@@ -72,8 +72,7 @@ def check_drafted_ids(headers: WireHeaders, tensor: np.ndarray) -> None:
     if tensor[0, 1:].tolist() != list(draft):
         raise ProtocolError(
             "x-meshnet-draft: the chunk's tokens after its first are not the drafted ids",
-            code="bad_draft",
-            status=400,
+            code=ErrorCode.BAD_DRAFT,
             header="x-meshnet-draft",
         )
 

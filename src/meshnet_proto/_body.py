@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ._errors import ProtocolError
+from ._errors import ErrorCode, ProtocolError
 from ._limits import KiB
 
 __all__ = ["Body", "BodyReader", "Output", "as_byte_buffer", "body_buffer"]
@@ -65,8 +65,7 @@ class BodyReader:
         if end > self.limit:
             raise ProtocolError(
                 f"{self.what} body over its bound of {self.limit} bytes",
-                code="body_too_large",
-                status=413,
+                code=ErrorCode.BODY_TOO_LARGE,
             )
         if not data:
             return  # nothing to copy (and a body kept whole stays so)

@@ -13,7 +13,7 @@ the sender retries.
 from __future__ import annotations
 
 from ._codec import body_bound
-from ._errors import CapacityError
+from ._errors import CapacityError, ErrorCode
 from ._headers import WireHeaders
 
 __all__ = ["ByteBudget", "Reservation", "request_cost"]
@@ -81,7 +81,7 @@ class ByteBudget:
                 f"this server holds {self.in_use:,} bytes of tensors for requests in "
                 f"flight; {nbytes:,} more would pass its budget of {self.limit:,}: retry "
                 "shortly",
-                code="memory_full",
+                code=ErrorCode.MEMORY_FULL,
                 retry_after=self.retry_after,
             )
         self.in_use += nbytes

@@ -13,7 +13,7 @@ import math
 from collections.abc import Callable
 
 from ._chunk_record import IN_FLIGHT
-from ._errors import CapacityError
+from ._errors import CapacityError, ErrorCode
 from ._limits import Limits
 from ._routing import Session
 from ._runs import all_records
@@ -123,14 +123,13 @@ class Capacity:
         )
         raise CapacityError(
             f"this client holds {len(mine)} sessions here, its maximum",
-            code="client_sessions_full",
-            status=429,
+            code=ErrorCode.CLIENT_SESSIONS_FULL,
             retry_after=max(1, math.ceil(soonest)),
         )
 
     def _full(self, soonest: float) -> CapacityError:
         return CapacityError(
             f"this node holds {len(self._sessions)} sessions, its maximum",
-            code="sessions_full",
+            code=ErrorCode.SESSIONS_FULL,
             retry_after=max(1, math.ceil(soonest)),
         )

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ._errors import ProtocolError
+from ._errors import ErrorCode, ProtocolError
 
 __all__ = ["Chunk", "ChunkAssembler", "plan_chunks", "token_axis"]
 
@@ -84,7 +84,7 @@ def plan_chunks(array: np.ndarray, chunk_tokens: int) -> list[Chunk]:
     return chunks
 
 
-def _assembly_error(message: str, code: str) -> ProtocolError:
+def _assembly_error(message: str, code: ErrorCode) -> ProtocolError:
     return ProtocolError(message, code=code, status=ASSEMBLY_ERROR_STATUS)
 
 
@@ -128,12 +128,14 @@ class ChunkAssembler:
         """Record chunk ``index``'s output."""
         if isinstance(index, bool) or not isinstance(index, int) or not 0 <= index < self._total:
             raise _assembly_error(
-                f"chunk index {index!r} is outside 0..{self._total - 1}", "bad_chunk_index"
+                f"chunk index {index!r} is outside 0..{self._total - 1}", ErrorCode.BAD_CHUNK_INDEX
             )
         if index in self._parts:
-            raise _assembly_error(f"chunk {index} was already received", "chunk_duplicate")
+            raise _assembly_error(f"chunk {index} was already received", ErrorCode.CHUNK_DUPLICATE)
         if array.ndim == 0:
-            raise _assembly_error(f"chunk {index} is a scalar, not a tensor", "chunk_mismatch")
+            raise _assembly_error(
+                f"chunk {index} is a scalar, not a tensor", ErrorCode.CHUNK_MISMATCH
+            )
         axis = token_axis(array.shape)
         signature = (
             array.dtype,
@@ -146,7 +148,7 @@ class ChunkAssembler:
                 f"chunk {index} is {array.dtype} of shape {array.shape}, which does not "
                 f"match the run's {self._describe(self._reference)} (only the token "
                 "axis may differ)",
-                "chunk_mismatch",
+                ErrorCode.CHUNK_MISMATCH,
             )
         self._parts[index] = array
 
@@ -162,7 +164,7 @@ class ChunkAssembler:
             missing = self.missing()
             raise _assembly_error(
                 f"{len(missing)} of {self._total} chunks missing (first: {missing[0]})",
-                "chunk_missing",
+                ErrorCode.CHUNK_MISSING,
             )
         parts = [self._parts[index] for index in range(self._total)]
         return np.concatenate(parts, axis=token_axis(parts[0].shape))

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import hmac
 
-from ._errors import ProtocolError, SequencingError
+from ._errors import ErrorCode, ProtocolError, SequencingError
 from ._routing import Headers, Session
 
 __all__ = ["SESSION", "INDEX", "require", "check_owner", "check_claims", "unknown"]
@@ -26,12 +26,14 @@ def require(h: Headers) -> tuple[str, int, int]:
     """A node needs the sequencing headers (the gateway's input may lack them)."""
     for value, header in ((h.session, SESSION), (h.chunk_index, INDEX), (h.chunk_total, _TOTAL)):
         if value is None:
-            raise ProtocolError(f"{header} is required", code="missing_header", header=header)
+            raise ProtocolError(
+                f"{header} is required", code=ErrorCode.MISSING_HEADER, header=header
+            )
     assert h.session is not None and h.chunk_index is not None and h.chunk_total is not None
     if h.chunk_index >= h.chunk_total:
         raise ProtocolError(
             f"chunk index {h.chunk_index} is not below chunk total {h.chunk_total}",
-            code="bad_chunk_index",
+            code=ErrorCode.BAD_CHUNK_INDEX,
             header=INDEX,
         )
     return h.session, h.chunk_index, h.chunk_total
@@ -50,7 +52,7 @@ def check_owner(s: Session, key: str | None) -> None:
         return
     else:
         why = "is bound to another session key"
-    raise ProtocolError(f"session {s.id} {why}", code="session_forbidden", status=403, header=_KEY)
+    raise ProtocolError(f"session {s.id} {why}", code=ErrorCode.SESSION_FORBIDDEN, header=_KEY)
 
 
 def check_claims(s: Session | None, sid: str, index: int, h: Headers, replay: bool) -> None:
@@ -63,18 +65,18 @@ def check_claims(s: Session | None, sid: str, index: int, h: Headers, replay: bo
             raise SequencingError(
                 f"session {sid} is live here: a replay cannot start it again "
                 "(DELETE it first to rebuild it)",
-                code="session_exists",
+                code=ErrorCode.SESSION_EXISTS,
                 header=SESSION,
             )
     if h.position is None and (index > 0 or s is not None):
         raise SequencingError(
             f"session {sid}: chunk {index} carries no position; only the first chunk of a "
             "new session may omit it",
-            code="position_required",
+            code=ErrorCode.POSITION_REQUIRED,
             header=_POSITION,
         )
 
 
 def unknown(message: str) -> SequencingError:
     """The 409 for a chunk of a session this node does not hold."""
-    return SequencingError(message, code="session_unknown", header=SESSION)
+    return SequencingError(message, code=ErrorCode.SESSION_UNKNOWN, header=SESSION)

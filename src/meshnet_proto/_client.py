@@ -31,7 +31,7 @@ import zstandard
 from ._body import Body, BodyReader, Output, as_byte_buffer, body_buffer
 from ._body_bypass import take_body_bytes
 from ._codec import body_bound, decode_tensor
-from ._errors import DownstreamError, MeshnetError
+from ._errors import DownstreamError, ErrorCode, MeshnetError
 from ._events import (
     NEED_DATA,
     ActivationResponse,
@@ -142,7 +142,7 @@ class ClientConnection(H11Reader[_Answer]):
     def _bad(self, message: str, *, header: str | None = None) -> DownstreamError:
         return DownstreamError(
             f"downstream answered garbage: {message}",
-            code="downstream_bad_response",
+            code=ErrorCode.DOWNSTREAM_BAD_RESPONSE,
             header=header,
             hop=self._hop,
         )
@@ -281,7 +281,7 @@ class ClientConnection(H11Reader[_Answer]):
                     DownstreamError(
                         f"downstream closed the connection before its response was complete "
                         f"({reason})",
-                        code="downstream_unreachable",
+                        code=ErrorCode.DOWNSTREAM_UNREACHABLE,
                         hop=self._hop,
                     )
                 ) from None

@@ -25,7 +25,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from enum import Enum
 
-from ._errors import CapacityError, ProtocolError, SequencingError
+from ._errors import CapacityError, ErrorCode, ProtocolError, SequencingError
 
 __all__ = ["ClientSessionTable", "Lease"]
 
@@ -226,7 +226,7 @@ class ClientSessionTable:
         if entry.busy:
             raise SequencingError(
                 f"session {session} already has a request in progress",
-                code="session_busy",
+                code=ErrorCode.SESSION_BUSY,
                 header="x-meshnet-session",
             )
         entry.busy = True
@@ -265,8 +265,7 @@ class ClientSessionTable:
             if len(mine) >= self.max_per_client:
                 raise CapacityError(
                     f"this client holds {len(mine)} sessions at the gateway, its maximum",
-                    code="client_sessions_full",
-                    status=429,
+                    code=ErrorCode.CLIENT_SESSIONS_FULL,
                     retry_after=self._soonest(now, mine),
                 )
         if len(self._entries) < self.max_sessions:
@@ -276,7 +275,7 @@ class ClientSessionTable:
             return
         raise CapacityError(
             f"the gateway holds {len(self._entries)} client sessions, its maximum",
-            code="sessions_full",
+            code=ErrorCode.SESSIONS_FULL,
             retry_after=self._soonest(now, self._entries),
         )
 
@@ -295,7 +294,6 @@ def _check_key(session: str, bound: str, key: str | None) -> None:
         why = "carries no session key" if key is None else "carries another session key"
         raise ProtocolError(
             f"session {session} is bound to a session key; this request {why}",
-            code="session_forbidden",
-            status=403,
+            code=ErrorCode.SESSION_FORBIDDEN,
             header="x-meshnet-session-key",
         )

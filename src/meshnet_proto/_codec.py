@@ -24,7 +24,7 @@ import numpy as np
 import zstandard
 
 from ._dtypes import WIRE_DTYPES, wire_dtype_name
-from ._errors import ProtocolError
+from ._errors import ErrorCode, ProtocolError
 from ._headers import WireHeaders
 from ._limits import Limits
 
@@ -109,11 +109,11 @@ def encode_tensor(
 
 def _bad_frame(message: str) -> ProtocolError:
     # No header: the body is at fault, not a header value.
-    return ProtocolError(f"zstd body: {message}", code="bad_zstd_frame", status=400)
+    return ProtocolError(f"zstd body: {message}", code=ErrorCode.BAD_ZSTD_FRAME)
 
 
 def _size_mismatch(message: str) -> ProtocolError:
-    return ProtocolError(message, code="body_size_mismatch", status=400)
+    return ProtocolError(message, code=ErrorCode.BODY_SIZE_MISMATCH)
 
 
 def _walk_zstd_frame(body: memoryview, *, max_blocks: int) -> int | None:
@@ -237,8 +237,7 @@ def decode_tensor(
         # parse_wire_headers checked this already; hand-built headers did not.
         raise ProtocolError(
             f"tensor of {nbytes} bytes is over the limit of {limits.max_tensor_bytes} bytes",
-            code="tensor_too_large",
-            status=413,
+            code=ErrorCode.TENSOR_TOO_LARGE,
             header="x-meshnet-shape",
         )
     view = memoryview(body)
@@ -256,8 +255,7 @@ def decode_tensor(
             raise ProtocolError(
                 f"zstd body is {len(view)} bytes, over the bound of {bound} for a "
                 f"{nbytes}-byte tensor",
-                code="body_too_large",
-                status=413,
+                code=ErrorCode.BODY_TOO_LARGE,
             )
         data = _decompress_bounded(view, nbytes, decompressor)
     # The array over the buffer in one call (frombuffer + reshape were ~1 us

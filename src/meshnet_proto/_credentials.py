@@ -29,7 +29,7 @@ import re
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
-from ._errors import ProtocolError
+from ._errors import ErrorCode, ProtocolError
 from ._topology import is_deep_health
 
 __all__ = ["CLIENT_PATHS", "Credentials", "HeadCheck", "Principal", "key_digest"]
@@ -72,8 +72,7 @@ def _unauthorized() -> ProtocolError:
     # A fixed message: never a hint of a credential, nor of what was sent.
     return ProtocolError(
         "missing or wrong Authorization: Bearer credentials",
-        code="unauthorized",
-        status=401,
+        code=ErrorCode.UNAUTHORIZED,
         header="authorization",
     )
 
@@ -160,8 +159,7 @@ class Credentials:
         if not _client_path(path, self._client_paths):
             raise ProtocolError(
                 f"{path}: an API key opens the client paths only; this one needs the chain's token",
-                code="key_not_allowed",
-                status=403,
+                code=ErrorCode.KEY_NOT_ALLOWED,
                 header="authorization",
             )
         return Principal(tenant)

@@ -164,6 +164,13 @@ class MeshnetError(Exception):
     stable error code; ``header`` names the offending header (lowercase) or is
     ``None``; ``hop`` names the downstream that failed (wire-2 §4) or is ``None``;
     ``retry_after`` is the seconds hint for 503 answers.
+
+    A raise site names an `ErrorCode` and the status follows from it (its
+    ``status``), the way h11's ``error_status_hint`` travels with its error:
+    ``status=`` is given only for a code's other status (``bad_chunk_index``'s
+    502). A plain string is for a code relayed off the wire (wire-2 §4.3),
+    which may be one this version does not know: it comes with its
+    downstream's status, or else gets the class's ``default_status``.
     """
 
     default_status = 400
@@ -172,7 +179,7 @@ class MeshnetError(Exception):
         self,
         message: str,
         *,
-        code: str,
+        code: ErrorCode | str,
         status: int | None = None,
         header: str | None = None,
         hop: str | None = None,
@@ -181,7 +188,9 @@ class MeshnetError(Exception):
         super().__init__(message)
         self.message = message
         self.code = code
-        self.status = self.default_status if status is None else status
+        if status is None:
+            status = code.status if isinstance(code, ErrorCode) else self.default_status
+        self.status = status
         self.header = header.lower() if header is not None else None
         self.hop = hop
         self.retry_after = retry_after
@@ -200,7 +209,7 @@ class MeshnetError(Exception):
 
     def __repr__(self) -> str:
         return (
-            f"{type(self).__name__}(status={self.status}, code={self.code!r}, "
+            f"{type(self).__name__}(status={self.status}, code={str(self.code)!r}, "
             f"header={self.header!r}, message={self.message!r})"
         )
 

@@ -15,7 +15,7 @@ from collections.abc import Collection, Iterable, Mapping, Sequence
 import h11
 
 from ._codec import body_bound
-from ._errors import ProtocolError
+from ._errors import ErrorCode, ProtocolError
 from ._headers import WireHeaders
 from ._limits import Limits
 
@@ -46,15 +46,14 @@ def from_h11(exc: h11.RemoteProtocolError, limits: Limits) -> ProtocolError:
     if exc.error_status_hint == 431:
         return _head_too_large(limits)
     if exc.error_status_hint == 501 or "content-length" in reason.lower():
-        return ProtocolError(f"bad request framing ({reason})", code="bad_framing")
-    return ProtocolError(f"malformed HTTP request ({reason})", code="malformed_request")
+        return ProtocolError(f"bad request framing ({reason})", code=ErrorCode.BAD_FRAMING)
+    return ProtocolError(f"malformed HTTP request ({reason})", code=ErrorCode.MALFORMED_REQUEST)
 
 
 def _head_too_large(limits: Limits) -> ProtocolError:
     return ProtocolError(
         f"request head over {limits.max_header_bytes} bytes",
-        code="header_block_too_large",
-        status=431,
+        code=ErrorCode.HEADER_BLOCK_TOO_LARGE,
     )
 
 
@@ -75,7 +74,7 @@ def check_head(
     if request.http_version not in _HTTP_VERSIONS:
         raise ProtocolError(
             f"HTTP/{request.http_version.decode('ascii')} is not spoken here; wire 2 is HTTP/1.1",
-            code="malformed_request",
+            code=ErrorCode.MALFORMED_REQUEST,
         )
 
 
@@ -113,13 +112,12 @@ def check_route(
     if path != activation_path:
         route = next((pattern for pattern in routes if _route_matches(pattern, path)), None)
         if route is None:
-            raise ProtocolError(f"no such path: {path[:200]}", code="not_found", status=404)
+            raise ProtocolError(f"no such path: {path[:200]}", code=ErrorCode.NOT_FOUND)
         allowed = routes[route]
     if method not in allowed:
         raise ProtocolError(
             f"{method} is not allowed on {path[:200]} (allowed: {', '.join(sorted(allowed))})",
-            code="method_not_allowed",
-            status=405,
+            code=ErrorCode.METHOD_NOT_ALLOWED,
         )
     return route
 
@@ -139,14 +137,13 @@ def check_framing(method: str, headers: Iterable[tuple[bytes, bytes]]) -> int | 
     if lengths and chunked:
         raise ProtocolError(
             "Content-Length together with Transfer-Encoding",
-            code="bad_framing",
+            code=ErrorCode.BAD_FRAMING,
             header="transfer-encoding",
         )
     if not lengths and not chunked and method == "POST":
         raise ProtocolError(
             "a POST needs Content-Length or Transfer-Encoding: chunked",
-            code="length_required",
-            status=411,
+            code=ErrorCode.LENGTH_REQUIRED,
         )
     return int(lengths[0]) if lengths else None
 
@@ -154,8 +151,7 @@ def check_framing(method: str, headers: Iterable[tuple[bytes, bytes]]) -> int | 
 def endpoint_body_too_large(max_endpoint_body: int) -> ProtocolError:
     return ProtocolError(
         f"request body over {max_endpoint_body} bytes",
-        code="body_too_large",
-        status=413,
+        code=ErrorCode.BODY_TOO_LARGE,
     )
 
 
@@ -166,8 +162,7 @@ def check_activation_length(wire: WireHeaders, content_length: int | None) -> No
         raise ProtocolError(
             f"Content-Length {content_length} over the body bound {bound} "
             f"of a {wire.encoding} {wire.dtype} tensor of shape {wire.shape}",
-            code="body_too_large",
-            status=413,
+            code=ErrorCode.BODY_TOO_LARGE,
             header="content-length",
         )
 
@@ -182,7 +177,7 @@ def activation_body_size(wire: WireHeaders, content_length: int | None) -> int:
     if wire.encoding == "identity" and content_length != wire.nbytes:
         raise ProtocolError(
             f"Content-Length {content_length} is not the {wire.nbytes} bytes the headers promise",
-            code="body_size_mismatch",
+            code=ErrorCode.BODY_SIZE_MISMATCH,
             header="content-length",
         )
     return content_length

@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterable
 from typing import Any, TypeAlias
 
 from ._dtypes import WELL_FORMED_TOKEN, WIRE_DTYPES, WIRE_ENCODINGS
-from ._errors import ProtocolError
+from ._errors import ErrorCode, ProtocolError
 from ._integers import MAX_UINT_DIGITS, parse_canonical_uint
 from ._kv import H_KV_CHECKSUM, H_KV_FINGERPRINT, parse_kv
 from ._limits import Limits
@@ -124,8 +124,7 @@ def _check_content_type(values: list[bytes]) -> None:
     if not values:
         raise ProtocolError(
             "Content-Type is missing; wire 2 bodies are application/octet-stream",
-            code="unsupported_media_type",
-            status=415,
+            code=ErrorCode.UNSUPPORTED_MEDIA_TYPE,
             header=header,
         )
     if len(values) > 1:
@@ -133,8 +132,7 @@ def _check_content_type(values: list[bytes]) -> None:
         # proxy might honour the other one.
         raise ProtocolError(
             f"Content-Type given {len(values)} times",
-            code="duplicate_header",
-            status=400,
+            code=ErrorCode.DUPLICATE_HEADER,
             header=header,
         )
     media_type = values[0].strip(_OWS).lower()
@@ -145,15 +143,13 @@ def _check_content_type(values: list[bytes]) -> None:
             "wire 1 is gone: this server speaks wire 2 only — send the tensor as raw "
             "little-endian bytes with Content-Type: application/octet-stream and "
             "X-Meshnet-Shape / X-Meshnet-Dtype headers (see wire-2 §2)",
-            code="wire1_gone",
-            status=415,
+            code=ErrorCode.WIRE1_GONE,
             header=header,
         )
     raise ProtocolError(
         f"Content-Type {_quote(values[0])} is not supported; wire 2 bodies are "
         "application/octet-stream (no parameters)",
-        code="unsupported_media_type",
-        status=415,
+        code=ErrorCode.UNSUPPORTED_MEDIA_TYPE,
         header=header,
     )
 
@@ -187,8 +183,7 @@ def _parse_new_shape(value: bytes, *, max_rank: int) -> tuple[int, ...]:
         header = _name(H_SHAPE)
         raise ProtocolError(
             f"{header}: {rank} dimensions, at most {max_rank} allowed",
-            code="bad_shape",
-            status=400,
+            code=ErrorCode.BAD_SHAPE,
             header=header,
         )
     dims: list[int] = []
@@ -200,16 +195,14 @@ def _parse_new_shape(value: bytes, *, max_rank: int) -> tuple[int, ...]:
             raise ProtocolError(
                 f"{header}: {_quote(value)} is not a comma-separated list of canonical "
                 "unsigned integers (e.g. 1,128,16384)",
-                code="bad_shape",
-                status=400,
+                code=ErrorCode.BAD_SHAPE,
                 header=header,
             ) from None
         if dim == 0:
             header = _name(H_SHAPE)
             raise ProtocolError(
                 f"{header}: dimension {len(dims)} is 0; every dimension must be >= 1",
-                code="bad_shape",
-                status=400,
+                code=ErrorCode.BAD_SHAPE,
                 header=header,
             )
         dims.append(dim)
@@ -225,7 +218,13 @@ _KNOWN_TOKENS: dict[bytes, str] = {
 
 
 def _parse_token(
-    value: bytes, *, header: bytes, supported: Iterable[str], what: str, bad: str, unsupported: str
+    value: bytes,
+    *,
+    header: bytes,
+    supported: Iterable[str],
+    what: str,
+    bad: ErrorCode,
+    unsupported: ErrorCode,
 ) -> str:
     """``value`` as one of ``supported`` (a subset of the known tokens), else
     400 ``bad`` (not a token at all) or 415 ``unsupported`` (well-formed)."""
@@ -238,14 +237,12 @@ def _parse_token(
             f"{name}: {_quote(value)} is not a valid {what} token (lowercase, "
             f"e.g. {', '.join(sorted(supported))})",
             code=bad,
-            status=400,
             header=name,
         )
     raise ProtocolError(
         f"{name}: {what} {value.decode('ascii')!r} is not supported (supported: "
         f"{', '.join(sorted(supported))})",
         code=unsupported,
-        status=415,
         header=name,
     )
 
@@ -253,7 +250,7 @@ def _parse_token(
 def _missing(header: bytes) -> ProtocolError:
     name = _name(header)
     return ProtocolError(
-        f"required header {name} is missing", code="missing_header", status=400, header=name
+        f"required header {name} is missing", code=ErrorCode.MISSING_HEADER, header=name
     )
 
 
@@ -261,8 +258,7 @@ def duplicate(header: bytes, count: int) -> ProtocolError:
     name = _name(header)
     return ProtocolError(
         f"{name} given {count} times; each wire header may appear once",
-        code="duplicate_header",
-        status=400,
+        code=ErrorCode.DUPLICATE_HEADER,
         header=name,
     )
 
@@ -278,8 +274,7 @@ def optional_session_key(raw: bytes | None) -> str | None:
         name = _name(H_SESSION_KEY)
         raise ProtocolError(
             f"{name}: not 32 lowercase hex digits ({len(raw)} bytes given)",
-            code="bad_session_key",
-            status=400,
+            code=ErrorCode.BAD_SESSION_KEY,
             header=name,
         )
     return raw.decode("ascii")
@@ -296,7 +291,7 @@ def _optional_uint(values: dict[bytes, bytes], header: bytes, *, required: bool)
 
 def _bad_chunk(header: bytes, message: str) -> ProtocolError:
     name = _name(header)
-    return ProtocolError(f"{name}: {message}", code="bad_chunk_index", status=400, header=name)
+    return ProtocolError(f"{name}: {message}", code=ErrorCode.BAD_CHUNK_INDEX, header=name)
 
 
 # --------------------------------------------------------------------------
@@ -352,8 +347,7 @@ def _wire_version(
     if wire is not None and wire != WIRE_VERSION_VALUE:
         raise ProtocolError(
             f"x-meshnet-wire: {_quote(wire)}; this server speaks wire 2 only",
-            code="wire_version_mismatch",
-            status=400,
+            code=ErrorCode.WIRE_VERSION_MISMATCH,
             header=_name(H_WIRE),
         )
 
@@ -375,8 +369,8 @@ def _tensor(
         header=H_DTYPE,
         supported=WIRE_DTYPES,
         what="dtype",
-        bad="bad_dtype",
-        unsupported="unsupported_dtype",
+        bad=ErrorCode.BAD_DTYPE,
+        unsupported=ErrorCode.UNSUPPORTED_DTYPE,
     )
 
     raw_encoding = values.get(H_ENCODING)
@@ -387,8 +381,8 @@ def _tensor(
             header=H_ENCODING,
             supported=WIRE_ENCODINGS,
             what="encoding",
-            bad="bad_encoding",
-            unsupported="unsupported_encoding",
+            bad=ErrorCode.BAD_ENCODING,
+            unsupported=ErrorCode.UNSUPPORTED_ENCODING,
         )
     fields["encoding"] = encoding
 
@@ -408,8 +402,7 @@ def _sequencing(
         raise ProtocolError(
             f"x-meshnet-session: {_quote(raw_session)} is not a canonical lowercase "
             "8-4-4-4-12 UUID",
-            code="bad_session",
-            status=400,
+            code=ErrorCode.BAD_SESSION,
             header=_name(H_SESSION),
         )
     else:
@@ -463,8 +456,7 @@ def _optional(
                 f"x-meshnet-stage: {_quote(raw_stage)} is not '<model-id>/<first layer>' "
                 "(model id: 1-64 of a-z 0-9 . _ -, starting with a letter or digit; "
                 "layer: a canonical unsigned integer)",
-                code="bad_stage",
-                status=400,
+                code=ErrorCode.BAD_STAGE,
                 header=_name(H_STAGE),
             )
         stage = raw_stage.decode("ascii")
@@ -492,7 +484,6 @@ def check_size(shape: tuple[int, ...], dtype: str, nbytes: int, limits: Limits) 
         raise ProtocolError(
             f"tensor of shape {','.join(map(str, shape))} {dtype} is {nbytes} bytes, over "
             f"this node's limit of {limits.max_tensor_bytes} bytes",
-            code="tensor_too_large",
-            status=413,
+            code=ErrorCode.TENSOR_TOO_LARGE,
             header=_name(H_SHAPE),
         )

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import re
 
-from ._errors import ProtocolError
+from ._errors import ErrorCode, ProtocolError
 
 __all__ = ["parse_canonical_uint"]
 
@@ -41,7 +41,7 @@ def parse_canonical_uint(value: bytes | str, *, header: str | bytes) -> int:
 
     Accepted: the ASCII bytes ``0``-``9``, 1 to 19 of them, no leading zero
     unless the value is ``0`` itself. Anything else raises
-    ``ProtocolError(status=400, code="bad_integer", header=header)``.
+    ``ProtocolError(code=ErrorCode.BAD_INTEGER, header=header)`` (400).
     The length is checked before any conversion so a megabyte of digits
     costs nothing. ``header`` may be the name as the parser holds it (ASCII
     bytes): it is decoded only for an error, so a well-formed value (six a
@@ -66,14 +66,12 @@ def parse_canonical_uint(value: bytes | str, *, header: str | bytes) -> int:
         raise ProtocolError(
             f"{header}: expected 1 to {MAX_UINT_DIGITS} ASCII digits, got {len(raw)} bytes "
             f"({_quote(raw)})",
-            code="bad_integer",
-            status=400,
+            code=ErrorCode.BAD_INTEGER,
             header=header,
         )
     raise ProtocolError(
         f"{header}: {_quote(raw)} is not a canonical unsigned integer "
         "(ASCII digits only, no sign, no space, no leading zero)",
-        code="bad_integer",
-        status=400,
+        code=ErrorCode.BAD_INTEGER,
         header=header,
     )

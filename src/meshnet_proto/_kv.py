@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 import xxhash
 
-from ._errors import ProtocolError
+from ._errors import ErrorCode, ProtocolError
 from ._limits import Limits
 
 __all__ = ["KV_RANK", "check_kv_message", "is_kv_import", "kv_checksum"]
@@ -46,7 +46,7 @@ def is_kv_import(query: str) -> bool:
 
 
 def _bad(header: bytes, message: str) -> ProtocolError:
-    return ProtocolError(message, code="bad_kv", status=400, header=header.decode("ascii"))
+    return ProtocolError(message, code=ErrorCode.BAD_KV, header=header.decode("ascii"))
 
 
 def parse_kv(

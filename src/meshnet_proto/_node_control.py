@@ -20,7 +20,7 @@ from typing import Any
 
 from ._body import Body
 from ._decisions import Ticket
-from ._errors import MeshnetError, ProtocolError
+from ._errors import ErrorCode, MeshnetError, ProtocolError
 from ._events import EndpointRequest
 from ._headers import WireHeaders, parse_session_key
 from ._limits import Limits
@@ -86,7 +86,7 @@ def answer_headers(
 
 
 def _not_found(message: str) -> ProtocolError:
-    return ProtocolError(message, code="not_found", status=404)
+    return ProtocolError(message, code=ErrorCode.NOT_FOUND)
 
 
 class NodeControl:
@@ -118,15 +118,13 @@ class NodeControl:
         if headers.deadline_ms == 0:
             raise MeshnetError(
                 "x-meshnet-deadline-ms: 0, the request's time is spent",
-                code="deadline_exceeded",
-                status=504,
+                code=ErrorCode.DEADLINE_EXCEEDED,
             )
         if headers.stage is not None and headers.stage != self.stage:
             raise MeshnetError(
                 f"x-meshnet-stage: the sender expects stage {headers.stage}, "
                 f"this node is {self.stage or 'a stage without layers'}",
-                code="stage_mismatch",
-                status=409,
+                code=ErrorCode.STAGE_MISMATCH,
                 header="x-meshnet-stage",
             )
         self.table.check_head(headers, now, replay=replay, client=client)
@@ -184,7 +182,7 @@ class NodeControl:
                 raise _not_found(f"no session {session} here")
             self.table.check_owner(session, key)
             raise MeshnetError(
-                "this node's stage keeps no state to export", code="kv_unsupported", status=409
+                "this node's stage keeps no state to export", code=ErrorCode.KV_UNSUPPORTED
             )
         return self._drawn_answer(session, key, event.query)
 
@@ -195,7 +193,7 @@ class NodeControl:
         match = _POSITION.fullmatch(query)
         if match is None:
             raise ProtocolError(
-                f"/drawn: query {query!r} is not position=<int>", code="bad_request"
+                f"/drawn: query {query!r} is not position=<int>", code=ErrorCode.BAD_REQUEST
             )
         if session not in self.table:
             raise _not_found(f"no session {session} here")

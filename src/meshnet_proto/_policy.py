@@ -22,7 +22,7 @@ import zstandard
 
 from ._codec import encode_tensor
 from ._dtypes import WIRE_DTYPES, wire_dtype_name
-from ._errors import ProtocolError
+from ._errors import ErrorCode, ProtocolError
 
 __all__ = [
     "AUTO_MIN_BYTES",
@@ -100,8 +100,7 @@ def _narrow(array: np.ndarray, target: np.dtype, name: str) -> np.ndarray:
         raise ProtocolError(
             f"value {value!s} at flat index {index} does not fit {name} "
             f"(largest finite: {limit:g}; {count} such value(s)); use a wider wire dtype",
-            code=f"{name}_overflow",
-            status=400,
+            code=ErrorCode[f"{name.upper()}_OVERFLOW"],
         )
     return converted
 

@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from ._errors import ProtocolError
+from ._errors import ErrorCode, ProtocolError
 from ._limits import Limits
 
 __all__ = [
@@ -65,7 +65,7 @@ def blocks_ending_in(position: int, tokens: int) -> int:
 
 
 def _bad(header: bytes, message: str) -> ProtocolError:
-    return ProtocolError(message, code="bad_prefix", status=400, header=header.decode("ascii"))
+    return ProtocolError(message, code=ErrorCode.BAD_PREFIX, header=header.decode("ascii"))
 
 
 def parse_prefix(

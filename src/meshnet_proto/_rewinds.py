@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from ._chunk_record import ChunkRecord
 from ._decisions import Ticket, new_ticket
-from ._errors import SequencingError
+from ._errors import ErrorCode, SequencingError
 from ._routing import Headers, Route, Session, conflict, route
 from ._windows import AfterSpec, check_after_place
 
@@ -57,7 +57,7 @@ def _route_after(
         raise SequencingError(
             f"session {s.id}: this chunk follows epoch {line}, but the session was rewound "
             f"to epoch {epoch}: the window is stale",
-            code="window_stale",
+            code=ErrorCode.WINDOW_STALE,
             header=_AFTER,
         )
     found = _its_record(s, p, after)
@@ -68,7 +68,7 @@ def _route_after(
         raise SequencingError(
             f"session {s.id}: the rewind that opened epoch {epoch} has run here, and this "
             "chunk is not it as kept (another tensor, or it is kept no more)",
-            code="chunk_conflict",
+            code=ErrorCode.CHUNK_CONFLICT,
             header=_AFTER,
         )
     if line > epoch + 1 or (line == epoch + 1 and not rewind):
@@ -78,7 +78,7 @@ def _route_after(
     if s.position > first:
         raise SequencingError(
             f"session {s.id}: the session holds {s.position} tokens, this chunk follows {first}",
-            code="position_mismatch",
+            code=ErrorCode.POSITION_MISMATCH,
             header="x-meshnet-position",
         )
     return Route.TURN, None
@@ -128,7 +128,7 @@ def check_unknown_after(sid: str, h: Headers) -> None:
         raise SequencingError(
             f"session {sid} is unknown here, so a chunk that follows position "
             f"{after.position} in epoch {after.epoch} cannot start it",
-            code="session_unknown",
+            code=ErrorCode.SESSION_UNKNOWN,
             header="x-meshnet-session",
         )
 

@@ -16,7 +16,7 @@ from enum import Enum
 from typing import Protocol
 
 from ._chunk_record import ChunkRecord
-from ._errors import SequencingError
+from ._errors import ErrorCode, SequencingError
 from ._windows import AfterSpec
 
 __all__ = [
@@ -120,7 +120,7 @@ def route(
             raise SequencingError(
                 f"session {s.id}: chunk {index} already passed and nothing of it is "
                 f"kept any more (next is {s.next_index})",
-                code="chunk_conflict",
+                code=ErrorCode.CHUNK_CONFLICT,
                 header=_INDEX,
             )
         _check_turn_position(s, position)
@@ -153,7 +153,7 @@ def _ahead(window: int, s: Session, index: int, position: int | None) -> Route:
         raise SequencingError(
             f"session {s.id}: chunk {index} says position {position}, but it cannot "
             f"start before {s.position + ahead}",
-            code="position_mismatch",
+            code=ErrorCode.POSITION_MISMATCH,
             header=_POSITION,
         )
     return Route.AHEAD
@@ -166,7 +166,7 @@ def _match(
         raise SequencingError(
             f"session {s.id}: chunk {index} says position {position}, but it ran "
             f"at {record.ticket.position}",
-            code="position_mismatch",
+            code=ErrorCode.POSITION_MISMATCH,
             header=_POSITION,
         )
     if fp is None:
@@ -180,7 +180,7 @@ def _check_turn_position(s: Session, position: int | None) -> None:
     if position is not None and position != s.position:
         raise SequencingError(
             f"session {s.id}: position is {s.position}, the chunk says {position}",
-            code="position_mismatch",
+            code=ErrorCode.POSITION_MISMATCH,
             header=_POSITION,
         )
 
@@ -190,7 +190,7 @@ def check_window(window: int, sid: str, index: int, next_index: int) -> None:
         raise SequencingError(
             f"session {sid}: chunk {index} is beyond the reorder window "
             f"(next is {next_index}, window {window})",
-            code="chunk_out_of_window",
+            code=ErrorCode.CHUNK_OUT_OF_WINDOW,
             header=_INDEX,
         )
 
@@ -206,7 +206,7 @@ def _check_run(s: Session, h: Headers) -> None:
         if was != says:
             raise SequencingError(
                 f"session {s.id}: the run started with {what} {was}, this chunk has {says}",
-                code="run_mismatch",
+                code=ErrorCode.RUN_MISMATCH,
                 header=header,
             )
 
@@ -214,6 +214,6 @@ def _check_run(s: Session, h: Headers) -> None:
 def conflict(s: Session, index: int) -> SequencingError:
     return SequencingError(
         f"session {s.id}: chunk {index} was already sent with a different tensor or chunk total",
-        code="chunk_conflict",
+        code=ErrorCode.CHUNK_CONFLICT,
         header=_INDEX,
     )

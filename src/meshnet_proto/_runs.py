@@ -12,7 +12,7 @@ from collections.abc import Iterator
 from ._chunk_record import IN_FLIGHT, ChunkPhase, ChunkRecord
 from ._claims import INDEX
 from ._decisions import Decision, Join, Reforward, Replay, Ticket
-from ._errors import SequencingError
+from ._errors import ErrorCode, SequencingError
 from ._replay_store import ReplayStore
 from ._routing import KEPT_WINDOWS, Session
 
@@ -65,7 +65,7 @@ def again(record: ChunkRecord, store: ReplayStore) -> Decision:
         raise SequencingError(
             f"session {record.ticket.session}: chunk {record.ticket.index} already ran, "
             "but its answer or output is no longer kept (the node's stored-bytes budget)",
-            code="chunk_conflict",
+            code=ErrorCode.CHUNK_CONFLICT,
             header=INDEX,
         )
     return Reforward(record.ticket, store.reforward(record))

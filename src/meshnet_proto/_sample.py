@@ -32,7 +32,7 @@ from typing import Any
 
 import zstandard
 
-from ._errors import ProtocolError
+from ._errors import ErrorCode, ProtocolError
 from ._integers import MAX_UINT_DIGITS, parse_canonical_uint
 from ._limits import Limits
 
@@ -146,7 +146,7 @@ def _problem(spec: SampleSpec) -> str | None:
 
 
 def _bad(message: str) -> ProtocolError:
-    return ProtocolError(message, code="bad_sample", status=400, header="x-meshnet-sample")
+    return ProtocolError(message, code=ErrorCode.BAD_SAMPLE, header="x-meshnet-sample")
 
 
 def _number(name: bytes, raw: bytes) -> float | int:
@@ -191,7 +191,7 @@ def parse_sample_value(raw: bytes) -> SampleSpec:
 
 def _bad_allow(message: str) -> ProtocolError:
     return ProtocolError(
-        f"x-meshnet-allow: {message}", code="bad_sample", status=400, header="x-meshnet-allow"
+        f"x-meshnet-allow: {message}", code=ErrorCode.BAD_SAMPLE, header="x-meshnet-allow"
     )
 
 

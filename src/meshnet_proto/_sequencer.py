@@ -30,7 +30,7 @@ from ._capacity import Capacity
 from ._chunk_record import ChunkRecord, move
 from ._claims import check_claims, check_owner, require, unknown
 from ._decisions import Decision, Join, Process, Reforward, Replay, Ticket, Wait
-from ._errors import SequencingError
+from ._errors import ErrorCode, SequencingError
 from ._fingerprint import tensor_fingerprint
 from ._limits import Limits
 from ._replay_store import ReplayStore
@@ -296,7 +296,7 @@ class SessionTable:
         if session in self._sessions:
             raise SequencingError(
                 f"session {session} is live here: a KV import cannot replace it (DELETE it first)",
-                code="session_exists",
+                code=ErrorCode.SESSION_EXISTS,
                 header="x-meshnet-session",
             )
         self._capacity.check_client_room(client, now)

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ._errors import ProtocolError
+from ._errors import ErrorCode, ProtocolError
 from ._limits import Limits
 from ._prefix import BLOCK_KEY
 
@@ -33,7 +33,7 @@ H_CACHE_SALT = b"x-meshnet-cache-salt"
 _NAME = BLOCK_KEY
 
 
-def _parse(values: dict[bytes, bytes], header: bytes, code: str) -> str | None:
+def _parse(values: dict[bytes, bytes], header: bytes, code: ErrorCode) -> str | None:
     raw = values.get(header)
     if raw is None:
         return None
@@ -41,7 +41,6 @@ def _parse(values: dict[bytes, bytes], header: bytes, code: str) -> str | None:
         raise ProtocolError(
             f"{header.decode()}: expected 32 lowercase hex digits",
             code=code,
-            status=400,
             header=header.decode(),
         )
     return raw.decode("ascii")
@@ -51,8 +50,8 @@ def parse_tenancy(
     values: dict[bytes, bytes], fields: dict[str, Any], limits: Limits, sequencing: bool
 ) -> None:
     """The two tenancy headers (wire-2 §3.15), after every other group."""
-    fields["client"] = _parse(values, H_CLIENT, "bad_session")
-    fields["cache_salt"] = _parse(values, H_CACHE_SALT, "bad_prefix")
+    fields["client"] = _parse(values, H_CLIENT, ErrorCode.BAD_SESSION)
+    fields["cache_salt"] = _parse(values, H_CACHE_SALT, ErrorCode.BAD_PREFIX)
 
 
 def tenancy_pairs(client: str | None, cache_salt: str | None) -> list[tuple[bytes, bytes]]:

@@ -14,7 +14,7 @@ from dataclasses import replace
 
 from ._claims import INDEX, unknown
 from ._decisions import Wait
-from ._errors import CapacityError, SequencingError
+from ._errors import CapacityError, ErrorCode, SequencingError
 from ._limits import Limits
 from ._routing import Session
 from ._waiters import Waiter, WaiterRegistry
@@ -118,7 +118,7 @@ class Waiting:
         return SequencingError(
             f"session {waiter.session}: chunk {waiter.index} waited {waited} "
             f"for chunk {s.next_index}, {why}",
-            code="chunk_wait_timeout",
+            code=ErrorCode.CHUNK_WAIT_TIMEOUT,
             header=INDEX,
         )
 
@@ -130,7 +130,7 @@ class Waiting:
             raise SequencingError(
                 f"session {sid}: chunk {index} cannot wait, {window} chunks already wait "
                 f"(the reorder window)",
-                code="chunk_out_of_window",
+                code=ErrorCode.CHUNK_OUT_OF_WINDOW,
                 header=INDEX,
             )
         pending = self._waiters.pending
@@ -138,6 +138,6 @@ class Waiting:
             # Load, not a sequencing fault: such waits end within the reorder timeout.
             raise CapacityError(
                 f"{pending} chunks already wait for sessions that have not started",
-                code="sessions_full",
+                code=ErrorCode.SESSIONS_FULL,
                 retry_after=math.ceil(self._limits.reorder_timeout),
             )

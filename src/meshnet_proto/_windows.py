@@ -21,7 +21,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from ._errors import ProtocolError
+from ._errors import ErrorCode, ProtocolError
 from ._integers import MAX_UINT_DIGITS
 from ._limits import Limits
 
@@ -66,13 +66,13 @@ class AfterSpec:
 
 def _bad_draft(message: str) -> ProtocolError:
     return ProtocolError(
-        f"x-meshnet-draft: {message}", code="bad_draft", status=400, header="x-meshnet-draft"
+        f"x-meshnet-draft: {message}", code=ErrorCode.BAD_DRAFT, header="x-meshnet-draft"
     )
 
 
 def _bad_after(message: str) -> ProtocolError:
     return ProtocolError(
-        f"x-meshnet-after: {message}", code="bad_after", status=400, header="x-meshnet-after"
+        f"x-meshnet-after: {message}", code=ErrorCode.BAD_AFTER, header="x-meshnet-after"
     )
 
 
@@ -168,8 +168,7 @@ def parse_accepted(values: dict[bytes, bytes], fields: dict[str, Any]) -> None:
     if _ACCEPTED.fullmatch(raw) is None or int(raw) > MAX_DRAFT:
         raise ProtocolError(
             f"x-meshnet-accepted: expected a canonical integer 0..{MAX_DRAFT}",
-            code="bad_draft",
-            status=400,
+            code=ErrorCode.BAD_DRAFT,
             header="x-meshnet-accepted",
         )
     fields["accepted"] = int(raw)

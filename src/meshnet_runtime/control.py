@@ -27,6 +27,7 @@ from meshnet_proto import (
     CapacityError,
     DownstreamError,
     EndpointRequest,
+    ErrorCode,
     ErrorResponse,
     MeshnetError,
     ProtocolError,
@@ -80,7 +81,7 @@ def not_ready(role: str, why: str) -> CapacityError:
     return CapacityError(
         f"this {role} cannot serve now: {why} (GET /health?deep=1 with the chain's token "
         "says where)",
-        code="chain_mismatch",
+        code=ErrorCode.CHAIN_MISMATCH,
         retry_after=1,
     )
 
@@ -153,16 +154,14 @@ class ControlEndpoints:
         """A server without sessions' KV (a gateway): wire-2 §6, 404."""
         raise ProtocolError(
             f"{event.path}: a {self.role} holds no session's KV (GET /kv/{{id}} is a node's)",
-            code="not_found",
-            status=404,
+            code=ErrorCode.NOT_FOUND,
         )
 
     async def no_drawn(self, event: EndpointRequest, ctx: RequestContext) -> Reply:
         """A server that draws no tokens (a gateway): wire-2 §3.14, 404."""
         raise ProtocolError(
             f"{event.path}: a {self.role} draws no tokens (GET /drawn/{{id}} is a last stage's)",
-            code="not_found",
-            status=404,
+            code=ErrorCode.NOT_FOUND,
         )
 
     async def health(self, event: EndpointRequest, ctx: RequestContext) -> Reply:
@@ -294,19 +293,19 @@ class ControlEndpoints:
                 elif isinstance(response, ErrorResponse) and response.status != 404 and not known:
                     raise response.to_error(hop=pool.url)
         if not known:
-            raise ProtocolError(f"session {session} is unknown", code="not_found", status=404)
+            raise ProtocolError(f"session {session} is unknown", code=ErrorCode.NOT_FOUND)
         return Reply(204)
 
 
 def _outcome(outcome: dict[str, Any] | MeshnetError | None) -> dict[str, Any]:
     if outcome is None:  # the walk we waited for was cancelled
-        raise DownstreamError(
-            "the health walk was cancelled", code="downstream_timeout", status=504
-        )
+        raise DownstreamError("the health walk was cancelled", code=ErrorCode.DOWNSTREAM_TIMEOUT)
     if isinstance(outcome, MeshnetError):
         raise outcome
     return outcome
 
 
 def _bad_health(url: str, what: str) -> DownstreamError:
-    return DownstreamError(f"{url}: /health {what}", code="downstream_bad_response", hop=url)
+    return DownstreamError(
+        f"{url}: /health {what}", code=ErrorCode.DOWNSTREAM_BAD_RESPONSE, hop=url
+    )

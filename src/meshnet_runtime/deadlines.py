@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import anyio
 
-from meshnet_proto import DownstreamError
+from meshnet_proto import DownstreamError, ErrorCode
 
 __all__ = ["DEFAULT_MARGIN", "Deadline", "deadline_exceeded", "loop_clock"]
 
@@ -81,7 +81,6 @@ def deadline_exceeded() -> DownstreamError:
     """504 ``deadline_exceeded``: the request's budget is spent (wire-2 §4)."""
     return DownstreamError(
         "the request's deadline is spent",
-        code="deadline_exceeded",
-        status=504,
+        code=ErrorCode.DEADLINE_EXCEEDED,
         header="x-meshnet-deadline-ms",
     )

@@ -27,6 +27,7 @@ from meshnet_proto import (
     ClientConnection,
     ConnectionClosed,
     DownstreamError,
+    ErrorCode,
     ErrorResponse,
     Limits,
     MeshnetError,
@@ -190,7 +191,7 @@ class DownstreamPool:
     async def _connect(self, endpoint: Endpoint) -> ByteStream:
         return await connect(endpoint, ssl_context=self.ssl_context)
 
-    def _error(self, message: str, code: str, status: int = 502) -> DownstreamError:
+    def _error(self, message: str, code: ErrorCode, status: int | None = None) -> DownstreamError:
         return DownstreamError(f"{self.url}: {message}", code=code, status=status, hop=self.url)
 
     # ---------------------------------------------------------------- API
@@ -219,7 +220,8 @@ class DownstreamPool:
         event = await self._exchange(build, deadline, retry_safe, len(body))
         if not isinstance(event, (ActivationResponse, ErrorResponse)):
             raise self._error(
-                f"answered an activation with status {event.status}", "downstream_bad_response"
+                f"answered an activation with status {event.status}",
+                ErrorCode.DOWNSTREAM_BAD_RESPONSE,
             )
         return event
 
@@ -239,7 +241,9 @@ class DownstreamPool:
         retry_safe = method in ("GET", "HEAD", "DELETE")
         event = await self._exchange(build, deadline, retry_safe, 0, self._control_slots)
         if isinstance(event, ActivationResponse):
-            raise self._error("answered a request with an activation", "downstream_bad_response")
+            raise self._error(
+                "answered a request with an activation", ErrorCode.DOWNSTREAM_BAD_RESPONSE
+            )
         return event
 
     async def fetch_kv(
@@ -260,7 +264,9 @@ class DownstreamPool:
 
         event = await self._exchange(build, deadline, True, 0, self._control_slots)
         if not isinstance(event, ActivationResponse | ErrorResponse):
-            raise self._error(f"answered GET {target} without a tensor", "downstream_bad_response")
+            raise self._error(
+                f"answered GET {target} without a tensor", ErrorCode.DOWNSTREAM_BAD_RESPONSE
+            )
         return event
 
     @property
@@ -282,7 +288,9 @@ class DownstreamPool:
             try:
                 below = json.loads(response.body)
             except ValueError:
-                raise self._error("/health is not JSON", "downstream_bad_response") from None
+                raise self._error(
+                    "/health is not JSON", ErrorCode.DOWNSTREAM_BAD_RESPONSE
+                ) from None
         return {"next": self.url, "downstream": below}
 
     # The replica-only parts of ``Downstream``: one node has none of that state.
@@ -333,11 +341,13 @@ class DownstreamPool:
                         except _Stale as exc:
                             if attempt == 2 or not retry_safe:
                                 raise self._error(
-                                    "connection dropped", "downstream_unreachable"
+                                    "connection dropped", ErrorCode.DOWNSTREAM_UNREACHABLE
                                 ) from exc
                             log.debug("stale pooled connection to %s; retrying once", self.url)
         except TimeoutError:
-            raise self._error("no answer before the deadline", "downstream_timeout", 504) from None
+            raise self._error(
+                "no answer before the deadline", ErrorCode.DOWNSTREAM_TIMEOUT
+            ) from None
         raise AssertionError("unreachable")
 
     async def _has_fresh_idle(self) -> bool:
@@ -357,7 +367,7 @@ class DownstreamPool:
         try:
             stream = await self._open(self.endpoint)
         except DEAD_STREAM as exc:
-            raise self._error(f"cannot connect ({exc})", "downstream_unreachable") from None
+            raise self._error(f"cannot connect ({exc})", ErrorCode.DOWNSTREAM_UNREACHABLE) from None
         conn = ClientConnection(
             limits=self.limits,
             host=self.endpoint.authority,
@@ -394,7 +404,7 @@ class DownstreamPool:
                         raise
                     except MeshnetError as exc:  # defensive: any other core error
                         raise self._error(
-                            f"bad response: {exc.message}", "downstream_bad_response"
+                            f"bad response: {exc.message}", ErrorCode.DOWNSTREAM_BAD_RESPONSE
                         ) from None
                     if event is NEED_DATA:
                         try:
@@ -412,14 +422,18 @@ class DownstreamPool:
             except DEAD_STREAM as exc:
                 if pooled and not received:
                     raise _Stale from exc
-                raise self._error(f"connection lost ({exc!r})", "downstream_unreachable") from None
+                raise self._error(
+                    f"connection lost ({exc!r})", ErrorCode.DOWNSTREAM_UNREACHABLE
+                ) from None
             if isinstance(event, ConnectionClosed):
                 if pooled and not received:
                     raise _Stale
-                raise self._error("closed the connection mid-response", "downstream_unreachable")
+                raise self._error(
+                    "closed the connection mid-response", ErrorCode.DOWNSTREAM_UNREACHABLE
+                )
             if not isinstance(event, (ActivationResponse, ErrorResponse, Response)):
                 raise self._error(
-                    f"unexpected event {type(event).__name__}", "downstream_bad_response"
+                    f"unexpected event {type(event).__name__}", ErrorCode.DOWNSTREAM_BAD_RESPONSE
                 )
             if isinstance(event, ActivationResponse):
                 self.link.observe(received, after_first, time.perf_counter() - first_read_at)

@@ -30,6 +30,8 @@ from dataclasses import dataclass, field
 
 from meshnet_proto import WireHeaders
 
+from .bounded import BoundedLRU
+
 __all__ = ["CHUNK_OVERHEAD", "HistoryStore", "Order", "SentChunk"]
 
 # What a kept chunk costs besides its body: headers and bookkeeping.
@@ -78,7 +80,7 @@ class HistoryStore:
         self.max_bytes = max_bytes
         self.nbytes = 0
         self._sessions: OrderedDict[str, _Session] = OrderedDict()
-        self._evicted: OrderedDict[str, None] = OrderedDict()
+        self._evicted: BoundedLRU[str, None] = BoundedLRU(_EVICTED_REMEMBERED)
 
     def __len__(self) -> int:
         return len(self._sessions)
@@ -157,5 +159,3 @@ class HistoryStore:
 
     def _remember_evicted(self, session: str) -> None:
         self._evicted[session] = None
-        while len(self._evicted) > _EVICTED_REMEMBERED:
-            self._evicted.popitem(last=False)

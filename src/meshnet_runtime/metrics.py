@@ -137,7 +137,8 @@ class TallyHistogram(Collector):
         cumulative, running = [], 0
         for bound, count in zip((*self.bounds, math.inf), self._counts, strict=True):
             running += count
-            cumulative.append((floatToGoString(bound), running))
+            # prometheus_client leaves this helper unannotated (str in, str out).
+            cumulative.append((floatToGoString(bound), running))  # type: ignore[no-untyped-call]
         yield HistogramMetricFamily(
             self.name, self.documentation, buckets=cumulative, sum_value=self._sum
         )

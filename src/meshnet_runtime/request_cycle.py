@@ -291,7 +291,7 @@ class ConnectionCycle:
                 if reply is None:
                     return False
             else:
-                reply = await handler(event, ctx)  # type: ignore[arg-type]
+                reply = await handler(event, ctx)
         except MeshnetError as err:
             await self._error(ctx.path, err)
             return not self.conn.should_close

@@ -30,6 +30,7 @@ from typing import Any, Generic, TypeVar
 import anyio
 
 from meshnet_proto import (
+    ErrorCode,
     Join,
     MeshnetError,
     Process,
@@ -57,8 +58,7 @@ def gone() -> MeshnetError:
     """What a joined retransmission gets when the original ended without an answer."""
     return MeshnetError(
         "the original request for this chunk ended without an answer",
-        code="internal_error",
-        status=500,
+        code=ErrorCode.INTERNAL_ERROR,
     )
 
 

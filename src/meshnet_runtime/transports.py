@@ -124,7 +124,7 @@ async def listen(
         except FileNotFoundError:
             pass
         unix_listener = await anyio.create_unix_listener(uds)
-        return BoundListener(unix_listener, format_url("unix", path=uds), uds_path=uds)  # type: ignore[arg-type]
+        return BoundListener(unix_listener, format_url("unix", path=uds), uds_path=uds)
     tcp_listener = await anyio.create_tcp_listener(local_host=host, local_port=port)
     bound_port = tcp_listener.listeners[0].extra(SocketAttribute.local_port)
     scheme = "https" if tls else "http"

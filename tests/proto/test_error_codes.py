@@ -1,9 +1,10 @@
 """ErrorCode: every stable error code with its status, checked against the
 code that raises them and the two documents that list them.
 
-The raise sites keep their string literals (a StrEnum member *is* its
-string); what keeps them honest is the scan here: a code raised anywhere in
-src/ is a member, raised with a status the member allows, and the tables of
+A raise site names its member (``code=ErrorCode.NOT_FOUND``) and the
+status follows from it; what keeps the rest honest is the scan here: a code
+raised anywhere in src/ is a member (no string literal left), a status
+given beside it is one the member allows, and the tables of
 docs/core-api.md and docs/wire-2.md §4.2 list exactly the members.
 """
 
@@ -37,8 +38,9 @@ DEFAULTS = {
     cls.__name__: cls.default_status
     for cls in (MeshnetError, ProtocolError, SequencingError, CapacityError, DownstreamError)
 }
-# Helpers that take the code second (then the status, if anything) and their default status.
-HELPERS = {"_assembly_error": 502, "_error": 502}
+# Helpers that take the code second (then the status, if anything) and the
+# status they give when none is passed (None: the code's own).
+HELPERS: dict[str, int | None] = {"_assembly_error": 502, "_error": None}
 
 
 def _sources(*, conformance: bool = False) -> Iterator[tuple[Path, ast.AST]]:
@@ -59,10 +61,27 @@ def _text(node: ast.AST | None) -> str | None:
     return node.value if isinstance(node, ast.Constant) and isinstance(node.value, str) else None
 
 
+def _member(node: ast.AST | None) -> ErrorCode | None:
+    """The member a ``ErrorCode.NAME`` expression names."""
+    if (
+        isinstance(node, ast.Attribute)
+        and isinstance(node.value, ast.Name)
+        and node.value.id == "ErrorCode"
+    ):
+        return ErrorCode[node.attr]
+    return None
+
+
+def _code(node: ast.AST | None) -> str | None:
+    member = _member(node)
+    return _text(node) if member is None else member.value
+
+
 def _raised() -> Iterator[tuple[str, int | None, str]]:
     """(code, status or None when not known statically, where) of every code
-    a server of src/ raises: ``code="..."`` literals, the header parser's
-    ``bad=``/``unsupported=``, and the helpers that take the code second."""
+    a server of src/ raises: ``code=`` (a member, or a string literal), the
+    header parser's ``bad=``/``unsupported=``, and the helpers that take the
+    code second. A member without a status beside it answers with its own."""
     for path, tree in _sources():
         for call in ast.walk(tree):
             if not isinstance(call, ast.Call):
@@ -72,18 +91,19 @@ def _raised() -> Iterator[tuple[str, int | None, str]]:
             status_node = keywords.get("status")
             status = status_node.value if isinstance(status_node, ast.Constant) else None
             name = _name(call)
-            code = _text(keywords.get("code"))
+            code = _code(keywords.get("code"))
             if code is not None:
                 if status_node is None and name in DEFAULTS:
-                    status = DEFAULTS[name]
+                    member = _member(keywords.get("code"))
+                    status = DEFAULTS[name] if member is None else member.status
                 yield code, status, where
             for key in ("bad", "unsupported"):
-                if (text := _text(keywords.get(key))) is not None:
+                if (text := _code(keywords.get(key))) is not None:
                     yield text, None, where
-            if name in HELPERS and len(call.args) >= 2 and (code := _text(call.args[1])):
+            if name in HELPERS and len(call.args) >= 2 and (code := _code(call.args[1])):
                 given = call.args[2] if len(call.args) > 2 else status_node
                 if given is None:
-                    yield code, HELPERS[name], where
+                    yield code, HELPERS[name] or ErrorCode(code).status, where
                 else:
                     yield code, given.value if isinstance(given, ast.Constant) else None, where
 
@@ -111,6 +131,37 @@ def test_a_member_goes_where_a_code_does() -> None:
     assert error.status == ErrorCode.SESSIONS_FULL.status
     assert json.loads(error_body(error))["error"]["code"] == "sessions_full"
     assert error.code == "sessions_full"
+
+
+def test_the_status_follows_from_the_code_unless_given() -> None:
+    # A ProtocolError's default is 400: the code's own status wins over it.
+    error = ProtocolError("no such session", code=ErrorCode.NOT_FOUND)
+    assert (error.status, error.code) == (404, "not_found")
+    assert repr(error) == (
+        "ProtocolError(status=404, code='not_found', header=None, message='no such session')"
+    )
+    # The code's other status, given where it applies.
+    assembly = ProtocolError("index 9 of 4", code=ErrorCode.BAD_CHUNK_INDEX, status=502)
+    assert assembly.status == 502
+    # A code relayed off the wire as a string keeps its downstream's status,
+    # or else gets the class's default: an unknown one as much as a known one.
+    assert DownstreamError("x", code="a_newer_code").status == 502
+    assert DownstreamError("x", code="not_found", status=404).status == 404
+
+
+def test_no_raise_site_spells_a_code_as_a_string() -> None:
+    # (The conformance checker's expectations are read off the wire: strings.)
+    literal = [
+        where
+        for path, tree in _sources()
+        for call in ast.walk(tree)
+        if isinstance(call, ast.Call)
+        for kw in call.keywords
+        if kw.arg in ("code", "bad", "unsupported") and _text(kw.value) is not None
+        for where in [path.relative_to(ROOT).as_posix()]
+    ]
+    # browser_guard.py: an OpenAIError (the OpenAI surface's vocabulary, §6).
+    assert literal == ["src/meshnet_gateway/browser_guard.py"]
 
 
 def test_every_code_raised_in_src_is_a_member() -> None:

@@ -77,9 +77,8 @@ def random_weights(config: ModelConfig, seed: int = 0) -> dict[str, np.ndarray]:
     q_out, kv_out = c.num_attention_heads * d, c.num_key_value_heads * d
 
     def matrix(rows: int, cols: int) -> np.ndarray:
-        return (rng.standard_normal((rows, cols), dtype=np.float32) / np.sqrt(cols)).astype(
-            np.float32
-        )
+        scaled: np.ndarray = rng.standard_normal((rows, cols), dtype=np.float32) / np.sqrt(cols)
+        return scaled.astype(np.float32)
 
     def norm() -> np.ndarray:
         return (1.0 + 0.1 * rng.standard_normal(hidden, dtype=np.float32)).astype(np.float32)

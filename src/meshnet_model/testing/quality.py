@@ -81,14 +81,16 @@ class Agreement:
 def log_softmax(logits: np.ndarray) -> np.ndarray:
     x = logits.astype(np.float64)
     x -= x.max(axis=-1, keepdims=True)
-    return x - np.log(np.exp(x).sum(axis=-1, keepdims=True))
+    out: np.ndarray = x - np.log(np.exp(x).sum(axis=-1, keepdims=True))
+    return out
 
 
 def _score(engine: Any, ids: np.ndarray) -> np.ndarray:
     budget = KVBudget(1 << 40)
     cache = engine.new_cache(budget, ids.shape[0])
     try:
-        return np.asarray(engine.score(ids, cache))[0]
+        scores: np.ndarray = np.asarray(engine.score(ids, cache))[0]
+        return scores
     finally:
         cache.close()
 

@@ -18,6 +18,7 @@ import anyio
 from meshnet_proto import (
     ActivationResponse,
     DownstreamError,
+    ErrorCode,
     ErrorResponse,
     MeshnetError,
     WireHeaders,
@@ -377,8 +378,7 @@ class Failover:
                 raise DownstreamError(
                     f"stage {self.stage}: session {session}: replay to {replica.url} failed: "
                     f"{response.status} {inner.get('code')}: {inner.get('message')}",
-                    code="replay_failed",
-                    status=502,
+                    code=ErrorCode.REPLAY_FAILED,
                     hop=replica.url,
                 )
             self.replayed_chunks += 1
@@ -403,15 +403,13 @@ class Failover:
         down = ", ".join(r.url for r in self.placement.replicas if not r.up) or "none"
         return DownstreamError(
             f"stage {self.stage}: no replica left for session {session} (down: {down})",
-            code="no_replica",
-            status=502,
+            code=ErrorCode.NO_REPLICA,
             hop=self.stage,
         )
 
     def unrecoverable(self, session: str, why: str) -> DownstreamError:
         return DownstreamError(
             f"stage {self.stage}: session {session} cannot be recovered: {why}",
-            code="session_lost",
-            status=502,
+            code=ErrorCode.SESSION_LOST,
             hop=self.stage,
         )

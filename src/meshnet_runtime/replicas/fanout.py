@@ -9,7 +9,7 @@ from typing import Any
 
 import anyio
 
-from meshnet_proto import DownstreamError, ErrorResponse, MeshnetError, Response
+from meshnet_proto import DownstreamError, ErrorCode, ErrorResponse, MeshnetError, Response
 
 from ..deadlines import Deadline
 from .replica import Replica
@@ -82,7 +82,7 @@ async def deep_health(
     refused = [r for r in reports.values() if _unauthorized(r.get("error"))]
     if not up and not refused:
         raise DownstreamError(
-            f"stage {stage} is down: no replica answers", code="stage_down", hop=stage
+            f"stage {stage} is down: no replica answers", code=ErrorCode.STAGE_DOWN, hop=stage
         )
     # A 401 (another token) or another stage is for the chain check above
     # to name; here it is only not "ok".

@@ -14,11 +14,11 @@ from __future__ import annotations
 
 import ipaddress
 import logging
-from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
+from ..bounded import BoundedLRU
 from ..endpoints import Endpoint
 
 __all__ = [
@@ -137,7 +137,7 @@ class Placement(Generic[R]):
         # The prefix cache (wire-2 §3.10): which replica filed each block key
         # it was sent (bounded, oldest first out), so a session that starts
         # after a cached prefix goes where that prefix is.
-        self.prefixes: OrderedDict[str, R] = OrderedDict()
+        self.prefixes: BoundedLRU[str, R] = BoundedLRU(MAX_PREFIX_KEYS)
         self.prefix_placed = 0  # new sessions sent to their prefix's holder
 
     def changed(self) -> None:
@@ -182,9 +182,6 @@ class Placement(Generic[R]):
         """``replica`` answered a chunk that filed ``keys`` (or attached one)."""
         for key in keys:
             self.prefixes[key] = replica
-            self.prefixes.move_to_end(key)
-        while len(self.prefixes) > MAX_PREFIX_KEYS:
-            self.prefixes.popitem(last=False)
 
     def route(self, session: str, first: bool, prefix: str | None = None) -> Route[R] | None:
         """Where a chunk of ``session`` goes (``first``: it starts the

@@ -13,13 +13,14 @@ from __future__ import annotations
 
 import ssl
 from collections.abc import Awaitable, Callable, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import anyio
 
 from meshnet_proto import (
     ActivationResponse,
     DownstreamError,
+    ErrorCode,
     ErrorResponse,
     Limits,
     MeshnetError,
@@ -41,6 +42,8 @@ from .replica import Replica, open_replica
 from .views import ReplicaCollector, describe
 
 __all__ = ["ReplicaSet"]
+
+_T = TypeVar("_T")  # what one replica's answer is, as _any hands it back
 
 Body = bytes | bytearray | memoryview
 
@@ -231,7 +234,7 @@ class ReplicaSet:
         self.failover.forget(session)
         self.moves.forget(session)
 
-    async def _any(self, call: Callable[[Replica], Awaitable[Any]]) -> Any:
+    async def _any(self, call: Callable[[Replica], Awaitable[_T]]) -> _T:
         """A request any healthy replica may answer: the next one if one is gone."""
         last: MeshnetError | None = None
         for replica in self.placement.any_order():
@@ -244,7 +247,9 @@ class ReplicaSet:
                 last = exc
         if last is not None:
             raise last
-        raise DownstreamError(f"stage {self.url}: no replica", code="no_replica", hop=self.url)
+        raise DownstreamError(
+            f"stage {self.url}: no replica", code=ErrorCode.NO_REPLICA, hop=self.url
+        )
 
     # ------------------------------------------------------------ other requests
 
@@ -261,9 +266,7 @@ class ReplicaSet:
             return await delete_everywhere(
                 self.replicas, target, deadline, headers, self.probe_timeout
             )
-        return await self._any(  # type: ignore[no-any-return]
-            lambda r: r.pool.request(method, target, deadline, headers, body)
-        )
+        return await self._any(lambda r: r.pool.request(method, target, deadline, headers, body))
 
     async def deep_health(self, deadline: Deadline) -> dict[str, Any]:
         """``downstream``: each replica's ``/health?deep=1``, ``ok``,

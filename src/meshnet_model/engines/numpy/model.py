@@ -93,7 +93,8 @@ def linear(
         out = outs[0] if len(outs) == 1 else np.concatenate(outs)
     if bias is not None:
         out += bias
-    return out.reshape(*lead, weight.shape[0])
+    shaped: np.ndarray = out.reshape(*lead, weight.shape[0])
+    return shaped
 
 
 def _segment(rows: np.ndarray, lo: int, hi: int, padded: bool) -> np.ndarray:
@@ -107,12 +108,14 @@ def _segment(rows: np.ndarray, lo: int, hi: int, padded: bool) -> np.ndarray:
 
 def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
     variance = np.mean(np.square(x), axis=-1, keepdims=True)
-    return weight * (x * (F32(1.0) / np.sqrt(variance + F32(eps))))
+    normed: np.ndarray = weight * (x * (F32(1.0) / np.sqrt(variance + F32(eps))))
+    return normed
 
 
 def silu(x: np.ndarray) -> np.ndarray:
     # sigmoid through tanh: no overflow warning for large negative inputs.
-    return x * (F32(0.5) * (F32(1.0) + np.tanh(F32(0.5) * x)))
+    gated: np.ndarray = x * (F32(0.5) * (F32(1.0) + np.tanh(F32(0.5) * x)))
+    return gated
 
 
 def project_qkv(

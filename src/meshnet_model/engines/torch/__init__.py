@@ -20,13 +20,18 @@ pass behind the runner).
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from ._torch import COMPUTE_DTYPES, TorchUnavailable, parse_device
 
 __all__ = ["COMPUTE_DTYPES", "TorchUnavailable", "load_torch_runner", "parse_device"]
 
+if TYPE_CHECKING:  # callers are checked against engine's own signature
+    from .engine import load_torch_runner
+else:
 
-def load_torch_runner(*args, **kwargs):  # type: ignore[no-untyped-def]
-    """``engine.load_torch_runner``, importing torch only when called."""
-    from .engine import load_torch_runner as load
+    def load_torch_runner(*args, **kwargs):
+        """``engine.load_torch_runner``, importing torch only when called."""
+        from .engine import load_torch_runner as load
 
-    return load(*args, **kwargs)
+        return load(*args, **kwargs)

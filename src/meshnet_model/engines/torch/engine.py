@@ -226,7 +226,7 @@ class TorchStageModel:
             cache.length = ids.shape[1]
             w = self.weights
             final = self.norm(t, x, w.norm, self.config.rms_norm_eps)
-            logits = linear(t, final, w.lm_head).float().cpu().numpy()
+            logits: np.ndarray = linear(t, final, w.lm_head).float().cpu().numpy()
             return logits.reshape(*ids.shape, -1)
 
     def _embed(self, ids: np.ndarray) -> Any:

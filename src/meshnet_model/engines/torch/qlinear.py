@@ -195,7 +195,8 @@ def quantized_matrix(
 
 def _torch_pack(torch: Any, q: np.ndarray) -> np.ndarray:
     ints = torch.from_numpy(q).to(torch.int32)
-    return torch.ops.aten._convert_weight_to_int4pack_for_cpu(ints, 1).numpy()
+    packed: np.ndarray = torch.ops.aten._convert_weight_to_int4pack_for_cpu(ints, 1).numpy()
+    return packed
 
 
 def pack_int4(q: np.ndarray, block: int = 64) -> np.ndarray:

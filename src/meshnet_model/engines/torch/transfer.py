@@ -39,14 +39,18 @@ _NUMPY = {
 
 
 def _numpy_dtype(tensor: Any) -> np.dtype:
-    return _NUMPY[str(tensor.dtype).removeprefix("torch.")]
+    dtype: np.dtype = _NUMPY[str(tensor.dtype).removeprefix("torch.")]
+    return dtype
 
 
 def to_numpy(torch: Any, tensor: Any) -> np.ndarray:
     """A CPU tensor's memory as a numpy array (no copy; bfloat16 as ml_dtypes')."""
+    # torch is handed in untyped (imported lazily): say what .numpy() gives.
     if tensor.dtype == torch.bfloat16:
-        return tensor.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
-    return tensor.numpy()
+        raw: np.ndarray = tensor.view(torch.int16).numpy()
+        return raw.view(ml_dtypes.bfloat16)
+    array: np.ndarray = tensor.numpy()
+    return array
 
 
 class Staging:

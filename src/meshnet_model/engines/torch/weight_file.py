@@ -102,7 +102,8 @@ def _layout(weights: TorchStageWeights) -> tuple[list[dict[str, Any]], list[Any]
 
 def _bytes(torch: Any, t: Any) -> np.ndarray:
     """A held tensor's bytes (a view, no copy: held tensors are contiguous)."""
-    return t.detach().contiguous().reshape(-1).view(torch.uint8).numpy()
+    held: np.ndarray = t.detach().contiguous().reshape(-1).view(torch.uint8).numpy()
+    return held
 
 
 def _pieces(

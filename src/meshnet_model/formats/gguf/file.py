@@ -60,7 +60,7 @@ def _reader_class() -> type:
     """
     from gguf import GGUFReader, GGUFValueType
 
-    class _Reader(GGUFReader):  # type: ignore[misc]
+    class _Reader(GGUFReader):
         @property  # type: ignore[override]
         def data(self) -> np.ndarray:
             return self._plain

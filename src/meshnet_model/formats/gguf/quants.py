@@ -71,7 +71,8 @@ def _nibbles(qs: np.ndarray) -> np.ndarray:
 def _q8_0(blocks: np.ndarray) -> np.ndarray:
     d = _half(blocks[:, :2])
     q = np.ascontiguousarray(blocks[:, 2:]).view(np.int8).astype(F32)
-    return q * d
+    values: np.ndarray = q * d
+    return values
 
 
 def _q4_0(blocks: np.ndarray) -> np.ndarray:
@@ -84,7 +85,8 @@ def _q4_1(blocks: np.ndarray) -> np.ndarray:
     d = _half(blocks[:, :2])
     m = _half(blocks[:, 2:4])
     q = _nibbles(blocks[:, 4:]).astype(F32)
-    return d * q + m
+    values: np.ndarray = d * q + m
+    return values
 
 
 def _k_scales(packed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -111,7 +113,8 @@ def _q4_k(blocks: np.ndarray) -> np.ndarray:
     q = np.stack([qs & np.uint8(0x0F), qs >> np.uint8(4)], axis=2).reshape(n, 8, 32).astype(F32)
     sub_d = (d * scales.astype(F32)).reshape(n, 8, 1)
     sub_m = (dmin * mins.astype(F32)).reshape(n, 8, 1)
-    return (sub_d * q - sub_m).reshape(n, 256)
+    values: np.ndarray = (sub_d * q - sub_m).reshape(n, 256)
+    return values
 
 
 def _q6_k(blocks: np.ndarray) -> np.ndarray:
@@ -127,7 +130,8 @@ def _q6_k(blocks: np.ndarray) -> np.ndarray:
     high = (qh >> shifts) & np.uint8(0x03)
     q = (low | (high << np.uint8(4))).astype(np.int8) - np.int8(32)
     sub_d = (d * scales).reshape(n, 16, 1)
-    return (sub_d * q.reshape(n, 16, 16).astype(F32)).reshape(n, 256)
+    values: np.ndarray = (sub_d * q.reshape(n, 16, 16).astype(F32)).reshape(n, 256)
+    return values
 
 
 GGML_TYPES: dict[int, GGMLType] = {
