@@ -12,6 +12,7 @@ import re
 from pathlib import Path
 
 from meshnet_conformance import ALL_CASES
+from meshnet_proto import ErrorCode
 
 ROOT = Path(__file__).resolve().parents[2]
 SPEC = (ROOT / "docs" / "wire-2.md").read_text(encoding="utf-8")
@@ -51,7 +52,10 @@ def test_every_error_code_the_servers_answer_is_in_the_spec() -> None:
     for path in (ROOT / "src").rglob("*.py"):
         if "openai" in path.parts:  # the OpenAI API's own codes: outside wire 2 (§6)
             continue
-        codes |= set(re.findall(r'code="([a-z0-9_]+)"', path.read_text(encoding="utf-8")))
+        text = path.read_text(encoding="utf-8")
+        codes |= set(re.findall(r'code="([a-z0-9_]+)"', text))
+        # Raise sites name an ErrorCode member (issue 42): its value is the code.
+        codes |= {ErrorCode[name].value for name in re.findall(r"ErrorCode\.([A-Z0-9_]+)", text)}
     assert len(codes) > 30
     missing = sorted(code for code in codes if f"`{code}`" not in SPEC)
     assert missing == []

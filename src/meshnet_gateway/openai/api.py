@@ -45,11 +45,12 @@ from .errors import OpenAIError, from_meshnet, invalid
 from .formats import ChatFormat as _ChatFormat
 from .formats import CompletionFormat as _CompletionFormat
 from .formats import Format as _Format
-from .generation import ChainSession, ChainSettings, GenerationResult, OnText, generate
+from .generation import ChainSession, ChainSettings, generate
 from .grammar import Grammar, GrammarCompiler
 from .limits import MAX_MESSAGES, PromptLimits, checked_text, shown
 from .messages import check_names
 from .metrics import GenerationMetrics, ServingMetrics
+from .output import GenerationResult, OnText
 from .request_grammar import request_grammar
 from .requests import (
     ChatRequest,

@@ -174,7 +174,7 @@ def _integer(document: dict[str, Any], name: str, low: int, high: int | None = N
     if value < low or (high is not None and value > high):
         bound = f">= {low}" if high is None else f"between {low} and {high}"
         raise invalid(name, f"{name} must be {bound}, got {shown(value)}", "invalid_value")
-    return value
+    return int(value)
 
 
 def _bool(document: dict[str, Any], name: str) -> bool:

@@ -78,9 +78,8 @@ def _token_text(value: Any) -> str | None:
     """``bos_token`` may be a plain string or an AddedToken dict."""
     if isinstance(value, str):
         return value
-    if isinstance(value, Mapping) and isinstance(value.get("content"), str):
-        return value["content"]
-    return None
+    content = value.get("content") if isinstance(value, Mapping) else None
+    return content if isinstance(content, str) else None
 
 
 @dataclass(frozen=True)  # no slots: cached_property needs a __dict__
