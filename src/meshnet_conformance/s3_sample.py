@@ -33,6 +33,7 @@ from ._wire import CheckFailed, Response
 
 SECTION = "3"
 SAMPLE = "X-Meshnet-Sample"
+ALLOW = "X-Meshnet-Allow"
 VOCAB = 8  # the "logits" row the checker sends: float32 [1, VOCAB]
 ROW = [0.5, -1.25, 2.0, 0.75, 1.5, -0.5, 1.75, 0.25]
 
@@ -57,7 +58,7 @@ def _sampled(
     if value is not None:
         headers.append((SAMPLE, value))
     if allow:
-        headers.append(("X-Meshnet-Allow", allow))
+        headers.append((ALLOW, allow))
     count = math.prod(int(d) for d in shape.split(","))
     body = struct.pack(f"<{count}f", *(ROW * (count // VOCAB + 1))[:count])
     return ctx.forward(headers, body)
@@ -70,24 +71,6 @@ def _mask(*ids: int, width: int = VOCAB) -> str:
     mask = np.packbits(bits, bitorder="little").tobytes()
     frame = zstandard.ZstdCompressor(write_content_size=True).compress(mask)
     return base64.urlsafe_b64encode(frame).rstrip(b"=").decode()
-
-
-def _allow_refused_case(id: str, value: str | None, allow: str, description: str) -> Case:
-    def check(ctx: Context) -> None:
-        refused_from_head(
-            ctx,
-            lambda session: _sampled(ctx, value, session=session, allow=allow),
-            "bad_sample",
-            "x-meshnet-allow",
-        )
-
-    return Case(
-        f"3.sample.allow-{id}",
-        SECTION,
-        f"X-Meshnet-Allow {description} is 400 bad_sample naming it, and changes nothing",
-        check,
-        BOTH,
-    )
 
 
 def _allowed(ctx: Context) -> None:
@@ -110,19 +93,27 @@ def _allow_other_width(ctx: Context) -> None:
     expect_tensor(response, shape=f"1,{VOCAB}", dtype="float32")
 
 
-def _refused_case(id: str, value: str, description: str, shape: str = "") -> Case:
+def _refused_case(
+    id: str,
+    value: str | None,
+    description: str,
+    shape: str = "",
+    *,
+    allow: str = "",
+    header: str = SAMPLE,
+) -> Case:
     def check(ctx: Context) -> None:
         refused_from_head(
             ctx,
-            lambda session: _sampled(ctx, value, session=session, shape=shape),
+            lambda session: _sampled(ctx, value, session=session, shape=shape, allow=allow),
             "bad_sample",
-            "x-meshnet-sample",
+            header.lower(),
         )
 
     return Case(
         f"3.sample.{id}",
         SECTION,
-        f"X-Meshnet-Sample {description} is 400 bad_sample naming it, and changes nothing",
+        f"{header} {description} is 400 bad_sample naming it, and changes nothing",
         check,
         BOTH,
     )
@@ -221,9 +212,13 @@ CASES: list[Case] = [
     _refused_case("logprobs-21", "seed=1,logprobs=21", "asking for 21 logprobs (at most 20)"),
     _refused_case("overflow", "seed=1,min_p=1e999", "with a decimal that overflows"),
     _refused_case("batch", "seed=1", "on a chunk of batch 2", shape=f"2,{VOCAB}"),
-    _allow_refused_case("base64", "seed=1", "abc=", "that is not unpadded base64url"),
-    _allow_refused_case("frame", "seed=1", "bm90IGEgZnJhbWU", "that is not a zstd frame"),
-    _allow_refused_case("alone", None, _mask(1), "without X-Meshnet-Sample"),
+    _refused_case(
+        "allow-base64", "seed=1", "that is not unpadded base64url", allow="abc=", header=ALLOW
+    ),
+    _refused_case(
+        "allow-frame", "seed=1", "that is not a zstd frame", allow="bm90IGEgZnJhbWU", header=ALLOW
+    ),
+    _refused_case("allow-alone", None, "without X-Meshnet-Sample", allow=_mask(1), header=ALLOW),
     Case(
         "3.sample.allow",
         SECTION,

@@ -122,6 +122,18 @@ def model_chain(
                 proc.wait()
 
 
+@contextlib.contextmanager
+def smollm2_chain(logs: Path) -> Iterator[ModelChain]:
+    """The real model (SmolLM2-135M, the packaged GGUF) split 15/15 over two
+    node processes behind a gateway, served by the file's stem."""
+    from .smollm2 import smollm2_gguf
+
+    gguf = smollm2_gguf()
+    with model_chain(gguf, logs, layers=("0:15", "15:30")) as run:
+        run.model = gguf.stem
+        yield run
+
+
 # ---------------------------------------------------------------- requests
 
 

@@ -21,9 +21,8 @@ from typing import Any
 import anyio
 import pytest
 
-from support.model_surface import ModelChain, model_chain, post
+from support.model_surface import ModelChain, post, smollm2_chain
 from support.security import Answer
-from support.smollm2 import smollm2_gguf
 from tests.gateway.data.schemas import HOSTILE, MISSING, Hostile, Raw, raw_json
 
 pytestmark = pytest.mark.slow
@@ -61,13 +60,9 @@ UNPARSED = {"deep_1000"}
 TOO_LONG = {"regex_10k_chars", "wide_1000", "any_of_2000"}
 
 
-# What the gateway gets wrong today (strict: a fix fails the mark, which then goes).
 @pytest.fixture(scope="module")
 def chain(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ModelChain]:
-    gguf = smollm2_gguf()
-    logs = tmp_path_factory.mktemp("structured-hostile")
-    with model_chain(gguf, logs, layers=("0:15", "15:30")) as run:
-        run.model = gguf.stem  # the gateway serves a GGUF file by its stem
+    with smollm2_chain(tmp_path_factory.mktemp("structured-hostile")) as run:
         run.answer = _plain_answer(run)  # before any hostile request
         yield run
 

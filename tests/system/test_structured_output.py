@@ -18,9 +18,8 @@ import pytest
 
 from gateway.data.schemas import CORPUS
 from meshnet_cli.demo_traffic import Traffic, snapshot
-from support.model_surface import ModelChain, model_chain
+from support.model_surface import ModelChain, smollm2_chain
 from support.openai_client import client_for
-from support.smollm2 import smollm2_gguf
 
 WEATHER = {
     "type": "object",
@@ -57,10 +56,7 @@ MAX_TOKENS = 160
 
 @pytest.fixture(scope="module")
 def chain(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ModelChain]:
-    gguf = smollm2_gguf()
-    root = tmp_path_factory.mktemp("structured")
-    with model_chain(gguf, root, layers=("0:15", "15:30")) as run:
-        run.model = gguf.stem  # the gateway serves a GGUF file by its stem
+    with smollm2_chain(tmp_path_factory.mktemp("structured")) as run:
         run.answer = _plain_answer(client_for(run.gateway), run.model)
         yield run
 
