@@ -201,6 +201,46 @@ def test_a_seeded_stream_draws_the_same_tokens_across_a_kill(
     assert (drafted > 0) == (speculate == "lookup")
 
 
+WORDS = {"type": "array", "items": {"enum": ["alpha", "beta", "gamma"]}, "maxItems": 40}
+
+
+def test_a_constrained_stream_draws_the_same_tokens_across_a_kill(model_dir: Path) -> None:
+    """A grammar's mask travels with each sampled chunk (wire-2 §3.13) and
+    the grammar's state stays at the gateway: the replay after the stage-2
+    holder is killed resends the same chunks, masks included, so the
+    constrained seeded text is the uninterrupted run's, and it follows the
+    schema as far as it went."""
+    constrained = {
+        "temperature": 1.0,
+        "seed": 99,
+        "extra_body": {
+            "response_format": {
+                "type": "json_schema",
+                "json_schema": {"name": "w", "schema": WORDS},
+            }
+        },
+    }
+    killed_urls: list[str] = []
+    with replica_chain(model_dir) as chain:
+
+        def kill_stage2_holder() -> None:
+            entry = [u for u in chain.stage1 if chain.info(u)["replicas"]["history"]["sessions"]]
+            killed_urls.append(chain.holder(entry[0]))
+            chain.kill(killed_urls[-1])
+
+        async def drive() -> tuple[str, str]:
+            run = functools.partial(stream_with, max_tokens=TOKENS, **constrained)
+            async with open_gateway(GatewayConfig.load(gateway_flags(chain))) as gateway:
+                calm, _ = await in_thread(run, gateway.url, {})
+                killed, _ = await in_thread(run, gateway.url, {3: kill_stage2_holder})
+            return calm, killed
+
+        calm, killed = anyio.run(drive, backend="trio")
+    assert len(killed_urls) == 1  # the kill landed mid-stream
+    assert calm == killed
+    assert calm.startswith("[") and set(calm) <= set('[]",alphbetgm')
+
+
 def drafted_tokens(url: str) -> float:
     """The gateway's count of tokens drafted in verify windows."""
     with urllib.request.urlopen(url + "/metrics", timeout=LIMIT) as answer:
