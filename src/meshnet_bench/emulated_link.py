@@ -123,8 +123,8 @@ class EmulatedLink:
             tasks.start_soon(listener.serve, link._carry_connection, tasks)
             try:
                 yield link
-            except Exception as exc:
-                failure = exc  # raised as itself below, not inside the task group's group
+            except Exception as exc:  # raised as itself below, not inside the task group's group
+                failure = exc
             finally:
                 tasks.cancel_scope.cancel()
         if failure is not None:

@@ -135,7 +135,7 @@ def run_one(
             return SectionResult(title=line, keys=keys, skipped=True)
         started = time.perf_counter()
         result: SectionResult = module.run(options)
-    except Exception as exc:
+    except Exception as exc:  # one section's failure is reported; the others still run
         return _failed(name, module, exc, options)
     options.progress(f"{name}: done in {time.perf_counter() - started:.1f} s")
     return result

@@ -407,7 +407,7 @@ class StageScheduler:
             if work.done == 0 and tokens < work.tokens:
                 try:  # a chunk in pieces: its values are checked whole, before the first
                     self.runner.check_input(work.tensor, work.start)
-                except Exception as exc:
+                except Exception as exc:  # whatever the check raises is this chunk's answer
                     piece.error = exc
         try:
             with ledger_step(self.cores):  # the step's cores, where stages share them
